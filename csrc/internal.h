@@ -1,0 +1,95 @@
+/* internal.h — what the core's .c files share and nobody else sees: the context's layout,
+ * allocation through its hook, error recording, and a small growable string builder. */
+#ifndef KBENCH_INTERNAL_H
+#define KBENCH_INTERNAL_H
+
+#include "kbench.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+struct kb_ctx {
+    kb_alloc_fn alloc;
+    void *ud;
+    char error[4096];
+};
+
+void *kb_malloc(kb_ctx *ctx, size_t n);                       /* NULL + error set on failure */
+void *kb_calloc(kb_ctx *ctx, size_t count, size_t size);
+void *kb_realloc(kb_ctx *ctx, void *p, size_t osize, size_t nsize);
+void kb_free(kb_ctx *ctx, void *p, size_t size);
+char *kb_strdup(kb_ctx *ctx, const char *s);                  /* free with kb_string_free */
+
+/* Records "file:line: message" as the context's error and returns status. */
+kb_status kb_fail(kb_ctx *ctx, kb_status status, const char *file, int line, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 5, 6)))
+#endif
+    ;
+
+#define KB_FAIL(ctx, status, ...) kb_fail((ctx), (status), __FILE__, __LINE__, __VA_ARGS__)
+
+/* On a false condition: record the error, set `st` and jump to `cleanup`. Functions using it
+ * declare `kb_status st = KB_OK;` and end with `cleanup: ... return st;`. */
+#define KB_CHECK(ctx, cond, status, ...)                                   \
+    do {                                                                   \
+        if (!(cond)) {                                                     \
+            st = kb_fail((ctx), (status), __FILE__, __LINE__, __VA_ARGS__); \
+            goto cleanup;                                                  \
+        }                                                                  \
+    } while (0)
+
+/* Propagate a failed call (its error is already recorded). */
+#define KB_TRY(call)                  \
+    do {                              \
+        st = (call);                  \
+        if (st != KB_OK) goto cleanup; \
+    } while (0)
+
+/* A growable NUL-terminated string built with the ctx allocator. On OOM it stops growing and
+ * remembers the failure, so callers may append freely and check sb.oom once at the end. */
+typedef struct kb_sb {
+    kb_ctx *ctx;
+    char *buf;
+    size_t len, cap;
+    int oom;
+} kb_sb;
+
+void kb_sb_init(kb_sb *sb, kb_ctx *ctx);
+void kb_sb_printf(kb_sb *sb, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+void kb_sb_puts(kb_sb *sb, const char *s);
+/* Hands the buffer to the caller (kb_string_free) or returns KB_ERR_OOM. */
+kb_status kb_sb_finish(kb_sb *sb, char **out);
+void kb_sb_discard(kb_sb *sb);
+
+/* Bits and graphs */
+static inline int kb_popcount32(uint32_t x) { return __builtin_popcount(x); }
+
+/* The graph's storage: nodes in a growable array (ids are indices, topological by
+ * construction: a node's inputs always have smaller ids). */
+struct kb_graph {
+    kb_ctx *ctx;
+    kb_node *nodes;
+    int32_t nnodes, cap;
+    int32_t *inputs;
+    int32_t ninputs, inputs_cap;
+    int32_t *outputs;
+    int32_t noutputs, outputs_cap;
+    int32_t nsyms;
+    char sym_names[KB_MAX_SYMS][16];
+    int64_t sym_examples[KB_MAX_SYMS];
+};
+
+/* Prints a dim ("128", "s0", "2*s0*s1") into buf; returns buf. */
+const char *kb_dim_str(const kb_graph *g, kb_dim d, char *buf, size_t n);
+/* Appends one node as "%3 = op %1, %2 attrs : f32[s0,64]" (no newline) — the dump's line format. */
+void kb_node_dump(kb_sb *sb, const kb_graph *g, int32_t id);
+/* Prints "f32[s0,128]" into buf; returns buf. */
+const char *kb_type_str(const kb_graph *g, const kb_node *nd, char *buf, size_t n);
+
+#endif /* KBENCH_INTERNAL_H */

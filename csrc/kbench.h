@@ -1,0 +1,313 @@
+/* kbench.h — the C core's one public header: context, IR, regions, genomes, interpreter,
+ * CUDA code generation and the CUDA/NVRTC runtime. No libtorch, no CUDA headers: tensors
+ * are raw pointers whose shapes the graph knows, streams and functions are opaque handles.
+ *
+ * Conventions (DESIGN §10): fallible calls return kb_status and write results through
+ * out-parameters; the message of the last failure is kb_ctx_error(ctx); every pointer a
+ * function returns says who owns it; kb_X_free(NULL) is a no-op. */
+#ifndef KBENCH_H
+#define KBENCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KB_VERSION "0.1.0"
+
+/* ---------------------------------------------------------------- status and context */
+
+typedef enum kb_status {
+    KB_OK = 0,
+    KB_ERR_OOM,          /* the context's allocator said no */
+    KB_ERR_INVALID,      /* bad argument: wrong arity, rank, dtype, axis, id, ... */
+    KB_ERR_UNSUPPORTED,  /* valid, but not something this build can do (the caller falls back) */
+    KB_ERR_CUDA,         /* a CUDA driver call failed; the message names the driver's error */
+    KB_ERR_NVRTC,        /* NVRTC failed; the message holds its log */
+    KB_ERR_NOT_FOUND,    /* a library (libcuda, libnvrtc) or a file is missing */
+    KB_ERR_IO            /* the CUBIN cache could not be read or written */
+} kb_status;
+
+const char *kb_status_name(kb_status s);
+
+/* One allocator hook, Lua style: nsize == 0 frees ptr and returns NULL; otherwise
+ * (re)allocates ptr from osize to nsize bytes and returns NULL on failure. */
+typedef void *(*kb_alloc_fn)(void *ud, void *ptr, size_t osize, size_t nsize);
+
+typedef struct kb_ctx kb_ctx;
+
+/* alloc may be NULL for malloc/realloc/free. The caller owns *out; free with kb_ctx_free. */
+kb_status kb_ctx_new(kb_alloc_fn alloc, void *ud, kb_ctx **out);
+void kb_ctx_free(kb_ctx *ctx);
+/* The message of the last failure ("" if none); owned by ctx, valid until the next failure. */
+const char *kb_ctx_error(const kb_ctx *ctx);
+
+/* ---------------------------------------------------------------- dtypes and sizes */
+
+typedef enum kb_dtype {
+    KB_F32 = 0, KB_F16, KB_BF16, KB_F64, KB_I64, KB_I32, KB_BOOL, KB_DTYPE_COUNT
+} kb_dtype;
+
+const char *kb_dtype_name(kb_dtype t);             /* "f32", "bf16", ... */
+int kb_dtype_from_name(const char *name);          /* -1 if unknown */
+size_t kb_dtype_size(kb_dtype t);
+int kb_dtype_is_float(kb_dtype t);
+
+#define KB_MAX_RANK 8
+#define KB_MAX_DIM_SYMS 4     /* symbols multiplied in one size expression */
+#define KB_MAX_SYMS 16        /* symbols (sizes that may vary) in one graph */
+#define KB_MAX_INPUTS 16      /* operands of one node (EXTERN may use them all) */
+
+/* A size that may vary: coef * prod(symbol values). nsym == 0 means pinned (coef alone).
+ * Symbols are the graph's; their values are bound at run time from the input shapes. */
+typedef struct kb_dim {
+    int64_t coef;
+    uint8_t nsym;
+    uint8_t sym[KB_MAX_DIM_SYMS];
+} kb_dim;
+
+int64_t kb_dim_eval(kb_dim d, const int64_t *symvals);
+int kb_dim_equal(kb_dim a, kb_dim b);
+
+/* ---------------------------------------------------------------- the IR */
+
+typedef enum kb_op_kind {
+    KB_KIND_LEAF, KB_KIND_UNARY, KB_KIND_BINARY, KB_KIND_TERNARY,
+    KB_KIND_REDUCE, KB_KIND_VIEW, KB_KIND_GATHER, KB_KIND_EXTERN
+} kb_op_kind;
+
+typedef enum kb_op {
+#define X(name, arity, kind, printed, interp, cuda, da, db, dc) KB_OP_##name,
+#include "ops.def"
+#undef X
+    KB_OP_COUNT
+} kb_op;
+
+typedef struct kb_op_info {
+    const char *name;       /* printed form */
+    int arity;              /* -1: variable (EXTERN) */
+    kb_op_kind kind;
+    const char *cuda;       /* pointwise template, "" otherwise */
+    const char *grad[3];    /* derivative rules (see ops.def) */
+} kb_op_info;
+
+const kb_op_info *kb_op_get(kb_op op);
+int kb_op_from_name(const char *name);  /* -1 if unknown */
+
+typedef enum kb_input_kind { KB_INPUT_USER = 0, KB_INPUT_PARAM, KB_INPUT_BUFFER } kb_input_kind;
+
+/* One node = one value (SSA). Attributes used per op:
+ *   CONST               scalar[0] = the value (the node's shape is a broadcast of it)
+ *   LEAKY_RELU          scalar[0] = negative slope;  SOFTPLUS: scalar[0] = beta, scalar[1] = threshold
+ *   SUM MEAN RMAX RMIN  axes = bitmask over the operand's dims; keepdim iff rank == operand rank
+ *   PERMUTE             perm[i] = operand dim that output dim i reads
+ *   SLICE               axis, start, step (the length is the output's size on axis)
+ *   GATHER              axis
+ *   RESHAPE EXPAND      nothing: the output's dims say it all
+ *   INPUT               input_kind, index (position among the graph's inputs), name
+ *   EXTERN              index (the Python-side callable), axis (which of its outputs) */
+typedef struct kb_node {
+    kb_op op;
+    kb_dtype dtype;
+    int32_t rank;
+    int32_t ninputs;
+    int32_t inputs[KB_MAX_INPUTS];
+    kb_dim dims[KB_MAX_RANK];
+    double scalar[2];
+    uint32_t axes;
+    int8_t perm[KB_MAX_RANK];
+    int32_t axis;
+    int64_t start, step;
+    int32_t index;
+    kb_input_kind input_kind;
+    char name[48];          /* source name (parameter path, FX node name); may be "" */
+} kb_node;
+
+typedef struct kb_graph kb_graph;
+
+/* The caller owns *out (kb_graph_free). The graph keeps ctx for allocation and errors. */
+kb_status kb_graph_new(kb_ctx *ctx, kb_graph **out);
+void kb_graph_free(kb_graph *g);
+kb_ctx *kb_graph_ctx(const kb_graph *g);
+
+/* A symbol (a size that may vary); example = its value at capture. Returns its id. */
+kb_status kb_graph_add_symbol(kb_graph *g, const char *name, int64_t example, int32_t *id);
+int32_t kb_graph_nsymbols(const kb_graph *g);
+const char *kb_graph_symbol_name(const kb_graph *g, int32_t sym);
+int64_t kb_graph_symbol_example(const kb_graph *g, int32_t sym);
+
+/* Adds a node from a filled template (op, dtype, rank, dims, inputs, attributes); checks
+ * arity, operand ids, shapes and attributes, and returns the new value's id. */
+kb_status kb_graph_add(kb_graph *g, const kb_node *tmpl, int32_t *id);
+kb_status kb_graph_add_output(kb_graph *g, int32_t value);
+
+int32_t kb_graph_nnodes(const kb_graph *g);
+const kb_node *kb_graph_node(const kb_graph *g, int32_t id);      /* owned by g */
+int32_t kb_graph_ninputs(const kb_graph *g);
+int32_t kb_graph_input(const kb_graph *g, int32_t i);              /* node id of input i */
+int32_t kb_graph_noutputs(const kb_graph *g);
+int32_t kb_graph_output(const kb_graph *g, int32_t i);
+
+/* Concrete sizes of value v for bound symbol values; returns numel. */
+int64_t kb_value_sizes(const kb_graph *g, int32_t v, const int64_t *symvals, int64_t sizes[KB_MAX_RANK]);
+
+/* Stable text form; *out is allocated with the ctx allocator, free with kb_string_free. */
+kb_status kb_graph_dump(const kb_graph *g, char **out);
+void kb_string_free(kb_ctx *ctx, char *s);
+
+/* ---------------------------------------------------------------- regions (fuse.c) */
+
+typedef enum kb_region_kind {
+    KB_REGION_POINTWISE = 0, KB_REGION_ROW, KB_REGION_COL, KB_REGION_EXTERN
+} kb_region_kind;
+
+const char *kb_region_kind_name(kb_region_kind k);
+
+/* One region = one kernel (or one torch call for EXTERN). Arrays are owned by the partition.
+ * Iteration space: the anchor value's shape. POINTWISE: one element of the anchor per work
+ * item. ROW: the anchor's reduce_axes are its trailing dims (the row); one row per work item.
+ * COL: the anchor's reduce_axes are its leading dims; one column per work item. */
+typedef struct kb_region {
+    kb_region_kind kind;
+    int32_t nnodes;   int32_t *nodes;     /* in topological order */
+    int32_t ninputs;  int32_t *inputs;    /* values the region reads from outside it */
+    int32_t noutputs; int32_t *outputs;   /* values read outside it or returned by the graph */
+    int32_t anchor;
+    uint32_t reduce_axes;
+} kb_region;
+
+typedef struct kb_partition {
+    const kb_graph *graph;  /* borrowed: must outlive the partition */
+    int32_t nregions;
+    kb_region *regions;     /* in execution order */
+    int32_t *region_of;     /* node id -> region index, -1 for nodes no region needs */
+} kb_partition;
+
+kb_status kb_partition_new(const kb_graph *g, kb_partition **out);
+void kb_partition_free(kb_partition *p);
+kb_status kb_partition_dump(const kb_partition *p, char **out);
+
+/* ---------------------------------------------------------------- CPU interpreter (interp.c) */
+
+/* Runs region r on host buffers, computing in double. ins[i] is region input i, outs[j]
+ * region output j: dense, contiguous, in their value's dtype, caller-allocated, sized for
+ * symvals. bf16/f16 outputs are rounded on store (round to nearest even). */
+kb_status kb_interp_region(kb_ctx *ctx, const kb_partition *p, int32_t r, const int64_t *symvals,
+                           const void *const *ins, void *const *outs);
+/* Runs a whole graph that has no EXTERN node: ins are the graph inputs, outs its outputs. */
+kb_status kb_interp_graph(kb_ctx *ctx, const kb_graph *g, const int64_t *symvals,
+                          const void *const *ins, void *const *outs);
+
+/* ---------------------------------------------------------------- schedules (genome.c) */
+
+typedef enum kb_cache_where { KB_CACHE_REGS = 0, KB_CACHE_SMEM, KB_CACHE_REREAD } kb_cache_where;
+
+/* The schedule of one region. Canonical text ("threads=256 vec=4 rows=1 ...") is its identity. */
+typedef struct kb_genome {
+    int32_t threads;        /* threads per block */
+    int32_t vec;            /* elements per vector access: 1, 2, 4, 8 */
+    int32_t rows;           /* ROW: rows per block (1 = a block per row; >1 = a warp per row) */
+    int32_t items;          /* POINTWISE: elements per thread; ROW: unroll of the row loop */
+    int32_t cache;          /* kb_cache_where: where a row lives between passes */
+    int32_t two_pass;       /* ROW statistics: 1 = two passes, 0 = one pass (Welford / online) */
+    int32_t fast_math;      /* __expf and friends */
+    int32_t persistent;     /* grid = a few blocks per SM looping over work items */
+    int32_t col_split;      /* COL: blocks along the reduced dim (partials, then a finishing kernel) */
+} kb_genome;
+
+typedef struct kb_device_info {
+    int32_t sm;             /* 80, 90, ... */
+    int32_t num_sms;
+    int32_t max_smem_per_block;
+    int32_t regs_per_sm;
+    int32_t l2_bytes;
+} kb_device_info;
+
+kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *symvals,
+                            const kb_device_info *dev, kb_genome *out);
+/* Writes the canonical text into buf (always NUL-terminated); returns its length. */
+int kb_genome_format(const kb_genome *gn, char *buf, size_t n);
+kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out);
+
+/* ---------------------------------------------------------------- code generation (codegen.c) */
+
+/* A generated kernel. Arguments, in order: one pointer per region input, one per region
+ * output, then one int64 per graph symbol (every symbol, in id order), then, for COL regions
+ * with col_split > 1, a float* workspace. All owned by the kernel (kb_kernel_free). */
+typedef struct kb_kernel {
+    char *source;           /* CUDA C, NUL-terminated */
+    char name[64];          /* entry point */
+    int32_t block;          /* threads per block */
+    int32_t smem_bytes;     /* dynamic shared memory */
+    int64_t workspace_bytes_per_unit; /* COL split: bytes of workspace per column (0 if none) */
+    int32_t nkernels;       /* 1, or 2 when a finishing kernel follows (name + "_finish") */
+    kb_genome genome;
+    kb_dim grid_units;      /* work items: grid.x = ceil(units / units_per_block) (or capped) */
+    int64_t units_per_block;
+} kb_kernel;
+
+kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *gn,
+                             const kb_device_info *dev, kb_kernel **out);
+void kb_kernel_free(kb_ctx *ctx, kb_kernel *k);
+/* grid for bound symbols (persistent genomes are capped at a few blocks per SM) */
+void kb_kernel_grid(const kb_kernel *k, const int64_t *symvals, const kb_device_info *dev,
+                    uint32_t grid[3]);
+
+/* ---------------------------------------------------------------- CUDA runtime (cuda.c) */
+
+/* NVRTC, dlopen'ed on first use; searched in order: $KBENCH_NVRTC, the nvidia/<pkg>/lib
+ * folders given by the caller (the torch wheel's), $CUDA_HOME/lib64, /usr/local/cuda/lib64,
+ * the loader's path. Owned by the caller: kb_nvrtc_close. */
+typedef struct kb_nvrtc kb_nvrtc;
+kb_status kb_nvrtc_open(kb_ctx *ctx, const char *const *extra_dirs, int ndirs, kb_nvrtc **out);
+void kb_nvrtc_close(kb_nvrtc *n);
+const char *kb_nvrtc_path(const kb_nvrtc *n);   /* the library that was loaded */
+int kb_nvrtc_version(const kb_nvrtc *n);        /* major*1000 + minor*10 */
+/* Compiles source for arch ("sm_90") to a CUBIN; *cubin is allocated with the ctx allocator
+ * (kb_blob_free). With cache_dir != NULL, looks up / stores <cache_dir>/<hash>.cubin keyed by
+ * source, arch, options and NVRTC version. On failure the ctx error holds NVRTC's log. */
+kb_status kb_nvrtc_compile(kb_ctx *ctx, kb_nvrtc *n, const char *source, const char *arch,
+                           const char *cache_dir, void **cubin, size_t *size, char **log);
+void kb_blob_free(kb_ctx *ctx, void *blob, size_t size);
+
+/* The driver, dlopen'ed once ("libcuda.so.1"). Owned by the caller: kb_cuda_close. */
+typedef struct kb_cuda kb_cuda;
+kb_status kb_cuda_open(kb_ctx *ctx, kb_cuda **out);
+void kb_cuda_close(kb_cuda *c);
+kb_status kb_cuda_device_info(kb_ctx *ctx, kb_cuda *c, int device, kb_device_info *out);
+
+typedef struct kb_cuda_module kb_cuda_module;  /* a loaded CUBIN in the current context */
+kb_status kb_cuda_module_load(kb_ctx *ctx, kb_cuda *c, const void *cubin, size_t size,
+                              kb_cuda_module **out);
+void kb_cuda_module_unload(kb_cuda *c, kb_cuda_module *m);
+/* An entry point; *fn is an opaque CUfunction owned by the module. */
+kb_status kb_cuda_function(kb_ctx *ctx, kb_cuda *c, kb_cuda_module *m, const char *name,
+                           int smem_bytes, void **fn, int *regs, int *spill_bytes);
+/* cuLaunchKernel on stream (a CUstream; NULL = the legacy default stream). args: pointers to
+ * each argument's value, as the driver takes them. */
+kb_status kb_cuda_launch(kb_ctx *ctx, kb_cuda *c, void *fn, const uint32_t grid[3], int block,
+                         int smem_bytes, void *stream, void **args);
+
+/* -- cuda.c additions (additive; by the CUDA-runtime helper) --
+ * NVRTC's *log: set whenever NVRTC printed something (warnings on success, the errors on
+ * KB_ERR_NVRTC), else NULL; free with kb_string_free. A cache hit leaves it NULL. */
+/* The folder passed as -I for cuda_fp16.h / cuda_bf16.h ("" if none was found): NVRTC 13 has
+ * no built-in copies. Searched: $KBENCH_CUDA_INCLUDE, <libnvrtc's folder>/../include, beside
+ * each extra dir (../include, ../../cuda_runtime/include), $CUDA_HOME/include,
+ * /usr/local/cuda/include. */
+const char *kb_nvrtc_include_dir(const kb_nvrtc *n);
+int kb_cuda_driver_version(const kb_cuda *c);   /* cuDriverGetVersion: 12080 = 12.8 */
+/* cuStreamSynchronize(stream), or cuCtxSynchronize when stream is NULL. */
+kb_status kb_cuda_synchronize(kb_ctx *ctx, kb_cuda *c, void *stream);
+/* Device memory in the current (or primary) context, for tests and scratch buffers. */
+kb_status kb_cuda_mem_alloc(kb_ctx *ctx, kb_cuda *c, size_t bytes, uint64_t *dptr);
+void kb_cuda_mem_free(kb_cuda *c, uint64_t dptr);
+kb_status kb_cuda_copy_to_device(kb_ctx *ctx, kb_cuda *c, uint64_t dst, const void *src, size_t bytes);
+kb_status kb_cuda_copy_to_host(kb_ctx *ctx, kb_cuda *c, void *dst, uint64_t src, size_t bytes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KBENCH_H */

@@ -1,0 +1,674 @@
+/* module.c — the CPython extension kbench._C: Graph and Partition heap types over the C IR,
+ * the interpreter and code generation entry points, and the kb_status → exception mapping.
+ * Multi-phase init with module state (CPython's _bisectmodule.c is the model); the CUDA
+ * runtime's functions live in module_cuda.c and are added to the module at exec time. */
+#include "module.h"
+
+#include <string.h>
+
+#include "internal.h"
+#include "module_cuda.h"
+
+kb_module_state *kb_py_state(PyObject *module) { return (kb_module_state *)PyModule_GetState(module); }
+
+PyObject *kb_py_raise(PyObject *module, kb_ctx *ctx, kb_status st, const char *prefix) {
+    kb_module_state *state = module ? kb_py_state(module) : NULL;
+    PyObject *type;
+    switch (st) {
+    case KB_ERR_OOM: type = PyExc_MemoryError; break;
+    case KB_ERR_INVALID: type = PyExc_ValueError; break;
+    case KB_ERR_UNSUPPORTED: type = PyExc_NotImplementedError; break;
+    case KB_ERR_CUDA: type = state ? state->cuda_error : PyExc_RuntimeError; break;
+    case KB_ERR_NVRTC: type = state ? state->compile_error : PyExc_RuntimeError; break;
+    case KB_ERR_NOT_FOUND: type = PyExc_FileNotFoundError; break;
+    case KB_ERR_IO: type = PyExc_OSError; break;
+    default: type = PyExc_RuntimeError; break;
+    }
+    const char *msg = ctx ? kb_ctx_error(ctx) : "";
+    if (!*msg) msg = kb_status_name(st);
+    if (prefix)
+        PyErr_Format(type, "%s: %s", prefix, msg);
+    else
+        PyErr_SetString(type, msg);
+    return NULL;
+}
+
+int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd values, got %zd", what, n, PySequence_Fast_GET_SIZE(fast));
+        Py_DECREF(fast);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (out[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- dims <-> Python */
+
+/* A dim is an int (pinned) or (coef, (sym, ...)). */
+static int dim_from_py(PyObject *o, kb_dim *d) {
+    memset(d, 0, sizeof *d);
+    if (PyLong_Check(o)) {
+        d->coef = PyLong_AsLongLong(o);
+        return d->coef == -1 && PyErr_Occurred() ? -1 : 0;
+    }
+    PyObject *syms;
+    long long coef;
+    if (!PyArg_ParseTuple(o, "LO;a dim is an int or (coef, (sym ids...))", &coef, &syms)) return -1;
+    d->coef = coef;
+    int64_t ids[KB_MAX_DIM_SYMS];
+    Py_ssize_t n = PySequence_Size(syms);
+    if (n < 0) return -1;
+    if (n > KB_MAX_DIM_SYMS) {
+        PyErr_Format(PyExc_ValueError, "a size may multiply at most %d symbols", KB_MAX_DIM_SYMS);
+        return -1;
+    }
+    if (kb_py_int64s(syms, ids, n, "dim symbols") < 0) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) { /* keep symbols sorted: the IR compares dims by value */
+        if (ids[i] < 0 || ids[i] >= KB_MAX_SYMS) {
+            PyErr_SetString(PyExc_ValueError, "symbol id out of range");
+            return -1;
+        }
+        Py_ssize_t j = i;
+        while (j > 0 && d->sym[j - 1] > ids[i]) {
+            d->sym[j] = d->sym[j - 1];
+            j--;
+        }
+        d->sym[j] = (uint8_t)ids[i];
+    }
+    d->nsym = (uint8_t)n;
+    return 0;
+}
+
+static PyObject *dim_to_py(kb_dim d) {
+    if (d.nsym == 0) return PyLong_FromLongLong(d.coef);
+    PyObject *syms = PyTuple_New(d.nsym);
+    if (!syms) return NULL;
+    for (int i = 0; i < d.nsym; i++) PyTuple_SET_ITEM(syms, i, PyLong_FromLong(d.sym[i]));
+    return Py_BuildValue("(LN)", (long long)d.coef, syms);
+}
+
+static int dims_from_py(PyObject *seq, kb_node *t) {
+    PyObject *fast = PySequence_Fast(seq, "dims must be a sequence");
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > KB_MAX_RANK) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "rank %zd exceeds the IR's limit of %d", n, KB_MAX_RANK);
+        return -1;
+    }
+    t->rank = (int32_t)n;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (dim_from_py(PySequence_Fast_GET_ITEM(fast, i), &t->dims[i]) < 0) {
+            Py_DECREF(fast);
+            return -1;
+        }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static int dtype_from_py(const char *name, kb_dtype *out) {
+    int t = kb_dtype_from_name(name);
+    if (t < 0) {
+        PyErr_Format(PyExc_TypeError, "unsupported dtype '%s' (f32, f16, bf16, f64, i64, i32, bool)", name);
+        return -1;
+    }
+    *out = (kb_dtype)t;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- Graph */
+
+static PyObject *graph_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "Graph() takes no arguments");
+        return NULL;
+    }
+    kb_py_graph *self = (kb_py_graph *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    if (kb_ctx_new(NULL, NULL, &self->ctx) != KB_OK || kb_graph_new(self->ctx, &self->graph) != KB_OK) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static void graph_dealloc(kb_py_graph *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    kb_graph_free(self->graph);
+    kb_ctx_free(self->ctx);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *graph_raise(kb_py_graph *self, kb_status st) {
+    return kb_py_raise(PyType_GetModule(Py_TYPE(self)), self->ctx, st, NULL);
+}
+
+static PyObject *graph_add_symbol(kb_py_graph *self, PyObject *args) {
+    const char *name;
+    long long example;
+    if (!PyArg_ParseTuple(args, "sL:add_symbol", &name, &example)) return NULL;
+    int32_t id;
+    kb_status st = kb_graph_add_symbol(self->graph, name, example, &id);
+    return st == KB_OK ? PyLong_FromLong(id) : graph_raise(self, st);
+}
+
+static PyObject *graph_add_input(kb_py_graph *self, PyObject *args) {
+    static const char *const kinds[] = {"user", "param", "buffer"};
+    const char *name, *kind, *dtype;
+    PyObject *dims;
+    if (!PyArg_ParseTuple(args, "sssO:add_input", &name, &kind, &dtype, &dims)) return NULL;
+    kb_node t;
+    memset(&t, 0, sizeof t);
+    t.op = KB_OP_INPUT;
+    int k = -1;
+    for (int i = 0; i < 3; i++)
+        if (strcmp(kind, kinds[i]) == 0) k = i;
+    if (k < 0) return PyErr_Format(PyExc_ValueError, "input kind must be user, param or buffer, not '%s'", kind);
+    t.input_kind = (kb_input_kind)k;
+    if (strlen(name) >= sizeof t.name) return PyErr_Format(PyExc_ValueError, "input name too long: '%s'", name);
+    strcpy(t.name, name);
+    if (dtype_from_py(dtype, &t.dtype) < 0 || dims_from_py(dims, &t) < 0) return NULL;
+    int32_t id;
+    kb_status st = kb_graph_add(self->graph, &t, &id);
+    return st == KB_OK ? PyLong_FromLong(id) : graph_raise(self, st);
+}
+
+static PyObject *graph_add_node(kb_py_graph *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"op", "inputs", "dtype", "dims", "scalars", "axes", "perm", "axis",
+                             "start", "step", "index", "name", NULL};
+    const char *op, *dtype, *name = "";
+    PyObject *inputs, *dims, *perm = Py_None;
+    double s0 = 0, s1 = 0;
+    unsigned long axes = 0;
+    int axis = 0, index = 0;
+    long long start = 0, step = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sOsO|$(dd)kOiLLis:add_node", kwlist, &op, &inputs, &dtype,
+                                     &dims, &s0, &s1, &axes, &perm, &axis, &start, &step, &index, &name))
+        return NULL;
+    kb_node t;
+    memset(&t, 0, sizeof t);
+    int o = kb_op_from_name(op);
+    if (o < 0 || o == KB_OP_INPUT) return PyErr_Format(PyExc_ValueError, "unknown op '%s'", op);
+    t.op = (kb_op)o;
+    if (dtype_from_py(dtype, &t.dtype) < 0 || dims_from_py(dims, &t) < 0) return NULL;
+    Py_ssize_t n = PySequence_Size(inputs);
+    if (n < 0) return NULL;
+    if (n > KB_MAX_INPUTS) return PyErr_Format(PyExc_ValueError, "%s: at most %d operands", op, KB_MAX_INPUTS);
+    int64_t ids[KB_MAX_INPUTS];
+    if (kb_py_int64s(inputs, ids, n, "inputs") < 0) return NULL;
+    t.ninputs = (int32_t)n;
+    for (Py_ssize_t i = 0; i < n; i++) t.inputs[i] = ids[i] < 0 || ids[i] > INT32_MAX ? -1 : (int32_t)ids[i];
+    if (perm != Py_None) {
+        Py_ssize_t pn = PySequence_Size(perm);
+        if (pn < 0) return NULL;
+        int64_t p[KB_MAX_RANK];
+        if (pn != t.rank) return PyErr_Format(PyExc_ValueError, "perm has %zd entries for rank %d", pn, t.rank);
+        if (kb_py_int64s(perm, p, pn, "perm") < 0) return NULL;
+        for (Py_ssize_t i = 0; i < pn; i++) t.perm[i] = (int8_t)(p[i] >= 0 && p[i] < KB_MAX_RANK ? p[i] : -1);
+    }
+    t.scalar[0] = s0;
+    t.scalar[1] = s1;
+    t.axes = (uint32_t)axes;
+    t.axis = axis;
+    t.start = start;
+    t.step = step;
+    t.index = index;
+    snprintf(t.name, sizeof t.name, "%s", name);
+    int32_t id;
+    kb_status st = kb_graph_add(self->graph, &t, &id);
+    return st == KB_OK ? PyLong_FromLong(id) : graph_raise(self, st);
+}
+
+static PyObject *graph_add_output(kb_py_graph *self, PyObject *arg) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    kb_status st = kb_graph_add_output(self->graph, (int32_t)v);
+    if (st != KB_OK) return graph_raise(self, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ids_to_list(const int32_t *ids, Py_ssize_t n) {
+    PyObject *list = PyList_New(n);
+    if (!list) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(list, i, PyLong_FromLong(ids[i]));
+    return list;
+}
+
+static PyObject *graph_node(kb_py_graph *self, PyObject *arg) {
+    static const char *const kinds[] = {"user", "param", "buffer"};
+    long id = PyLong_AsLong(arg);
+    if (id == -1 && PyErr_Occurred()) return NULL;
+    const kb_node *nd = kb_graph_node(self->graph, (int32_t)id);
+    if (!nd) return PyErr_Format(PyExc_IndexError, "node %%%ld does not exist", id);
+    PyObject *dims = PyList_New(nd->rank), *perm = PyList_New(nd->op == KB_OP_PERMUTE ? nd->rank : 0);
+    if (!dims || !perm) goto fail;
+    for (int d = 0; d < nd->rank; d++) {
+        PyObject *dim = dim_to_py(nd->dims[d]);
+        if (!dim) goto fail;
+        PyList_SET_ITEM(dims, d, dim);
+    }
+    for (Py_ssize_t d = 0; d < PyList_GET_SIZE(perm); d++) PyList_SET_ITEM(perm, d, PyLong_FromLong(nd->perm[d]));
+    return Py_BuildValue("{s:s,s:s,s:N,s:N,s:(dd),s:k,s:N,s:i,s:L,s:L,s:i,s:s,s:s}", "op", kb_op_get(nd->op)->name,
+                         "dtype", kb_dtype_name(nd->dtype), "dims", dims, "inputs",
+                         ids_to_list(nd->inputs, nd->ninputs), "scalars", nd->scalar[0], nd->scalar[1], "axes",
+                         (unsigned long)nd->axes, "perm", perm, "axis", nd->axis, "start", (long long)nd->start,
+                         "step", (long long)nd->step, "index", nd->index, "name", nd->name, "input_kind",
+                         nd->op == KB_OP_INPUT ? kinds[nd->input_kind] : "");
+fail:
+    Py_XDECREF(dims);
+    Py_XDECREF(perm);
+    return NULL;
+}
+
+static int symvals_from_py(const kb_graph *g, PyObject *seq, int64_t *out) {
+    return kb_py_int64s(seq, out, kb_graph_nsymbols(g), "symvals");
+}
+
+static PyObject *graph_sizes(kb_py_graph *self, PyObject *args) {
+    long v;
+    PyObject *symseq;
+    if (!PyArg_ParseTuple(args, "lO:sizes", &v, &symseq)) return NULL;
+    if (v < 0 || v >= kb_graph_nnodes(self->graph)) return PyErr_Format(PyExc_IndexError, "no value %%%ld", v);
+    int64_t symvals[KB_MAX_SYMS], sizes[KB_MAX_RANK];
+    if (symvals_from_py(self->graph, symseq, symvals) < 0) return NULL;
+    kb_value_sizes(self->graph, (int32_t)v, symvals, sizes);
+    int rank = kb_graph_node(self->graph, (int32_t)v)->rank;
+    PyObject *t = PyTuple_New(rank);
+    if (!t) return NULL;
+    for (int d = 0; d < rank; d++) PyTuple_SET_ITEM(t, d, PyLong_FromLongLong(sizes[d]));
+    return t;
+}
+
+static PyObject *graph_str(kb_py_graph *self) {
+    char *text;
+    kb_status st = kb_graph_dump(self->graph, &text);
+    if (st != KB_OK) return graph_raise(self, st);
+    PyObject *s = PyUnicode_FromString(text);
+    kb_string_free(self->ctx, text);
+    return s;
+}
+
+static PyObject *graph_partition(kb_py_graph *self, PyObject *Py_UNUSED(ignored)) {
+    kb_module_state *state = kb_py_state(PyType_GetModule(Py_TYPE(self)));
+    kb_py_partition *p = (kb_py_partition *)state->partition_type->tp_alloc(state->partition_type, 0);
+    if (!p) return NULL;
+    Py_INCREF(self);
+    p->graph = self;
+    kb_status st = kb_partition_new(self->graph, &p->part);
+    if (st != KB_OK) {
+        Py_DECREF(p);
+        return graph_raise(self, st);
+    }
+    return (PyObject *)p;
+}
+
+static PyObject *graph_get_int(kb_py_graph *self, void *which) {
+    switch ((intptr_t)which) {
+    case 0: return PyLong_FromLong(kb_graph_nnodes(self->graph));
+    case 1: return PyLong_FromLong(kb_graph_ninputs(self->graph));
+    case 2: return PyLong_FromLong(kb_graph_noutputs(self->graph));
+    default: return PyLong_FromLong(kb_graph_nsymbols(self->graph));
+    }
+}
+
+static PyObject *graph_get_inputs(kb_py_graph *self, void *Py_UNUSED(c)) {
+    const kb_graph *g = self->graph;
+    PyObject *list = PyList_New(kb_graph_ninputs(g));
+    for (int i = 0; list && i < kb_graph_ninputs(g); i++) PyList_SET_ITEM(list, i, PyLong_FromLong(kb_graph_input(g, i)));
+    return list;
+}
+
+static PyObject *graph_get_outputs(kb_py_graph *self, void *Py_UNUSED(c)) {
+    const kb_graph *g = self->graph;
+    PyObject *list = PyList_New(kb_graph_noutputs(g));
+    for (int i = 0; list && i < kb_graph_noutputs(g); i++) PyList_SET_ITEM(list, i, PyLong_FromLong(kb_graph_output(g, i)));
+    return list;
+}
+
+static PyObject *graph_get_symbols(kb_py_graph *self, void *Py_UNUSED(c)) {
+    const kb_graph *g = self->graph;
+    PyObject *list = PyList_New(kb_graph_nsymbols(g));
+    for (int s = 0; list && s < kb_graph_nsymbols(g); s++)
+        PyList_SET_ITEM(list, s, Py_BuildValue("(sL)", kb_graph_symbol_name(g, s), (long long)kb_graph_symbol_example(g, s)));
+    return list;
+}
+
+static PyMethodDef graph_methods[] = {
+    {"add_symbol", (PyCFunction)graph_add_symbol, METH_VARARGS, "add_symbol(name, example) -> symbol id"},
+    {"add_input", (PyCFunction)graph_add_input, METH_VARARGS, "add_input(name, kind, dtype, dims) -> value id"},
+    {"add_node", (PyCFunction)(void (*)(void))graph_add_node, METH_VARARGS | METH_KEYWORDS,
+     "add_node(op, inputs, dtype, dims, *, scalars, axes, perm, axis, start, step, index, name) -> value id"},
+    {"add_output", (PyCFunction)graph_add_output, METH_O, "add_output(value id)"},
+    {"node", (PyCFunction)graph_node, METH_O, "node(id) -> dict of the node's fields"},
+    {"sizes", (PyCFunction)graph_sizes, METH_VARARGS, "sizes(value id, symvals) -> concrete sizes"},
+    {"partition", (PyCFunction)graph_partition, METH_NOARGS, "partition() -> Partition (the fused regions)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef graph_getset[] = {
+    {"num_nodes", (getter)graph_get_int, NULL, NULL, (void *)0},
+    {"num_inputs", (getter)graph_get_int, NULL, NULL, (void *)1},
+    {"num_outputs", (getter)graph_get_int, NULL, NULL, (void *)2},
+    {"num_symbols", (getter)graph_get_int, NULL, NULL, (void *)3},
+    {"inputs", (getter)graph_get_inputs, NULL, "node ids of the graph inputs", NULL},
+    {"outputs", (getter)graph_get_outputs, NULL, "node ids of the graph outputs", NULL},
+    {"symbols", (getter)graph_get_symbols, NULL, "[(name, example size)] per symbol", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot graph_slots[] = {
+    {Py_tp_new, graph_new},           {Py_tp_dealloc, graph_dealloc}, {Py_tp_str, graph_str},
+    {Py_tp_methods, graph_methods},   {Py_tp_getset, graph_getset},
+    {Py_tp_doc, "Graph() — a kbench IR graph, built node by node (see kbench.capture)."},
+    {0, NULL},
+};
+
+static PyType_Spec graph_spec = {"kbench._C.Graph", sizeof(kb_py_graph), 0,
+                                 Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, graph_slots};
+
+/* ---------------------------------------------------------------- Partition */
+
+static void partition_dealloc(kb_py_partition *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    kb_partition_free(self->part);
+    Py_XDECREF(self->graph);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static Py_ssize_t partition_len(kb_py_partition *self) { return self->part->nregions; }
+
+static PyObject *partition_region(kb_py_partition *self, PyObject *arg) {
+    long r = PyLong_AsLong(arg);
+    if (r == -1 && PyErr_Occurred()) return NULL;
+    if (r < 0 || r >= self->part->nregions) return PyErr_Format(PyExc_IndexError, "region %ld out of range", r);
+    const kb_region *rg = &self->part->regions[r];
+    return Py_BuildValue("{s:s,s:N,s:N,s:N,s:i,s:k}", "kind", kb_region_kind_name(rg->kind), "nodes",
+                         ids_to_list(rg->nodes, rg->nnodes), "inputs", ids_to_list(rg->inputs, rg->ninputs),
+                         "outputs", ids_to_list(rg->outputs, rg->noutputs), "anchor", rg->anchor,
+                         "reduce_axes", (unsigned long)rg->reduce_axes);
+}
+
+static PyObject *partition_str(kb_py_partition *self) {
+    char *text;
+    kb_status st = kb_partition_dump(self->part, &text);
+    if (st != KB_OK) return kb_py_raise(PyType_GetModule(Py_TYPE(self)), self->graph->ctx, st, NULL);
+    PyObject *s = PyUnicode_FromString(text);
+    kb_string_free(self->graph->ctx, text);
+    return s;
+}
+
+static PyObject *partition_get_graph(kb_py_partition *self, void *Py_UNUSED(c)) {
+    return Py_NewRef((PyObject *)self->graph);
+}
+
+static PyMethodDef partition_methods[] = {
+    {"region", (PyCFunction)partition_region, METH_O, "region(i) -> dict(kind, nodes, inputs, outputs, anchor, reduce_axes)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef partition_getset[] = {
+    {"graph", (getter)partition_get_graph, NULL, "the partitioned Graph", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot partition_slots[] = {
+    {Py_tp_dealloc, partition_dealloc}, {Py_tp_str, partition_str},     {Py_sq_length, partition_len},
+    {Py_tp_methods, partition_methods}, {Py_tp_getset, partition_getset},
+    {Py_tp_doc, "The regions (kernels) of a Graph, from Graph.partition()."},
+    {0, NULL},
+};
+
+static PyType_Spec partition_spec = {"kbench._C.Partition", sizeof(kb_py_partition), 0,
+                                     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+                                     partition_slots};
+
+/* ---------------------------------------------------------------- interpreter */
+
+/* Pointers arrive as Python ints (tensor.data_ptr()). */
+static int ptrs_from_py(PyObject *seq, void **out, Py_ssize_t n, const char *what) {
+    int64_t vals[64];
+    if (n > 64) {
+        PyErr_Format(PyExc_ValueError, "%s: at most 64 buffers", what);
+        return -1;
+    }
+    if (kb_py_int64s(seq, vals, n, what) < 0) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = (void *)(intptr_t)vals[i];
+    return 0;
+}
+
+static PyObject *run_interp(PyObject *module, const kb_graph *g, const kb_partition *p, int32_t r, PyObject *symseq,
+                            PyObject *ins, PyObject *outs) {
+    int64_t symvals[KB_MAX_SYMS];
+    void *in_ptrs[64], *out_ptrs[64];
+    Py_ssize_t nin = p ? p->regions[r].ninputs : kb_graph_ninputs(g);
+    Py_ssize_t nout = p ? p->regions[r].noutputs : kb_graph_noutputs(g);
+    if (symvals_from_py(g, symseq, symvals) < 0 || ptrs_from_py(ins, in_ptrs, nin, "inputs") < 0 ||
+        ptrs_from_py(outs, out_ptrs, nout, "outputs") < 0)
+        return NULL;
+    /* A context per call: the interpreter runs without the GIL, and errors stay this call's. */
+    kb_ctx *ctx;
+    if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK) return PyErr_NoMemory();
+    kb_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = p ? kb_interp_region(ctx, p, r, symvals, (const void *const *)in_ptrs, out_ptrs)
+           : kb_interp_graph(ctx, g, symvals, (const void *const *)in_ptrs, out_ptrs);
+    Py_END_ALLOW_THREADS
+    PyObject *result = st == KB_OK ? Py_NewRef(Py_None) : kb_py_raise(module, ctx, st, "interpreter");
+    kb_ctx_free(ctx);
+    return result;
+}
+
+static PyObject *py_interp_region(PyObject *module, PyObject *args) {
+    kb_module_state *state = kb_py_state(module);
+    kb_py_partition *p;
+    int r;
+    PyObject *symseq, *ins, *outs;
+    if (!PyArg_ParseTuple(args, "O!iOOO:interp_region", state->partition_type, &p, &r, &symseq, &ins, &outs))
+        return NULL;
+    if (r < 0 || r >= p->part->nregions) return PyErr_Format(PyExc_IndexError, "region %d out of range", r);
+    return run_interp(module, p->graph->graph, p->part, r, symseq, ins, outs);
+}
+
+static PyObject *py_interp_graph(PyObject *module, PyObject *args) {
+    kb_module_state *state = kb_py_state(module);
+    kb_py_graph *g;
+    PyObject *symseq, *ins, *outs;
+    if (!PyArg_ParseTuple(args, "O!OOO:interp_graph", state->graph_type, &g, &symseq, &ins, &outs)) return NULL;
+    return run_interp(module, g->graph, NULL, 0, symseq, ins, outs);
+}
+
+/* ---------------------------------------------------------------- schedules and codegen */
+
+static int devinfo_from_py(PyObject *dev, int sm, kb_device_info *out) {
+    /* Defaults: an H100 SXM when the caller knows nothing better (generate() without a GPU). */
+    out->sm = sm;
+    out->num_sms = 132;
+    out->max_smem_per_block = 227 * 1024;
+    out->regs_per_sm = 65536;
+    out->l2_bytes = 50 * 1024 * 1024;
+    if (dev == NULL || dev == Py_None) return 0;
+    static const char *const keys[] = {"sm", "num_sms", "max_smem_per_block", "regs_per_sm", "l2_bytes"};
+    int32_t *fields[] = {&out->sm, &out->num_sms, &out->max_smem_per_block, &out->regs_per_sm, &out->l2_bytes};
+    for (int i = 0; i < 5; i++) {
+        PyObject *v = PyMapping_GetItemString(dev, keys[i]);
+        if (!v) {
+            PyErr_Clear();
+            continue;
+        }
+        long x = PyLong_AsLong(v);
+        Py_DECREF(v);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        *fields[i] = (int32_t)x;
+    }
+    return 0;
+}
+
+static PyObject *py_genome_default(PyObject *module, PyObject *args) {
+    kb_module_state *state = kb_py_state(module);
+    kb_py_partition *p;
+    int r;
+    PyObject *symseq, *dev = Py_None;
+    if (!PyArg_ParseTuple(args, "O!iO|O:genome_default", state->partition_type, &p, &r, &symseq, &dev)) return NULL;
+    if (r < 0 || r >= p->part->nregions) return PyErr_Format(PyExc_IndexError, "region %d out of range", r);
+    int64_t symvals[KB_MAX_SYMS];
+    kb_device_info info;
+    if (symvals_from_py(p->graph->graph, symseq, symvals) < 0 || devinfo_from_py(dev, 90, &info) < 0) return NULL;
+    kb_genome gn;
+    kb_status st = kb_genome_default(p->part, r, symvals, &info, &gn);
+    if (st != KB_OK) return kb_py_raise(module, p->graph->ctx, st, "genome_default");
+    char text[256];
+    kb_genome_format(&gn, text, sizeof text);
+    return PyUnicode_FromString(text);
+}
+
+/* generate(p, r, sm, genome_text_or_None, dev=None) -> dict describing the kernel */
+static PyObject *py_generate(PyObject *module, PyObject *args) {
+    kb_module_state *state = kb_py_state(module);
+    kb_py_partition *p;
+    int r, sm;
+    PyObject *genome_obj, *dev = Py_None;
+    if (!PyArg_ParseTuple(args, "O!iiO|O:generate", state->partition_type, &p, &r, &sm, &genome_obj, &dev))
+        return NULL;
+    if (r < 0 || r >= p->part->nregions) return PyErr_Format(PyExc_IndexError, "region %d out of range", r);
+    kb_device_info info;
+    if (devinfo_from_py(dev, sm, &info) < 0) return NULL;
+    info.sm = sm;
+    kb_ctx *ctx = p->graph->ctx;
+    const kb_graph *g = p->graph->graph;
+    kb_genome gn;
+    kb_status st;
+    if (genome_obj == Py_None) {
+        int64_t symvals[KB_MAX_SYMS];
+        for (int s = 0; s < kb_graph_nsymbols(g); s++) symvals[s] = kb_graph_symbol_example(g, s);
+        st = kb_genome_default(p->part, r, symvals, &info, &gn);
+    } else {
+        const char *text = PyUnicode_AsUTF8(genome_obj);
+        if (!text) return NULL;
+        st = kb_genome_parse(ctx, text, &gn);
+    }
+    if (st != KB_OK) return kb_py_raise(module, ctx, st, "genome");
+    kb_kernel *k = NULL;
+    st = kb_kernel_generate(p->part, r, &gn, &info, &k);
+    if (st != KB_OK) return kb_py_raise(module, ctx, st, "codegen");
+    char text[256];
+    kb_genome_format(&k->genome, text, sizeof text);
+    /* max_blocks: the persistent cap kb_kernel_grid applies (0 = none), so Python computes the
+       same grid without a Kernel object. */
+    int64_t huge[KB_MAX_SYMS];
+    for (int s = 0; s < KB_MAX_SYMS; s++) huge[s] = 1 << 20;
+    uint32_t grid[3];
+    kb_kernel_grid(k, huge, &info, grid);
+    int64_t uncapped = (kb_dim_eval(k->grid_units, huge) + k->units_per_block - 1) / k->units_per_block;
+    long long max_blocks = (int64_t)grid[0] < uncapped ? (long long)grid[0] : 0;
+    PyObject *result = Py_BuildValue("{s:s,s:s,s:i,s:i,s:s,s:N,s:L,s:i,s:L,s:L}", "source", k->source, "name", k->name,
+                                     "block", k->block, "smem", k->smem_bytes, "genome", text, "grid_units",
+                                     dim_to_py(k->grid_units), "units_per_block", (long long)k->units_per_block,
+                                     "nkernels", k->nkernels, "workspace_bytes_per_unit",
+                                     (long long)k->workspace_bytes_per_unit, "max_blocks", max_blocks);
+    kb_kernel_free(ctx, k);
+    return result;
+}
+
+static PyObject *py_ops(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    static const char *const kinds[] = {"leaf", "unary", "binary", "ternary", "reduce", "view", "gather", "extern"};
+    PyObject *d = PyDict_New();
+    for (int op = 0; d && op < KB_OP_COUNT; op++) {
+        const kb_op_info *info = kb_op_get((kb_op)op);
+        PyObject *v = Py_BuildValue("{s:i,s:s}", "arity", info->arity, "kind", kinds[info->kind]);
+        if (!v || PyDict_SetItemString(d, info->name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return d;
+}
+
+static PyMethodDef module_methods[] = {
+    {"interp_region", py_interp_region, METH_VARARGS,
+     "interp_region(partition, r, symvals, in_ptrs, out_ptrs): run region r on host buffers"},
+    {"interp_graph", py_interp_graph, METH_VARARGS,
+     "interp_graph(graph, symvals, in_ptrs, out_ptrs): run a graph without EXTERN nodes on host buffers"},
+    {"genome_default", py_genome_default, METH_VARARGS, "genome_default(partition, r, symvals, dev=None) -> text"},
+    {"generate", py_generate, METH_VARARGS,
+     "generate(partition, r, sm, genome_text_or_None, dev=None) -> dict(source, name, block, smem, genome, ...)"},
+    {"ops", py_ops, METH_NOARGS, "ops() -> {name: {arity, kind}} for every IR op"},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---------------------------------------------------------------- module */
+
+static int module_exec(PyObject *module) {
+    kb_module_state *state = kb_py_state(module);
+    state->graph_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &graph_spec, NULL);
+    if (!state->graph_type || PyModule_AddType(module, state->graph_type) < 0) return -1;
+    state->partition_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &partition_spec, NULL);
+    if (!state->partition_type || PyModule_AddType(module, state->partition_type) < 0) return -1;
+    state->compile_error = PyErr_NewExceptionWithDoc("kbench._C.CompileError",
+                                                     "NVRTC could not compile a kernel; the message holds its log.",
+                                                     PyExc_RuntimeError, NULL);
+    if (!state->compile_error || PyModule_AddObjectRef(module, "CompileError", state->compile_error) < 0) return -1;
+    state->cuda_error = PyErr_NewExceptionWithDoc("kbench._C.CudaError",
+                                                  "A CUDA driver call failed; the message names the driver's error.",
+                                                  PyExc_RuntimeError, NULL);
+    if (!state->cuda_error || PyModule_AddObjectRef(module, "CudaError", state->cuda_error) < 0) return -1;
+    if (PyModule_AddFunctions(module, kb_cuda_methods) < 0) return -1;
+    if (PyModule_AddStringConstant(module, "CORE_VERSION", KB_VERSION) < 0) return -1;
+    if (PyModule_AddIntConstant(module, "MAX_RANK", KB_MAX_RANK) < 0) return -1;
+    return PyModule_AddIntConstant(module, "MAX_SYMS", KB_MAX_SYMS);
+}
+
+static int module_traverse(PyObject *module, visitproc visit, void *arg) {
+    kb_module_state *state = kb_py_state(module);
+    Py_VISIT(state->graph_type);
+    Py_VISIT(state->partition_type);
+    Py_VISIT(state->compile_error);
+    Py_VISIT(state->cuda_error);
+    return 0;
+}
+
+static int module_clear(PyObject *module) {
+    kb_module_state *state = kb_py_state(module);
+    Py_CLEAR(state->graph_type);
+    Py_CLEAR(state->partition_type);
+    Py_CLEAR(state->compile_error);
+    Py_CLEAR(state->cuda_error);
+    return 0;
+}
+
+static void module_free(void *module) { module_clear((PyObject *)module); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef kbench_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kbench._C",
+    .m_doc = "kbench's C core: IR, fusion, interpreter, CUDA code generation and runtime.",
+    .m_size = sizeof(kb_module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&kbench_module); }

@@ -1,0 +1,40 @@
+/* module.h — what the binding's files (module.c, module_cuda.c) share: the module state and
+ * the one function that turns a kb_status into the right Python exception. */
+#ifndef KBENCH_MODULE_H
+#define KBENCH_MODULE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "kbench.h"
+
+typedef struct kb_module_state {
+    PyTypeObject *graph_type;
+    PyTypeObject *partition_type;
+    PyObject *compile_error;   /* kbench._C.CompileError(RuntimeError): NVRTC said no, with its log */
+    PyObject *cuda_error;      /* kbench._C.CudaError(RuntimeError): a driver call failed */
+} kb_module_state;
+
+kb_module_state *kb_py_state(PyObject *module);
+
+/* Raises the exception for st with ctx's message (and prefix, if not NULL); returns NULL. */
+PyObject *kb_py_raise(PyObject *module, kb_ctx *ctx, kb_status st, const char *prefix);
+
+/* The Graph object: owns its context and graph. */
+typedef struct kb_py_graph {
+    PyObject_HEAD
+    kb_ctx *ctx;
+    kb_graph *graph;
+} kb_py_graph;
+
+/* The Partition object: owns the partition, keeps its Graph alive. */
+typedef struct kb_py_partition {
+    PyObject_HEAD
+    kb_py_graph *graph;
+    kb_partition *part;
+} kb_py_partition;
+
+/* Reads a sequence of Python ints into out[0..n); returns -1 with an exception set. */
+int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what);
+
+#endif

@@ -1,0 +1,141 @@
+"""The public entry points: capture (model → IR), optimize (model → model on kbench's
+regions), generate (model → every region's CUDA source, compiled by NVRTC, no GPU needed)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _C
+from .capture import capture as _capture
+
+
+class Graph:
+    """A captured model: `print(graph)` shows the IR, `print(graph.regions())` the kernels."""
+
+    def __init__(self, captured):
+        self.captured = captured
+        self._graph = captured.graph
+
+    def __str__(self) -> str:
+        return str(self._graph)
+
+    def __repr__(self) -> str:
+        return (f"<kbench.Graph: {self._graph.num_nodes} nodes, {self._graph.num_inputs} inputs, "
+                f"{self._graph.num_symbols} varying sizes>")
+
+    def regions(self) -> "Regions":
+        return Regions(self._graph.partition())
+
+    @property
+    def ir(self):
+        """The underlying kbench._C.Graph."""
+        return self._graph
+
+
+class Regions:
+    """The fused regions of a graph; `print()` gives one block per region."""
+
+    def __init__(self, partition):
+        self.partition = partition
+
+    def __len__(self) -> int:
+        return len(self.partition)
+
+    def __getitem__(self, i: int) -> dict:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self.partition.region(i % len(self))
+
+    def __str__(self) -> str:
+        return str(self.partition)
+
+    def __repr__(self) -> str:
+        kinds = [self[i]["kind"] for i in range(len(self))]
+        return f"<kbench.Regions: {len(self)} ({', '.join(kinds)})>"
+
+
+def _as_tuple(example_inputs):
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise TypeError("example_inputs must be a tensor or a tuple/list of tensors, "
+                    f"got {type(example_inputs).__name__}")
+
+
+def capture(model: torch.nn.Module, example_inputs) -> Graph:
+    """Capture model's operations on example_inputs into kbench's IR (torch.export, non-strict)."""
+    return Graph(_capture(model, _as_tuple(example_inputs)))
+
+
+BACKENDS = ("cuda", "interp")
+
+
+def optimize(model: torch.nn.Module, example_inputs, *, backend: str | None = None, budget: str = "default",
+             seed: int = 0, verbose: bool = True) -> torch.nn.Module:
+    """Return a module that computes what `model` computes, on kbench's regions.
+
+    backend: "cuda" (generated kernels; the default for inputs on a GPU) or "interp" (the C
+    interpreter on the CPU; the default for CPU inputs). The returned module shares model's
+    parameters and buffers; model itself is not modified."""
+    from .runtime import InterpExecutor, OptimizedModule
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args = _as_tuple(example_inputs)
+    if backend is None:
+        backend = "cuda" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "interp"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if budget not in ("fast", "default", "max"):
+        raise ValueError(f"budget must be 'fast', 'default' or 'max', got {budget!r}")
+    captured = _capture(model, args)
+    if backend == "interp":
+        executor = InterpExecutor()
+    else:
+        from .cuda_backend import CudaExecutor
+        executor = CudaExecutor(budget=budget, seed=seed, verbose=verbose)
+    return OptimizedModule(model, captured, executor, args)
+
+
+@dataclass
+class GeneratedKernel:
+    region: int
+    kind: str
+    name: str
+    genome: str
+    source: str
+    ok: bool
+    log: str
+    cubin_bytes: int = 0
+
+    def __repr__(self) -> str:
+        status = "ok" if self.ok else "FAILED"
+        return f"<kernel region {self.region} {self.kind} {self.name} [{self.genome}] {status}>"
+
+
+def generate(model: torch.nn.Module, example_inputs, *, arch: str = "sm_90", compile: bool = True):
+    """Every compute region's CUDA kernel for arch, compiled by NVRTC — no GPU needed.
+    Returns a list of GeneratedKernel (.region, .source, .ok, .log)."""
+    from . import nvrtc
+
+    if not (isinstance(arch, str) and arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
+        raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+    sm = int(arch[3:].rstrip("a"))
+    graph = capture(model, example_inputs)
+    part = graph.ir.partition()
+    kernels = []
+    for r in range(len(part)):
+        region = part.region(r)
+        if region["kind"] == "EXTERN":
+            continue
+        k = _C.generate(part, r, sm, None)
+        ok, log, size = True, "", 0
+        if compile:
+            try:
+                size = len(nvrtc.compile(k["source"], arch))
+            except (_C.CompileError, FileNotFoundError) as e:
+                ok, log = False, str(e)
+        kernels.append(GeneratedKernel(r, region["kind"], k["name"], k["genome"], k["source"], ok, log, size))
+    return kernels

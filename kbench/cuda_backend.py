@@ -1,0 +1,340 @@
+"""The cuda backend: each compute region's kernel generated (csrc/codegen.c), compiled by
+NVRTC (cached on disk), loaded through the driver, verified against eager PyTorch before it is
+trusted, timed against eager, then launched on the caller's stream with no host sync.
+
+A region whose kernel fails to compile or to verify stays eager; the report says why."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+
+import torch
+
+from . import _C, nvrtc, torch_eval, verify
+from ._dtypes import torch_dtype
+from .runtime import Executor, Fallback, RegionFallback
+
+log = logging.getLogger("kbench")
+
+INT32_LIMIT = (1 << 31) - 1
+
+
+class Kernel:
+    """A loaded, verified kernel and what a launch needs, precomputed."""
+
+    __slots__ = ("fn", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks", "genome",
+                 "name", "vec", "workspace_per_unit", "source", "module", "regs", "spills", "finish_module")
+
+    def grid(self, symvals) -> int:
+        units = self.grid_units if isinstance(self.grid_units, int) else \
+            self.grid_units[0] * math.prod(symvals[s] for s in self.grid_units[1])
+        g = max(1, -(-units // self.units_per_block))
+        return min(g, self.max_blocks) if self.max_blocks else g
+
+
+def _genome_field(genome: str, key: str, default: int) -> int:
+    for part in genome.split():
+        k, _, v = part.partition("=")
+        if k == key:
+            try:
+                return int(v)
+            except ValueError:
+                return default
+    return default
+
+
+class CudaExecutor(Executor):
+    name = "cuda"
+
+    def __init__(self, *, budget: str = "default", seed: int = 0, verbose: bool = True, verify_kernels: bool = True):
+        self.budget, self.seed, self.verbose, self.verify_kernels = budget, seed, verbose, verify_kernels
+        self.kernels: dict[int, Kernel] = {}
+        self._by_source: dict[str, tuple] = {}   # identical regions compile and verify once
+        self._shapes: dict = {}
+
+    # ------------------------------------------------------------------ preparation
+
+    def prepare(self, plan, module, example_args):
+        self.plan = plan
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'cuda' needs a CUDA GPU; torch.cuda.is_available() is False "
+                               "(use backend='interp' on the CPU)")
+        devices = {a.device for a in example_args if isinstance(a, torch.Tensor)}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            raise ValueError(f"example_inputs must all be on one CUDA device for backend 'cuda', got {devices}")
+        self.device = next(iter(devices))
+        torch.cuda.init()
+        with torch.cuda.device(self.device):
+            torch.cuda.current_stream().synchronize()  # make torch create the primary context first
+            self.cuda = _C.cuda_open()
+            self.dev = _C.device_info(self.cuda, self.device.index or 0)
+            self.sm = self.dev["sm"]
+            self.arch = f"sm_{self.sm}"
+            path, version = nvrtc.info()  # FileNotFoundError here names every place looked
+            plan.nvrtc = f"{path} ({version // 1000}.{version % 1000 // 10})"
+            example_symvals = list(plan.captured.example_symvals)
+            compute = [info for info in plan.regions if info.kind != "EXTERN"]
+            for n, info in enumerate(compute):
+                if self.verbose:
+                    log.info("kbench: region %d/%d %s: %s", n + 1, len(compute), info.kind, info.ops)
+                self._prepare_region(info, example_symvals)
+
+    def _prepare_region(self, info, example_symvals):
+        plan, r = self.plan, info.index
+        try:
+            k = _C.generate(plan.partition, r, self.sm, None, self.dev)
+        except (NotImplementedError, ValueError) as e:
+            info.status = f"eager (no kernel: {str(e).splitlines()[0]})"
+            return
+        info.genome = k["genome"]
+        key = hashlib.sha256(k["source"].encode()).hexdigest()
+        if key in self._by_source:
+            kernel, status, envelope = self._by_source[key]
+        else:
+            kernel, status, envelope = self._build(k, r, example_symvals)
+            self._by_source[key] = (kernel, status, envelope)
+        info.status, info.envelope = status, envelope
+        info.extra["source_hash"] = key[:12]
+        if kernel is None:
+            return
+        info.extra.update(regs=kernel.regs, spills=kernel.spills)
+        self.kernels[r] = kernel
+        info.eager_ms, info.kernel_ms = self._time_region(r, example_symvals)
+
+    def _build(self, k, r, example_symvals):
+        try:
+            cubin = nvrtc.compile(k["source"], self.arch)
+        except _C.CompileError as e:
+            return None, f"eager (compile failed: {str(e).splitlines()[0][:120]})", ""
+        kernel = Kernel()
+        kernel.source = k["source"]
+        kernel.module = _C.module_load(self.cuda, cubin)
+        kernel.fn, kernel.regs, kernel.spills = _C.get_function(self.cuda, kernel.module, k["name"], k["smem"])
+        kernel.finish_fn = None
+        if k["nkernels"] > 1:
+            kernel.finish_fn, _, _ = _C.get_function(self.cuda, kernel.module, k["name"] + "_finish", 0)
+        kernel.name, kernel.block, kernel.smem = k["name"], k["block"], k["smem"]
+        kernel.grid_units, kernel.units_per_block = k["grid_units"], k["units_per_block"]
+        kernel.max_blocks, kernel.genome = k["max_blocks"], k["genome"]
+        kernel.vec = _genome_field(k["genome"], "vec", 1)
+        kernel.workspace_per_unit = k["workspace_bytes_per_unit"]
+        kernel.finish_module = None
+        if not self.verify_kernels:
+            return kernel, "kernel (unverified)", "unverified"
+        verdict = self._verify(r, kernel, example_symvals)
+        if not verdict:
+            return None, f"eager (verification failed: {verdict.reason})", ""
+        sizes = sorted({tuple(s) for s in verdict.sizes})
+        envelope = f"{verdict.checked} checks, sizes {self._describe_sizes(sizes)}, max err {verdict.max_error:.2g}"
+        return kernel, "kernel", envelope
+
+    def _describe_sizes(self, sizes):
+        names = [s[0] for s in self.plan.graph.symbols]
+        if not names:
+            return "pinned"
+        lo = [min(s[i] for s in sizes) for i in range(len(names))]
+        hi = [max(s[i] for s in sizes) for i in range(len(names))]
+        return ", ".join(f"{n}∈[{a},{b}]" for n, a, b in zip(names, lo, hi))
+
+    # ------------------------------------------------------------------ verification
+
+    def _region_inputs(self, r, symvals, dist, gen):
+        plan = self.plan
+        info = plan.regions[r]
+        inputs = []
+        for v in info.inputs:
+            nd = plan.nodes[v]
+            t = torch.empty(plan.graph.sizes(v, symvals), dtype=torch_dtype(nd["dtype"]), device=self.device)
+            inputs.append(verify.fill(t, dist, gen, high=self._index_bound(r, v, symvals)))
+        return inputs
+
+    def _index_bound(self, r, v, symvals):
+        """For an integer input used as a gather index: the size of the gathered axis."""
+        plan = self.plan
+        for n in plan.regions[r].nodes:
+            nd = plan.nodes[n]
+            if nd["op"] == "gather" and self._reaches(v, nd["inputs"][1], plan.regions[r].nodes):
+                return plan.graph.sizes(nd["inputs"][0], symvals)[nd["axis"]]
+        return None
+
+    def _reaches(self, src, dst, region_nodes):
+        seen, stack = set(), [dst]
+        while stack:
+            n = stack.pop()
+            if n == src:
+                return True
+            if n in seen or n not in region_nodes:
+                continue
+            seen.add(n)
+            stack.extend(self.plan.nodes[n]["inputs"])
+        return False
+
+    def _reference(self, r, symvals, inputs):
+        """The region in float64 through torch (integer inputs stay integers)."""
+        plan = self.plan
+        info = plan.regions[r]
+        ins = {v: (x.double() if x.is_floating_point() else x) for v, x in zip(info.inputs, inputs)}
+        out = torch_eval.evaluate(plan.graph, plan.captured, ins, symvals, nodes=info.nodes, compute_dtype=torch.float64)
+        return [out[v] for v in info.outputs]
+
+    def _verify(self, r, kernel, example_symvals) -> verify.Verdict:
+        plan = self.plan
+        info = plan.regions[r]
+        gen = torch.Generator().manual_seed(self.seed + 1000 * r)
+        verdict = verify.Verdict(ok=True)
+        strong = False
+        for symvals in verify.sweep_symvals(example_symvals):
+            if any(math.prod(plan.graph.sizes(v, symvals)) > (1 << 28) for v in info.inputs + info.outputs):
+                continue  # keep verification memory bounded; the example point is never skipped this way
+            for dist in verify.DISTRIBUTIONS if symvals == example_symvals else ("normal", "large"):
+                inputs = self._region_inputs(r, symvals, dist, gen)
+                clones = [x.clone() for x in inputs]
+                out1 = self._launch(kernel, r, symvals, inputs, poison=True)
+                ref = self._reference(r, symvals, clones)
+                out2 = self._launch(kernel, r, symvals, inputs, poison=True)
+                torch.cuda.synchronize(self.device)
+                for x, c in zip(inputs, clones):
+                    if not torch.equal(x, c):
+                        return verify.Verdict(False, "the kernel modified its input")
+                for j, (o1, o2, rf) in enumerate(zip(out1, out2, ref)):
+                    ok, err, why = verify.compare(o1, rf)
+                    verdict.checked += 1
+                    if not ok:
+                        return verify.Verdict(False, f"output {j} at sizes {symvals}, {dist} inputs: {why}")
+                    if not torch.equal(o1.nan_to_num(0.0) if o1.is_floating_point() else o1,
+                                       o2.nan_to_num(0.0) if o2.is_floating_point() else o2):
+                        return verify.Verdict(False, "two runs on the same inputs differ (a race)")
+                    verdict.max_error = max(verdict.max_error, err)
+                    strong = strong or verify.discriminates(rf, clones)
+                verdict.sizes.append(list(symvals))
+            # input dependence: change each float input a little, the output must move where eager's does
+            if symvals == example_symvals:
+                why = self._check_dependence(kernel, r, symvals, gen)
+                if why:
+                    return verify.Verdict(False, why)
+        if not strong and any(plan.nodes[v]["dtype"] in ("f32", "f16", "bf16", "f64") for v in info.outputs):
+            verdict = verify.Verdict(False, "no test point could tell this kernel from a constant output",
+                                     verdict.checked, verdict.max_error, verdict.sizes)
+        return verdict
+
+    def _check_dependence(self, kernel, r, symvals, gen):
+        inputs = self._region_inputs(r, symvals, "normal", gen)
+        base = self._launch(kernel, r, symvals, inputs)
+        ref_base = self._reference(r, symvals, inputs)
+        for i, x in enumerate(inputs):
+            if not x.is_floating_point():
+                continue
+            moved = list(inputs)
+            moved[i] = x + torch.randn(x.shape, generator=gen).to(x.device, x.dtype) * 0.5
+            out = self._launch(kernel, r, symvals, moved)
+            ref = self._reference(r, symvals, moved)
+            for o, b, rf, rb in zip(out, base, ref, ref_base):
+                if not o.is_floating_point():
+                    continue
+                eager_moved = not torch.allclose(rf, rb, equal_nan=True)
+                kernel_moved = not torch.equal(o.nan_to_num(0.0), b.nan_to_num(0.0))
+                if eager_moved and not kernel_moved:
+                    return f"output ignores input {i} (eager's output changes with it)"
+        return ""
+
+    # ------------------------------------------------------------------ launching
+
+    def _out_shapes(self, r, symvals):
+        key = (r, tuple(symvals))
+        shapes = self._shapes.get(key)
+        if shapes is None:
+            plan = self.plan
+            shapes = [(plan.graph.sizes(v, symvals), torch_dtype(plan.nodes[v]["dtype"]))
+                      for v in plan.regions[r].outputs]
+            if len(self._shapes) > 4096:
+                self._shapes.clear()
+            self._shapes[key] = shapes
+        return shapes
+
+    def _launch(self, kernel, r, symvals, inputs, poison=False):
+        shapes = self._out_shapes(r, symvals)
+        device = inputs[0].device if inputs else self.device
+        if poison:
+            outs = [verify.poison_like(s, d, device) for s, d in shapes]
+        else:
+            outs = [torch.empty(s, dtype=d, device=device) for s, d in shapes]
+        ints = list(symvals)
+        grid = kernel.grid(symvals)
+        workspace = None
+        if kernel.workspace_per_unit:
+            units = kernel.grid_units if isinstance(kernel.grid_units, int) else \
+                kernel.grid_units[0] * math.prod(symvals[s] for s in kernel.grid_units[1])
+            workspace = torch.empty(max(1, kernel.workspace_per_unit * units), dtype=torch.uint8, device=device)
+            ints.append(workspace.data_ptr())  # a pointer argument is 8 bytes, like an int64
+        ptrs = tuple(x.data_ptr() for x in inputs) + tuple(o.data_ptr() for o in outs)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _C.launch(self.cuda, kernel.fn, (grid, 1, 1), kernel.block, kernel.smem, stream, ptrs, tuple(ints))
+        if kernel.finish_fn is not None:
+            _C.launch(self.cuda, kernel.finish_fn, (grid, 1, 1), kernel.block, 0, stream, ptrs, tuple(ints))
+        return outs
+
+    def can_run(self, r):
+        return r in self.kernels
+
+    def run(self, r, symvals, inputs):
+        kernel = self.kernels[r]
+        for i, x in enumerate(inputs):
+            if not x.is_cuda:
+                raise Fallback(f"the model was optimized for {self.device}; got a tensor on {x.device}")
+            if x.device != self.device:
+                raise Fallback(f"the model was optimized for {self.device}; got a tensor on {x.device}")
+            if not x.is_contiguous():
+                raise RegionFallback(f"region {r}: input {i} is not contiguous")
+            if kernel.vec > 1 and x.data_ptr() % 16:
+                raise RegionFallback(f"region {r}: input {i} is not 16-byte aligned (kernel uses vec={kernel.vec})")
+            if x.numel() > INT32_LIMIT:
+                raise RegionFallback(f"region {r}: input {i} has more than 2^31 elements")
+        return self._launch(kernel, r, symvals, inputs)
+
+    # ------------------------------------------------------------------ timing for the report
+
+    def _time_region(self, r, symvals, reps=20):
+        plan = self.plan
+        gen = torch.Generator().manual_seed(self.seed)
+        inputs = self._region_inputs(r, symvals, "normal", gen)
+        info = plan.regions[r]
+        kernel = self.kernels[r]
+
+        def eager():
+            torch_eval.evaluate(plan.graph, plan.captured, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes)
+
+        def ours():
+            self._launch(kernel, r, symvals, inputs)
+
+        return _event_ms(eager, reps), _event_ms(ours, reps)
+
+
+def _event_ms(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def host_overhead_us(module, args, calls=200) -> float:
+    """Host time per forward call (no sync inside the loop), for the report."""
+    with torch.no_grad():
+        for _ in range(10):
+            module(*args)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            module(*args)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6

@@ -1,0 +1,48 @@
+"""Where NVRTC comes from, and compiling through it with the on-disk CUBIN cache.
+
+Search order (DESIGN §1): $KBENCH_NVRTC, the nvidia/*/lib folders of the installed torch wheel
+(and of the nvidia-cuda-nvrtc wheel), $CUDA_HOME, /usr/local/cuda, the loader's path."""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import sys
+
+from . import _C
+
+
+def cache_dir() -> str:
+    root = os.environ.get("KBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kbench")
+    return os.path.join(root, "cubin")
+
+
+def wheel_lib_dirs() -> list[str]:
+    """nvidia/<pkg>/lib folders of pip-installed CUDA wheels (torch's, nvidia-cuda-nvrtc)."""
+    dirs = []
+    for base in sys.path:
+        if not base or not os.path.isdir(os.path.join(base, "nvidia")):
+            continue
+        dirs += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib")))
+    seen, out = set(), []
+    for d in dirs:
+        if d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def handle():
+    """The process's NVRTC (opened once). FileNotFoundError names every place looked."""
+    return _C.nvrtc_open(wheel_lib_dirs())
+
+
+def info() -> tuple[str, int]:
+    """(path of the loaded libnvrtc, version as major*1000 + minor*10)."""
+    return _C.nvrtc_info(handle())
+
+
+def compile(source: str, arch: str, *, use_cache: bool = True) -> bytes:
+    """CUDA C → CUBIN for arch ("sm_90"); kbench.CompileError carries NVRTC's log."""
+    return _C.nvrtc_compile(handle(), source, arch, cache_dir() if use_cache else None)

@@ -1,0 +1,81 @@
+"""model.kbench_report: one row per region — its ops, schedule, verified envelope, eager vs
+kernel time and status — as a text table for print() and HTML for Jupyter."""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Row:
+    region: int
+    kind: str
+    ops: str
+    status: str
+    genome: str = ""
+    envelope: str = ""
+    eager_ms: float | None = None
+    kernel_ms: float | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.eager_ms and self.kernel_ms:
+            return self.eager_ms / self.kernel_ms
+        return None
+
+
+@dataclass
+class Report:
+    backend: str
+    rows: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @classmethod
+    def from_module(cls, module) -> "Report":
+        plan = module._kbench_plan
+        executor = module._kbench_executor
+        rep = cls(executor.name)
+        for info in plan.regions:
+            rep.rows.append(Row(info.index, info.kind, info.ops, info.status if info.kind != "EXTERN" else "torch",
+                                info.genome, info.envelope, info.eager_ms, info.kernel_ms))
+        nvrtc = getattr(plan, "nvrtc", None)
+        if nvrtc:
+            rep.notes.append(f"NVRTC: {nvrtc}")
+        if plan.captured.static_reason:
+            rep.notes.append(f"all sizes pinned: {plan.captured.static_reason}")
+        for reason in sorted(module._kbench_reasons):
+            rep.notes.append(f"fallback: {reason}")
+        return rep
+
+    @property
+    def kernels(self) -> int:
+        return sum(1 for r in self.rows if r.status.startswith("kernel"))
+
+    def _cells(self):
+        head = ["#", "kind", "ops", "genome", "envelope", "eager ms", "kernel ms", "×", "status"]
+        body = []
+        for r in self.rows:
+            ops = r.ops if len(r.ops) <= 40 else r.ops[:37] + "..."
+            body.append([str(r.region), r.kind, ops, r.genome, r.envelope,
+                         f"{r.eager_ms:.4f}" if r.eager_ms is not None else "",
+                         f"{r.kernel_ms:.4f}" if r.kernel_ms is not None else "",
+                         f"{r.speedup:.2f}" if r.speedup else "", r.status])
+        return head, body
+
+    def __str__(self) -> str:
+        head, body = self._cells()
+        widths = [max(len(x) for x in col) for col in zip(head, *body)]
+        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        out = [f"kbench report — backend {self.backend}: {self.kernels} kernel(s) in {len(self.rows)} region(s)",
+               line(head), line(["-" * w for w in widths])]
+        out += [line(b) for b in body]
+        out += self.notes
+        return "\n".join(out)
+
+    def _repr_html_(self) -> str:
+        head, body = self._cells()
+        th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+        trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in b) + "</tr>" for b in body)
+        notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
+        return (f"<b>kbench report</b> — backend {html.escape(self.backend)}: {self.kernels} kernel(s)"
+                f"<table><tr>{th}</tr>{trs}</table><ul>{notes}</ul>")

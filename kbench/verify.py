@@ -1,0 +1,125 @@
+"""Verification of a region's kernel against eager PyTorch (DESIGN §5): nothing is swapped in
+unverified. A candidate must match a float64 reference over a sweep of shapes, value
+distributions and seeds, with NaN-poisoned outputs, input dependence, repeatability, untouched
+inputs, and a test that a constant or zero output would not have passed."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+# tolerance on max|out - ref| relative to max|ref| (the norm), per output dtype
+TOLERANCE = {torch.float32: 2e-5 * 16, torch.float64: 1e-9, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+DISTRIBUTIONS = ("normal", "uniform", "large", "tiny")
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    reason: str = ""
+    checked: int = 0                    # sweep points compared
+    max_error: float = 0.0              # worst relative-to-norm error seen
+    sizes: list = field(default_factory=list)   # symbol values that passed
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def sweep_symvals(example: list[int], pinned_limit: int = 1 << 31) -> list[list[int]]:
+    """Every varying size at 1, a small odd size, the example and a larger one; one symbol
+    moves at a time (the others stay at the example) so the sweep stays small."""
+    points = [list(example)]
+    for s, v in enumerate(example):
+        for alt in (1, 7, v + 3 if v % 2 == 0 else v + 2, 2 * v + 1):
+            if alt == v or alt < 1 or alt >= pinned_limit:
+                continue
+            p = list(example)
+            p[s] = alt
+            if p not in points:
+                points.append(p)
+    return points
+
+
+def fill(t: torch.Tensor, dist: str, gen: torch.Generator, high: int | None = None) -> torch.Tensor:
+    """Random contents for an input of t's shape/dtype, drawn on the CPU (repeatable), moved."""
+    shape, dtype = t.shape, t.dtype
+    if dtype == torch.bool:
+        x = torch.rand(shape, generator=gen) < 0.5
+    elif not dtype.is_floating_point:
+        x = torch.randint(0, max(int(high or 2), 1), shape, generator=gen, dtype=torch.int64)
+    elif dist == "normal":
+        x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    elif dist == "uniform":
+        x = torch.rand(shape, generator=gen, dtype=torch.float64)
+    elif dist == "large":
+        x = (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) * 1e3
+    else:  # tiny, with negatives
+        x = (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) * 1e-3
+    return x.to(dtype=dtype).to(t.device)
+
+
+def poison_like(shape, dtype, device) -> torch.Tensor:
+    """An output buffer whose every element is wrong until written."""
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    if dtype == torch.bool:
+        return torch.empty(shape, dtype=torch.uint8, device=device).fill_(0xA5).view(torch.bool)
+    return torch.full(shape, -0x5A5A5A5, dtype=dtype, device=device)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float, str]:
+    """(ok, error relative to the reference's norm, why not). ref is float64 (or the exact
+    integer result); NaN and Inf must sit in the same places."""
+    if out.shape != ref.shape:
+        return False, math.inf, f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    if not out.dtype.is_floating_point:
+        if out.dtype == torch.bool:
+            bad = (out.view(torch.uint8) > 1).any() or (out != ref.to(torch.bool)).any()
+        else:
+            bad = (out != ref.to(out.dtype)).any()
+        return (not bool(bad)), 0.0 if not bad else math.inf, "integer outputs differ" if bad else ""
+    o, r = out.double(), ref.double()
+    nan_o, nan_r = torch.isnan(o), torch.isnan(r)
+    if not torch.equal(nan_o, nan_r):
+        n = int((nan_o & ~nan_r).sum())
+        return False, math.inf, (f"{n} element(s) NaN where eager is not (unwritten or wrong)" if n
+                                 else "NaN missing where eager has one")
+    inf_o, inf_r = torch.isinf(o), torch.isinf(r)
+    if not torch.equal(inf_o, inf_r) or not torch.equal(o[inf_o], r[inf_r]):
+        return False, math.inf, "Inf in different places"
+    finite = ~(nan_r | inf_r)
+    if not finite.any():
+        return True, 0.0, ""
+    o, r = o[finite], r[finite]
+    norm = float(r.abs().max())
+    err = float((o - r).abs().max())
+    rel = err / norm if norm > 0 else err
+    tol = TOLERANCE.get(out.dtype, 1e-4)
+    # a small absolute floor: a reference of all ~0 is compared absolutely
+    ok = err <= tol * max(norm, 1e-6) + (tol * 1e-3 if norm < 1e-3 else 0.0)
+    return ok, rel, "" if ok else f"error {rel:.3g} of the norm exceeds {tol:g}"
+
+
+def discriminates(ref: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    """Would zeros, a constant or one of the inputs fail against ref? If not, this sweep point
+    proves little (a kernel writing zeros would pass it)."""
+    if not ref.dtype.is_floating_point:
+        return ref.numel() > 1 and bool((ref != ref.flatten()[0]).any())
+    r = ref.double()
+    finite = torch.isfinite(r)
+    if int(finite.sum()) < 2:
+        return False
+    rf = r[finite]
+    tol = TOLERANCE[torch.float32]
+    norm = float(rf.abs().max())
+    if norm == 0:
+        return False
+    if float((rf - rf.mean()).abs().max()) <= tol * norm:    # constant (zeros included)
+        return False
+    for x in inputs:
+        if x.shape == ref.shape and x.is_floating_point():
+            xf = x.double()[finite]
+            if float((xf - rf).abs().max()) <= tol * norm:  # the identity would pass
+                return False
+    return True

@@ -1,0 +1,139 @@
+"""optimize(backend="interp") end to end on the CPU: every test model's regions run through the C
+interpreter (not through eager: a fallback fails the test) and match eager on the example shape
+and on other shapes, forward and backward; parameters are shared, the original untouched."""
+import copy
+
+import pytest
+import torch
+
+import kbench
+from models import MODELS
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def as_list(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def cast_inputs(inputs, dtype):
+    return tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+
+
+def check_no_fallback(fast):
+    assert not fast._kbench_reasons, f"fell back to eager: {fast._kbench_reasons}"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float64, 1e-9)], ids=["f32", "f64"])
+@pytest.mark.parametrize("entry", MODELS, ids=[m[0] for m in MODELS])
+def test_interp_matches_eager(entry, dtype, tol):
+    name, factory, example, other = entry
+    torch.manual_seed(0)
+    model = factory().to(dtype).eval()
+    ex = cast_inputs(example(), dtype)
+    fast = kbench.optimize(model, ex, backend="interp")
+    kinds = [r.kind for r in fast.kbench_report.rows]
+    for inputs in (ex, cast_inputs(other(), dtype)):
+        with torch.no_grad():
+            want, got = as_list(model(*inputs)), as_list(fast(*inputs))
+        assert len(want) == len(got)
+        for w, g in zip(want, got):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            assert rel_err(g, w) <= tol, f"{name}: regions {kinds}"
+    check_no_fallback(fast)
+
+
+@pytest.mark.parametrize("entry", MODELS[:12], ids=[m[0] for m in MODELS[:12]])
+def test_interp_bf16_rounds_on_store(entry):
+    name, factory, example, _ = entry
+    torch.manual_seed(0)
+    model = factory().to(torch.bfloat16).eval()
+    ex = cast_inputs(example(), torch.bfloat16)
+    fast = kbench.optimize(model, ex, backend="interp")
+    ref_model = copy.deepcopy(model).double()
+    with torch.no_grad():
+        ref = as_list(ref_model(*cast_inputs(ex, torch.float64)))
+        got = as_list(fast(*ex))
+        eager = as_list(model(*ex))
+    for g, r, e in zip(got, ref, eager):
+        assert g.dtype == e.dtype
+        if g.is_floating_point():
+            # computed in f32/f64 and rounded once: at least as close to f64 as eager bf16 is, within slack
+            assert rel_err(g, r) <= max(2 * rel_err(e, r), 1e-2), name
+    check_no_fallback(fast)
+
+
+@pytest.mark.parametrize("entry", MODELS[:20], ids=[m[0] for m in MODELS[:20]])
+def test_interp_gradients_match_eager(entry):
+    name, factory, example, other = entry
+    torch.manual_seed(0)
+    model = factory().double()
+    ex = cast_inputs(example(), torch.float64)
+    fast = kbench.optimize(model, ex, backend="interp")
+    inputs = [x.clone().requires_grad_(x.is_floating_point()) for x in cast_inputs(other(), torch.float64)]
+    inputs2 = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    outs = as_list(model(*inputs))
+    grads_out = [torch.randn_like(o) for o in outs if o.is_floating_point() and o.requires_grad]
+    if not grads_out:
+        pytest.skip("no differentiable output")
+    want = torch.autograd.grad([o for o in outs if o.is_floating_point() and o.requires_grad], 
+                               [x for x in inputs if x.requires_grad] + [p for p in model.parameters()],
+                               grads_out, allow_unused=True)
+    fouts = as_list(fast(*inputs2))
+    got = torch.autograd.grad([o for o in fouts if o.is_floating_point() and o.requires_grad],
+                              [x for x in inputs2 if x.requires_grad] + [p for p in fast.parameters()],
+                              grads_out, allow_unused=True)
+    for w, g in zip(want, got):
+        assert (w is None) == (g is None), name
+        if w is not None:
+            assert rel_err(g, w) <= 1e-9, name
+    check_no_fallback(fast)
+
+
+def test_parameters_shared_and_original_untouched():
+    factory, example = MODELS[0][1], MODELS[0][2]
+    model = factory()
+    before = copy.deepcopy(model.state_dict())
+    fast = kbench.optimize(model, example(), backend="interp")
+    assert list(fast.state_dict().keys()) == list(model.state_dict().keys())
+    for p, q in zip(fast.parameters(), model.parameters()):
+        assert p is q
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    # an update through the original is seen by the optimized module
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    x = example()
+    assert rel_err(as_list(fast(*x))[0], as_list(model(*x))[0]) <= 2e-5
+
+
+def test_bad_input():
+    model, example = MODELS[0][1](), MODELS[0][2]()
+    with pytest.raises(TypeError, match="model"):
+        kbench.optimize(lambda x: x, example, backend="interp")
+    with pytest.raises(ValueError, match="backend"):
+        kbench.optimize(model, example, backend="tpu")
+    fast = kbench.optimize(model, example, backend="interp")
+    with pytest.raises(TypeError, match="input"):
+        fast(*example, example[0])
+
+
+def test_outside_envelope_falls_back_with_one_time_reason(caplog):
+    model = torch.nn.GELU()
+    fast = kbench.optimize(model, (torch.randn(4, 8),), backend="interp")
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with caplog.at_level("WARNING", logger="kbench"):
+        for _ in range(3):
+            out = fast(x)
+    assert out.dtype == torch.float64 and torch.allclose(out, model(x))
+    msgs = [r.getMessage() for r in caplog.records if "dtype" in r.getMessage()]
+    assert len(msgs) == 1, msgs   # once, not per call
+    # inside the envelope (any batch size) it runs on kbench's regions, no new reason
+    fast._kbench_reasons.clear()
+    y = torch.randn(3, 8)
+    assert rel_err(fast(y), model(y)) <= 2e-5
+    assert not fast._kbench_reasons
