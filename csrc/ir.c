@@ -363,6 +363,7 @@ static const char *check_node(const kb_graph *g, const kb_node *t, char *msg, si
             if (i && dm->sym[i - 1] > dm->sym[i]) return "symbols of a size must be sorted";
         }
     }
+    if (t->op == KB_OP_INPUT && (unsigned)t->input_kind > KB_INPUT_BUFFER) return "unknown input kind";
     const kb_node *a = t->ninputs > 0 ? &g->nodes[t->inputs[0]] : NULL;
     switch (info->kind) {
     case KB_KIND_LEAF:

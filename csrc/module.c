@@ -145,13 +145,58 @@ static PyObject *graph_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 static void graph_dealloc(kb_py_graph *self) {
     PyTypeObject *tp = Py_TYPE(self);
     kb_graph_free(self->graph);
-    kb_ctx_free(self->ctx);
+    if (self->owner)
+        Py_DECREF(self->owner);
+    else
+        kb_ctx_free(self->ctx);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
 
 static PyObject *graph_raise(kb_py_graph *self, kb_status st) {
     return kb_py_raise(PyType_GetModule(Py_TYPE(self)), self->ctx, st, NULL);
+}
+
+/* Wraps a graph made with owner's context (kb_graph_grad, kb_region_graph). */
+static PyObject *graph_wrap_derived(kb_py_graph *owner, kb_graph *g) {
+    PyTypeObject *tp = kb_py_state(PyType_GetModule(Py_TYPE(owner)))->graph_type;
+    kb_py_graph *self = (kb_py_graph *)tp->tp_alloc(tp, 0);
+    if (!self) {
+        kb_graph_free(g);
+        return NULL;
+    }
+    self->ctx = owner->ctx;
+    self->graph = g;
+    self->owner = Py_NewRef(owner->owner ? owner->owner : (PyObject *)owner);
+    return (PyObject *)self;
+}
+
+static PyObject *graph_grad(kb_py_graph *self, PyObject *arg) {
+    int32_t n = kb_graph_ninputs(self->graph);
+    PyObject *fast = PySequence_Fast(arg, "grad(wrt): wrt must be a sequence of bools, one per input");
+    if (!fast) return NULL;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        Py_DECREF(fast);
+        return PyErr_Format(PyExc_ValueError, "grad(wrt): %d inputs, got %zd flags", n, PySequence_Fast_GET_SIZE(fast));
+    }
+    uint8_t wrt[256];
+    if (n > 256) {
+        Py_DECREF(fast);
+        return PyErr_Format(PyExc_ValueError, "grad: at most 256 inputs");
+    }
+    for (int32_t i = 0; i < n; i++) {
+        int t = PyObject_IsTrue(PySequence_Fast_GET_ITEM(fast, i));
+        if (t < 0) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        wrt[i] = (uint8_t)t;
+    }
+    Py_DECREF(fast);
+    kb_graph *out = NULL;
+    kb_status st = kb_graph_grad(self->graph, wrt, &out);
+    if (st != KB_OK) return graph_raise(self, st);
+    return graph_wrap_derived(self, out);
 }
 
 static PyObject *graph_add_symbol(kb_py_graph *self, PyObject *args) {
@@ -204,6 +249,8 @@ static PyObject *graph_add_node(kb_py_graph *self, PyObject *args, PyObject *kwd
     if (dtype_from_py(dtype, &t.dtype) < 0 || dims_from_py(dims, &t) < 0) return NULL;
     Py_ssize_t n = PySequence_Size(inputs);
     if (n < 0) return NULL;
+    /* "max"/"min" print the same for the binary op and the reduction: one operand = reduction */
+    if (n == 1 && (o == KB_OP_MAX || o == KB_OP_MIN)) t.op = o == KB_OP_MAX ? KB_OP_RMAX : KB_OP_RMIN;
     if (n > KB_MAX_INPUTS) return PyErr_Format(PyExc_ValueError, "%s: at most %d operands", op, KB_MAX_INPUTS);
     int64_t ids[KB_MAX_INPUTS];
     if (kb_py_int64s(inputs, ids, n, "inputs") < 0) return NULL;
@@ -353,6 +400,9 @@ static PyMethodDef graph_methods[] = {
     {"node", (PyCFunction)graph_node, METH_O, "node(id) -> dict of the node's fields"},
     {"sizes", (PyCFunction)graph_sizes, METH_VARARGS, "sizes(value id, symvals) -> concrete sizes"},
     {"partition", (PyCFunction)graph_partition, METH_NOARGS, "partition() -> Partition (the fused regions)"},
+    {"grad", (PyCFunction)graph_grad, METH_O,
+     "grad(wrt) -> Graph: inputs = this graph's inputs + one upstream gradient per output; outputs = the "
+     "gradients of the inputs flagged in wrt"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -400,6 +450,16 @@ static PyObject *partition_region(kb_py_partition *self, PyObject *arg) {
                          "reduce_axes", (unsigned long)rg->reduce_axes);
 }
 
+static PyObject *partition_region_graph(kb_py_partition *self, PyObject *arg) {
+    long r = PyLong_AsLong(arg);
+    if (r == -1 && PyErr_Occurred()) return NULL;
+    if (r < 0 || r >= self->part->nregions) return PyErr_Format(PyExc_IndexError, "region %ld out of range", r);
+    kb_graph *out = NULL;
+    kb_status st = kb_region_graph(self->part, (int32_t)r, &out);
+    if (st != KB_OK) return kb_py_raise(PyType_GetModule(Py_TYPE(self)), self->graph->ctx, st, NULL);
+    return graph_wrap_derived(self->graph, out);
+}
+
 static PyObject *partition_str(kb_py_partition *self) {
     char *text;
     kb_status st = kb_partition_dump(self->part, &text);
@@ -415,6 +475,8 @@ static PyObject *partition_get_graph(kb_py_partition *self, void *Py_UNUSED(c)) 
 
 static PyMethodDef partition_methods[] = {
     {"region", (PyCFunction)partition_region, METH_O, "region(i) -> dict(kind, nodes, inputs, outputs, anchor, reduce_axes)"},
+    {"region_graph", (PyCFunction)partition_region_graph, METH_O,
+     "region_graph(i) -> Graph: region i alone, its inputs as graph inputs, its outputs as graph outputs"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,5 @@
-"""python -m kbench {info,bench}: what kbench sees on this machine, and the robust benchmark."""
+"""python -m kbench {info,bench,cache}: what kbench sees on this machine, the robust benchmark,
+and the persistent kernel cache."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,8 @@ def info() -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m kbench", description=__doc__)
-    parser.add_argument("command", choices=["info", "bench"], help="info: versions, GPU, NVRTC; bench: the benchmark")
+    parser.add_argument("command", choices=["info", "bench", "cache"],
+                        help="info: versions, GPU, NVRTC; bench: the benchmark; cache: ls, clear, export, info")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -37,6 +39,9 @@ def main(argv=None) -> int:
     if command == "bench":
         from kbench.bench.cli import main as bench_main
         return bench_main(rest)
+    if command == "cache":
+        from kbench.cache import cli_main
+        return cli_main(rest)
     parser.parse_args([command])
     return 2
 
