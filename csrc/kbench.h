@@ -189,6 +189,23 @@ kb_status kb_partition_new(const kb_graph *g, kb_partition **out);
 void kb_partition_free(kb_partition *p);
 kb_status kb_partition_dump(const kb_partition *p, char **out);
 
+/* ---------------------------------------------------------------- subgraphs and autodiff (grad.c) */
+
+/* Region r of p as a standalone graph: its inputs become INPUT nodes (kind user, in
+ * region->inputs order), its outputs the graph's outputs (region->outputs order); symbols are
+ * copied so sizes keep their meaning. The caller owns *out (kb_graph_free); same ctx as p's graph. */
+kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out);
+
+/* Reverse mode: a graph computing the vector-Jacobian product of g. Its inputs are g's inputs
+ * (same order, kinds, names), then one upstream gradient per output of g (same dtype and
+ * shape, kind user, named "grad_out<k>"). Its outputs are the gradients of the inputs i with
+ * wrt[i] != 0, in input order (same dtype and shape as the input). The forward values the
+ * backward needs are recomputed inside it from g's inputs (saved-tensor policy: keep the
+ * region inputs, recompute the rest — the partitioner fuses recomputation into the backward
+ * kernels). Integer and bool inputs get no gradient (wrt must be 0 for them). The caller owns
+ * *out (kb_graph_free). KB_ERR_UNSUPPORTED for a graph with EXTERN nodes. */
+kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out);
+
 /* ---------------------------------------------------------------- CPU interpreter (interp.c) */
 
 /* Runs region r on host buffers, computing in double. ins[i] is region input i, outs[j]
