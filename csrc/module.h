@@ -20,11 +20,13 @@ kb_module_state *kb_py_state(PyObject *module);
 /* Raises the exception for st with ctx's message (and prefix, if not NULL); returns NULL. */
 PyObject *kb_py_raise(PyObject *module, kb_ctx *ctx, kb_status st, const char *prefix);
 
-/* The Graph object: owns its context and graph. */
+/* The Graph object: owns its graph, and its context unless `owner` is set — a graph derived
+ * from another (a gradient, a region's subgraph) shares that one's context and keeps it alive. */
 typedef struct kb_py_graph {
     PyObject_HEAD
     kb_ctx *ctx;
     kb_graph *graph;
+    PyObject *owner;
 } kb_py_graph;
 
 /* The Partition object: owns the partition, keeps its Graph alive. */
