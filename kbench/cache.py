@@ -1,0 +1,499 @@
+"""The persistent kernel cache: winners of the search (with their CUBIN, so a new process compiles
+nothing) and the record of every candidate tried, in one SQLite file shared by concurrent processes.
+
+A cache is never trusted blindly: a file that is not ours is set aside and replaced, an unusable
+location degrades to an in-memory cache, and no key or row holds an absolute path."""
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import re
+import sqlite3
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+MAGIC = "kbench kernel cache"
+BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another process's (short) transaction
+
+KEY_FIELDS = ("region_sig", "dtypes", "shape_class", "gpu_name", "gpu_arch", "driver", "nvrtc",
+              "torch_version", "kbench_version")
+LAUNCH_FIELDS = ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels", "workspace")
+WINNER_FIELDS = ("genome", "source_hash", "cubin", "entries", "launch", "envelope", "best_ms", "search_s",
+                 "ncandidates", "created")
+CANDIDATE_FIELDS = ("genome", "compile_status", "compile_log", "regs", "spills", "time_ms", "verify",
+                    "generation", "seed")
+
+_KEY_COLS = ", ".join(f"{f} TEXT NOT NULL" for f in KEY_FIELDS)
+_SCHEMA = f"""
+CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE winners (
+    id INTEGER PRIMARY KEY, {_KEY_COLS},
+    genome TEXT NOT NULL, source_hash TEXT NOT NULL, cubin BLOB, entries TEXT NOT NULL,
+    launch TEXT NOT NULL, envelope TEXT NOT NULL, best_ms REAL, search_s REAL, ncandidates INTEGER,
+    created REAL NOT NULL,
+    UNIQUE ({", ".join(KEY_FIELDS)}));
+CREATE TABLE candidates (
+    id INTEGER PRIMARY KEY, {_KEY_COLS},
+    genome TEXT NOT NULL, compile_status TEXT, compile_log TEXT, regs INTEGER, spills INTEGER,
+    time_ms REAL, verify TEXT, generation INTEGER, seed INTEGER, extra TEXT, created REAL NOT NULL);
+CREATE INDEX candidates_region ON candidates (region_sig);
+"""
+_TABLES = {"meta", "winners", "candidates"}
+_TEXT_FIELDS = ("genome", "compile_status", "compile_log", "verify")  # free text: scrubbed of paths
+
+# An absolute path: a "/" (or "~/") at the start of a token followed by at least one more "/".
+# NOTE: caches are copied between machines and shared in bug reports; paths leak user names and
+# make keys machine-specific, so key fields refuse them and free text is scrubbed to basenames.
+_ABS_PATH = re.compile(r"(?:^|(?<=[\s(\"'=:,\[]))~?/(?:[\w.+@-]+/)+([\w.+@-]*)")
+
+
+def _scrub(text):
+    return None if text is None else _ABS_PATH.sub(lambda m: m.group(1) or ".", str(text))
+
+
+def default_path() -> str:
+    root = os.environ.get("KBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kbench")
+    return os.path.join(root, "kbench.sqlite")
+
+
+# ---------------------------------------------------------------------------------------- keys
+
+@dataclass(frozen=True)
+class CacheKey:
+    """What a winner is valid for. Every field is a plain string; see make_key."""
+    region_sig: str      # sha256 of the region's IR text
+    dtypes: str          # "f32" or "f16,f32,..." (the region's input/output dtypes)
+    shape_class: str     # pinned dims and their values + a bucket of the varying sizes
+    gpu_name: str        # "NVIDIA H100 80GB HBM3"
+    gpu_arch: str        # "sm_90"
+    driver: str          # "12.4"
+    nvrtc: str           # "12.4"
+    torch_version: str
+    kbench_version: str
+
+    def __post_init__(self):
+        for f in KEY_FIELDS:
+            v = getattr(self, f)
+            if not isinstance(v, str):
+                raise TypeError(f"CacheKey.{f} must be a str, got {type(v).__name__}")
+            if _ABS_PATH.search(v):
+                raise ValueError(f"CacheKey.{f} contains an absolute path ({v!r}); pass a version, not a path")
+
+    def as_dict(self) -> dict:
+        return {f: getattr(self, f) for f in KEY_FIELDS}
+
+
+def region_signature(region_text: str) -> str:
+    """The hash of a region's IR text (line endings and trailing blanks do not matter)."""
+    norm = "\n".join(line.rstrip() for line in region_text.strip().splitlines())
+    return hashlib.sha256(norm.encode()).hexdigest()
+
+
+def make_key(region_text: str, dtypes, shape_class: str, *, driver, nvrtc, gpu_name: str | None = None,
+             gpu_arch: str | None = None, device=None, torch_version: str | None = None,
+             kbench_version: str | None = None) -> CacheKey:
+    """A CacheKey with the environment filled in: torch and kbench versions, and the GPU's name
+    and arch from torch.cuda (device, default the current one) unless given. driver and nvrtc
+    are the caller's (ints like 12040 or strings like "12.4"): kbench's own loader knows them."""
+    import torch
+    if (gpu_name is None or gpu_arch is None) and torch.cuda.is_available():
+        dev = torch.cuda.current_device() if device is None else device
+        gpu_name = gpu_name if gpu_name is not None else torch.cuda.get_device_name(dev)
+        gpu_arch = gpu_arch if gpu_arch is not None else "sm_{}{}".format(*torch.cuda.get_device_capability(dev))
+    if kbench_version is None:
+        from . import __version__ as kbench_version
+    if not isinstance(dtypes, str):
+        dtypes = ",".join(str(d) for d in dtypes)
+    # CUDA-style integers (12040 = 12.4) become "12.4"; strings pass through
+    driver, nvrtc = (f"{v // 1000}.{v % 1000 // 10}" if isinstance(v, int) else str(v) for v in (driver, nvrtc))
+    return CacheKey(region_signature(region_text), dtypes, shape_class, gpu_name or "none", gpu_arch or "none",
+                    driver, nvrtc, torch_version or torch.__version__, kbench_version)
+
+
+def size_bucket(n: int) -> str:
+    """Power-of-two bucket of a varying size: 300 -> "[256,512)". Kernels tuned for 300 rows are a
+    fair start for 400 but not for 40000, and one entry per exact size would never hit."""
+    if n <= 0:
+        return str(n)
+    lo = 1 << (n.bit_length() - 1)
+    return f"[{lo},{lo * 2})"
+
+
+def shape_class(pinned: dict, varying: dict) -> str:
+    """A shape_class string: "pinned H=768 | varying B:[256,512)" (names sorted, stable)."""
+    p = " ".join(f"{k}={v}" for k, v in sorted(pinned.items()))
+    v = " ".join(f"{k}:{size_bucket(n)}" for k, n in sorted(varying.items()))
+    return f"pinned {p or '-'} | varying {v or '-'}"
+
+
+# ---------------------------------------------------------------------------------------- rows
+
+@dataclass
+class Winner:
+    """The search's chosen kernel for a key, with everything a new process needs to launch it."""
+    genome: str
+    source_hash: str
+    cubin: bytes | None
+    entries: list                      # kernel entry names: ["k", "k_finish"]
+    launch: dict                       # LAUNCH_FIELDS (block, smem, grid_units, ...)
+    envelope: str = ""                 # what verification covered, as the runtime guard reads it
+    best_ms: float | None = None
+    search_s: float | None = None
+    ncandidates: int = 0
+    created: float = field(default_factory=time.time)
+
+
+class Cache:
+    """One open cache. Each call is its own short transaction; safe to share between threads."""
+
+    def __init__(self, conn: sqlite3.Connection, path: str | None, note: str = ""):
+        self._conn, self.path, self.note = conn, path, note
+        self._lock = threading.Lock()
+
+    @property
+    def in_memory(self) -> bool:
+        return self.path is None
+
+    def close(self):
+        with self._lock:
+            self._conn.close()
+
+    def _run(self, fn, write: bool):
+        """fn(conn) in one transaction. A database error mid-run (the file corrupted or locked
+        for longer than BUSY_TIMEOUT_S) must not fail the user's optimize(): warn once, carry on
+        in memory; the next open_cache() decides whether the file is to be set aside."""
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                try:
+                    out = fn(self._conn)
+                    self._conn.execute("COMMIT")
+                    return out
+                except BaseException:
+                    if self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.ProgrammingError:  # used after close(), bad SQL: a bug, not the file's fault
+                raise
+            except sqlite3.Error as e:
+                if self.path is None:
+                    raise
+                warnings.warn(f"kbench cache {os.path.basename(self.path)}: {e}; continuing with an "
+                              f"in-memory cache for this process", RuntimeWarning, stacklevel=3)
+                self._conn.close()
+                self._conn, self.path, self.note = _memory(), None, f"database error: {e}"
+                return fn(self._conn)
+
+    # ------------------------------------------------------------------ winners
+
+    def lookup(self, key: CacheKey) -> Winner | None:
+        where = " AND ".join(f"{f} = ?" for f in KEY_FIELDS)
+        row = self._run(lambda c: c.execute(f"SELECT {', '.join(WINNER_FIELDS)} FROM winners WHERE {where}",
+                                            tuple(key.as_dict().values())).fetchone(), write=False)
+        if row is None:
+            return None
+        w = Winner(*row)
+        w.cubin = None if w.cubin is None else bytes(w.cubin)
+        w.entries, w.launch = json.loads(w.entries), json.loads(w.launch)
+        return w
+
+    def store(self, key: CacheKey, winner: Winner) -> None:
+        """Insert, or replace the entry with the same key (the latest search wins)."""
+        missing = [f for f in LAUNCH_FIELDS if f not in winner.launch]
+        if missing:  # the launcher needs every one of them; fail at store, not in a later process
+            raise ValueError(f"Winner.launch lacks {', '.join(missing)}")
+        if isinstance(winner.entries, str) or not winner.entries:
+            raise ValueError("Winner.entries must be a non-empty list of entry names")
+        cubin = None if winner.cubin is None else sqlite3.Binary(bytes(winner.cubin))
+        row = (*key.as_dict().values(), _scrub(winner.genome), winner.source_hash, cubin,
+               json.dumps(list(winner.entries)), _scrub(json.dumps(winner.launch, sort_keys=True)),
+               _scrub(winner.envelope), winner.best_ms, winner.search_s, winner.ncandidates, winner.created)
+        cols = KEY_FIELDS + WINNER_FIELDS
+        sql = f"INSERT OR REPLACE INTO winners ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+        self._run(lambda c: c.execute(sql, row), write=True)
+
+    def explain_miss(self, key: CacheKey) -> str:
+        """Why lookup(key) misses: the fields in which the nearest entry for the same region
+        signature differs (fewest differences, then newest), or that there is none."""
+        rows = self._run(lambda c: c.execute(
+            f"SELECT {', '.join(KEY_FIELDS)}, created FROM winners WHERE region_sig = ?",
+            (key.region_sig,)).fetchall(), write=False)
+        if not rows:
+            return f"no entry for this region signature ({key.region_sig[:12]})"
+        want = key.as_dict()
+
+        diffs = [([(f, v) for f, v in zip(KEY_FIELDS, r) if v != want[f]], -r[-1]) for r in rows]
+        d = min(diffs, key=lambda x: (len(x[0]), x[1]))[0]
+        if not d:
+            return "hit: an entry with exactly this key is stored"
+        parts = [f"{f} (stored {v!r}, wanted {want[f]!r})" for f, v in d]
+        return (f"miss: nearest of {len(rows)} entr{'y' if len(rows) == 1 else 'ies'} for region "
+                f"{key.region_sig[:12]} differs in " + ", ".join(parts))
+
+    # ------------------------------------------------------------------ search record
+
+    def record(self, key: CacheKey, candidates: list) -> None:
+        """Append candidates (dicts with CANDIDATE_FIELDS; genome required, others may be absent;
+        unknown keys are kept as JSON in `extra`) to the search record, in one transaction."""
+        now, rows = time.time(), []
+        for cand in candidates:
+            if "genome" not in cand:
+                raise ValueError("a candidate needs at least its 'genome'")
+            extra = {k: v for k, v in cand.items() if k not in CANDIDATE_FIELDS}
+            vals = [_scrub(cand.get(f)) if f in _TEXT_FIELDS else cand.get(f) for f in CANDIDATE_FIELDS]
+            rows.append((*key.as_dict().values(), *vals,
+                         _scrub(json.dumps(extra, sort_keys=True, default=str)) if extra else None, now))
+        cols = KEY_FIELDS + CANDIDATE_FIELDS + ("extra", "created")
+        sql = f"INSERT INTO candidates ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+        self._run(lambda c: c.executemany(sql, rows), write=True)
+
+    # ------------------------------------------------------------------ inspection
+
+    def ls(self) -> list[dict]:
+        """The winners, newest first, without CUBIN bytes (cubin_bytes gives their size)."""
+        cols = KEY_FIELDS + tuple(f for f in WINNER_FIELDS if f not in ("cubin", "launch"))
+        rows = self._run(lambda c: c.execute(
+            f"SELECT {', '.join(cols)}, length(cubin) FROM winners ORDER BY created DESC").fetchall(), write=False)
+        return [dict(zip(cols + ("cubin_bytes",), r)) for r in rows]
+
+    def clear(self) -> None:
+        self._run(lambda c: (c.execute("DELETE FROM winners"), c.execute("DELETE FROM candidates")), write=True)
+        with self._lock, contextlib.suppress(sqlite3.Error):
+            self._conn.execute("VACUUM")  # give the space back; harmless to skip if another process is busy
+
+    def info(self) -> dict:
+        def q(c):
+            return (c.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()[0],
+                    c.execute("SELECT count(*) FROM winners").fetchone()[0],
+                    c.execute("SELECT count(*) FROM candidates").fetchone()[0],
+                    c.execute("PRAGMA journal_mode").fetchone()[0])
+        version, nw, nc, journal = self._run(q, write=False)
+        size = sum(os.path.getsize(p) for p in (self.path, f"{self.path}-wal") if self.path and os.path.exists(p))
+        return {"path": self.path or ":memory:", "size_bytes": size, "winners": nw, "candidates": nc,
+                "schema_version": int(version), "journal_mode": journal, "note": self.note}
+
+    def export(self, fp, *, cubins: bool = True) -> int:
+        """Winners then candidates as JSON lines (fp: a text file or a path); CUBINs base64, or
+        left out (only their size) with cubins=False. Returns the number of lines written."""
+        if isinstance(fp, (str, os.PathLike)):
+            with open(fp, "w", encoding="utf-8") as f:
+                return self.export(f, cubins=cubins)
+
+        def q(c):
+            curs = [c.execute(f"SELECT * FROM {t} ORDER BY id") for t in ("winners", "candidates")]
+            return [[dict(zip([d[0] for d in cur.description], r)) for r in cur] for cur in curs]
+        winners, cands = self._run(q, write=False)
+        lines = [{"kind": "meta", "magic": MAGIC, "schema_version": SCHEMA_VERSION}]
+        for w in winners:
+            del w["id"]
+            cubin = w.pop("cubin")
+            w["cubin_bytes"] = None if cubin is None else len(cubin)
+            if cubins and cubin is not None:
+                w["cubin_b64"] = base64.b64encode(bytes(cubin)).decode()
+            w["entries"], w["launch"] = json.loads(w["entries"]), json.loads(w["launch"])
+            lines.append({"kind": "winner", **w})
+        for c in cands:
+            del c["id"]
+            c["extra"] = json.loads(c["extra"]) if c["extra"] else {}
+            lines.append({"kind": "candidate", **c})
+        fp.writelines(json.dumps(line) + "\n" for line in lines)
+        return len(lines)
+
+
+# ---------------------------------------------------------------------------------------- opening
+
+_warned: set = set()
+
+
+def _warn_once(tag: str, message: str):
+    # one warning per location and kind per process: optimize() may open the cache many times
+    if tag not in _warned:
+        _warned.add(tag)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _memory() -> sqlite3.Connection:
+    conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    _check(conn)
+    return conn
+
+
+def _check(conn) -> str:
+    """Under a write lock: create the schema in an empty database, or say why the file is not
+    ours (""=fine). Holding BEGIN IMMEDIATE means a process that finds a half-created file waits
+    for its creator instead of judging it foreign."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            for stmt in filter(str.strip, _SCHEMA.split(";")):  # executescript would commit early
+                conn.execute(stmt)
+            conn.executemany("INSERT INTO meta VALUES (?, ?)", [("magic", MAGIC),
+                                                               ("schema_version", str(SCHEMA_VERSION))])
+            why = ""
+        elif not _TABLES <= tables:
+            why = f"an SQLite file without kbench's tables (has {', '.join(sorted(tables)[:5])})"
+        else:
+            meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
+            magic, version = meta.get("magic"), meta.get("schema_version")
+            why = (f"bad magic {magic!r}" if magic != MAGIC else "" if version == str(SCHEMA_VERSION)
+                   else f"schema version {version!r}, this kbench reads {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+        return why
+    except BaseException:
+        if conn.in_transaction:  # SQLite may already have rolled back (e.g. "not a database")
+            conn.execute("ROLLBACK")
+        raise
+
+
+@contextlib.contextmanager
+def _open_lock(path: str):
+    """Serialize open_cache's check / set-aside / create among processes: else two that both find
+    a corrupt file race to rename it and its -wal/-journal, and one may move the other's fresh
+    file or journal. Held for milliseconds; past BUSY_TIMEOUT_S (stuck holder) or without fcntl, none."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _set_aside(path: str, inode) -> None:
+    """Rename a foreign/corrupt file (and its -wal/-shm) to <name>.corrupt-<timestamp>, unless
+    another process already replaced it (different inode) — then the new file is not ours to move."""
+    try:
+        if inode is not None and os.stat(path).st_ino != inode:
+            return
+    except FileNotFoundError:
+        return
+    aside = base = f"{path}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
+    while os.path.exists(aside):  # a second bad file within the same second
+        aside = f"{base}-{len(aside) - len(base)}"
+    os.replace(path, aside)
+    for side in ("-wal", "-shm", "-journal"):
+        if os.path.exists(path + side):
+            os.replace(path + side, aside + side)
+
+
+def open_cache(path=None) -> Cache:
+    """The cache at path (default $KBENCH_CACHE_DIR/kbench.sqlite or ~/.cache/kbench/kbench.sqlite;
+    ":memory:" for a private one). Never raises for a bad file or location: see the module doc."""
+    if path is not None and str(path) == ":memory:":
+        return Cache(_memory(), None, "in-memory by request")
+    path = os.path.abspath(os.path.expanduser(str(path) if path is not None else default_path()))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with _open_lock(path):
+            return _open_locked(path)
+    except (OSError, sqlite3.OperationalError) as e:
+        # unwritable, cannot open, locked longer than BUSY_TIMEOUT_S: not corruption, so the file stays
+        _warn_once(f"unusable:{path}", f"kbench cache {path} is unusable ({e}); using an in-memory cache "
+                                       f"for this process (nothing will persist)")
+        return Cache(_memory(), None, f"unusable location: {e}")
+
+
+def _open_locked(path: str) -> Cache:
+    for attempt in range(2):
+        inode = os.stat(path).st_ino if os.path.exists(path) else None
+        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        try:
+            why = _check(conn)
+        except sqlite3.OperationalError:
+            conn.close()
+            raise
+        except sqlite3.DatabaseError as e:  # not a database / malformed: never trusted
+            why = f"not a usable SQLite database ({e})"
+        if not why:
+            try:  # WAL: readers never block the writer. Persistent once set; fine if refused (NFS)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.OperationalError:
+                pass
+            return Cache(conn, path)
+        conn.close()
+        if attempt:
+            break
+        try:
+            _set_aside(path, inode)
+        except OSError as e:
+            _warn_once(f"unusable:{path}", f"kbench cache {path} is {why} and cannot be moved aside ({e}); "
+                                           f"using an in-memory cache for this process")
+            return Cache(_memory(), None, f"foreign file kept in place: {why}")
+        warnings.warn(f"kbench cache {path} is {why}; moved it aside to {os.path.basename(path)}.corrupt-* "
+                      f"and started a fresh cache", RuntimeWarning, stacklevel=3)
+    return Cache(_memory(), None, "could not create a fresh cache file")
+
+
+def explain_miss(key: CacheKey, path=None) -> str:
+    """Cache.explain_miss on the default (or given) cache."""
+    with contextlib.closing(open_cache(path)) as c:
+        return c.explain_miss(key)
+
+
+def _table(rows: list[dict]) -> str:
+    head = ("region", "dtypes", "shape class", "gpu", "genome", "best ms", "cands", "search s", "cubin", "created")
+    body = []
+    for r in rows:
+        body.append((r["region_sig"][:12], r["dtypes"], r["shape_class"], f"{r['gpu_arch']} {r['gpu_name']}",
+                     r["genome"] if len(r["genome"]) <= 48 else r["genome"][:45] + "...",
+                     "-" if r["best_ms"] is None else f"{r['best_ms']:.4g}", str(r["ncandidates"]),
+                     "-" if r["search_s"] is None else f"{r['search_s']:.1f}",
+                     "-" if r["cubin_bytes"] is None else f"{r['cubin_bytes'] // 1024 or 1}K",
+                     time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"]))))
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in (head, *body))
+
+
+def cli_main(argv=None) -> int:
+    """python -m kbench cache {ls,clear,export FILE,info} [--path P]"""
+    p = argparse.ArgumentParser(prog="python -m kbench cache", description="the persistent kernel cache")
+    p.add_argument("--path", default=None, help="cache file (default: $KBENCH_CACHE_DIR/kbench.sqlite "
+                                                 "or ~/.cache/kbench/kbench.sqlite)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("ls", help="the stored winners, newest first")
+    sub.add_parser("clear", help="delete every winner and the search record")
+    ex = sub.add_parser("export", help="winners and candidates as JSON lines")
+    ex.add_argument("file")
+    ex.add_argument("--no-cubins", action="store_true", help="leave the CUBIN bytes out")
+    sub.add_parser("info", help="path, size, counts, schema version")
+    try:
+        args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:  # argparse exits; a caller of cli_main wants the code
+        return int(e.code or 0)
+    with contextlib.closing(open_cache(args.path)) as cache:
+        if args.cmd == "ls":
+            rows = cache.ls()
+            print(_table(rows) if rows else f"no winners in {cache.info()['path']}")
+        elif args.cmd == "clear":
+            n = cache.info()
+            cache.clear()
+            print(f"cleared {n['winners']} winner(s) and {n['candidates']} candidate(s) from {n['path']}")
+        elif args.cmd == "export":
+            n = cache.export(args.file, cubins=not args.no_cubins)
+            print(f"wrote {n} line(s) to {args.file}")
+        else:
+            for k, v in cache.info().items():
+                if k != "note" or v:
+                    print(f"{k}: {v}")
+    return 0
+
