@@ -90,13 +90,21 @@ def optimize(model: torch.nn.Module, example_inputs, *, backend: str | None = No
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if budget not in ("fast", "default", "max"):
         raise ValueError(f"budget must be 'fast', 'default' or 'max', got {budget!r}")
+    devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+    if len(devices) > 1:
+        raise ValueError(f"example_inputs are on several devices: {sorted(map(str, devices))}")
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    if backend == "interp" and device.type != "cpu":
+        raise ValueError(f"backend 'interp' runs on the CPU; example_inputs are on {device}")
+    if backend == "cuda" and device.type != "cuda":
+        raise ValueError(f"backend 'cuda' needs example_inputs on a CUDA device, got {device}")
     captured = _capture(model, args)
     if backend == "interp":
         executor = InterpExecutor()
     else:
         from .cuda_backend import CudaExecutor
         executor = CudaExecutor(budget=budget, seed=seed, verbose=verbose)
-    return OptimizedModule(model, captured, executor, args)
+    return OptimizedModule(model, captured, executor, device)
 
 
 @dataclass

@@ -56,30 +56,29 @@ class CudaExecutor(Executor):
 
     # ------------------------------------------------------------------ preparation
 
-    def prepare(self, plan, module, example_args):
+    def fresh(self):
+        return CudaExecutor(budget=self.budget, seed=self.seed, verbose=self.verbose,
+                            verify_kernels=self.verify_kernels)
+
+    def prepare(self, plan, device):
         self.plan = plan
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'cuda' needs a CUDA GPU; torch.cuda.is_available() is False "
                                "(use backend='interp' on the CPU)")
-        devices = {a.device for a in example_args if isinstance(a, torch.Tensor)}
-        if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            raise ValueError(f"example_inputs must all be on one CUDA device for backend 'cuda', got {devices}")
-        self.device = next(iter(devices))
-        torch.cuda.init()
-        with torch.cuda.device(self.device):
-            torch.cuda.current_stream().synchronize()  # make torch create the primary context first
+        self.device = device
+        with torch.cuda.device(device):
+            torch.cuda.current_stream().synchronize()  # torch creates the primary context first
             self.cuda = _C.cuda_open()
-            self.dev = _C.device_info(self.cuda, self.device.index or 0)
+            self.dev = _C.device_info(self.cuda, device.index or 0)
             self.sm = self.dev["sm"]
             self.arch = f"sm_{self.sm}"
             path, version = nvrtc.info()  # FileNotFoundError here names every place looked
             plan.nvrtc = f"{path} ({version // 1000}.{version % 1000 // 10})"
-            example_symvals = list(plan.captured.example_symvals)
             compute = [info for info in plan.regions if info.kind != "EXTERN"]
             for n, info in enumerate(compute):
                 if self.verbose:
                     log.info("kbench: region %d/%d %s: %s", n + 1, len(compute), info.kind, info.ops)
-                self._prepare_region(info, example_symvals)
+                self._prepare_region(info, plan.example_symvals)
 
     def _prepare_region(self, info, example_symvals):
         plan, r = self.plan, info.index
@@ -103,11 +102,9 @@ class CudaExecutor(Executor):
         self.kernels[r] = kernel
         info.eager_ms, info.kernel_ms = self._time_region(r, example_symvals)
 
-    def _build(self, k, r, example_symvals):
-        try:
-            cubin = nvrtc.compile(k["source"], self.arch)
-        except _C.CompileError as e:
-            return None, f"eager (compile failed: {str(e).splitlines()[0][:120]})", ""
+    def _load(self, k) -> "Kernel":
+        """Compile (NVRTC, disk-cached) and load one generated kernel; CompileError on failure."""
+        cubin = nvrtc.compile(k["source"], self.arch)
         kernel = Kernel()
         kernel.source = k["source"]
         kernel.module = _C.module_load(self.cuda, cubin)
@@ -121,6 +118,14 @@ class CudaExecutor(Executor):
         kernel.vec = _genome_field(k["genome"], "vec", 1)
         kernel.workspace_per_unit = k["workspace_bytes_per_unit"]
         kernel.finish_module = None
+        return kernel
+
+    def _build(self, k, r, example_symvals):
+        """(kernel or None, status, envelope): load, then verify before anything trusts it."""
+        try:
+            kernel = self._load(k)
+        except _C.CompileError as e:
+            return None, f"eager (compile failed: {str(e).splitlines()[0][:120]})", ""
         if not self.verify_kernels:
             return kernel, "kernel (unverified)", "unverified"
         verdict = self._verify(r, kernel, example_symvals)
@@ -176,7 +181,7 @@ class CudaExecutor(Executor):
         plan = self.plan
         info = plan.regions[r]
         ins = {v: (x.double() if x.is_floating_point() else x) for v, x in zip(info.inputs, inputs)}
-        out = torch_eval.evaluate(plan.graph, plan.captured, ins, symvals, nodes=info.nodes, compute_dtype=torch.float64)
+        out = torch_eval.evaluate(plan.graph, plan, ins, symvals, nodes=info.nodes, dtype=torch.float64)
         return [out[v] for v in info.outputs]
 
     def _verify(self, r, kernel, example_symvals) -> verify.Verdict:
@@ -303,7 +308,7 @@ class CudaExecutor(Executor):
         kernel = self.kernels[r]
 
         def eager():
-            torch_eval.evaluate(plan.graph, plan.captured, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes)
+            torch_eval.evaluate(plan.graph, plan, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes)
 
         def ours():
             self._launch(kernel, r, symvals, inputs)

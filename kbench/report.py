@@ -38,18 +38,21 @@ class Report:
         for info in plan.regions:
             rep.rows.append(Row(info.index, info.kind, info.ops, info.status if info.kind != "EXTERN" else "torch",
                                 info.genome, info.envelope, info.eager_ms, info.kernel_ms))
-        nvrtc = getattr(plan, "nvrtc", None)
-        if nvrtc:
-            rep.notes.append(f"NVRTC: {nvrtc}")
-        if plan.captured.static_reason:
-            rep.notes.append(f"all sizes pinned: {plan.captured.static_reason}")
+        if plan.nvrtc:
+            rep.notes.append(f"NVRTC: {plan.nvrtc}")
+        if plan.static_reason:
+            rep.notes.append(f"all sizes pinned: {plan.static_reason}")
+        for info in plan.regions:
+            if info.backward:
+                rep.notes.append(f"region {info.index} backward: {info.backward}")
         for reason in sorted(module._kbench_reasons):
             rep.notes.append(f"fallback: {reason}")
         return rep
 
     @property
     def kernels(self) -> int:
-        return sum(1 for r in self.rows if r.status.startswith("kernel"))
+        """Compute regions that run on kbench's backend (a kernel, or the interpreter)."""
+        return sum(1 for r in self.rows if r.status.startswith(("kernel", "interp")))
 
     def _cells(self):
         head = ["#", "kind", "ops", "genome", "envelope", "eager ms", "kernel ms", "×", "status"]
@@ -66,7 +69,9 @@ class Report:
         head, body = self._cells()
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-        out = [f"kbench report — backend {self.backend}: {self.kernels} kernel(s) in {len(self.rows)} region(s)",
+        compute = sum(1 for r in self.rows if r.kind != "EXTERN")
+        out = [f"kbench report — backend {self.backend}: {self.kernels} of {compute} compute region(s) on "
+               f"{self.backend}, {len(self.rows) - compute} run by torch",
                line(head), line(["-" * w for w in widths])]
         out += [line(b) for b in body]
         out += self.notes

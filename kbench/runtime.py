@@ -1,9 +1,11 @@
-"""The swapped-in model: runs a captured graph region by region, each region through a backend
-(the C interpreter, or generated CUDA kernels), EXTERN regions through torch, with guards that
-fall back to eager — with a one-time reason — whenever a call leaves the verified envelope.
+"""The swapped-in model: runs a captured graph region by region, each compute region through a
+backend (the C interpreter, or generated CUDA kernels), EXTERN regions through torch, with
+guards that fall back to eager — with a one-time reason — whenever a call leaves the envelope.
 
-Autograd: every compute region is one torch.autograd.Function; until backward kernels exist its
-backward recomputes the region with torch ops (kbench.torch_eval) and differentiates that.
+Autograd: every compute region is one torch.autograd.Function. Its backward is the region's
+own backward graph (csrc/grad.c: the vector-Jacobian product, recomputing from the saved region
+inputs), partitioned and run by the same backend; where autodiff cannot handle a region, the
+backward differentiates the region's torch recomputation instead, and the report says so.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _C, torch_eval
+from . import torch_eval
 from ._dtypes import torch_dtype
 
 log = logging.getLogger("kbench")
@@ -39,107 +41,64 @@ class RegionInfo:
     envelope: str = ""
     eager_ms: float | None = None
     kernel_ms: float | None = None
+    backward: str = ""      # how its backward runs
     extra: dict = field(default_factory=dict)
 
 
 class Plan:
-    """Everything about a captured graph that does not change between calls."""
+    """A graph and its regions: everything about it that does not change between calls."""
 
-    def __init__(self, captured, module: torch.nn.Module):
-        self.captured = captured
-        self.graph = captured.graph
-        g = self.graph
-        self.nodes = [g.node(i) for i in range(g.num_nodes)]
-        self.partition = g.partition()
-        self.region_of = [-1] * g.num_nodes
+    def __init__(self, graph, externs=(), example_symvals=None, static_reason=None):
+        self.graph = graph
+        self.externs = list(externs)   # torch_eval reads .externs of its `captured` argument
+        self.example_symvals = list(example_symvals if example_symvals is not None
+                                    else [s[1] for s in graph.symbols])
+        self.static_reason = static_reason
+        self.nodes = [graph.node(i) for i in range(graph.num_nodes)]
+        self.partition = graph.partition()
         self.regions: list[RegionInfo] = []
         for r in range(len(self.partition)):
             d = self.partition.region(r)
-            ops = " ".join(self.nodes[n]["op"] for n in d["nodes"] if self.nodes[n]["op"] not in ("const",))
+            ops = " ".join(self.nodes[n]["op"] for n in d["nodes"]
+                           if self.nodes[n]["op"] not in ("const", "input"))
             self.regions.append(RegionInfo(r, d["kind"], d["nodes"], d["inputs"], d["outputs"], ops))
-            for n in d["nodes"]:
-                if self.region_of[n] < 0:
-                    self.region_of[n] = r
-        # graph inputs: user inputs in forward order, then where params/buffers come from
-        self.user_inputs = [v for v in g.inputs if self.nodes[v]["input_kind"] == "user"]
-        self.param_inputs = [v for v in g.inputs if self.nodes[v]["input_kind"] != "user"]
-        self.input_syms = captured.input_syms
-        self.nsyms = g.num_symbols
-        self.user_dtypes = [torch_dtype(self.nodes[v]["dtype"]) for v in self.user_inputs]
-        self.user_dims = [self.nodes[v]["dims"] for v in self.user_inputs]
+        self.nvrtc = None
 
-    # ------------------------------------------------------------------ per call
+    # the reference evaluator takes the plan where it would take a Captured
+    @property
+    def captured(self):
+        return self
 
-    def bind(self, args) -> list:
-        """Symbol values from the actual user inputs, or Fallback naming what is outside."""
-        if len(args) != len(self.user_inputs):
-            raise TypeError(f"expected {len(self.user_inputs)} input tensor(s), got {len(args)}")
-        symvals = [None] * self.nsyms
-        for i, (x, dims, syms) in enumerate(zip(args, self.user_dims, self.input_syms)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
-            if x.dtype != self.user_dtypes[i]:
-                raise Fallback(f"input {i} has dtype {x.dtype}, captured with {self.user_dtypes[i]}")
-            if x.dim() != len(dims):
-                raise Fallback(f"input {i} has rank {x.dim()}, captured with rank {len(dims)}")
-            for d, (size, dim) in enumerate(zip(x.shape, dims)):
-                sym = syms[d] if syms is not None else None
-                if sym is None:
-                    if not isinstance(dim, int) or size != dim:
-                        raise Fallback(f"input {i} dim {d} is {size}; it is pinned to {dim}")
-                    continue
-                if symvals[sym] is None:
-                    symvals[sym] = size
-                elif symvals[sym] != size:
-                    raise Fallback(f"input {i} dim {d} is {size}, but the same size elsewhere is {symvals[sym]}")
-        for s, v in enumerate(symvals):
-            if v is None:  # a symbol no input names directly: cannot bind
-                raise Fallback(f"size symbol {self.graph.symbols[s][0]} is not an input dim")
-        # every user input dim must now equal its symbolic size (catches products like 2*s0)
-        for i, x in enumerate(args):
-            if tuple(x.shape) != self.graph.sizes(self.user_inputs[i], symvals):
-                raise Fallback(f"input {i} shape {tuple(x.shape)} does not fit the captured shape relation")
-            if x.numel() == 0:
-                raise Fallback(f"input {i} is empty")
-        return symvals
+    def materialize(self, v, values, symvals):
+        """A value no region produces (a view or constant between regions): torch computes it."""
+        missing, stack = [], [v]
+        while stack:
+            n = stack.pop()
+            if n in values or n in missing:
+                continue
+            missing.append(n)
+            stack.extend(self.nodes[n]["inputs"])
+        out = torch_eval.evaluate(self.graph, self, values, symvals, nodes=sorted(missing))
+        values.update({n: out[n] for n in missing if n in out})
 
-
-class RegionFunction(torch.autograd.Function):
-    """One compute region as an autograd node: forward through the backend, backward by
-    differentiating the region's torch recomputation (until generated backward kernels)."""
-
-    @staticmethod
-    def forward(ctx, model, r, symvals, *inputs):
-        outs = model._run_region(r, symvals, inputs)
-        ctx.model, ctx.r, ctx.symvals = model, r, symvals
-        ctx.save_for_backward(*inputs)
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        inputs = ctx.saved_tensors
-        model, r = ctx.model, ctx.r
-        need = ctx.needs_input_grad[3:]
-        with torch.enable_grad():
-            xs = [x.detach().requires_grad_(bool(n) and x.is_floating_point()) for x, n in zip(inputs, need)]
-            outs = model._eager_region(r, ctx.symvals, xs)
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            wrt = [x for x in xs if x.requires_grad]
-            if not pairs or not wrt:
-                return (None, None, None) + tuple(None for _ in inputs)
-            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-        it = iter(got)
-        return (None, None, None) + tuple(next(it) if x.requires_grad else None for x in xs)
+    def eager_region(self, r, symvals, inputs):
+        info = self.regions[r]
+        out = torch_eval.evaluate(self.graph, self, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes)
+        return [out[v] for v in info.outputs]
 
 
 class Executor:
-    """A backend: runs compute region r on its input tensors, returns its output tensors."""
+    """A backend: prepares (compiles, verifies) a plan's compute regions, then runs region r on
+    its input tensors and returns its output tensors."""
 
     name = "?"
 
-    def prepare(self, plan: Plan, module: torch.nn.Module, example_args) -> None:  # compile, verify
-        pass
+    def fresh(self) -> "Executor":
+        """A new executor of the same kind and settings, for another plan (a backward graph)."""
+        return type(self)()
+
+    def prepare(self, plan: Plan, device: torch.device) -> None:
+        self.plan = plan
 
     def can_run(self, r: int) -> bool:
         return True
@@ -153,13 +112,15 @@ class InterpExecutor(Executor):
 
     name = "interp"
 
-    def prepare(self, plan, module, example_args):
+    def prepare(self, plan, device):
         self.plan = plan
         for info in plan.regions:
             if info.kind != "EXTERN":
                 info.status = "interp"
 
     def run(self, r, symvals, inputs):
+        from . import _C
+
         plan = self.plan
         info = plan.regions[r]
         ins = []
@@ -173,41 +134,82 @@ class InterpExecutor(Executor):
         return outs
 
 
+class Program:
+    """A plan bound to a prepared executor: runs every region in order."""
+
+    def __init__(self, plan: Plan, executor: Executor, note):
+        self.plan, self.executor, self.note = plan, executor, note
+
+    def run_region(self, r, symvals, inputs):
+        if not self.executor.can_run(r):
+            return self.plan.eager_region(r, symvals, inputs)
+        try:
+            return self.executor.run(r, symvals, inputs)
+        except RegionFallback as e:
+            self.note(str(e))
+            return self.plan.eager_region(r, symvals, inputs)
+
+    def run(self, symvals, values: dict, region_call=None) -> list:
+        """values: graph input id -> tensor; returns the graph outputs. region_call(r, ins) may
+        wrap compute regions (the forward wraps them in autograd Functions)."""
+        plan = self.plan
+        for info in plan.regions:
+            for v in info.inputs:
+                if v not in values:
+                    plan.materialize(v, values, symvals)
+            ins = [values[v] for v in info.inputs]
+            if info.kind == "EXTERN":
+                outs = plan.eager_region(info.index, symvals, ins)
+            elif region_call is not None:
+                outs = region_call(info.index, ins)
+            else:
+                outs = self.run_region(info.index, symvals, ins)
+            values.update(zip(info.outputs, outs))
+        for v in plan.graph.outputs:
+            if v not in values:
+                plan.materialize(v, values, symvals)
+        return [values[v] for v in plan.graph.outputs]
+
+
+class RegionFunction(torch.autograd.Function):
+    """One compute region as an autograd node: forward through the backend; backward through the
+    region's generated backward program (or, where there is none, torch's recomputation)."""
+
+    @staticmethod
+    def forward(ctx, model, r, symvals, *inputs):
+        outs = model._kbench_program.run_region(r, symvals, inputs)
+        ctx.model, ctx.r, ctx.symvals = model, r, symvals
+        ctx.save_for_backward(*inputs)
+        ctx.out_meta = [(o.shape, o.dtype) for o in outs]
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = ctx.saved_tensors
+        need = tuple(bool(n) and x.is_floating_point() for n, x in zip(ctx.needs_input_grad[3:], inputs))
+        got = ctx.model._region_backward(ctx.r, ctx.symvals, inputs, grads, need, ctx.out_meta)
+        return (None, None, None) + tuple(got)
+
+
 class OptimizedModule(torch.nn.Module):
     """The model with its regions swapped for kbench's. Shares the original's parameters and
     buffers (the very same tensors, the same state_dict keys); the original is left as it was."""
 
-    def __init__(self, module: torch.nn.Module, captured, executor: Executor, example_args):
+    def __init__(self, module: torch.nn.Module, captured, executor: Executor, device: torch.device):
         super().__init__()
         # share, not copy: the same dicts, so .parameters(), state_dict() and optimizers see the
         # original's tensors, and updates through either module are the same update
         self._parameters = module._parameters
         self._buffers = module._buffers
         self._modules = module._modules
-        self.__dict__["_kbench_orig"] = module
-        self.__dict__["_kbench_plan"] = Plan(captured, module)
-        self.__dict__["_kbench_executor"] = executor
-        self.__dict__["_kbench_reasons"] = set()
         self.training = module.training
-        self._kbench_param_sources = [self._resolve(self._kbench_plan.nodes[v]["name"], captured)
-                                      for v in self._kbench_plan.param_inputs]
-        executor.prepare(self._kbench_plan, module, example_args)
-
-    def _resolve(self, name, captured):
-        """A getter for a parameter / buffer / lifted constant, read at each call (so that a
-        replaced or updated tensor is the one used)."""
-        constants = getattr(captured, "constants", {}) or {}
-        if name in constants:
-            t = constants[name]
-            return lambda: t
-        mod, _, attr = name.rpartition(".")
-        orig = self._kbench_orig
-
-        def get():
-            owner = orig.get_submodule(mod) if mod else orig
-            return getattr(owner, attr)
-        get()  # fail now, not in the first call, if the name does not resolve
-        return get
+        plan = Plan(captured.graph, captured.externs, captured.example_symvals, captured.static_reason)
+        executor.prepare(plan, device)
+        self.__dict__.update(_kbench_orig=module, _kbench_captured=captured, _kbench_plan=plan,
+                             _kbench_executor=executor, _kbench_reasons=set(), _kbench_device=device,
+                             _kbench_program=Program(plan, executor, self._note), _kbench_backward={},
+                             _kbench_captured_training=module.training)
 
     @property
     def kbench_report(self):
@@ -218,85 +220,103 @@ class OptimizedModule(torch.nn.Module):
         self._kbench_orig.train(mode)
         return super().train(mode)
 
-    def _fallback(self, reason: str, args, kwargs):
-        self._note(reason)
-        return self._kbench_orig(*args, **kwargs)
-
-    def forward(self, *args, **kwargs):
-        plan = self._kbench_plan
-        if kwargs:
-            return self._fallback("keyword arguments are not captured", args, kwargs)
-        try:
-            symvals = plan.bind(args)
-            return self._run(symvals, args)
-        except Fallback as e:
-            return self._fallback(str(e), args, kwargs)
-
-    # ------------------------------------------------------------------ the region loop
-
-    def _run(self, symvals, args):
-        plan = self._kbench_plan
-        values = dict(zip(plan.user_inputs, args))
-        for v, get in zip(plan.param_inputs, self._kbench_param_sources):
-            values[v] = get()
-        device = args[0].device if args else None
-        for t in values.values():
-            if device is not None and t.device != device:
-                raise Fallback(f"tensors on {device} and {t.device}")
-        grad_on = torch.is_grad_enabled()
-        for info in plan.regions:
-            for v in info.inputs:
-                if v not in values:
-                    self._materialize(v, values, symvals)
-            ins = [values[v] for v in info.inputs]
-            if info.kind == "EXTERN":
-                outs = self._eager_region(info.index, symvals, ins)
-            elif grad_on and any(x.requires_grad for x in ins):
-                outs = RegionFunction.apply(self, info.index, symvals, *ins)
-            else:
-                outs = self._run_region(info.index, symvals, ins)
-            values.update(zip(info.outputs, outs))
-        results = []
-        for v in plan.graph.outputs:
-            if v not in values:
-                self._materialize(v, values, symvals)
-            results.append(values[v])
-        return self._kbench_plan.captured.output_tree(results) if callable(
-            getattr(self._kbench_plan.captured, "output_tree", None)) else (
-            results[0] if len(results) == 1 else tuple(results))
-
-    def _materialize(self, v, values, symvals):
-        """A value no region produces (a view or constant between regions): torch computes it."""
-        plan = self._kbench_plan
-        missing = []
-        stack = [v]
-        while stack:
-            n = stack.pop()
-            if n in values or n in missing:
-                continue
-            missing.append(n)
-            stack.extend(plan.nodes[n]["inputs"])
-        out = torch_eval.evaluate(plan.graph, plan.captured, values, symvals, nodes=sorted(missing))
-        values.update({n: out[n] for n in missing if n in out})
-
-    def _run_region(self, r, symvals, inputs):
-        executor = self._kbench_executor
-        if not executor.can_run(r):
-            return self._eager_region(r, symvals, inputs)
-        try:
-            return executor.run(r, symvals, inputs)
-        except RegionFallback as e:
-            self._note(str(e))
-            return self._eager_region(r, symvals, inputs)
-
     def _note(self, reason: str):
         if reason not in self._kbench_reasons:
             self._kbench_reasons.add(reason)
             log.warning("kbench: running in eager PyTorch: %s", reason)
 
-    def _eager_region(self, r, symvals, inputs):
-        plan = self._kbench_plan
-        info = plan.regions[r]
-        out = torch_eval.evaluate(plan.graph, plan.captured, dict(zip(info.inputs, inputs)), symvals,
-                                  nodes=info.nodes)
-        return [out[v] for v in info.outputs]
+    def _fallback(self, reason: str, args, kwargs):
+        self._note(reason)
+        return self._kbench_orig(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        captured = self._kbench_captured
+        if kwargs:
+            return self._fallback("keyword arguments are not captured", args, kwargs)
+        if len(args) != len(captured.input_names):
+            raise TypeError(f"{type(self._kbench_orig).__name__} was captured with {len(captured.input_names)} "
+                            f"input(s); got {len(args)}")
+        for i, x in enumerate(args):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+        if self.training != self._kbench_captured_training:
+            return self._fallback("the module's train/eval mode differs from the captured one", args, kwargs)
+        try:
+            symvals = captured.bind(args)
+        except ValueError as e:
+            return self._fallback(str(e), args, kwargs)
+        try:
+            return self._run(symvals, args)
+        except Fallback as e:
+            return self._fallback(str(e), args, kwargs)
+
+    def _run(self, symvals, args):
+        captured, plan = self._kbench_captured, self._kbench_plan
+        tensors = captured.graph_inputs(self._kbench_orig, args)
+        device = args[0].device if args else self._kbench_device
+        for t in tensors:
+            if t.device != device:
+                raise Fallback(f"tensors on {device} and {t.device}")
+        values = dict(zip(plan.graph.inputs, tensors))
+        region_call = None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            def region_call(r, ins):
+                if any(x.requires_grad for x in ins):
+                    return RegionFunction.apply(self, r, symvals, *ins)
+                return self._kbench_program.run_region(r, symvals, ins)
+        outs = self._kbench_program.run(symvals, values, region_call)
+        if captured.mutations:
+            captured.apply_mutations(self._kbench_orig, args, outs)
+        return captured.build_outputs(outs, symvals)
+
+    # ------------------------------------------------------------------ backward
+
+    def _backward_program(self, r, need):
+        """The generated backward of region r for the inputs flagged in need (cached), or None
+        where autodiff cannot handle the region (the caller recomputes through torch)."""
+        key = (r, need)
+        if key in self._kbench_backward:
+            return self._kbench_backward[key]
+        plan, info = self._kbench_plan, self._kbench_plan.regions[r]
+        prog = None
+        try:
+            graph = plan.partition.region_graph(r).grad(list(need))
+            bplan = Plan(graph, (), plan.example_symvals)
+            executor = self._kbench_executor.fresh()
+            executor.prepare(bplan, self._kbench_device)
+            prog = Program(bplan, executor, self._note)
+            kinds = sorted({x.kind for x in bplan.regions})
+            info.backward = f"{executor.name}: {len(bplan.regions)} region(s) {'/'.join(kinds)}"
+        except NotImplementedError as e:
+            info.backward = f"eager (autodiff: {str(e).splitlines()[0][:80]})"
+        self._kbench_backward[key] = prog
+        return prog
+
+    def _region_backward(self, r, symvals, inputs, grads, need, out_meta):
+        if not any(need):
+            return [None] * len(inputs)
+        prog = self._backward_program(r, need)
+        if prog is None:
+            return self._eager_backward(r, symvals, inputs, grads, need)
+        grads = [g if g is not None else torch.zeros(s, dtype=d, device=inputs[0].device)
+                 for g, (s, d) in zip(grads, out_meta)]
+        graph = prog.plan.graph
+        values = dict(zip(graph.inputs, list(inputs) + [g.contiguous() for g in grads]))
+        outs = iter(prog.run(symvals, values))
+        result = []
+        for x, n in zip(inputs, need):
+            result.append(next(outs) if n else None)
+        return result
+
+    def _eager_backward(self, r, symvals, inputs, grads, need):
+        with torch.enable_grad():
+            xs = [x.detach().requires_grad_(n) for x, n in zip(inputs, need)]
+            outs = self._kbench_plan.eager_region(r, symvals, xs)
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            wrt = [x for x in xs if x.requires_grad]
+            if not pairs or not wrt:
+                return [None] * len(inputs)
+            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        it = iter(got)
+        return [next(it) if x.requires_grad else None for x in xs]
+

@@ -1,0 +1,633 @@
+/* codegen.c — (region, genome, device) → CUDA C source and launch geometry. Deterministic: the
+ * same inputs give the same bytes. The kernel skeletons (POINTWISE grid-stride, ROW block- or
+ * warp-per-row with its passes, COL column sweeps with an optional split and finishing kernel)
+ * live here; the expression side (values at an index, loads, vector accesses) is codegen_expr.c.
+ *
+ * Runtime contract (what the launcher must guarantee): pointers do not alias one another, every
+ * tensor is dense and contiguous, and when genome.vec > 1 every pointer is 16-byte aligned
+ * (Python: data_ptr() % 16 == 0) — vector kernels issue 16-byte loads and stores. */
+#include "codegen.h"
+
+#include <inttypes.h>
+
+static const renderer CUDA_RENDERER = {
+    .kernel_prefix = "extern \"C\" __global__ void",
+    .launch_bounds = "__launch_bounds__(%d)",
+    .barrier = "__syncthreads()",
+    .shfl_xor = "__shfl_xor_sync(0xffffffffu, v, o)",
+    .restrict_kw = "__restrict__",
+    .smem_decl = "extern __shared__ __align__(16) unsigned char kb_smem[];",
+};
+
+static const struct red_render {
+    kb_op op;
+    const char *init;   /* identity, as a function of the compute type */
+    const char *combine; /* %s = accumulator, %s = value */
+    const char *warp;   /* helper name */
+} RED[] = {
+    {KB_OP_SUM, "0", "%s + %s", "kb_warp_sum"},
+    {KB_OP_MEAN, "0", "%s + %s", "kb_warp_sum"},
+    {KB_OP_RMAX, "-KB_INF", "kb_maxf(%s, %s)", "kb_warp_max"},
+    {KB_OP_RMIN, "KB_INF", "kb_minf(%s, %s)", "kb_warp_min"},
+};
+
+static const struct red_render *red_of(kb_op op) {
+    for (size_t i = 0; i < sizeof RED / sizeof RED[0]; i++)
+        if (RED[i].op == op) return &RED[i];
+    return &RED[0];
+}
+
+/* ---------------------------------------------------------------- preamble */
+
+static void emit_preamble(cg *c, kb_sb *sb) {
+    const kb_region *rg = c->rg;
+    kb_sb_printf(sb, "// kbench: region %d (%s), %s compute\n", c->r, kb_region_kind_name(rg->kind), c->ct);
+    char gtext[256];
+    kb_genome_format(&c->gn, gtext, sizeof gtext);
+    kb_sb_printf(sb, "// genome: %s\n", gtext);
+    for (int32_t i = 0; i < rg->ninputs; i++) {
+        kb_sb_printf(sb, "// in  p%d = ", rg->inputs[i]);
+        kb_node_dump(sb, c->g, rg->inputs[i]);
+        kb_sb_puts(sb, "\n");
+    }
+    for (int32_t k = 0; k < rg->nnodes; k++) {
+        kb_sb_puts(sb, "//   ");
+        kb_node_dump(sb, c->g, rg->nodes[k]);
+        kb_sb_puts(sb, "\n");
+    }
+    kb_sb_puts(sb, "// out");
+    for (int32_t j = 0; j < rg->noutputs; j++) kb_sb_printf(sb, " p%d", rg->outputs[j]);
+    kb_sb_puts(sb, "\n");
+    for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++)
+        kb_sb_printf(sb, "// s%d = %s\n", s, kb_graph_symbol_name(c->g, s));
+    if (c->use_bf16) kb_sb_puts(sb, "#include <cuda_bf16.h>\n");
+    if (c->use_f16) kb_sb_puts(sb, "#include <cuda_fp16.h>\n");
+    kb_sb_puts(sb,
+               "\n#define KB_INF __int_as_float(0x7f800000)\n"
+               "#define KB_NAN __int_as_float(0x7fffffff)\n"
+               "template <typename T, int N> struct alignas(sizeof(T) * N) kb_vec { T v[N]; };\n"
+               "// N elements at p in accesses of at most 16 bytes (p is 16-byte aligned, or N*sizeof(T)-aligned)\n"
+               "template <typename T, int N> __device__ __forceinline__ kb_vec<T, N> kb_ld(const T *p) {\n"
+               "    constexpr int C = sizeof(T) * N > 16 ? 16 / (int)sizeof(T) : N;\n"
+               "    kb_vec<T, N> r;\n"
+               "#pragma unroll\n"
+               "    for (int j = 0; j < N; j += C) *reinterpret_cast<kb_vec<T, C> *>(&r.v[j]) = *reinterpret_cast<const kb_vec<T, C> *>(p + j);\n"
+               "    return r;\n"
+               "}\n"
+               "template <typename T, int N> __device__ __forceinline__ void kb_st(T *p, const kb_vec<T, N> &r) {\n"
+               "    constexpr int C = sizeof(T) * N > 16 ? 16 / (int)sizeof(T) : N;\n"
+               "#pragma unroll\n"
+               "    for (int j = 0; j < N; j += C) *reinterpret_cast<kb_vec<T, C> *>(p + j) = *reinterpret_cast<const kb_vec<T, C> *>(&r.v[j]);\n"
+               "}\n"
+               "// max / min that propagate NaN like torch\n"
+               "__device__ __forceinline__ float kb_maxf(float a, float b) { return (a > b || a != a) ? a : b; }\n"
+               "__device__ __forceinline__ float kb_minf(float a, float b) { return (a < b || a != a) ? a : b; }\n"
+               "__device__ __forceinline__ double kb_maxf(double a, double b) { return (a > b || a != a) ? a : b; }\n"
+               "__device__ __forceinline__ double kb_minf(double a, double b) { return (a < b || a != a) ? a : b; }\n");
+    /* warp reductions over W lanes (xor butterflies stay inside aligned groups of W) */
+    static const char *const warp_ops[][2] = {{"kb_warp_sum", "v + w"}, {"kb_warp_max", "kb_maxf(v, w)"},
+                                              {"kb_warp_min", "kb_minf(v, w)"}};
+    for (int i = 0; i < 3; i++)
+        kb_sb_printf(sb,
+                     "template <int W, typename T> __device__ __forceinline__ T %s(T v) {\n"
+                     "#pragma unroll\n"
+                     "    for (int o = W / 2; o > 0; o >>= 1) { const T w = %s; v = %s; }\n"
+                     "    return v;\n"
+                     "}\n",
+                     warp_ops[i][0], c->rd->shfl_xor, warp_ops[i][1]);
+    kb_sb_puts(sb, "\n");
+}
+
+static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
+    const kb_region *rg = c->rg;
+    char lb[64];
+    snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
+    kb_sb_printf(sb, "%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, suffix);
+    int first = 1;
+    for (int32_t i = 0; i < rg->ninputs; i++, first = 0)
+        kb_sb_printf(sb, "%sconst %s *%s p%d", first ? "" : ", ", cg_storage(kb_graph_node(c->g, rg->inputs[i])->dtype),
+                     c->rd->restrict_kw, rg->inputs[i]);
+    for (int32_t j = 0; j < rg->noutputs; j++, first = 0)
+        kb_sb_printf(sb, "%s%s *%s p%d", first ? "" : ", ", cg_storage(kb_graph_node(c->g, rg->outputs[j])->dtype),
+                     c->rd->restrict_kw, rg->outputs[j]);
+    for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++, first = 0) kb_sb_printf(sb, "%slong long s%d", first ? "" : ", ", s);
+    if (c->col_split > 1) kb_sb_printf(sb, "%svoid *%s kb_ws", first ? "" : ", ", c->rd->restrict_kw);
+    kb_sb_puts(sb, ")\n");
+}
+
+/* ---------------------------------------------------------------- passes (ROW / COL) */
+
+/* dp[v]: the latest reduction pass v depends on (-1: none); a reduction runs one pass after
+ * the latest one its operand depends on. */
+static void plan_passes(cg *c) {
+    c->npasses = 0;
+    for (int32_t k = 0; k < c->rg->nnodes; k++) {
+        int32_t v = c->rg->nodes[k];
+        const kb_node *nd = kb_graph_node(c->g, v);
+        int d = -1;
+        for (int i = 0; i < nd->ninputs; i++)
+            if (c->member[nd->inputs[i]] && c->dp[nd->inputs[i]] > d) d = c->dp[nd->inputs[i]];
+        if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE) {
+            d = d + 1;
+            if (d + 1 > c->npasses) c->npasses = d + 1;
+        }
+        c->dp[v] = (int8_t)d;
+    }
+}
+
+/* A FULL output is written in the first pass after the reductions it depends on. */
+static int pass_of_output(cg *c, int32_t v) { return c->dp[v] + 1; }
+
+/* ROW: the loop over a row's chunks; each thread of the row's group takes every G-th chunk. */
+static void row_chunk_loop_open(cg *c) {
+    if (c->gn.cache == KB_CACHE_REGS) {
+        cg_line(c, "#pragma unroll");
+        cg_line(c, "for (int u = 0; u < %d; ++u) {", c->U);
+        c->ind++;
+        cg_line(c, "const long long c0 = ((long long)u * %d + lane) * %d;", c->G, c->vec);
+        cg_line(c, "if (c0 < Rl) {");
+    } else {
+        cg_line(c, "#pragma unroll %d", c->gn.items);
+        cg_line(c, "for (long long c0 = (long long)lane * %d; c0 < Rl; c0 += %d) {", c->vec, c->G * c->vec);
+    }
+    c->ind++;
+}
+
+static void row_chunk_loop_close(cg *c) {
+    c->ind--;
+    cg_line(c, "}");
+    if (c->gn.cache == KB_CACHE_REGS) {
+        c->ind--;
+        cg_line(c, "}");
+    }
+}
+
+/* Combines each thread's partial results across the threads of its row (ROW). */
+static void row_group_reduce(cg *c, const int32_t *reds, int nred) {
+    if (nred == 0) return;
+    int W = c->G < 32 ? c->G : 32;
+    if (W > 1)
+        for (int j = 0; j < nred; j++)
+            cg_line(c, "acc%d = %s<%d>(acc%d);", reds[j], red_of(kb_graph_node(c->g, reds[j])->op)->warp, W, reds[j]);
+    if (c->G <= 32) return;
+    int nw = c->G / 32;
+    cg_line(c, "// across the %d warps of the row, in a fixed order (deterministic)", nw);
+    cg_line(c, "if ((threadIdx.x & 31) == 0) {");
+    for (int j = 0; j < nred; j++) cg_line(c, "    kb_red[%d][threadIdx.x >> 5] = acc%d;", j, reds[j]);
+    cg_line(c, "}");
+    cg_line(c, "%s;", c->rd->barrier);
+    for (int j = 0; j < nred; j++) {
+        const struct red_render *rr = red_of(kb_graph_node(c->g, reds[j])->op);
+        char comb[128];
+        char acc[32], other[64];
+        snprintf(acc, sizeof acc, "acc%d", reds[j]);
+        snprintf(other, sizeof other, "kb_red[%d][grp * %d + w]", j, nw);
+        snprintf(comb, sizeof comb, rr->combine, acc, other);
+        cg_line(c, "acc%d = kb_red[%d][grp * %d];", reds[j], j, nw);
+        cg_line(c, "for (int w = 1; w < %d; ++w) acc%d = %s;", nw, reds[j], comb);
+    }
+    cg_line(c, "%s;", c->rd->barrier);
+}
+
+/* The reductions and FULL outputs of one pass, and the statistics it finishes. */
+static void row_pass(cg *c, int pass) {
+    int32_t reds[64], outs[64];
+    int nred = 0, nout = 0;
+    for (int32_t k = 0; k < c->rg->nnodes; k++) {
+        int32_t v = c->rg->nodes[k];
+        if (kb_op_get(kb_graph_node(c->g, v)->op)->kind == KB_KIND_REDUCE && c->dp[v] == pass && nred < 64)
+            reds[nred++] = v;
+    }
+    for (int32_t j = 0; j < c->rg->noutputs; j++) {
+        int32_t v = c->rg->outputs[j];
+        if (cg_out_full(c, v) && pass_of_output(c, v) == pass && nout < 64) outs[nout++] = v;
+    }
+    if (nred == 0 && nout == 0) return;
+    if (nred > c->maxred) c->maxred = nred;
+    c->pass = pass;
+    kb_sb_printf(c->out, "\n");
+    cg_line(c, "// pass %d over the row:%s", pass + 1, nred ? "" : " write the outputs");
+    for (int j = 0; j < nred; j++) {
+        const kb_node *nd = kb_graph_node(c->g, reds[j]);
+        cg_line(c, "//   %s of %%%d", kb_op_get(nd->op)->name, nd->inputs[0]);
+    }
+    for (int j = 0; j < nout; j++) cg_line(c, "//   write %%%d", outs[j]);
+    for (int j = 0; j < nred; j++)
+        cg_line(c, "%s acc%d = %s;", c->ct, reds[j], red_of(kb_graph_node(c->g, reds[j])->op)->init);
+    row_chunk_loop_open(c);
+    cg_chunk(c, reds, nred, outs, nout);
+    row_chunk_loop_close(c);
+    row_group_reduce(c, reds, nred);
+    for (int j = 0; j < nred; j++) {
+        const kb_node *nd = kb_graph_node(c->g, reds[j]);
+        if (nd->op == KB_OP_MEAN)
+            cg_line(c, "const %s v%d = acc%d / (%s)R;", c->ct, reds[j], reds[j], c->ct);
+        else
+            cg_line(c, "const %s v%d = acc%d;", c->ct, reds[j], reds[j]);
+        cg_bind_stat(c, reds[j]);
+    }
+    /* statistics derived only from finished reductions: once per row, not per element */
+    if (nred) cg_eager_stats(c, pass);
+}
+
+static void emit_row_body(cg *c) {
+    char Oexpr[EXPR_LEN], Rexpr[EXPR_LEN];
+    cg_extent(c, 0, Oexpr);
+    cg_extent(c, 1, Rexpr);
+    cg_line(c, "const long long O = %s;  // rows", Oexpr);
+    cg_line(c, "const long long R = %s;  // row length", Rexpr);
+    if (c->gn.rows > 1) {
+        cg_line(c, "const int lane = threadIdx.x %% %d, grp = threadIdx.x / %d;  // %d rows per block, %d threads per row",
+                c->G, c->G, c->gn.rows, c->G);
+    } else {
+        cg_line(c, "const int lane = threadIdx.x, grp = 0;  // one row per block");
+    }
+    if (c->G > 32) cg_line(c, "__shared__ %s kb_red[KB_NRED][%d];", c->ct, c->gn.threads / 32);
+    if (c->gn.cache == KB_CACHE_SMEM) cg_smem_pointers(c);
+    cg_line(c, "for (long long rowbase = (long long)blockIdx.x * %d; rowbase < O; rowbase += (long long)gridDim.x * %d) {",
+            c->gn.rows, c->gn.rows);
+    c->ind++;
+    cg_scope_push(c);
+    cg_line(c, "const long long row = rowbase + grp;");
+    cg_line(c, "const long long Rl = row < O ? R : 0;  // idle row slots still join the reductions");
+    cg_decl_vars(c, "row", ~c->red, 0);
+    if (c->trailing) cg_line(c, "const long long rb = row * R;");
+    if (c->gn.cache == KB_CACHE_REGS) cg_regs_arrays(c);
+    int last = c->npasses;
+    for (int p = 0; p <= last; p++) row_pass(c, p);
+    cg_stat_outputs(c);
+    cg_scope_pop(c);
+    c->ind--;
+    cg_line(c, "}");
+}
+
+/* ---------------------------------------------------------------- COL */
+
+static void col_o_loop_open(cg *c, const char *begin, const char *end) {
+    cg_line(c, "#pragma unroll %d", c->gn.items);
+    cg_line(c, "for (long long o = %s; o < %s; ++o) {", begin, end);
+    c->ind++;
+}
+
+static void col_pass(cg *c, int pass, int partial) {
+    int32_t reds[64], outs[64];
+    int nred = 0, nout = 0;
+    for (int32_t k = 0; k < c->rg->nnodes; k++) {
+        int32_t v = c->rg->nodes[k];
+        if (kb_op_get(kb_graph_node(c->g, v)->op)->kind == KB_KIND_REDUCE && c->dp[v] == pass && nred < 64)
+            reds[nred++] = v;
+    }
+    for (int32_t j = 0; j < c->rg->noutputs; j++) {
+        int32_t v = c->rg->outputs[j];
+        if (cg_out_full(c, v) && pass_of_output(c, v) == pass && nout < 64) outs[nout++] = v;
+    }
+    if (nred == 0 && nout == 0) return;
+    c->pass = pass;
+    kb_sb_printf(c->out, "\n");
+    cg_line(c, "// pass %d down the columns:%s", pass + 1, nred ? "" : " write the outputs");
+    for (int j = 0; j < nred; j++) {
+        const kb_node *nd = kb_graph_node(c->g, reds[j]);
+        cg_line(c, "//   %s of %%%d", kb_op_get(nd->op)->name, nd->inputs[0]);
+        cg_line(c, "%s acc%d[%d];", c->ct, reds[j], c->vec);
+        cg_line(c, "for (int k = 0; k < %d; ++k) acc%d[k] = %s;", c->vec, reds[j], red_of(nd->op)->init);
+    }
+    for (int j = 0; j < nout; j++) cg_line(c, "//   write %%%d", outs[j]);
+    col_o_loop_open(c, partial ? "o_begin" : "0", partial ? "o_end" : "Ored");
+    cg_scope_push(c);
+    cg_decl_vars(c, "o", c->red, 0);
+    if (c->trailing) cg_line(c, "const long long ob = o * C;");
+    cg_chunk(c, reds, nred, outs, nout);
+    cg_scope_pop(c);
+    c->ind--;
+    cg_line(c, "}");
+    if (partial) {
+        cg_line(c, "// partial results of this split, finished by %s_finish", c->name);
+        cg_line(c, "%s *ws = static_cast<%s *>(kb_ws);", c->ct, c->ct);
+        for (int j = 0; j < nred; j++)
+            cg_line(c, "for (int k = 0; k < %d; ++k) ws[(split * %d + %d) * C + col0 + k] = acc%d[k];", c->vec, c->nred_total,
+                    j, reds[j]);
+        return;
+    }
+    for (int j = 0; j < nred; j++) {
+        const kb_node *nd = kb_graph_node(c->g, reds[j]);
+        cg_line(c, "%s v%d[%d];", c->ct, reds[j], c->vec);
+        cg_line(c, "for (int k = 0; k < %d; ++k) v%d[k] = acc%d[k]%s;", c->vec, reds[j], reds[j],
+                nd->op == KB_OP_MEAN ? (c->dbl ? " / (double)Ored" : " / (float)Ored") : "");
+        cg_bind_stat(c, reds[j]);
+    }
+}
+
+static void col_prologue(cg *c, int finish) {
+    char Cexpr[EXPR_LEN], Oexpr[EXPR_LEN];
+    cg_extent(c, 0, Cexpr);
+    cg_extent(c, 1, Oexpr);
+    cg_line(c, "const long long C = %s;  // columns", Cexpr);
+    cg_line(c, "const long long Ored = %s;  // reduced extent (rows summed down each column)", Oexpr);
+    cg_line(c, "const long long ncb = (C + %d) / %d;  // column blocks of %d threads x %d columns", c->gn.threads * c->vec - 1,
+            c->gn.threads * c->vec, c->gn.threads, c->vec);
+    int split = c->col_split > 1 && !finish;
+    cg_line(c, "for (long long b = blockIdx.x; b < ncb * %d; b += gridDim.x) {", split ? c->col_split : 1);
+    c->ind++;
+    cg_scope_push(c);
+    if (split) {
+        cg_line(c, "const long long split = b / ncb;");
+        cg_line(c, "const long long span = (Ored + %d) / %d;", c->col_split - 1, c->col_split);
+        cg_line(c, "const long long o_begin = split * span, o_end = o_begin + span < Ored ? o_begin + span : Ored;");
+    }
+    cg_line(c, "const long long col0 = ((b %% ncb) * %d + threadIdx.x) * %d;", c->gn.threads, c->vec);
+    cg_line(c, "if (col0 >= C) continue;");
+    cg_decl_vars(c, "col0", ~c->red, 1);
+}
+
+static void col_epilogue(cg *c) {
+    cg_scope_pop(c);
+    c->ind--;
+    cg_line(c, "}");
+}
+
+static void emit_col_body(cg *c) {
+    col_prologue(c, 0);
+    if (c->col_split > 1) {
+        col_pass(c, 0, 1);
+    } else {
+        for (int p = 0; p <= c->npasses; p++) col_pass(c, p, 0);
+        cg_stat_outputs(c);
+    }
+    col_epilogue(c);
+}
+
+/* The finishing kernel of a split COL region: partials summed in split order, then the
+ * per-column statistics and outputs. */
+static void emit_col_finish(cg *c) {
+    col_prologue(c, 1);
+    c->pass = 1;
+    cg_line(c, "const %s *ws = static_cast<const %s *>(kb_ws);", c->ct, c->ct);
+    int j = 0;
+    for (int32_t k = 0; k < c->rg->nnodes; k++) {
+        int32_t v = c->rg->nodes[k];
+        const kb_node *nd = kb_graph_node(c->g, v);
+        if (kb_op_get(nd->op)->kind != KB_KIND_REDUCE) continue;
+        const struct red_render *rr = red_of(nd->op);
+        char comb[160], acc[32], part[96];
+        snprintf(acc, sizeof acc, "v%d[k]", v);
+        snprintf(part, sizeof part, "ws[(s * %d + %d) * C + col0 + k]", c->nred_total, j);
+        snprintf(comb, sizeof comb, rr->combine, acc, part);
+        cg_line(c, "%s v%d[%d];", c->ct, v, c->vec);
+        cg_line(c, "for (int k = 0; k < %d; ++k) {", c->vec);
+        cg_line(c, "    v%d[k] = ws[(%d) * C + col0 + k];", v, j);
+        cg_line(c, "    for (int s = 1; s < %d; ++s) v%d[k] = %s;", c->col_split, v, comb);
+        if (nd->op == KB_OP_MEAN) cg_line(c, "    v%d[k] = v%d[k] / (%s)Ored;", v, v, c->ct);
+        cg_line(c, "}");
+        cg_bind_stat(c, v);
+        j++;
+    }
+    cg_stat_outputs(c);
+    col_epilogue(c);
+}
+
+/* ---------------------------------------------------------------- POINTWISE */
+
+static void emit_pointwise_body(cg *c) {
+    char nexpr[EXPR_LEN];
+    cg_extent(c, 0, nexpr);
+    int T = c->gn.threads, V = c->gn.vec, I = c->gn.items;
+    int32_t outs[256];
+    int nout = 0;
+    for (int32_t j = 0; j < c->rg->noutputs && nout < 256; j++) outs[nout++] = c->rg->outputs[j];
+    cg_line(c, "const long long n = %s;", nexpr);
+    cg_line(c, "// %d threads x %d chunk(s) of %d element(s) per block, grid-stride", T, I, V);
+    cg_line(c, "for (long long q0 = (long long)blockIdx.x * %d; q0 * %d < n; q0 += (long long)gridDim.x * %d) {", T * I, V,
+            T * I);
+    c->ind++;
+    cg_line(c, "#pragma unroll");
+    cg_line(c, "for (int it = 0; it < %d; ++it) {", I);
+    c->ind++;
+    cg_line(c, "const long long i0 = (q0 + it * %d + threadIdx.x) * %d;", T, V);
+    if (V > 1) {
+        cg_line(c, "if (i0 + %d <= n) {", V);
+        c->ind++;
+        cg_scope_push(c);
+        cg_chunk(c, NULL, 0, outs, nout);
+        cg_scope_pop(c);
+        c->ind--;
+        cg_line(c, "} else {");
+        c->ind++;
+        cg_line(c, "for (long long i1 = i0; i1 < n; ++i1) {  // the tail: one element at a time");
+        c->ind++;
+        int saved = c->vec;
+        c->vec = 1;
+        c->base = "i1";
+        cg_scope_push(c);
+        cg_set_space_vec(c);
+        cg_chunk(c, NULL, 0, outs, nout);
+        cg_scope_pop(c);
+        c->vec = saved;
+        c->base = "i0";
+        cg_set_space_vec(c);
+        c->ind--;
+        cg_line(c, "}");
+        c->ind--;
+        cg_line(c, "}");
+    } else {
+        cg_line(c, "if (i0 < n) {");
+        c->ind++;
+        cg_scope_push(c);
+        cg_chunk(c, NULL, 0, outs, nout);
+        cg_scope_pop(c);
+        c->ind--;
+        cg_line(c, "}");
+    }
+    c->ind--;
+    cg_line(c, "}");
+    c->ind--;
+    cg_line(c, "}");
+}
+
+/* ---------------------------------------------------------------- unused declarations */
+
+/* The skeletons declare every index variable a scope might need; this drops the `const`
+ * declarations nothing reads (to a fixpoint: dropping a1 may orphan a1_0), so the kernel
+ * compiles without warnings and reads without noise. Comments are not searched. */
+static int has_token(const char *s, const char *e, const char *name, size_t n) {
+    for (const char *p = s; p + n <= e; p++) {
+        if (p[0] == '/' && p[1] == '/') {
+            while (p < e && *p != '\n') p++;
+            continue;
+        }
+        if (memcmp(p, name, n) != 0) continue;
+        char before = p > s ? p[-1] : ' ', after = p + n < e ? p[n] : ' ';
+        int id_b = (before >= 'a' && before <= 'z') || (before >= 'A' && before <= 'Z') || (before >= '0' && before <= '9') || before == '_';
+        int id_a = (after >= 'a' && after <= 'z') || (after >= 'A' && after <= 'Z') || (after >= '0' && after <= '9') || after == '_';
+        if (!id_b && !id_a) return 1;
+    }
+    return 0;
+}
+
+static void prune_unused(char *src) {
+    for (int changed = 1; changed;) {
+        changed = 0;
+        for (char *line = src; *line;) {
+            char *eol = strchr(line, '\n');
+            if (!eol) break;
+            char *p = line;
+            while (*p == ' ') p++;
+            char *eq = strstr(p, " = ");
+            if (strncmp(p, "const ", 6) == 0 && eq && eq < eol && eol[-1] == ';' && !memchr(p, '(', (size_t)(eq - p))) {
+                char *name = eq;
+                while (name > p && name[-1] != ' ' && name[-1] != '*') name--;
+                size_t n = (size_t)(eq - name);
+                /* the rest of the enclosing block */
+                int depth = 0;
+                char *end = eol + 1;
+                for (; *end; end++) {
+                    if (*end == '{') depth++;
+                    if (*end == '}' && --depth < 0) break;
+                }
+                if (n > 0 && !has_token(eol + 1, end, name, n)) {
+                    memmove(line, eol + 1, strlen(eol + 1) + 1);
+                    changed = 1;
+                    continue;
+                }
+            }
+            line = eol + 1;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- driver */
+
+static void emit_body(cg *c) {
+    c->ind = 1;
+    switch (c->rg->kind) {
+    case KB_REGION_POINTWISE: emit_pointwise_body(c); break;
+    case KB_REGION_ROW: emit_row_body(c); break;
+    case KB_REGION_COL: emit_col_body(c); break;
+    default: break;
+    }
+}
+
+static kb_status check_genome(cg *c) {
+    const kb_genome *gn = &c->gn;
+    kb_ctx *ctx = c->ctx;
+    if (gn->threads < 32 || gn->threads > 1024 || gn->threads % 32)
+        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: threads=%d (32..1024, a multiple of 32)", gn->threads);
+    if (gn->vec != 1 && gn->vec != 2 && gn->vec != 4 && gn->vec != 8 && gn->vec != 16)
+        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: vec=%d (1, 2, 4, 8 or 16)", gn->vec);
+    if (gn->items < 1 || gn->items > 64) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: items=%d (1..64)", gn->items);
+    if (gn->vec > 1 && c->rg->kind != KB_REGION_POINTWISE && !c->aligned)
+        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: vec=%d needs the last dim pinned and a multiple of it", gn->vec);
+    if (c->rg->kind == KB_REGION_ROW) {
+        if (gn->rows < 1 || gn->threads % gn->rows) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: rows=%d must divide threads", gn->rows);
+        int G = gn->threads / gn->rows;
+        if (G & (G - 1)) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: threads/rows=%d must be a power of two", G);
+        if (gn->cache != KB_CACHE_REREAD && !c->red_pinned)
+            return KB_FAIL(ctx, KB_ERR_INVALID, "genome: cache=%s needs a pinned row length", gn->cache == KB_CACHE_REGS ? "regs" : "smem");
+    } else if (gn->rows != 1) {
+        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: rows=%d applies to ROW regions only", gn->rows);
+    }
+    if (c->rg->kind == KB_REGION_COL && gn->col_split > 1) {
+        if (c->npasses > 1) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: col_split>1 with reductions in sequence");
+        for (int32_t j = 0; j < c->rg->noutputs; j++)
+            if (cg_out_full(c, c->rg->outputs[j]) && pass_of_output(c, c->rg->outputs[j]) > 0)
+                return KB_FAIL(ctx, KB_ERR_INVALID, "genome: col_split>1 with a full-size output after the reduction");
+    } else if (c->rg->kind != KB_REGION_COL && gn->col_split != 1) {
+        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: col_split=%d applies to COL regions only", gn->col_split);
+    }
+    return KB_OK;
+}
+
+void kb_kernel_free(kb_ctx *ctx, kb_kernel *k) {
+    if (!k) return;
+    kb_string_free(ctx, k->source);
+    kb_free(ctx, k, sizeof *k);
+}
+
+kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
+                             kb_kernel **out) {
+    if (!p || !gn || !out) return KB_ERR_INVALID;
+    *out = NULL;
+    kb_ctx *ctx = kb_graph_ctx(p->graph);
+    kb_status st = KB_OK;
+    kb_sb src, body, scratch;
+    kb_sb_init(&src, ctx);
+    kb_sb_init(&body, ctx);
+    kb_sb_init(&scratch, ctx);
+    kb_kernel *k = NULL;
+    cg c;
+    memset(&c, 0, sizeof c);
+    KB_CHECK(ctx, r >= 0 && r < p->nregions, KB_ERR_INVALID, "codegen: region %d of %d", (int)r, (int)p->nregions);
+    KB_CHECK(ctx, p->regions[r].kind != KB_REGION_EXTERN, KB_ERR_INVALID, "codegen: region %d is EXTERN", (int)r);
+    KB_TRY(cg_init(&c, p, r, gn, dev, &CUDA_RENDERER));
+    plan_passes(&c);
+    KB_TRY(check_genome(&c));
+
+    /* dry run: which inputs are read in several passes (those a row cache holds) */
+    c.out = &scratch;
+    c.dry = 1;
+    emit_body(&c);
+    KB_TRY(cg_status(&c));
+    kb_sb_discard(&scratch);
+    KB_TRY(cg_plan_cache(&c));
+    cg_reset(&c);
+    c.dry = 0;
+    c.out = &body;
+    emit_body(&c);
+    if (c.col_split > 1) {
+        kb_sb_puts(&body, "}\n\n");
+        emit_signature(&c, &body, "_finish");
+        kb_sb_puts(&body, "{\n");
+        cg_reset(&c);
+        emit_col_finish(&c);
+    }
+    KB_TRY(cg_status(&c));
+    KB_CHECK(ctx, !body.oom, KB_ERR_OOM, "out of memory");
+    if (body.buf) prune_unused(body.buf);
+
+    emit_preamble(&c, &src);
+    if (c.maxred > 0 && c.G > 32) kb_sb_printf(&src, "#define KB_NRED %d\n", c.maxred);
+    emit_signature(&c, &src, "");
+    kb_sb_puts(&src, "{\n");
+    if (body.buf) kb_sb_puts(&src, body.buf);
+    kb_sb_puts(&src, "}\n");
+
+    k = kb_calloc(ctx, 1, sizeof *k);
+    KB_CHECK(ctx, k != NULL, KB_ERR_OOM, "out of memory");
+    KB_TRY(kb_sb_finish(&src, &k->source));
+    snprintf(k->name, sizeof k->name, "%s", c.name);
+    k->block = gn->threads;
+    k->smem_bytes = c.smem_bytes;
+    k->genome = *gn;
+    k->nkernels = c.col_split > 1 ? 2 : 1;
+    k->workspace_bytes_per_unit = c.col_split > 1 ? (int64_t)c.col_split * c.nred_total * (c.dbl ? 8 : 4) : 0;
+    KB_TRY(cg_grid_units(&c, &k->grid_units, &k->units_per_block));
+    KB_CHECK(ctx, dev == NULL || dev->max_smem_per_block <= 0 || k->smem_bytes <= dev->max_smem_per_block, KB_ERR_INVALID,
+             "genome: %d bytes of shared memory, the device allows %d", k->smem_bytes, dev ? dev->max_smem_per_block : 0);
+    *out = k;
+    k = NULL;
+cleanup:
+    kb_kernel_free(ctx, k);
+    kb_sb_discard(&src);
+    kb_sb_discard(&body);
+    kb_sb_discard(&scratch);
+    cg_done(&c);
+    return st;
+}
+
+void kb_kernel_grid(const kb_kernel *k, const int64_t *symvals, const kb_device_info *dev, uint32_t grid[3]) {
+    int64_t units = kb_dim_eval(k->grid_units, symvals);
+    int64_t upb = k->units_per_block > 0 ? k->units_per_block : 1;
+    int64_t g = (units + upb - 1) / upb;
+    if (g < 1) g = 1;
+    if (k->genome.persistent && dev && dev->num_sms > 0) {
+        int64_t per_sm = 2048 / (k->block > 0 ? k->block : 1);
+        if (k->smem_bytes > 0 && dev->max_smem_per_block > 0) {
+            int64_t by_smem = dev->max_smem_per_block / k->smem_bytes;
+            if (by_smem < per_sm) per_sm = by_smem;
+        }
+        if (per_sm < 1) per_sm = 1;
+        if (g > per_sm * dev->num_sms) g = per_sm * dev->num_sms;
+    }
+    if (g > 0x7fffffff) g = 0x7fffffff; /* every kernel loops over its work, so a cap is safe */
+    grid[0] = (uint32_t)g;
+    grid[1] = grid[2] = 1;
+}

@@ -1,0 +1,129 @@
+/* codegen.h — private to codegen.c (kernel skeletons) and codegen_expr.c (values at an index):
+ * the generator's state and the renderer (target descriptor, in the spirit of tinygrad's
+ * cstyle renderer). Nothing here is public API. */
+#ifndef KBENCH_CODEGEN_H
+#define KBENCH_CODEGEN_H
+
+#include "internal.h"
+
+#define EXPR_LEN 200
+#define NAME_LEN 64
+#define KEY_LEN 480
+#define CG_DATA (1u << 31) /* an index component that depends on loaded data (gather) */
+
+typedef struct renderer {
+    const char *kernel_prefix; /* extern "C" __global__ void */
+    const char *launch_bounds; /* printf format over the block size */
+    const char *barrier;
+    const char *shfl_xor;      /* expression over v (value) and o (lane offset) */
+    const char *restrict_kw;
+    const char *smem_decl;     /* the dynamic shared memory array kb_smem */
+} renderer;
+
+/* An index into a value: either one linear (row-major) index, or one component per dim.
+ * mask: which anchor dims (bit d = variable a<d>) a component depends on, CG_DATA for loaded
+ * data; for the linear form mask[0] covers the whole expression. */
+typedef struct idx {
+    int lin;
+    int rank;
+    uint32_t mask[KB_MAX_RANK];
+    char e[KB_MAX_RANK][EXPR_LEN];
+} idx;
+
+typedef struct cg_ent { /* a value already computed at an index, visible in scopes >= scope */
+    int32_t v;
+    int scope;
+    char key[KEY_LEN];
+    char var[NAME_LEN];
+} cg_ent;
+
+typedef struct cg_vreq { /* a vector load hoisted in front of the element loop of a chunk */
+    int32_t v;
+    int smem;     /* read from the row cache in shared memory */
+    int fill;     /* also store the vector into the row cache */
+    char base[EXPR_LEN];
+    char name[NAME_LEN];
+} cg_vreq;
+
+typedef struct cg {
+    kb_ctx *ctx;
+    const kb_partition *p;
+    const kb_graph *g;
+    const kb_region *rg;
+    int32_t r;
+    kb_genome gn;
+    const renderer *rd;
+    kb_status st;
+    char name[64];
+    int dbl;            /* compute in double (the region touches f64) */
+    const char *ct;     /* "float" / "double" */
+    int use_bf16, use_f16;
+    /* the iteration space: the anchor's dims, reduced axes, how chunks of vec map onto it */
+    int arank, last;
+    kb_dim adims[KB_MAX_RANK];
+    uint32_t red;
+    int trailing;       /* ROW: reduced dims are the trailing ones; COL: the leading ones */
+    int red_pinned;
+    int vec, aligned, full_vec_ok;
+    const char *base;   /* chunk's first position ("i0", "c0", "col0") */
+    const char *kvar;   /* element index inside a chunk: "k", or "0" when vec == 1 */
+    char full_lin[EXPR_LEN], full_lin0[EXPR_LEN], stat_lin[16];
+    int in_element;
+    /* membership, by value id */
+    int32_t n;
+    uint8_t *member;
+    int32_t *in_slot;
+    int8_t *dp;         /* latest reduction pass a value depends on */
+    uint8_t *pure;      /* a function of reductions and constants only (no loads) */
+    /* passes and the row cache */
+    int npasses, pass, maxred, nred_total, col_split;
+    int G, U;
+    int dry;
+    uint32_t *uses;     /* per input slot: passes that read it at the canonical element */
+    int8_t *cached;
+    int8_t *fill_pass;
+    int32_t *smem_off;
+    int smem_bytes;
+    /* emission */
+    kb_sb *out;
+    int ind, scope, counter;
+    cg_ent *ents;
+    int nents, capents;
+    cg_vreq vr[64];
+    int nvr;
+} cg;
+
+kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
+                  const renderer *rd);
+void cg_done(cg *c);
+void cg_reset(cg *c);
+kb_status cg_status(cg *c);
+kb_status cg_plan_cache(cg *c);
+kb_status cg_grid_units(cg *c, kb_dim *units, int64_t *per_block);
+
+const char *cg_storage(kb_dtype t);
+void cg_line(cg *c, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+void cg_scope_push(cg *c);
+void cg_scope_pop(cg *c);
+/* which = 0: full extent (POINTWISE) / kept extent (ROW rows, COL columns); 1: reduced extent */
+void cg_extent(cg *c, int which, char out[EXPR_LEN]);
+/* numel of v equals the kept extent (stat=1) or the full extent (stat=0) symbolically */
+int cg_numel_is(cg *c, int32_t v, int stat);
+/* declares a<d> for the anchor dims in mask, decomposed from the linear position src */
+void cg_decl_vars(cg *c, const char *src, uint32_t mask, int chunk_base);
+void cg_set_space_vec(cg *c);
+/* one chunk: vector loads, the element loop (reductions, FULL outputs), vector stores */
+void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout);
+void cg_bind_stat(cg *c, int32_t reduce);
+void cg_eager_stats(cg *c, int pass);
+void cg_stat_outputs(cg *c);
+/* an output written per element (else per row / column) */
+int cg_out_full(cg *c, int32_t v);
+void cg_smem_pointers(cg *c);
+void cg_regs_arrays(cg *c);
+
+#endif /* KBENCH_CODEGEN_H */

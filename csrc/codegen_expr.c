@@ -1,0 +1,1173 @@
+/* codegen_expr.c — the expression side of code generation: a value of the region at an index
+ * becomes a named C variable (v12), computed once per scope (a small CSE cache keyed by value
+ * and index). Views never move data: they rewrite the index (permute, expand, slice, reshape),
+ * so a view of an input becomes strided load addressing. Loads become 16-byte vector loads when
+ * the index is contiguous along the chunk, and come from the row cache where the plan says so. */
+#include "codegen.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+
+/* ---------------------------------------------------------------- type map */
+
+static const struct dtype_render {
+    const char *storage;
+    const char *load;  /* storage → float (or the value itself) */
+    const char *store; /* compute type → storage */
+} DT[KB_DTYPE_COUNT] = {
+    [KB_F32] = {"float", "%s", "(float)(%s)"},
+    [KB_F16] = {"__half", "__half2float(%s)", "__float2half_rn((float)(%s))"},
+    [KB_BF16] = {"__nv_bfloat16", "__bfloat162float(%s)", "__float2bfloat16_rn((float)(%s))"},
+    [KB_F64] = {"double", "%s", "(double)(%s)"},
+    [KB_I64] = {"long long", "%s", "(long long)(%s)"},
+    [KB_I32] = {"int", "%s", "(int)(%s)"},
+    [KB_BOOL] = {"unsigned char", "%s", "(unsigned char)((%s) != 0)"},
+};
+
+const char *cg_storage(kb_dtype t) { return (unsigned)t < KB_DTYPE_COUNT ? DT[t].storage : "float"; }
+
+/* ---------------------------------------------------------------- small helpers */
+
+static void fail(cg *c, kb_status s, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void fail(cg *c, kb_status s, const char *fmt, ...) {
+    if (c->st != KB_OK) return;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    c->st = KB_FAIL(c->ctx, s, "codegen: region %d: %s", (int)c->r, msg);
+}
+
+/* snprintf that turns truncation into a failure instead of wrong code */
+static void fmt(cg *c, char *dst, size_t n, const char *f, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+static void fmt(cg *c, char *dst, size_t n, const char *f, ...) {
+    va_list ap;
+    va_start(ap, f);
+    int k = vsnprintf(dst, n, f, ap);
+    va_end(ap);
+    if (k < 0 || (size_t)k >= n) {
+        fail(c, KB_ERR_UNSUPPORTED, "an index expression is too long (views nested too deeply)");
+        if (n) snprintf(dst, n, "0");
+    }
+}
+
+void cg_line(cg *c, const char *f, ...) {
+    if (c->dry) return;
+    for (int i = 0; i < c->ind; i++) kb_sb_puts(c->out, "    ");
+    char buf[2048];
+    va_list ap;
+    va_start(ap, f);
+    int k = vsnprintf(buf, sizeof buf, f, ap);
+    va_end(ap);
+    if (k < 0 || (size_t)k >= sizeof buf) fail(c, KB_ERR_UNSUPPORTED, "a generated line is too long");
+    kb_sb_puts(c->out, buf);
+    kb_sb_puts(c->out, "\n");
+}
+
+void cg_scope_push(cg *c) { c->scope++; }
+
+void cg_scope_pop(cg *c) {
+    c->scope--;
+    while (c->nents > 0 && c->ents[c->nents - 1].scope > c->scope) c->nents--;
+}
+
+static const kb_node *NODE(const cg *c, int32_t v) { return kb_graph_node(c->g, v); }
+static int is_one(kb_dim d) { return d.coef == 1 && d.nsym == 0; }
+
+static int same_dims(const kb_node *a, int rank, const kb_dim *dims) {
+    if (a->rank != rank) return 0;
+    for (int d = 0; d < rank; d++)
+        if (!kb_dim_equal(a->dims[d], dims[d])) return 0;
+    return 1;
+}
+
+/* coef * prod(symbols) of the dims in mask, as C */
+static void prod_expr(cg *c, const kb_dim *dims, int rank, uint32_t mask, char *out) {
+    int64_t coef = 1;
+    int n = 0;
+    uint8_t syms[KB_MAX_RANK * KB_MAX_DIM_SYMS];
+    for (int d = 0; d < rank; d++) {
+        if (!(mask & (1u << d))) continue;
+        coef *= dims[d].coef;
+        for (int i = 0; i < dims[d].nsym; i++) {
+            int j = n++;
+            while (j > 0 && syms[j - 1] > dims[d].sym[i]) {
+                syms[j] = syms[j - 1];
+                j--;
+            }
+            syms[j] = dims[d].sym[i];
+        }
+    }
+    if (n == 0 || coef == 0) {
+        fmt(c, out, EXPR_LEN, "%" PRId64, n == 0 ? coef : 0);
+        return;
+    }
+    char buf[EXPR_LEN];
+    size_t len = 0;
+    buf[0] = '\0';
+    if (coef != 1) len += (size_t)snprintf(buf, sizeof buf, "%" PRId64, coef);
+    for (int i = 0; i < n && len < sizeof buf; i++)
+        len += (size_t)snprintf(buf + len, sizeof buf - len, "%ss%d", len ? "*" : "", syms[i]);
+    if (n == 1 && coef == 1) fmt(c, out, EXPR_LEN, "%s", buf);
+    else fmt(c, out, EXPR_LEN, "(%s)", buf);
+}
+
+static void dim_expr(cg *c, kb_dim d, char *out) { prod_expr(c, &d, 1, 1u, out); }
+
+void cg_extent(cg *c, int which, char out[EXPR_LEN]) {
+    uint32_t all = c->arank ? (uint32_t)((1ull << c->arank) - 1) : 0;
+    uint32_t mask = c->rg->kind == KB_REGION_POINTWISE ? all : which ? c->red : (all & ~c->red);
+    prod_expr(c, c->adims, c->arank, mask, out);
+}
+
+typedef struct mono {
+    int64_t coef;
+    int n;
+    uint8_t s[KB_MAX_RANK * KB_MAX_DIM_SYMS];
+} mono;
+
+static void mono_of(const kb_dim *dims, int rank, uint32_t mask, mono *m) {
+    m->coef = 1;
+    m->n = 0;
+    for (int d = 0; d < rank; d++) {
+        if (!(mask & (1u << d))) continue;
+        m->coef *= dims[d].coef;
+        for (int i = 0; i < dims[d].nsym; i++) {
+            int j = m->n++;
+            while (j > 0 && m->s[j - 1] > dims[d].sym[i]) {
+                m->s[j] = m->s[j - 1];
+                j--;
+            }
+            m->s[j] = dims[d].sym[i];
+        }
+    }
+}
+
+int cg_numel_is(cg *c, int32_t v, int stat) {
+    const kb_node *nd = NODE(c, v);
+    uint32_t all = c->arank ? (uint32_t)((1ull << c->arank) - 1) : 0;
+    mono a, b;
+    mono_of(c->adims, c->arank, stat ? (all & ~c->red) : all, &a);
+    mono_of(nd->dims, nd->rank, nd->rank ? (uint32_t)((1ull << nd->rank) - 1) : 0, &b);
+    return a.coef == b.coef && a.n == b.n && memcmp(a.s, b.s, (size_t)a.n) == 0;
+}
+
+/* ---------------------------------------------------------------- the iteration space */
+
+static void aname(const cg *c, int d, int chunk_base, char *out) {
+    if (chunk_base && d == c->last && c->aligned) snprintf(out, NAME_LEN, "a%d_0", d);
+    else snprintf(out, NAME_LEN, "a%d", d);
+}
+
+void cg_decl_vars(cg *c, const char *src, uint32_t mask, int chunk_base) {
+    int ds[KB_MAX_RANK], nd = 0;
+    for (int d = 0; d < c->arank; d++)
+        if ((mask & (1u << d)) && !is_one(c->adims[d])) ds[nd++] = d;
+    for (int j = 0; j < nd; j++) {
+        uint32_t after = 0;
+        for (int q = j + 1; q < nd; q++) after |= 1u << ds[q];
+        char st[EXPR_LEN], size[EXPR_LEN], e[EXPR_LEN], name[NAME_LEN];
+        prod_expr(c, c->adims, c->arank, after, st);
+        dim_expr(c, c->adims[ds[j]], size);
+        int unit = strcmp(st, "1") == 0;
+        if (nd == 1) fmt(c, e, sizeof e, "%s", src);
+        else if (j == 0) fmt(c, e, sizeof e, unit ? "%s" : "%s / %s", src, st);
+        else if (unit) fmt(c, e, sizeof e, "%s %% %s", src, size);
+        else fmt(c, e, sizeof e, "(%s / %s) %% %s", src, st, size);
+        aname(c, ds[j], chunk_base && c->vec > 1, name);
+        cg_line(c, "const long long %s = %s;", name, e);
+    }
+}
+
+/* Σ a<d> * stride<d> over the anchor's dims (the anchor's own linear index) */
+static void anchor_lin(cg *c, int chunk_base, char *out) {
+    char buf[EXPR_LEN] = "";
+    size_t len = 0;
+    uint32_t all = c->arank ? (uint32_t)((1ull << c->arank) - 1) : 0;
+    for (int d = 0; d < c->arank; d++) {
+        if (is_one(c->adims[d])) continue;
+        char st[EXPR_LEN], name[NAME_LEN];
+        prod_expr(c, c->adims, c->arank, all & ~((2u << d) - 1), st);
+        aname(c, d, chunk_base, name);
+        len += (size_t)snprintf(buf + len, sizeof buf - len, "%s%s%s%s", len ? " + " : "", name,
+                                strcmp(st, "1") ? " * " : "", strcmp(st, "1") ? st : "");
+        if (len >= sizeof buf) {
+            fail(c, KB_ERR_UNSUPPORTED, "the anchor's index is too long");
+            break;
+        }
+    }
+    fmt(c, out, EXPR_LEN, "(%s)", len ? buf : "0");
+}
+
+void cg_set_space_vec(cg *c) {
+    c->kvar = c->vec > 1 ? "k" : "0";
+    c->aligned = c->vec > 1 && c->arank > 0 && c->adims[c->last].nsym == 0 && c->adims[c->last].coef % c->vec == 0;
+    kb_region_kind kind = c->rg->kind;
+    c->full_vec_ok = c->vec > 1 && (kind == KB_REGION_POINTWISE || c->aligned);
+    c->stat_lin[0] = '\0';
+    if (kind == KB_REGION_POINTWISE) {
+        snprintf(c->full_lin, EXPR_LEN, "i");
+        snprintf(c->full_lin0, EXPR_LEN, "%s", c->base ? c->base : "i0");
+    } else if (c->trailing) {
+        int row = kind == KB_REGION_ROW;
+        snprintf(c->full_lin, EXPR_LEN, row ? "(rb + c)" : "(ob + col)");
+        snprintf(c->full_lin0, EXPR_LEN, row ? "(rb + c0)" : "(ob + col0)");
+    } else {
+        anchor_lin(c, 0, c->full_lin);
+        anchor_lin(c, 1, c->full_lin0);
+    }
+    if (kind == KB_REGION_ROW) snprintf(c->stat_lin, sizeof c->stat_lin, "row");
+    if (kind == KB_REGION_COL) snprintf(c->stat_lin, sizeof c->stat_lin, "col");
+}
+
+/* ---------------------------------------------------------------- indices */
+
+static uint32_t all_bits(const cg *c) { return c->arank ? (uint32_t)((1ull << c->arank) - 1) : 0; }
+
+static void canon_full(const cg *c, idx *x) {
+    x->lin = 0;
+    x->rank = c->arank;
+    for (int d = 0; d < c->arank; d++) {
+        if (is_one(c->adims[d])) {
+            strcpy(x->e[d], "0");
+            x->mask[d] = 0;
+        } else {
+            snprintf(x->e[d], EXPR_LEN, "a%d", d);
+            x->mask[d] = 1u << d;
+        }
+    }
+}
+
+/* v has the shape of a per-row (per-column) statistic: keepdim (1 on reduced axes) or not */
+static int stat_shape(const cg *c, const kb_node *nd, int *keep) {
+    if (c->rg->kind == KB_REGION_POINTWISE) return 0;
+    if (nd->rank == c->arank) {
+        for (int d = 0; d < c->arank; d++) {
+            if (c->red & (1u << d)) {
+                if (!is_one(nd->dims[d])) goto nokeep;
+            } else if (!kb_dim_equal(nd->dims[d], c->adims[d])) {
+                goto nokeep;
+            }
+        }
+        *keep = 1;
+        return 1;
+    }
+nokeep:
+    if (nd->rank != c->arank - kb_popcount32(c->red)) return 0;
+    for (int d = 0, o = 0; d < c->arank; d++) {
+        if (c->red & (1u << d)) continue;
+        if (!kb_dim_equal(nd->dims[o++], c->adims[d])) return 0;
+    }
+    *keep = 0;
+    return 1;
+}
+
+static void canon_stat(const cg *c, const kb_node *nd, int keep, idx *x) {
+    x->lin = 0;
+    x->rank = nd->rank;
+    for (int d = 0, o = 0; d < c->arank; d++) {
+        int reduced = (c->red >> d) & 1;
+        if (reduced && !keep) continue;
+        if (reduced || is_one(c->adims[d])) {
+            strcpy(x->e[o], "0");
+            x->mask[o] = 0;
+        } else {
+            snprintf(x->e[o], EXPR_LEN, "a%d", d);
+            x->mask[o] = 1u << d;
+        }
+        o++;
+    }
+}
+
+static int comps_equal(const idx *a, const idx *b) {
+    if (a->lin || b->lin || a->rank != b->rank) return 0;
+    for (int d = 0; d < a->rank; d++)
+        if (strcmp(a->e[d], b->e[d])) return 0;
+    return 1;
+}
+
+static void set_lin(idx *x, const char *e, uint32_t mask) {
+    x->lin = 1;
+    x->rank = 1;
+    snprintf(x->e[0], EXPR_LEN, "%s", e);
+    x->mask[0] = mask;
+}
+
+/* Canonical forms get canonical keys: the current element / the current row or column. */
+static void normalize(cg *c, const kb_node *nd, idx *x) {
+    if (x->lin) return;
+    idx can;
+    int keep;
+    if (c->in_element && same_dims(nd, c->arank, c->adims)) {
+        canon_full(c, &can);
+        if (comps_equal(x, &can)) {
+            set_lin(x, c->full_lin, all_bits(c));
+            return;
+        }
+    }
+    if (stat_shape(c, nd, &keep)) {
+        canon_stat(c, nd, keep, &can);
+        if (comps_equal(x, &can)) set_lin(x, c->stat_lin, all_bits(c) & ~c->red);
+    }
+}
+
+static void to_comps(cg *c, const kb_node *nd, const idx *in, idx *out) {
+    int keep;
+    if (!in->lin) {
+        *out = *in;
+        return;
+    }
+    if (c->in_element && strcmp(in->e[0], c->full_lin) == 0 && same_dims(nd, c->arank, c->adims)) {
+        canon_full(c, out);
+        return;
+    }
+    if (c->stat_lin[0] && strcmp(in->e[0], c->stat_lin) == 0 && stat_shape(c, nd, &keep)) {
+        canon_stat(c, nd, keep, out);
+        return;
+    }
+    /* generic: divide the linear index down the value's dims */
+    out->lin = 0;
+    out->rank = nd->rank;
+    int first = -1, nonone = 0;
+    for (int d = 0; d < nd->rank; d++)
+        if (!is_one(nd->dims[d])) {
+            if (first < 0) first = d;
+            nonone++;
+        }
+    uint32_t all = nd->rank ? (uint32_t)((1ull << nd->rank) - 1) : 0;
+    for (int d = 0; d < nd->rank; d++) {
+        out->mask[d] = in->mask[0];
+        if (is_one(nd->dims[d])) {
+            strcpy(out->e[d], "0");
+            out->mask[d] = 0;
+            continue;
+        }
+        char st[EXPR_LEN], size[EXPR_LEN];
+        prod_expr(c, nd->dims, nd->rank, all & ~((2u << d) - 1), st);
+        dim_expr(c, nd->dims[d], size);
+        int unit = strcmp(st, "1") == 0;
+        if (nonone == 1) fmt(c, out->e[d], EXPR_LEN, "%s", in->e[0]);
+        else if (d == first) fmt(c, out->e[d], EXPR_LEN, unit ? "%s" : "(%s / %s)", in->e[0], st);
+        else if (unit) fmt(c, out->e[d], EXPR_LEN, "(%s %% %s)", in->e[0], size);
+        else fmt(c, out->e[d], EXPR_LEN, "((%s / %s) %% %s)", in->e[0], st, size);
+    }
+}
+
+/* the value's row-major linear index */
+static void to_lin(cg *c, const kb_node *nd, const idx *in, char *out, uint32_t *mask) {
+    if (in->lin) {
+        fmt(c, out, EXPR_LEN, "%s", in->e[0]);
+        if (mask) *mask = in->mask[0];
+        return;
+    }
+    idx x = *in;
+    normalize(c, nd, &x);
+    if (x.lin) {
+        fmt(c, out, EXPR_LEN, "%s", x.e[0]);
+        if (mask) *mask = x.mask[0];
+        return;
+    }
+    char buf[EXPR_LEN] = "";
+    size_t len = 0;
+    uint32_t m = 0, all = nd->rank ? (uint32_t)((1ull << nd->rank) - 1) : 0;
+    int terms = 0;
+    for (int d = 0; d < nd->rank; d++) {
+        if (strcmp(x.e[d], "0") == 0) continue;
+        char st[EXPR_LEN];
+        prod_expr(c, nd->dims, nd->rank, all & ~((2u << d) - 1), st);
+        int unit = strcmp(st, "1") == 0;
+        len += (size_t)snprintf(buf + len, sizeof buf - len, "%s%s%s%s", len ? " + " : "", x.e[d], unit ? "" : " * ",
+                                unit ? "" : st);
+        if (len >= sizeof buf) {
+            fail(c, KB_ERR_UNSUPPORTED, "an index expression is too long");
+            break;
+        }
+        m |= x.mask[d];
+        terms++;
+    }
+    if (terms == 0) fmt(c, out, EXPR_LEN, "0");
+    else if (terms == 1) fmt(c, out, EXPR_LEN, "%s", buf);
+    else fmt(c, out, EXPR_LEN, "(%s)", buf);
+    if (mask) *mask = m;
+}
+
+/* The index of a view's operand, given the view's index (views move no data). */
+static void view_map(cg *c, const kb_node *nd, const idx *ix, idx *out) {
+    const kb_node *u = NODE(c, nd->inputs[0]);
+    if (nd->op == KB_OP_RESHAPE) {
+        if (ix->lin) {
+            *out = *ix;
+            return;
+        }
+        /* squeeze / unsqueeze: the same non-1 dims in the same order keep their components */
+        int a[KB_MAX_RANK], b[KB_MAX_RANK], na = 0, nb = 0, same = 1;
+        for (int d = 0; d < nd->rank; d++)
+            if (!is_one(nd->dims[d])) a[na++] = d;
+        for (int d = 0; d < u->rank; d++)
+            if (!is_one(u->dims[d])) b[nb++] = d;
+        if (na != nb) same = 0;
+        for (int i = 0; same && i < na; i++) same = kb_dim_equal(nd->dims[a[i]], u->dims[b[i]]);
+        if (same) {
+            out->lin = 0;
+            out->rank = u->rank;
+            for (int d = 0; d < u->rank; d++) {
+                strcpy(out->e[d], "0");
+                out->mask[d] = 0;
+            }
+            for (int i = 0; i < na; i++) {
+                strcpy(out->e[b[i]], ix->e[a[i]]);
+                out->mask[b[i]] = ix->mask[a[i]];
+            }
+            return;
+        }
+        char lin[EXPR_LEN];
+        uint32_t m;
+        to_lin(c, nd, ix, lin, &m);
+        set_lin(out, lin, m);
+        return;
+    }
+    idx x;
+    to_comps(c, nd, ix, &x);
+    *out = x;
+    out->lin = 0;
+    out->rank = u->rank;
+    if (nd->op == KB_OP_PERMUTE) {
+        for (int d = 0; d < nd->rank; d++) {
+            strcpy(out->e[(int)nd->perm[d]], x.e[d]);
+            out->mask[(int)nd->perm[d]] = x.mask[d];
+        }
+    } else if (nd->op == KB_OP_EXPAND) {
+        for (int d = 0; d < nd->rank; d++)
+            if (is_one(u->dims[d])) {
+                strcpy(out->e[d], "0");
+                out->mask[d] = 0;
+            }
+    } else if (nd->op == KB_OP_SLICE) {
+        int a = nd->axis;
+        const char *e = x.e[a];
+        if (strcmp(e, "0") == 0) fmt(c, out->e[a], EXPR_LEN, "%" PRId64, nd->start);
+        else if (nd->step == 1 && nd->start == 0) fmt(c, out->e[a], EXPR_LEN, "%s", e);
+        else if (nd->step == 1) fmt(c, out->e[a], EXPR_LEN, "(%s + %" PRId64 ")", e, nd->start);
+        else if (nd->start == 0) fmt(c, out->e[a], EXPR_LEN, "(%s * %" PRId64 ")", e, nd->step);
+        else fmt(c, out->e[a], EXPR_LEN, "(%s * %" PRId64 " + %" PRId64 ")", e, nd->step, nd->start);
+    }
+}
+
+/* ---------------------------------------------------------------- the value cache */
+
+static void make_key(cg *c, int32_t v, const idx *x, char *key) {
+    size_t len = (size_t)snprintf(key, KEY_LEN, "%d:%c", (int)v, x->lin ? 'L' : 'C');
+    int n = x->lin ? 1 : x->rank;
+    for (int d = 0; d < n && len < KEY_LEN; d++) len += (size_t)snprintf(key + len, KEY_LEN - len, "|%s", x->e[d]);
+    if (len >= KEY_LEN) key[0] = '\0'; /* too long to key: compute it again where needed */
+    (void)c;
+}
+
+static const char *lookup(cg *c, int32_t v, const char *key) {
+    if (!key[0]) return NULL;
+    for (int i = c->nents - 1; i >= 0; i--)
+        if (c->ents[i].v == v && strcmp(c->ents[i].key, key) == 0) return c->ents[i].var;
+    return NULL;
+}
+
+static void insert(cg *c, int32_t v, const char *key, const char *var) {
+    if (!key[0] || c->st != KB_OK) return;
+    if (c->nents == c->capents) {
+        int ncap = c->capents ? c->capents * 2 : 64;
+        cg_ent *p = kb_realloc(c->ctx, c->ents, sizeof(cg_ent) * (size_t)c->capents, sizeof(cg_ent) * (size_t)ncap);
+        if (!p) {
+            c->st = KB_ERR_OOM;
+            return;
+        }
+        c->ents = p;
+        c->capents = ncap;
+    }
+    cg_ent *e = &c->ents[c->nents++];
+    e->v = v;
+    e->scope = c->scope;
+    snprintf(e->key, KEY_LEN, "%s", key);
+    snprintf(e->var, NAME_LEN, "%s", var);
+}
+
+static int is_canonical(const cg *c, const idx *x) {
+    return x->lin && ((c->in_element && strcmp(x->e[0], c->full_lin) == 0) || (c->stat_lin[0] && strcmp(x->e[0], c->stat_lin) == 0));
+}
+
+/* a fresh name for v at x: v12 at its canonical index, v12_3 elsewhere */
+static void var_name(cg *c, int32_t v, const idx *x, char *name) {
+    int keep;
+    const kb_node *nd = NODE(c, v);
+    int both = same_dims(nd, c->arank, c->adims) && stat_shape(c, nd, &keep);
+    if (is_canonical(c, x) && !both) snprintf(name, NAME_LEN, "v%d", (int)v);
+    else snprintf(name, NAME_LEN, "v%d_%d", (int)v, ++c->counter);
+}
+
+/* ---------------------------------------------------------------- literals and templates */
+
+static void literal(cg *c, double x, char *out) {
+    if (isnan(x)) {
+        fmt(c, out, EXPR_LEN, c->dbl ? "(double)KB_NAN" : "KB_NAN");
+    } else if (isinf(x)) {
+        fmt(c, out, EXPR_LEN, "%s%sKB_INF%s", x < 0 ? "(-" : "", c->dbl ? "(double)" : "", x < 0 ? ")" : "");
+    } else {
+        char num[64];
+        snprintf(num, sizeof num, c->dbl ? "%.17g" : "%.9g", x);
+        if (!strpbrk(num, ".e")) strcat(num, ".0");
+        fmt(c, out, EXPR_LEN, "%s%s%s%s", x < 0 ? "(" : "", num, c->dbl ? "" : "f", x < 0 ? ")" : "");
+    }
+}
+
+/* float spelling → double spelling (expf → exp, 0.5f → 0.5), or fast-math intrinsics */
+static const char *const FLOAT_FUNCS[] = {"expf", "logf", "log1pf", "expm1f", "sqrtf", "rsqrtf", "sinf", "cosf",
+                                          "tanhf", "erff", "fabsf", "fmaxf", "fminf", "powf"};
+static const char *const FAST[][2] = {{"expf", "__expf"}, {"logf", "__logf"}, {"sinf", "__sinf"}, {"cosf", "__cosf"},
+                                      {"powf", "__powf"}};
+static const char *const EXACT[][2] = {{"0.70710678", "0.70710678118654752"}, {"0.79788456", "0.79788456080286536"}};
+
+static void respell(cg *c, const char *t, char *out, size_t n) {
+    size_t len = 0;
+    out[0] = '\0';
+#define PUT(...) (len += (size_t)snprintf(out + len, len < n ? n - len : 0, __VA_ARGS__))
+    while (*t && len < n) {
+        if (*t == '$') {
+            const char *s = t++;
+            while (*t == 'a' || *t == 'b' || *t == 'c' || *t == 'p' || (*t >= '0' && *t <= '9')) t++;
+            PUT("%.*s", (int)(t - s), s);
+        } else if ((*t >= 'a' && *t <= 'z') || (*t >= 'A' && *t <= 'Z') || *t == '_') {
+            const char *s = t;
+            while ((*t >= 'a' && *t <= 'z') || (*t >= 'A' && *t <= 'Z') || *t == '_' || (*t >= '0' && *t <= '9')) t++;
+            int k = (int)(t - s);
+            const char *rep = NULL;
+            if (c->dbl) {
+                for (size_t i = 0; i < sizeof FLOAT_FUNCS / sizeof *FLOAT_FUNCS; i++)
+                    if ((int)strlen(FLOAT_FUNCS[i]) == k && strncmp(s, FLOAT_FUNCS[i], (size_t)k) == 0) {
+                        PUT("%.*s", k - 1, s);
+                        rep = "";
+                    }
+                if (k == 5 && strncmp(s, "float", 5) == 0) rep = "double";
+            } else if (c->gn.fast_math) {
+                for (size_t i = 0; i < sizeof FAST / sizeof *FAST; i++)
+                    if ((int)strlen(FAST[i][0]) == k && strncmp(s, FAST[i][0], (size_t)k) == 0) rep = FAST[i][1];
+            }
+            if (!rep) PUT("%.*s", k, s);
+            else PUT("%s", rep);
+        } else if ((*t >= '0' && *t <= '9') || (*t == '.' && t[1] >= '0' && t[1] <= '9')) {
+            const char *s = t;
+            while ((*t >= '0' && *t <= '9') || *t == '.') t++;
+            if ((*t == 'e' || *t == 'E') && (t[1] == '-' || t[1] == '+' || (t[1] >= '0' && t[1] <= '9'))) {
+                t += 2;
+                while (*t >= '0' && *t <= '9') t++;
+            }
+            int k = (int)(t - s);
+            if (*t == 'f' && c->dbl) {
+                t++;
+                const char *rep = NULL;
+                for (size_t i = 0; i < sizeof EXACT / sizeof *EXACT; i++)
+                    if ((int)strlen(EXACT[i][0]) == k && strncmp(s, EXACT[i][0], (size_t)k) == 0) rep = EXACT[i][1];
+                if (rep) PUT("%s", rep);
+                else if (s[k - 1] == '.') PUT("%.*s0", k, s);
+                else PUT("%.*s", k, s);
+            } else {
+                PUT("%.*s", k, s);
+            }
+        } else {
+            PUT("%c", *t++);
+        }
+    }
+#undef PUT
+    if (len >= n) fail(c, KB_ERR_UNSUPPORTED, "a pointwise template is too long");
+}
+
+static void substitute(cg *c, const char *t, const char ops[3][EXPR_LEN], const kb_node *nd, char *out) {
+    char p0[EXPR_LEN], p1[EXPR_LEN];
+    literal(c, nd->scalar[0], p0);
+    literal(c, nd->scalar[1], p1);
+    size_t len = 0, n = EXPR_LEN * 4;
+    char buf[EXPR_LEN * 4];
+    buf[0] = '\0';
+    while (*t && len < n) {
+        const char *rep = NULL;
+        if (t[0] == '$') {
+            if (t[1] == 'a' || t[1] == 'b' || t[1] == 'c') rep = ops[t[1] - 'a'], t += 2;
+            else if (t[1] == 'p' && t[2] == '0') rep = p0, t += 3;
+            else if (t[1] == 'p' && t[2] == '1') rep = p1, t += 3;
+        }
+        if (rep) len += (size_t)snprintf(buf + len, n - len, "%s", rep);
+        else buf[len++] = *t++, buf[len] = '\0';
+    }
+    if (len >= n) fail(c, KB_ERR_UNSUPPORTED, "a pointwise expression is too long");
+    fmt(c, out, EXPR_LEN * 4, "%s", buf);
+}
+
+/* ---------------------------------------------------------------- values at an index */
+
+static void ev(cg *c, int32_t v, const idx *ix, char *out);
+
+static void declare(cg *c, int32_t v, const idx *x, const char *key, const char *expr, char *out) {
+    char name[NAME_LEN];
+    var_name(c, v, x, name);
+    cg_line(c, "const %s %s = %s;", c->ct, name, expr);
+    insert(c, v, key, name);
+    fmt(c, out, EXPR_LEN, "%s", name);
+}
+
+static void convert_load(cg *c, kb_dtype t, const char *raw, char *out) {
+    char conv[EXPR_LEN * 2];
+    fmt(c, conv, sizeof conv, DT[t].load, raw);
+    int native = (t == KB_F64 && c->dbl) || ((t == KB_F32 || t == KB_F16 || t == KB_BF16) && !c->dbl);
+    if (native) fmt(c, out, EXPR_LEN * 2, "%s", conv);
+    else fmt(c, out, EXPR_LEN * 2, "(%s)%s", c->ct, conv);
+}
+
+/* Vector access along the chunk: the index is the chunk's canonical element (rule 1), or the
+ * value's last component is the anchor's last variable, which moves by one along the chunk,
+ * and nothing else depends on it (rule 2: a broadcast row such as a weight). */
+static int vector_base(cg *c, const kb_node *nd, const idx *x, char *base) {
+    if (!c->in_element || c->vec <= 1) return 0;
+    if (x->lin && strcmp(x->e[0], c->full_lin) == 0) {
+        if (!c->full_vec_ok) return 0;
+        fmt(c, base, EXPR_LEN, "%s", c->full_lin0);
+        return 1;
+    }
+    if (!c->aligned || nd->rank == 0) return 0;
+    kb_dim ld = nd->dims[nd->rank - 1];
+    if (ld.nsym || ld.coef % c->vec) return 0;
+    idx y;
+    to_comps(c, nd, x, &y);
+    char lastvar[NAME_LEN];
+    snprintf(lastvar, sizeof lastvar, "a%d", c->last);
+    if (strcmp(y.e[nd->rank - 1], lastvar) != 0) return 0;
+    for (int d = 0; d + 1 < nd->rank; d++)
+        if (y.mask[d] & ((1u << c->last) | CG_DATA)) return 0;
+    snprintf(y.e[nd->rank - 1], EXPR_LEN, "a%d_0", c->last);
+    to_lin(c, nd, &y, base, NULL);
+    return 1;
+}
+
+static const char *vector_request(cg *c, int32_t v, int smem, int fill, const char *base) {
+    for (int i = 0; i < c->nvr; i++)
+        if (c->vr[i].v == v && c->vr[i].smem == smem && strcmp(c->vr[i].base, base) == 0) {
+            c->vr[i].fill |= fill;
+            return c->vr[i].name;
+        }
+    if (c->nvr == (int)(sizeof c->vr / sizeof c->vr[0])) return NULL;
+    cg_vreq *r = &c->vr[c->nvr++];
+    r->v = v;
+    r->smem = smem;
+    r->fill = fill;
+    snprintf(r->base, EXPR_LEN, "%s", base);
+    snprintf(r->name, NAME_LEN, "x%d_%d", (int)v, ++c->counter);
+    return r->name;
+}
+
+static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
+    const kb_node *nd = NODE(c, v);
+    int slot = c->in_slot[v];
+    int canon = c->in_element && x->lin && strcmp(x->e[0], c->full_lin) == 0;
+    if (canon && c->pass < 32) c->uses[slot] |= 1u << c->pass;
+    int cached = canon && c->cached[slot] && !c->dry;
+    int regs = c->gn.cache == KB_CACHE_REGS;
+    char name[NAME_LEN], raw[EXPR_LEN], conv[EXPR_LEN * 2], base[EXPR_LEN];
+    var_name(c, v, x, name);
+    if (cached && c->pass > c->fill_pass[slot] && regs) {
+        cg_line(c, "const %s %s = rc%d[u][%s];  // from the row cache", c->ct, name, (int)v, c->kvar);
+        insert(c, v, key, name);
+        fmt(c, out, EXPR_LEN, "%s", name);
+        return;
+    }
+    const char *vn;
+    if (cached && c->pass > c->fill_pass[slot]) { /* shared-memory row cache */
+        if (c->vec > 1 && (vn = vector_request(c, v, 1, 0, "c0")) != NULL) fmt(c, raw, sizeof raw, "%s.v[k]", vn);
+        else fmt(c, raw, sizeof raw, "sm%d[c]", (int)v);
+    } else {
+        int fill = cached && !regs;
+        if (vector_base(c, nd, x, base) && (vn = vector_request(c, v, 0, fill, base)) != NULL) {
+            fmt(c, raw, sizeof raw, "%s.v[k]", vn);
+        } else {
+            char lin[EXPR_LEN];
+            to_lin(c, nd, x, lin, NULL);
+            fmt(c, raw, sizeof raw, "p%d[%s]", (int)v, lin);
+            if (fill) { /* scalar fill of the shared-memory cache */
+                char r[NAME_LEN];
+                snprintf(r, sizeof r, "r%d_%d", (int)v, ++c->counter);
+                cg_line(c, "const %s %s = %s;", DT[nd->dtype].storage, r, raw);
+                cg_line(c, "sm%d[c] = %s;", (int)v, r);
+                fmt(c, raw, sizeof raw, "%s", r);
+            }
+        }
+    }
+    convert_load(c, nd->dtype, raw, conv);
+    cg_line(c, "const %s %s = %s;", c->ct, name, conv);
+    if (cached && regs && c->pass == c->fill_pass[slot]) cg_line(c, "rc%d[u][%s] = %s;", (int)v, c->kvar, name);
+    insert(c, v, key, name);
+    fmt(c, out, EXPR_LEN, "%s", name);
+}
+
+/* An integer (gather index) at x, as a long long expression. */
+static void ev_int(cg *c, int32_t v, const idx *x, char *out) {
+    const kb_node *nd = NODE(c, v);
+    if (nd->op == KB_OP_CONST) {
+        fmt(c, out, EXPR_LEN, "(long long)%.17g", nd->scalar[0]);
+    } else if (c->member[v] && kb_op_get(nd->op)->kind == KB_KIND_VIEW) {
+        idx u;
+        view_map(c, nd, x, &u);
+        ev_int(c, nd->inputs[0], &u, out);
+    } else if (!c->member[v] && c->in_slot[v] >= 0) {
+        char lin[EXPR_LEN];
+        to_lin(c, nd, x, lin, NULL);
+        fmt(c, out, EXPR_LEN, "(long long)p%d[%s]", (int)v, lin);
+    } else {
+        char e[EXPR_LEN];
+        ev(c, v, x, e);
+        fmt(c, out, EXPR_LEN, "(long long)(%s)", e);
+    }
+}
+
+static void cast_expr(cg *c, kb_dtype to, const char *a, char *out) {
+    const char *ct = c->ct;
+    switch (to) {
+    case KB_F32: fmt(c, out, EXPR_LEN * 4, c->dbl ? "(double)(float)(%s)" : "%s", a); break;
+    case KB_F64: fmt(c, out, EXPR_LEN * 4, "%s", a); break;
+    case KB_F16: fmt(c, out, EXPR_LEN * 4, "(%s)__half2float(__float2half_rn((float)(%s)))", ct, a); break;
+    case KB_BF16: fmt(c, out, EXPR_LEN * 4, "(%s)__bfloat162float(__float2bfloat16_rn((float)(%s)))", ct, a); break;
+    case KB_BOOL: fmt(c, out, EXPR_LEN * 4, "(%s)((%s) != 0)", ct, a); break;
+    default: fmt(c, out, EXPR_LEN * 4, "(%s)(long long)(%s)", ct, a); break;
+    }
+}
+
+static void ev(cg *c, int32_t v, const idx *ix, char *out) {
+    if (c->st != KB_OK) {
+        snprintf(out, EXPR_LEN, "0");
+        return;
+    }
+    const kb_node *nd = NODE(c, v);
+    const kb_op_info *info = kb_op_get(nd->op);
+    if (nd->op == KB_OP_CONST) {
+        literal(c, nd->scalar[0], out);
+        return;
+    }
+    if (c->member[v] && info->kind == KB_KIND_VIEW) {
+        idx u;
+        view_map(c, nd, ix, &u);
+        ev(c, nd->inputs[0], &u, out);
+        return;
+    }
+    idx x = *ix;
+    normalize(c, nd, &x);
+    char key[KEY_LEN];
+    make_key(c, v, &x, key);
+    const char *hit = lookup(c, v, key);
+    if (hit) {
+        fmt(c, out, EXPR_LEN, "%s", hit);
+        return;
+    }
+    if (!c->member[v]) {
+        if (c->in_slot[v] < 0) {
+            fail(c, KB_ERR_INVALID, "%%%d is neither computed in the region nor one of its inputs", (int)v);
+            return;
+        }
+        load(c, v, &x, key, out);
+        return;
+    }
+    char ops[3][EXPR_LEN], expr[EXPR_LEN * 4], tpl[EXPR_LEN * 2];
+    switch (info->kind) {
+    case KB_KIND_UNARY:
+    case KB_KIND_BINARY:
+    case KB_KIND_TERNARY:
+        for (int i = 0; i < nd->ninputs; i++) ev(c, nd->inputs[i], &x, ops[i]);
+        if (nd->op == KB_OP_CAST) {
+            cast_expr(c, nd->dtype, ops[0], expr);
+        } else {
+            respell(c, info->cuda, tpl, sizeof tpl);
+            substitute(c, tpl, ops, nd, expr);
+        }
+        declare(c, v, &x, key, expr, out);
+        return;
+    case KB_KIND_GATHER: {
+        idx y, a;
+        to_comps(c, nd, &x, &y);
+        const kb_node *an = NODE(c, nd->inputs[0]);
+        char iv[EXPR_LEN], size[EXPR_LEN];
+        ev_int(c, nd->inputs[1], &y, iv);
+        dim_expr(c, an->dims[nd->axis], size);
+        int g = ++c->counter;
+        cg_line(c, "const long long g%d = %s;", g, iv);
+        cg_line(c, "const bool ok%d = g%d >= 0 && g%d < %s;  // out of range reads nothing, gives NaN", g, g, g, size);
+        a = y;
+        a.rank = an->rank;
+        fmt(c, a.e[nd->axis], EXPR_LEN, "(ok%d ? g%d : 0)", g, g);
+        a.mask[nd->axis] = CG_DATA;
+        ev(c, nd->inputs[0], &a, ops[0]);
+        fmt(c, expr, sizeof expr, "ok%d ? %s : %s", g, ops[0], c->dbl ? "(double)KB_NAN" : "KB_NAN");
+        declare(c, v, &x, key, expr, out);
+        return;
+    }
+    case KB_KIND_REDUCE:
+        fail(c, KB_ERR_UNSUPPORTED, "%%%d (a reduction) is read before its pass ends or at another row's index", (int)v);
+        return;
+    default:
+        fail(c, KB_ERR_UNSUPPORTED, "%%%d: %s cannot be generated inside a kernel", (int)v, info->name);
+        return;
+    }
+}
+
+/* ---------------------------------------------------------------- chunks, statistics, stores */
+
+static void full_index(cg *c, idx *x) { set_lin(x, c->full_lin, all_bits(c)); }
+
+static void stat_index(cg *c, idx *x) { set_lin(x, c->stat_lin, all_bits(c) & ~c->red); }
+
+void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout) {
+    kb_region_kind kind = c->rg->kind;
+    int V = c->vec;
+    /* chunk scope: the anchor position of the chunk's first element */
+    if (kind == KB_REGION_POINTWISE && V > 1 && c->aligned) cg_decl_vars(c, c->base, all_bits(c), 1);
+    if (kind == KB_REGION_ROW && V > 1) cg_decl_vars(c, "c0", c->red, 1);
+    kb_sb *outer = c->out, body;
+    kb_sb_init(&body, c->ctx);
+    int ind0 = c->ind;
+    c->out = &body;
+    c->ind = ind0 + 1;
+    c->nvr = 0;
+    cg_scope_push(c);
+    c->in_element = 1;
+    const char *pos = kind == KB_REGION_POINTWISE ? "i" : kind == KB_REGION_ROW ? "c" : "col";
+    if (V > 1) cg_line(c, "const long long %s = %s + k;", pos, c->base);
+    else cg_line(c, "const long long %s = %s;", pos, c->base);
+    if (V > 1 && c->aligned) cg_line(c, "const long long a%d = a%d_0 + k;", c->last, c->last);
+    else if (kind == KB_REGION_POINTWISE) cg_decl_vars(c, "i", all_bits(c), 0);
+    else if (kind == KB_REGION_ROW) cg_decl_vars(c, "c", c->red, 0);
+    idx full;
+    full_index(c, &full);
+    char val[EXPR_LEN];
+    for (int j = 0; j < nred; j++) {
+        const kb_node *nd = NODE(c, reds[j]);
+        ev(c, nd->inputs[0], &full, val);
+        char acc[NAME_LEN], comb[EXPR_LEN * 2];
+        if (kind == KB_REGION_COL) snprintf(acc, sizeof acc, "acc%d[%s]", (int)reds[j], c->kvar);
+        else snprintf(acc, sizeof acc, "acc%d", (int)reds[j]);
+        const char *f = (nd->op == KB_OP_RMAX) ? "kb_maxf(%s, %s)" : (nd->op == KB_OP_RMIN) ? "kb_minf(%s, %s)" : "%s + %s";
+        fmt(c, comb, sizeof comb, f, acc, val);
+        cg_line(c, "%s = %s;", acc, comb);
+    }
+    int vstore[256] = {0};
+    for (int j = 0; j < nout && j < 256; j++) {
+        const kb_node *nd = NODE(c, outs[j]);
+        ev(c, outs[j], &full, val);
+        char st[EXPR_LEN * 2];
+        fmt(c, st, sizeof st, DT[nd->dtype].store, val);
+        if (c->full_vec_ok) {
+            vstore[j] = 1;
+            cg_line(c, "y%d.v[k] = %s;", (int)outs[j], st);
+        } else {
+            cg_line(c, "p%d[%s] = %s;", (int)outs[j], c->full_lin, st);
+        }
+    }
+    c->in_element = 0;
+    cg_scope_pop(c);
+    c->out = outer;
+    c->ind = ind0;
+    /* the chunk: vector loads first (all in flight together), the elements, vector stores */
+    for (int i = 0; i < c->nvr; i++) {
+        const cg_vreq *r = &c->vr[i];
+        const char *T = DT[NODE(c, r->v)->dtype].storage;
+        if (r->smem) cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(sm%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
+        else cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(p%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
+        if (r->fill) cg_line(c, "kb_st<%s, %d>(sm%d + c0, %s);  // into the row cache", T, V, (int)r->v, r->name);
+    }
+    for (int j = 0; j < nout && j < 256; j++)
+        if (vstore[j]) cg_line(c, "kb_vec<%s, %d> y%d;", DT[NODE(c, outs[j])->dtype].storage, V, (int)outs[j]);
+    if (V > 1) {
+        cg_line(c, "#pragma unroll");
+        cg_line(c, "for (int k = 0; k < %d; ++k) {", V);
+    } else {
+        cg_line(c, "{");
+    }
+    if (!c->dry && body.buf) kb_sb_puts(c->out, body.buf);
+    if (body.oom) c->st = KB_FAIL(c->ctx, KB_ERR_OOM, "out of memory");
+    kb_sb_discard(&body);
+    cg_line(c, "}");
+    for (int j = 0; j < nout && j < 256; j++)
+        if (vstore[j]) {
+            const char *T = DT[NODE(c, outs[j])->dtype].storage;
+            cg_line(c, "kb_st<%s, %d>(p%d + %s, y%d);", T, V, (int)outs[j], c->full_lin0, (int)outs[j]);
+        }
+}
+
+void cg_bind_stat(cg *c, int32_t reduce) {
+    idx x;
+    stat_index(c, &x);
+    char key[KEY_LEN], var[NAME_LEN];
+    make_key(c, reduce, &x, key);
+    if (c->rg->kind == KB_REGION_COL) snprintf(var, sizeof var, "v%d[%s]", (int)reduce, c->kvar);
+    else snprintf(var, sizeof var, "v%d", (int)reduce);
+    insert(c, reduce, key, var);
+}
+
+/* Per-row values that follow from finished reductions alone (rstd = rsqrt(var + eps)):
+ * computed once per row rather than once per element. */
+void cg_eager_stats(cg *c, int pass) {
+    if (c->rg->kind != KB_REGION_ROW) return;
+    idx x;
+    stat_index(c, &x);
+    char val[EXPR_LEN];
+    for (int32_t k = 0; k < c->rg->nnodes; k++) {
+        int32_t v = c->rg->nodes[k];
+        const kb_node *nd = NODE(c, v);
+        kb_op_kind kind = kb_op_get(nd->op)->kind;
+        int keep;
+        if (!c->pure[v] || c->dp[v] < 0 || c->dp[v] > pass || nd->op == KB_OP_CONST) continue;
+        if (kind != KB_KIND_UNARY && kind != KB_KIND_BINARY && kind != KB_KIND_TERNARY) continue;
+        if (!stat_shape(c, nd, &keep)) continue;
+        ev(c, v, &x, val);
+    }
+}
+
+int cg_out_full(cg *c, int32_t v) {
+    if (c->rg->kind == KB_REGION_POINTWISE) return 1;
+    int full = cg_numel_is(c, v, 0), stat = cg_numel_is(c, v, 1);
+    if (full && stat) return c->dp[v] < 0 || kb_op_get(NODE(c, v)->op)->kind != KB_KIND_REDUCE;
+    return full;
+}
+
+void cg_stat_outputs(cg *c) {
+    int any = 0;
+    for (int32_t j = 0; j < c->rg->noutputs; j++) any |= !cg_out_full(c, c->rg->outputs[j]);
+    if (!any) return;
+    idx x;
+    char val[EXPR_LEN], st[EXPR_LEN * 2];
+    kb_sb_puts(c->out, c->dry ? "" : "\n");
+    if (c->rg->kind == KB_REGION_ROW) {
+        cg_line(c, "// per-row outputs");
+        cg_line(c, "if (lane == 0 && row < O) {");
+    } else {
+        cg_line(c, "// per-column outputs");
+        if (c->vec > 1) cg_line(c, "for (int k = 0; k < %d; ++k) {", c->vec);
+        else cg_line(c, "{");
+    }
+    c->ind++;
+    cg_scope_push(c);
+    if (c->rg->kind == KB_REGION_COL) {
+        cg_line(c, "const long long col = col0%s;", c->vec > 1 ? " + k" : "");
+        if (c->vec > 1 && c->aligned) cg_line(c, "const long long a%d = a%d_0 + k;", c->last, c->last);
+    }
+    stat_index(c, &x);
+    for (int32_t j = 0; j < c->rg->noutputs; j++) {
+        int32_t v = c->rg->outputs[j];
+        if (cg_out_full(c, v)) continue;
+        ev(c, v, &x, val);
+        fmt(c, st, sizeof st, DT[NODE(c, v)->dtype].store, val);
+        cg_line(c, "p%d[%s] = %s;", (int)v, c->stat_lin, st);
+    }
+    cg_scope_pop(c);
+    c->ind--;
+    cg_line(c, "}");
+}
+
+/* ---------------------------------------------------------------- the row cache */
+
+void cg_smem_pointers(cg *c) {
+    cg_line(c, "%s", c->rd->smem_decl);
+    for (int32_t i = 0; i < c->rg->ninputs; i++) {
+        if (!c->cached[i]) continue;
+        int32_t v = c->rg->inputs[i];
+        const char *T = DT[NODE(c, v)->dtype].storage;
+        cg_line(c, "%s *sm%d = reinterpret_cast<%s *>(kb_smem + %d) + (long long)grp * R;  // row cache of p%d", T, (int)v, T,
+                (int)c->smem_off[i], (int)v);
+    }
+}
+
+void cg_regs_arrays(cg *c) {
+    for (int32_t i = 0; i < c->rg->ninputs; i++)
+        if (c->cached[i])
+            cg_line(c, "%s rc%d[%d][%d];  // p%d's share of the row, in registers", c->ct, (int)c->rg->inputs[i], c->U, c->vec,
+                    (int)c->rg->inputs[i]);
+}
+
+kb_status cg_plan_cache(cg *c) {
+    c->smem_bytes = 0;
+    for (int32_t i = 0; i < c->rg->ninputs; i++) {
+        c->cached[i] = 0;
+        c->fill_pass[i] = 0;
+    }
+    if (c->rg->kind != KB_REGION_ROW || c->gn.cache == KB_CACHE_REREAD) return KB_OK;
+    int n = 0;
+    int64_t R = 1;
+    for (int d = 0; d < c->arank; d++)
+        if (c->red & (1u << d)) R *= c->adims[d].coef;
+    for (int32_t i = 0; i < c->rg->ninputs; i++) {
+        if (kb_popcount32(c->uses[i]) < 2) continue;
+        c->cached[i] = 1;
+        c->fill_pass[i] = (int8_t)__builtin_ctz(c->uses[i]);
+        n++;
+        if (c->gn.cache == KB_CACHE_SMEM) {
+            c->smem_off[i] = c->smem_bytes;
+            int64_t bytes = (int64_t)c->gn.rows * R * (int64_t)kb_dtype_size(NODE(c, c->rg->inputs[i])->dtype);
+            bytes = (bytes + 15) / 16 * 16;
+            if (c->smem_bytes + bytes > 0x7fffffff)
+                return KB_FAIL(c->ctx, KB_ERR_INVALID, "codegen: the row cache needs more than 2 GiB of shared memory");
+            c->smem_bytes += (int)bytes;
+        }
+    }
+    if (c->gn.cache == KB_CACHE_REGS && (int64_t)n * c->U * c->vec > 256)
+        return KB_FAIL(c->ctx, KB_ERR_INVALID, "genome: cache=regs needs %d registers per thread for the row",
+                       n * c->U * c->vec);
+    return KB_OK;
+}
+
+/* ---------------------------------------------------------------- setup */
+
+static kb_status dims_product(cg *c, uint32_t mask, int64_t mul, kb_dim *out) {
+    kb_dim d = {mul, 0, {0}};
+    for (int i = 0; i < c->arank; i++) {
+        if (!(mask & (1u << i))) continue;
+        d.coef *= c->adims[i].coef;
+        for (int s = 0; s < c->adims[i].nsym; s++) {
+            if (d.nsym == KB_MAX_DIM_SYMS)
+                return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: the grid size multiplies more than %d symbols",
+                               KB_MAX_DIM_SYMS);
+            int j = d.nsym++;
+            while (j > 0 && d.sym[j - 1] > c->adims[i].sym[s]) {
+                d.sym[j] = d.sym[j - 1];
+                j--;
+            }
+            d.sym[j] = c->adims[i].sym[s];
+        }
+    }
+    *out = d;
+    return KB_OK;
+}
+
+kb_status cg_grid_units(cg *c, kb_dim *units, int64_t *per_block) {
+    uint32_t all = all_bits(c);
+    switch (c->rg->kind) {
+    case KB_REGION_POINTWISE:
+        *per_block = (int64_t)c->gn.threads * c->gn.vec * c->gn.items;
+        return dims_product(c, all, 1, units);
+    case KB_REGION_ROW:
+        *per_block = c->gn.rows;
+        return dims_product(c, all & ~c->red, 1, units);
+    default:
+        *per_block = (int64_t)c->gn.threads * c->gn.vec;
+        return dims_product(c, all & ~c->red, c->col_split, units);
+    }
+}
+
+kb_status cg_status(cg *c) { return c->st; }
+
+void cg_reset(cg *c) {
+    c->nents = 0;
+    c->scope = 0;
+    c->counter = 0;
+    c->nvr = 0;
+    c->pass = 0;
+    c->in_element = 0;
+    c->ind = 1;
+}
+
+void cg_done(cg *c) {
+    if (!c->ctx) return;
+    size_t n = (size_t)(c->n ? c->n : 1), ni = (size_t)(c->rg && c->rg->ninputs ? c->rg->ninputs : 1);
+    kb_free(c->ctx, c->member, n);
+    kb_free(c->ctx, c->in_slot, sizeof(int32_t) * n);
+    kb_free(c->ctx, c->dp, n);
+    kb_free(c->ctx, c->pure, n);
+    kb_free(c->ctx, c->uses, sizeof(uint32_t) * ni);
+    kb_free(c->ctx, c->cached, ni);
+    kb_free(c->ctx, c->fill_pass, ni);
+    kb_free(c->ctx, c->smem_off, sizeof(int32_t) * ni);
+    kb_free(c->ctx, c->ents, sizeof(cg_ent) * (size_t)c->capents);
+    c->ctx = NULL;
+}
+
+kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
+                  const renderer *rd) {
+    (void)dev;
+    memset(c, 0, sizeof *c);
+    c->ctx = kb_graph_ctx(p->graph);
+    c->p = p;
+    c->g = p->graph;
+    c->rg = &p->regions[r];
+    c->r = r;
+    c->gn = *gn;
+    c->rd = rd;
+    c->n = kb_graph_nnodes(c->g);
+    size_t n = (size_t)(c->n ? c->n : 1), ni = (size_t)(c->rg->ninputs ? c->rg->ninputs : 1);
+    c->member = kb_calloc(c->ctx, n, 1);
+    c->in_slot = kb_malloc(c->ctx, sizeof(int32_t) * n);
+    c->dp = kb_calloc(c->ctx, n, 1);
+    c->pure = kb_calloc(c->ctx, n, 1);
+    c->uses = kb_calloc(c->ctx, ni, sizeof(uint32_t));
+    c->cached = kb_calloc(c->ctx, ni, 1);
+    c->fill_pass = kb_calloc(c->ctx, ni, 1);
+    c->smem_off = kb_calloc(c->ctx, ni, sizeof(int32_t));
+    if (!c->member || !c->in_slot || !c->dp || !c->pure || !c->uses || !c->cached || !c->fill_pass || !c->smem_off)
+        return KB_ERR_OOM;
+    for (int32_t v = 0; v < c->n; v++) c->in_slot[v] = -1;
+    for (int32_t i = 0; i < c->rg->ninputs; i++) c->in_slot[c->rg->inputs[i]] = i;
+    /* dtypes: compute in double when f64 is involved; headers only when used */
+    for (int32_t k = 0; k < c->rg->nnodes + c->rg->ninputs; k++) {
+        int32_t v = k < c->rg->nnodes ? c->rg->nodes[k] : c->rg->inputs[k - c->rg->nnodes];
+        if (k < c->rg->nnodes) c->member[v] = 1;
+        kb_dtype t = NODE(c, v)->dtype;
+        c->dbl |= t == KB_F64;
+        c->use_bf16 |= t == KB_BF16;
+        c->use_f16 |= t == KB_F16;
+    }
+    c->ct = c->dbl ? "double" : "float";
+    /* the space */
+    const kb_node *a = NODE(c, c->rg->anchor);
+    c->arank = a->rank;
+    c->last = a->rank - 1;
+    memcpy(c->adims, a->dims, sizeof(kb_dim) * (size_t)a->rank);
+    c->red = c->rg->kind == KB_REGION_POINTWISE ? 0 : c->rg->reduce_axes;
+    int nred = kb_popcount32(c->red);
+    uint32_t all = all_bits(c);
+    uint32_t trail = nred ? (all & ~((1u << (c->arank - nred)) - 1)) : 0, lead = (1u << nred) - 1;
+    c->trailing = (c->rg->kind == KB_REGION_ROW && c->red == trail) || (c->rg->kind == KB_REGION_COL && c->red == lead);
+    c->red_pinned = 1;
+    int64_t R = 1;
+    for (int d = 0; d < c->arank; d++)
+        if (c->red & (1u << d)) {
+            if (c->adims[d].nsym) c->red_pinned = 0;
+            R *= c->adims[d].coef;
+        }
+    static const char *const kinds[] = {"pointwise", "row", "col", "extern"};
+    snprintf(c->name, sizeof c->name, "kb_r%d_%s", (int)r, kinds[c->rg->kind]);
+    c->col_split = c->rg->kind == KB_REGION_COL ? gn->col_split : 1;
+    c->G = c->rg->kind == KB_REGION_ROW ? gn->threads / (gn->rows > 0 ? gn->rows : 1) : gn->threads;
+    if (c->G < 1) c->G = 1;
+    c->vec = gn->vec;
+    c->U = (int)((R + (int64_t)c->G * c->vec - 1) / ((int64_t)c->G * c->vec));
+    if (c->U < 1) c->U = 1;
+    c->base = c->rg->kind == KB_REGION_POINTWISE ? "i0" : c->rg->kind == KB_REGION_ROW ? "c0" : "col0";
+    cg_set_space_vec(c);
+    /* values that are functions of reductions and constants alone */
+    for (int32_t k = 0; k < c->rg->nnodes; k++) {
+        int32_t v = c->rg->nodes[k];
+        const kb_node *nd = NODE(c, v);
+        kb_op_kind kind = kb_op_get(nd->op)->kind;
+        if (kind == KB_KIND_REDUCE) {
+            c->nred_total++;
+            c->pure[v] = 1;
+        } else if (nd->op == KB_OP_CONST) {
+            c->pure[v] = 1;
+        } else if (kind == KB_KIND_UNARY || kind == KB_KIND_BINARY || kind == KB_KIND_TERNARY || kind == KB_KIND_VIEW) {
+            int ok = 1;
+            for (int i = 0; i < nd->ninputs; i++) ok &= c->member[nd->inputs[i]] && c->pure[nd->inputs[i]];
+            c->pure[v] = (uint8_t)ok;
+        }
+    }
+    c->ind = 1;
+    return KB_OK;
+}

@@ -1,0 +1,554 @@
+/* fuse.c — the partitioner: one greedy pass over the topological node list groups nodes into
+ * regions (one kernel each): POINTWISE, ROW (reduce dims including the last one), COL (reduce
+ * dims that leave the last one) and EXTERN. Whether a node may join a region is a table of
+ * (node class, region kind, predicate) rules (DESIGN §10), not a nest of ifs.
+ *
+ * Vocabulary. A value computed in a region has a *level*: FULL (one per element of the
+ * anchor, the iteration space) or STAT (one per row of a ROW region / column of a COL region,
+ * i.e. the kept dims of the reduction). Views and constants that codegen can fold into load
+ * addressing are *floating*: they belong to no region of their own and are copied into every
+ * region that reads them; their root (an INPUT or another region's output) is what the region
+ * actually reads. Regions only ever read regions with a smaller index, so the list is an
+ * execution order. */
+#include "internal.h"
+
+#include <inttypes.h>
+
+enum { LV_NONE = 0, LV_FULL, LV_STAT };
+
+enum node_class { C_POINTWISE, C_RESHAPE, C_EXPAND, C_VIEW, C_REDUCE, C_GATHER, C_EXTERN, C_LEAF };
+
+#define ANY_KIND (-1)
+
+typedef struct breg {
+    kb_region_kind kind;
+    int32_t anchor;       /* value whose shape is the iteration space */
+    uint32_t red;         /* reduce axes over the anchor's dims (ROW / COL) */
+    int32_t extern_index; /* EXTERN: the Python callable */
+} breg;
+
+typedef struct build {
+    const kb_graph *g;
+    kb_ctx *ctx;
+    int32_t n;
+    int32_t *reg;      /* region of each computed node, -1 */
+    int8_t *lvl;       /* its level there */
+    int8_t *floating;  /* 1: folded view / const, copied into the regions that read it */
+    int32_t *root;     /* floating: the materialized value it reads (-1 for constants) */
+    breg *regs;
+    int32_t nreg, capreg;
+} build;
+
+/* ---------------------------------------------------------------- symbolic sizes */
+
+typedef struct mono {
+    int64_t coef;
+    int n;
+    uint8_t s[KB_MAX_RANK * KB_MAX_DIM_SYMS];
+} mono;
+
+static void mono_of(const kb_dim *dims, int rank, mono *m) {
+    m->coef = 1;
+    m->n = 0;
+    for (int d = 0; d < rank; d++) {
+        m->coef *= dims[d].coef;
+        for (int i = 0; i < dims[d].nsym; i++) {
+            int j = m->n++;
+            while (j > 0 && m->s[j - 1] > dims[d].sym[i]) {
+                m->s[j] = m->s[j - 1];
+                j--;
+            }
+            m->s[j] = dims[d].sym[i];
+        }
+    }
+}
+
+static int mono_eq(const mono *a, const mono *b) {
+    return a->coef == b->coef && a->n == b->n && memcmp(a->s, b->s, (size_t)a->n) == 0;
+}
+
+static const kb_node *N(const build *b, int32_t v) { return kb_graph_node(b->g, v); }
+
+static int same_dims(const kb_node *a, const kb_node *c) {
+    if (a->rank != c->rank) return 0;
+    for (int d = 0; d < a->rank; d++)
+        if (!kb_dim_equal(a->dims[d], c->dims[d])) return 0;
+    return 1;
+}
+
+static int is_one(kb_dim d) { return d.coef == 1 && d.nsym == 0; }
+
+/* numel of v equals the number of elements (lv FULL) or rows/columns (lv STAT) of region r */
+static int numel_matches(const build *b, int32_t v, int32_t r, int lv) {
+    const kb_node *a = N(b, b->regs[r].anchor), *x = N(b, v);
+    kb_dim kept[KB_MAX_RANK];
+    int nk = 0;
+    for (int d = 0; d < a->rank; d++)
+        if (lv == LV_FULL || !(b->regs[r].red & (1u << d))) kept[nk++] = a->dims[d];
+    mono ma, mx;
+    mono_of(kept, nk, &ma);
+    mono_of(x->dims, x->rank, &mx);
+    return mono_eq(&ma, &mx);
+}
+
+/* v has the shape of a keepdim reduction of region r's anchor: 1 on reduced axes */
+static int is_keepdim_stat(const build *b, int32_t v, int32_t r) {
+    const kb_node *a = N(b, b->regs[r].anchor), *x = N(b, v);
+    if (x->rank != a->rank) return 0;
+    for (int d = 0; d < a->rank; d++) {
+        if (b->regs[r].red & (1u << d)) {
+            if (!is_one(x->dims[d])) return 0;
+        } else if (!kb_dim_equal(x->dims[d], a->dims[d])) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* level of operand u as seen from region r: LV_NONE if u is not computed in r */
+static int level_in(const build *b, int32_t u, int32_t r) {
+    return (!b->floating[u] && b->reg[u] == r) ? b->lvl[u] : LV_NONE;
+}
+
+/* ---------------------------------------------------------------- join rules */
+
+/* A rule says node v may join region r (whose kind matched the row) and at which level. */
+typedef int (*rule_fn)(const build *b, int32_t v, int32_t r, int *lv);
+
+/* Pointwise: every operand computed in r has one level; v then has it too. An operand not
+ * computed in r (an input, a floating view) is read at whatever index v needs. */
+static int pw_join(const build *b, int32_t v, int32_t r, int *lv) {
+    const kb_node *nd = N(b, v);
+    int want = LV_NONE;
+    for (int i = 0; i < nd->ninputs; i++) {
+        int l = level_in(b, nd->inputs[i], r);
+        if (l == LV_NONE) continue;
+        if (want != LV_NONE && l != want) return 0;
+        want = l;
+    }
+    if (want == LV_NONE) { /* nothing from r: a horizontal join, FULL first, then STAT */
+        if (numel_matches(b, v, r, LV_FULL)) want = LV_FULL;
+        else if (b->regs[r].kind != KB_REGION_POINTWISE && numel_matches(b, v, r, LV_STAT)) want = LV_STAT;
+        else return 0;
+    }
+    if (!numel_matches(b, v, r, want)) return 0;
+    *lv = want;
+    return 1;
+}
+
+/* A reshape keeps the row-major order, so FULL stays FULL and STAT stays STAT. */
+static int reshape_join(const build *b, int32_t v, int32_t r, int *lv) {
+    int l = level_in(b, N(b, v)->inputs[0], r);
+    if (l == LV_NONE || !numel_matches(b, v, r, l)) return 0;
+    *lv = l;
+    return 1;
+}
+
+/* A per-row (per-column) statistic broadcast back over the reduced axes: stays inside. */
+static int expand_stat_join(const build *b, int32_t v, int32_t r, int *lv) {
+    int32_t u = N(b, v)->inputs[0];
+    if (level_in(b, u, r) != LV_STAT || !is_keepdim_stat(b, u, r)) return 0;
+    if (!same_dims(N(b, v), N(b, b->regs[r].anchor))) return 0;
+    *lv = LV_FULL;
+    return 1;
+}
+
+/* The first reduction turns a POINTWISE region into ROW / COL over the reduced operand. */
+static int reduce_upgrade(const build *b, int32_t v, int32_t r, int *lv) {
+    int32_t u = N(b, v)->inputs[0];
+    if (level_in(b, u, r) == LV_STAT) return 0;
+    if (level_in(b, u, r) == LV_NONE && !b->floating[u] && N(b, u)->op != KB_OP_INPUT) return 0;
+    if (!numel_matches(b, u, r, LV_FULL)) return 0;
+    *lv = LV_STAT;
+    return 1;
+}
+
+/* Further reductions join when they reduce the same space over the same axes. */
+static int reduce_same(const build *b, int32_t v, int32_t r, int *lv) {
+    const kb_node *nd = N(b, v);
+    int32_t u = nd->inputs[0];
+    int l = level_in(b, u, r);
+    if (l == LV_STAT) return 0;
+    if (l == LV_NONE && !b->floating[u] && N(b, u)->op != KB_OP_INPUT) return 0;
+    if (!same_dims(N(b, u), N(b, b->regs[r].anchor)) || nd->axes != b->regs[r].red) return 0;
+    *lv = LV_STAT;
+    return 1;
+}
+
+/* Gather in a POINTWISE region: the table is recomputed at the gathered index. */
+static int gather_pw(const build *b, int32_t v, int32_t r, int *lv) {
+    const kb_node *nd = N(b, v);
+    if (level_in(b, nd->inputs[1], r) == LV_STAT) return 0;
+    if (!numel_matches(b, v, r, LV_FULL)) return 0;
+    *lv = LV_FULL;
+    return 1;
+}
+
+/* Gather along the single reduced axis of a ROW region, one pick per row (cross-entropy's
+ * logp[target]): the picked element is recomputed from the row's statistics. */
+static int gather_row(const build *b, int32_t v, int32_t r, int *lv) {
+    const kb_node *nd = N(b, v);
+    int32_t a = nd->inputs[0], ix = nd->inputs[1];
+    if (b->regs[r].red != (1u << nd->axis)) return 0;
+    if (level_in(b, a, r) == LV_STAT || !same_dims(N(b, a), N(b, b->regs[r].anchor))) return 0;
+    if (level_in(b, ix, r) == LV_FULL || !is_keepdim_stat(b, v, r)) return 0;
+    *lv = LV_STAT;
+    return 1;
+}
+
+/* EXTERN nodes of one torch call (same callable, several outputs) share a region. */
+static int extern_join(const build *b, int32_t v, int32_t r, int *lv) {
+    if (b->regs[r].extern_index != N(b, v)->index) return 0;
+    *lv = LV_NONE;
+    return 1;
+}
+
+static const struct join_rule {
+    enum node_class cls;
+    int kind;            /* kb_region_kind or ANY_KIND */
+    rule_fn fn;
+    int upgrades;        /* 1: the region becomes ROW / COL over the node's operand */
+} RULES[] = {
+    {C_POINTWISE, KB_REGION_POINTWISE, pw_join, 0},
+    {C_POINTWISE, KB_REGION_ROW, pw_join, 0},
+    {C_POINTWISE, KB_REGION_COL, pw_join, 0},
+    {C_RESHAPE, KB_REGION_POINTWISE, reshape_join, 0},
+    {C_RESHAPE, KB_REGION_ROW, reshape_join, 0},
+    {C_RESHAPE, KB_REGION_COL, reshape_join, 0},
+    {C_EXPAND, KB_REGION_ROW, expand_stat_join, 0},
+    {C_EXPAND, KB_REGION_COL, expand_stat_join, 0},
+    {C_REDUCE, KB_REGION_POINTWISE, reduce_upgrade, 1},
+    {C_REDUCE, KB_REGION_ROW, reduce_same, 0},
+    {C_REDUCE, KB_REGION_COL, reduce_same, 0},
+    {C_GATHER, KB_REGION_POINTWISE, gather_pw, 0},
+    {C_GATHER, KB_REGION_ROW, gather_row, 0},
+    {C_EXTERN, KB_REGION_EXTERN, extern_join, 0},
+};
+
+static enum node_class classify(const kb_node *nd) {
+    switch (kb_op_get(nd->op)->kind) {
+    case KB_KIND_LEAF: return C_LEAF;
+    case KB_KIND_UNARY:
+    case KB_KIND_BINARY:
+    case KB_KIND_TERNARY: return C_POINTWISE;
+    case KB_KIND_REDUCE: return C_REDUCE;
+    case KB_KIND_GATHER: return C_GATHER;
+    case KB_KIND_EXTERN: return C_EXTERN;
+    case KB_KIND_VIEW:
+        return nd->op == KB_OP_RESHAPE ? C_RESHAPE : nd->op == KB_OP_EXPAND ? C_EXPAND : C_VIEW;
+    }
+    return C_LEAF;
+}
+
+/* The first rule of the table that lets v join r; -1 if none. */
+static int find_rule(const build *b, int32_t v, int32_t r, int *lv) {
+    enum node_class cls = classify(N(b, v));
+    for (size_t i = 0; i < sizeof RULES / sizeof RULES[0]; i++) {
+        if (RULES[i].cls != cls) continue;
+        if (RULES[i].kind != ANY_KIND && RULES[i].kind != (int)b->regs[r].kind) continue;
+        if (RULES[i].fn(b, v, r, lv)) return (int)i;
+    }
+    return -1;
+}
+
+/* ---------------------------------------------------------------- the greedy pass */
+
+static kb_status new_region(build *b, kb_region_kind kind, int32_t anchor, uint32_t red, int32_t *out) {
+    if (b->nreg == b->capreg) {
+        int32_t ncap = b->capreg ? b->capreg * 2 : 8;
+        breg *p = kb_realloc(b->ctx, b->regs, sizeof(breg) * (size_t)b->capreg, sizeof(breg) * (size_t)ncap);
+        if (!p) return KB_ERR_OOM;
+        b->regs = p;
+        b->capreg = ncap;
+    }
+    breg *r = &b->regs[b->nreg];
+    r->kind = kind;
+    r->anchor = anchor;
+    r->red = red;
+    r->extern_index = -1;
+    *out = b->nreg++;
+    return KB_OK;
+}
+
+/* ROW when the last dim of the reduced operand is reduced (rows are contiguous), else COL. */
+static kb_region_kind reduce_kind(const build *b, int32_t v) {
+    const kb_node *nd = N(b, v), *a = N(b, nd->inputs[0]);
+    return (nd->axes & (1u << (a->rank - 1))) ? KB_REGION_ROW : KB_REGION_COL;
+}
+
+static void place(build *b, int32_t v, int32_t r, int lv) {
+    b->reg[v] = r;
+    b->lvl[v] = (int8_t)lv;
+}
+
+static kb_status assign(build *b, int32_t v) {
+    const kb_node *nd = N(b, v);
+    enum node_class cls = classify(nd);
+    if (nd->op == KB_OP_INPUT) return KB_OK;
+    if (nd->op == KB_OP_CONST) {
+        b->floating[v] = 1;
+        b->root[v] = -1;
+        return KB_OK;
+    }
+    /* Dependencies: soft (an operand computed in a region: join it or come after it) and hard
+     * (a floating view of a region's value: that value must be materialized first). */
+    int32_t soft = -1, hard = -1;
+    for (int i = 0; i < nd->ninputs; i++) {
+        int32_t u = nd->inputs[i];
+        if (b->floating[u]) {
+            if (b->root[u] >= 0 && b->reg[b->root[u]] > hard) hard = b->reg[b->root[u]];
+        } else if (b->reg[u] > soft) {
+            soft = b->reg[u];
+        }
+    }
+    int32_t r = soft > hard ? soft : hard;
+    int lv = LV_NONE, rule;
+
+    if (cls == C_RESHAPE || cls == C_EXPAND || cls == C_VIEW) {
+        int32_t u = nd->inputs[0];
+        if (!b->floating[u] && b->reg[u] >= 0 && b->regs[b->reg[u]].kind != KB_REGION_EXTERN &&
+            find_rule(b, v, b->reg[u], &lv) >= 0) {
+            place(b, v, b->reg[u], lv);
+            return KB_OK;
+        }
+        /* folded into the load addressing of its readers */
+        b->floating[v] = 1;
+        b->root[v] = b->floating[u] ? b->root[u] : u;
+        return KB_OK;
+    }
+    if (r >= 0 && r == soft && r > hard && b->regs[r].kind != KB_REGION_EXTERN &&
+        (rule = find_rule(b, v, r, &lv)) >= 0) {
+        if (RULES[rule].upgrades) {
+            b->regs[r].kind = reduce_kind(b, v);
+            b->regs[r].anchor = nd->inputs[0];
+            b->regs[r].red = nd->axes;
+        }
+        place(b, v, r, lv);
+        return KB_OK;
+    }
+    if (r < 0 && cls != C_EXTERN) { /* no dependency: join the latest region that fits */
+        for (int32_t q = b->nreg - 1; q >= 0; q--) {
+            if (b->regs[q].kind == KB_REGION_EXTERN || (rule = find_rule(b, v, q, &lv)) < 0) continue;
+            if (RULES[rule].upgrades) {
+                b->regs[q].kind = reduce_kind(b, v);
+                b->regs[q].anchor = nd->inputs[0];
+                b->regs[q].red = nd->axes;
+            }
+            place(b, v, q, lv);
+            return KB_OK;
+        }
+    }
+    if (cls == C_EXTERN && r >= 0 && b->regs[r].kind == KB_REGION_EXTERN && find_rule(b, v, r, &lv) >= 0) {
+        place(b, v, r, LV_NONE);
+        return KB_OK;
+    }
+    /* a new region */
+    kb_status st;
+    int32_t q;
+    if (cls == C_EXTERN) {
+        st = new_region(b, KB_REGION_EXTERN, v, 0, &q);
+        if (st == KB_OK) b->regs[q].extern_index = nd->index;
+        lv = LV_NONE;
+    } else if (cls == C_REDUCE) {
+        st = new_region(b, reduce_kind(b, v), nd->inputs[0], nd->axes, &q);
+        lv = LV_STAT;
+    } else {
+        st = new_region(b, KB_REGION_POINTWISE, v, 0, &q);
+        lv = LV_FULL;
+    }
+    if (st != KB_OK) return st;
+    place(b, v, q, lv);
+    return KB_OK;
+}
+
+/* ---------------------------------------------------------------- assembling the regions */
+
+static kb_status fill_list(kb_ctx *ctx, int32_t **arr, int32_t *count, const int32_t *src, int32_t n) {
+    *count = n;
+    *arr = kb_malloc(ctx, sizeof(int32_t) * (size_t)(n ? n : 1));
+    if (!*arr) return KB_ERR_OOM;
+    if (n) memcpy(*arr, src, sizeof(int32_t) * (size_t)n);
+    return KB_OK;
+}
+
+/* Marks the floating operands (and their chains) a region member reads. */
+static void mark_floating(const build *b, uint8_t *mark, int32_t v) {
+    const kb_node *nd = N(b, v);
+    for (int i = 0; i < nd->ninputs; i++) {
+        int32_t u = nd->inputs[i];
+        if (b->floating[u] && !mark[u]) {
+            mark[u] = 1;
+            mark_floating(b, mark, u);
+        }
+    }
+}
+
+void kb_partition_free(kb_partition *p) {
+    if (!p) return;
+    kb_ctx *ctx = kb_graph_ctx(p->graph);
+    for (int32_t r = 0; r < p->nregions; r++) {
+        kb_region *rg = &p->regions[r];
+        kb_free(ctx, rg->nodes, sizeof(int32_t) * (size_t)(rg->nnodes ? rg->nnodes : 1));
+        kb_free(ctx, rg->inputs, sizeof(int32_t) * (size_t)(rg->ninputs ? rg->ninputs : 1));
+        kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)(rg->noutputs ? rg->noutputs : 1));
+    }
+    kb_free(ctx, p->regions, sizeof(kb_region) * (size_t)(p->nregions ? p->nregions : 1));
+    kb_free(ctx, p->region_of, sizeof(int32_t) * (size_t)(kb_graph_nnodes(p->graph) ? kb_graph_nnodes(p->graph) : 1));
+    kb_free(ctx, p, sizeof *p);
+}
+
+kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
+    if (!g || !out) return KB_ERR_INVALID;
+    *out = NULL;
+    kb_ctx *ctx = kb_graph_ctx(g);
+    kb_status st = KB_OK;
+    build b;
+    memset(&b, 0, sizeof b);
+    b.g = g;
+    b.ctx = ctx;
+    b.n = kb_graph_nnodes(g);
+    size_t n1 = (size_t)(b.n ? b.n : 1);
+    uint8_t *mark = NULL, *is_out = NULL;
+    int32_t *tmp = NULL, *tmp2 = NULL;
+    kb_partition *p = NULL;
+
+    b.reg = kb_malloc(ctx, sizeof(int32_t) * n1);
+    b.root = kb_malloc(ctx, sizeof(int32_t) * n1);
+    b.lvl = kb_calloc(ctx, n1, 1);
+    b.floating = kb_calloc(ctx, n1, 1);
+    mark = kb_calloc(ctx, n1, 1);
+    is_out = kb_calloc(ctx, n1, 1);
+    tmp = kb_malloc(ctx, sizeof(int32_t) * n1);
+    tmp2 = kb_malloc(ctx, sizeof(int32_t) * n1);
+    KB_CHECK(ctx, b.reg && b.root && b.lvl && b.floating && mark && is_out && tmp && tmp2, KB_ERR_OOM, "out of memory");
+    for (int32_t v = 0; v < b.n; v++) b.reg[v] = b.root[v] = -1;
+
+    for (int32_t v = 0; v < b.n; v++) KB_TRY(assign(&b, v));
+    /* a graph output that is a constant or a folded view still needs a kernel to write it */
+    for (int32_t i = 0; i < kb_graph_noutputs(g); i++) {
+        int32_t v = kb_graph_output(g, i);
+        if (!b.floating[v] || b.reg[v] >= 0) continue;
+        int32_t q;
+        KB_TRY(new_region(&b, KB_REGION_POINTWISE, v, 0, &q));
+        b.reg[v] = q;
+        b.lvl[v] = LV_FULL;
+    }
+
+    p = kb_calloc(ctx, 1, sizeof *p);
+    KB_CHECK(ctx, p != NULL, KB_ERR_OOM, "out of memory");
+    p->graph = g;
+    p->regions = kb_calloc(ctx, (size_t)(b.nreg ? b.nreg : 1), sizeof(kb_region));
+    p->region_of = kb_malloc(ctx, sizeof(int32_t) * n1);
+    KB_CHECK(ctx, p->regions && p->region_of, KB_ERR_OOM, "out of memory");
+    p->nregions = b.nreg;
+    for (int32_t v = 0; v < b.n; v++) p->region_of[v] = b.floating[v] ? -1 : b.reg[v];
+
+    /* outputs: graph outputs, and values read by nodes of other regions (directly or as the
+     * root of a floating view) */
+    for (int32_t i = 0; i < kb_graph_noutputs(g); i++) is_out[kb_graph_output(g, i)] = 1;
+    for (int32_t v = 0; v < b.n; v++) {
+        const kb_node *nd = N(&b, v);
+        for (int i = 0; i < nd->ninputs; i++) {
+            int32_t u = nd->inputs[i];
+            if (b.floating[u]) {
+                if (b.root[u] >= 0 && !b.floating[v] && b.reg[v] != b.reg[b.root[u]]) is_out[b.root[u]] = 1;
+            } else if (!b.floating[v] && b.reg[v] != b.reg[u]) {
+                is_out[u] = 1;
+            }
+        }
+    }
+
+    for (int32_t r = 0; r < b.nreg; r++) {
+        kb_region *rg = &p->regions[r];
+        rg->kind = b.regs[r].kind;
+        rg->anchor = b.regs[r].anchor;
+        rg->reduce_axes = b.regs[r].red;
+        memset(mark, 0, n1);
+        for (int32_t v = 0; v < b.n; v++)
+            if (b.reg[v] == r) {
+                mark[v] = 1;
+                mark_floating(&b, mark, v);
+            }
+        if (b.floating[rg->anchor]) mark[rg->anchor] = 1, mark_floating(&b, mark, rg->anchor);
+        int32_t nn = 0, ni = 0, no = 0;
+        for (int32_t v = 0; v < b.n; v++)
+            if (mark[v]) tmp[nn++] = v;
+        KB_TRY(fill_list(ctx, &rg->nodes, &rg->nnodes, tmp, nn));
+        /* inputs: operands outside the region, in id order */
+        for (int32_t k = 0; k < nn; k++) {
+            const kb_node *nd = N(&b, tmp[k]);
+            for (int i = 0; i < nd->ninputs; i++) {
+                int32_t u = nd->inputs[i];
+                if (!mark[u]) mark[u] = 2;
+            }
+        }
+        if (mark[rg->anchor] == 0) mark[rg->anchor] = 2; /* an INPUT anchor is read */
+        for (int32_t v = 0; v < b.n; v++)
+            if (mark[v] == 2) tmp2[ni++] = v;
+        KB_TRY(fill_list(ctx, &rg->inputs, &rg->ninputs, tmp2, ni));
+        for (int32_t k = 0; k < nn; k++) {
+            int32_t v = tmp[k];
+            if (is_out[v] && b.reg[v] == r) tmp2[no++] = v;
+        }
+        KB_TRY(fill_list(ctx, &rg->outputs, &rg->noutputs, tmp2, no));
+        /* a floating node lives in several regions; region_of names the first one */
+        for (int32_t k = 0; k < nn; k++)
+            if (p->region_of[tmp[k]] < 0) p->region_of[tmp[k]] = r;
+    }
+    *out = p;
+    p = NULL;
+cleanup:
+    kb_partition_free(p);
+    kb_free(ctx, b.reg, sizeof(int32_t) * n1);
+    kb_free(ctx, b.root, sizeof(int32_t) * n1);
+    kb_free(ctx, b.lvl, n1);
+    kb_free(ctx, b.floating, n1);
+    kb_free(ctx, b.regs, sizeof(breg) * (size_t)b.capreg);
+    kb_free(ctx, mark, n1);
+    kb_free(ctx, is_out, n1);
+    kb_free(ctx, tmp, sizeof(int32_t) * n1);
+    kb_free(ctx, tmp2, sizeof(int32_t) * n1);
+    return st;
+}
+
+/* ---------------------------------------------------------------- text */
+
+const char *kb_region_kind_name(kb_region_kind k) {
+    static const char *const names[] = {"POINTWISE", "ROW", "COL", "EXTERN"};
+    return (unsigned)k < 4 ? names[k] : "?";
+}
+
+static void id_list(kb_sb *sb, const int32_t *ids, int32_t n) {
+    kb_sb_puts(sb, "(");
+    for (int32_t i = 0; i < n; i++) kb_sb_printf(sb, "%s%%%d", i ? "," : "", ids[i]);
+    kb_sb_puts(sb, ")");
+}
+
+kb_status kb_partition_dump(const kb_partition *p, char **out) {
+    kb_sb sb;
+    kb_sb_init(&sb, kb_graph_ctx(p->graph));
+    for (int32_t r = 0; r < p->nregions; r++) {
+        const kb_region *rg = &p->regions[r];
+        kb_sb_printf(&sb, "region %d %s anchor=%%%d", r, kb_region_kind_name(rg->kind), rg->anchor);
+        if (rg->kind == KB_REGION_ROW || rg->kind == KB_REGION_COL) {
+            kb_sb_puts(&sb, " reduce=[");
+            for (int d = 0, first = 1; d < 32; d++)
+                if (rg->reduce_axes & (1u << d)) {
+                    kb_sb_printf(&sb, "%s%d", first ? "" : ",", d);
+                    first = 0;
+                }
+            kb_sb_puts(&sb, "]");
+        }
+        kb_sb_puts(&sb, " in=");
+        id_list(&sb, rg->inputs, rg->ninputs);
+        kb_sb_puts(&sb, " out=");
+        id_list(&sb, rg->outputs, rg->noutputs);
+        kb_sb_puts(&sb, "\n");
+        for (int32_t k = 0; k < rg->nnodes; k++) {
+            kb_sb_puts(&sb, "  ");
+            kb_node_dump(&sb, p->graph, rg->nodes[k]);
+            kb_sb_puts(&sb, "\n");
+        }
+    }
+    return kb_sb_finish(&sb, out);
+}

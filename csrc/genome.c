@@ -1,0 +1,234 @@
+/* genome.c — a region's schedule: the default genome (chosen from the region's shape at the
+ * example sizes and the device), and the canonical text form that names a genome in the cache
+ * and in reports ("threads=256 vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0
+ * persistent=0 col_split=1"). Legality against a region is codegen's call (KB_ERR_INVALID). */
+#include "internal.h"
+
+#include <stdlib.h>
+
+static const char *const cache_names[] = {"regs", "smem", "reread"};
+
+static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1};
+
+static int64_t pow2_ceil(int64_t x) {
+    int64_t p = 1;
+    while (p < x) p <<= 1;
+    return p;
+}
+
+static int64_t pow2_floor(int64_t x) {
+    int64_t p = 1;
+    while (p * 2 <= x) p <<= 1;
+    return p;
+}
+
+static int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+/* Region facts the defaults depend on, at the example sizes. */
+typedef struct shape_facts {
+    int64_t full;        /* elements of the iteration space */
+    int64_t red;         /* reduced extent (ROW: row length, COL: column height) */
+    int64_t kept;        /* rows (ROW) / columns (COL) */
+    int red_pinned;      /* every reduced dim is pinned */
+    int64_t last;        /* the anchor's last dim, 0 if it may vary */
+    int maxsz;           /* widest element of the bulk (full-size) inputs and outputs */
+    int nbulk_in;        /* full-size inputs: what a row cache would hold */
+    int bulk_in_bytes;   /* their element sizes summed */
+    int multipass;       /* a reduction or a full-size output reads another reduction */
+} shape_facts;
+
+static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symvals, shape_facts *f) {
+    const kb_graph *g = p->graph;
+    kb_ctx *ctx = kb_graph_ctx(g);
+    const kb_region *rg = &p->regions[r];
+    const kb_node *a = kb_graph_node(g, rg->anchor);
+    memset(f, 0, sizeof *f);
+    f->full = f->red = f->kept = 1;
+    f->red_pinned = 1;
+    for (int d = 0; d < a->rank; d++) {
+        int64_t s = kb_dim_eval(a->dims[d], symvals);
+        f->full *= s;
+        if (rg->reduce_axes & (1u << d)) {
+            f->red *= s;
+            if (a->dims[d].nsym) f->red_pinned = 0;
+        } else {
+            f->kept *= s;
+        }
+    }
+    f->last = (a->rank > 0 && a->dims[a->rank - 1].nsym == 0) ? a->dims[a->rank - 1].coef : 0;
+    if (a->rank == 0) f->last = 1;
+    int64_t sizes[KB_MAX_RANK];
+    int any = 0;
+    for (int pass = 0; pass < 2 && !any; pass++) {
+        for (int32_t i = 0; i < rg->ninputs + rg->noutputs; i++) {
+            int32_t v = i < rg->ninputs ? rg->inputs[i] : rg->outputs[i - rg->ninputs];
+            int bulk = kb_value_sizes(g, v, symvals, sizes) == f->full;
+            if (!bulk && pass == 0) continue;
+            int sz = (int)kb_dtype_size(kb_graph_node(g, v)->dtype);
+            if (sz > f->maxsz) f->maxsz = sz;
+            any = 1;
+            if (bulk && i < rg->ninputs) {
+                f->nbulk_in++;
+                f->bulk_in_bytes += sz;
+            }
+        }
+    }
+    if (f->maxsz == 0) f->maxsz = 4;
+    /* multipass: does a reduction (or a full-size output) depend on another reduction? */
+    int32_t n = kb_graph_nnodes(g);
+    uint8_t *dep = kb_calloc(ctx, (size_t)(n ? n : 1), 1);
+    if (!dep) return KB_ERR_OOM;
+    for (int32_t k = 0; k < rg->nnodes; k++) {
+        int32_t v = rg->nodes[k];
+        const kb_node *nd = kb_graph_node(g, v);
+        int d = 0;
+        for (int i = 0; i < nd->ninputs; i++) d |= dep[nd->inputs[i]];
+        if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE) {
+            if (d) f->multipass = 1;
+            d = 1;
+        }
+        dep[v] = (uint8_t)d;
+    }
+    for (int32_t j = 0; j < rg->noutputs; j++)
+        if (dep[rg->outputs[j]] && kb_value_sizes(g, rg->outputs[j], symvals, sizes) == f->full && f->red > 1)
+            f->multipass = 1;
+    kb_free(ctx, dep, (size_t)(n ? n : 1));
+    return KB_OK;
+}
+
+/* The widest vector (elements) whose accesses stay 16 bytes and divide the last dim. */
+static int pick_vec(const shape_facts *f, int need_last) {
+    int vec = (int)clamp64(16 / f->maxsz, 1, 8);
+    if (need_last)
+        while (vec > 1 && (f->last == 0 || f->last % vec != 0)) vec /= 2;
+    return vec;
+}
+
+kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
+                            kb_genome *out) {
+    if (!p || !out || r < 0 || r >= p->nregions) return KB_ERR_INVALID;
+    kb_ctx *ctx = kb_graph_ctx(p->graph);
+    const kb_region *rg = &p->regions[r];
+    if (rg->kind == KB_REGION_EXTERN)
+        return KB_FAIL(ctx, KB_ERR_INVALID, "region %d is EXTERN: torch runs it, it has no schedule", (int)r);
+    shape_facts f;
+    kb_status st = facts_of(p, r, symvals, &f);
+    if (st != KB_OK) return st;
+    int num_sms = dev && dev->num_sms > 0 ? dev->num_sms : 132;
+    int64_t smem_cap = dev && dev->max_smem_per_block > 0 ? dev->max_smem_per_block : 48 * 1024;
+    kb_genome gn = BASE;
+
+    if (rg->kind == KB_REGION_POINTWISE) {
+        /* 16-byte accesses; more elements per thread once the grid has many waves */
+        gn.threads = 256;
+        gn.vec = pick_vec(&f, 0);
+        int64_t waves = f.full / ((int64_t)num_sms * 2048 * gn.vec);
+        gn.items = waves >= 8 ? 4 : waves >= 2 ? 2 : 1;
+    } else if (rg->kind == KB_REGION_ROW) {
+        gn.vec = pick_vec(&f, 1);
+        int64_t chunks = (f.red + gn.vec - 1) / gn.vec;
+        int64_t group;
+        if (f.red <= 1024) { /* short rows: a warp (or less) per row, several rows per block */
+            group = clamp64(pow2_ceil(chunks), 1, 32);
+            gn.threads = 256;
+            gn.rows = (int32_t)(256 / group);
+        } else { /* a block per row, ~4 vectors per thread */
+            group = clamp64(pow2_floor(chunks / 4), 128, 1024);
+            gn.threads = (int32_t)group;
+            gn.rows = 1;
+        }
+        /* where the row lives between passes: registers, else shared memory, else re-read */
+        int64_t per_thread = (chunks + group - 1) / group * gn.vec * (f.nbulk_in ? f.nbulk_in : 1);
+        int64_t reg_budget = gn.threads >= 1024 ? 32 : 64;
+        int64_t smem = (int64_t)gn.rows * f.red * f.bulk_in_bytes;
+        if (f.red_pinned && per_thread <= reg_budget) {
+            gn.cache = KB_CACHE_REGS;
+            gn.items = 1;
+        } else if (f.red_pinned && f.multipass && smem <= smem_cap) {
+            gn.cache = KB_CACHE_SMEM;
+            gn.items = 2;
+        } else {
+            gn.cache = KB_CACHE_REREAD;
+            gn.items = 4;
+        }
+        gn.two_pass = 1;
+    } else { /* COL: threads across columns, a loop down them; split the height to fill the GPU */
+        gn.vec = pick_vec(&f, 1);
+        int64_t cols = (f.kept + gn.vec - 1) / gn.vec;
+        gn.threads = (int32_t)clamp64(pow2_ceil(cols), 32, 256);
+        int64_t colblocks = (cols + gn.threads - 1) / gn.threads;
+        int64_t split = (2 * (int64_t)num_sms + colblocks - 1) / colblocks;
+        split = clamp64(split, 1, 64);
+        split = clamp64(split, 1, f.red / 32 > 0 ? f.red / 32 : 1);
+        gn.col_split = f.multipass ? 1 : (int32_t)split;
+        gn.items = 4;
+        gn.cache = KB_CACHE_REREAD;
+    }
+    *out = gn;
+    return KB_OK;
+}
+
+int kb_genome_format(const kb_genome *gn, char *buf, size_t n) {
+    const char *cache = (unsigned)gn->cache < 3 ? cache_names[gn->cache] : "?";
+    int len = snprintf(buf, n,
+                       "threads=%d vec=%d rows=%d items=%d cache=%s two_pass=%d fast_math=%d persistent=%d "
+                       "col_split=%d",
+                       gn->threads, gn->vec, gn->rows, gn->items, cache, gn->two_pass, gn->fast_math,
+                       gn->persistent, gn->col_split);
+    if (n > 0 && len >= 0 && (size_t)len >= n) buf[n - 1] = '\0';
+    return len < 0 ? 0 : len;
+}
+
+/* One gene of the text form: its name, where it lives, and its domain. */
+static const struct gene {
+    const char *name;
+    size_t offset;
+    int32_t lo, hi;
+} GENES[] = {
+    {"threads", offsetof(kb_genome, threads), 1, 1024},
+    {"vec", offsetof(kb_genome, vec), 1, 16},
+    {"rows", offsetof(kb_genome, rows), 1, 1024},
+    {"items", offsetof(kb_genome, items), 1, 64},
+    {"cache", offsetof(kb_genome, cache), 0, 2},
+    {"two_pass", offsetof(kb_genome, two_pass), 0, 1},
+    {"fast_math", offsetof(kb_genome, fast_math), 0, 1},
+    {"persistent", offsetof(kb_genome, persistent), 0, 1},
+    {"col_split", offsetof(kb_genome, col_split), 1, 4096},
+};
+
+kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out) {
+    if (!text || !out) return KB_FAIL(ctx, KB_ERR_INVALID, "genome text is NULL");
+    kb_genome gn = BASE;
+    const char *s = text;
+    for (;;) {
+        while (*s == ' ' || *s == '\t' || *s == '\n') s++;
+        if (!*s) break;
+        const char *eq = s;
+        while (*eq && *eq != '=' && *eq != ' ') eq++;
+        if (*eq != '=') return KB_FAIL(ctx, KB_ERR_INVALID, "genome: expected key=value at \"%.20s\"", s);
+        size_t klen = (size_t)(eq - s);
+        const char *val = eq + 1, *end = val;
+        while (*end && *end != ' ' && *end != '\t' && *end != '\n') end++;
+        const struct gene *gene = NULL;
+        for (size_t i = 0; i < sizeof GENES / sizeof GENES[0]; i++)
+            if (strlen(GENES[i].name) == klen && strncmp(GENES[i].name, s, klen) == 0) gene = &GENES[i];
+        if (!gene) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: unknown gene \"%.*s\"", (int)klen, s);
+        long v = -1;
+        if (gene->offset == offsetof(kb_genome, cache)) {
+            for (int c = 0; c < 3; c++)
+                if (strlen(cache_names[c]) == (size_t)(end - val) && strncmp(cache_names[c], val, (size_t)(end - val)) == 0)
+                    v = c;
+        } else {
+            char *stop;
+            v = strtol(val, &stop, 10);
+            if (stop != end || end == val) v = -1;
+        }
+        if (v < gene->lo || v > gene->hi)
+            return KB_FAIL(ctx, KB_ERR_INVALID, "genome: bad value \"%.*s\" for %s (%d..%d)", (int)(end - val), val,
+                           gene->name, gene->lo, gene->hi);
+        *(int32_t *)((char *)&gn + gene->offset) = (int32_t)v;
+        s = end;
+    }
+    *out = gn;
+    return KB_OK;
+}

@@ -1,0 +1,860 @@
+"""_lower.py — the ATen graph of an ExportedProgram → the C IR (capture's second half).
+A Builder keeps a Python-side list of IR nodes (CSE'd, shape-checked like csrc/ir.c does), walks
+the FX graph calling the lowerings of _lower_ops.py, turns whatever has no lowering into EXTERN
+calls, then emits only the live nodes into a kbench._C.Graph (inputs first).
+
+Values in the walk's environment: _V (an IR value), _Multi (a multi-output op whose outputs are
+made on first use), _Sym (a size expression), plain Python values, or _TorchSide (a value the IR
+cannot carry, e.g. a complex tensor: computed inside the extern that first needs it)."""
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.export.graph_signature import InputKind, OutputKind
+
+from ._dtypes import IR_TO_TORCH, TORCH_TO_IR
+from .errors import CaptureError
+
+aten = torch.ops.aten
+
+
+class NeedStatic(Exception):
+    """A size the IR cannot write (s0 - 1, s0 // 2, ...): capture re-exports statically."""
+
+
+class Unsupported(Exception):
+    """This op (or this use of it) has no IR lowering: it becomes an EXTERN call."""
+
+
+class _V:
+    """An IR value: id in the builder's node list, IR dtype name, dims (int or (coef, syms))."""
+    __slots__ = ("id", "dtype", "dims")
+
+    def __init__(self, id, dtype, dims):
+        self.id, self.dtype, self.dims = id, dtype, dims
+
+    @property
+    def rank(self):
+        return len(self.dims)
+
+    def __repr__(self):
+        return f"%{self.id}:{self.dtype}{list(self.dims)}"
+
+
+class _Sym:
+    __slots__ = ("expr",)
+
+    def __init__(self, expr):
+        self.expr = expr
+
+
+class _TorchSide:
+    __slots__ = ("node",)
+
+    def __init__(self, node):
+        self.node = node
+
+
+_TORCH = object()   # _Multi.get's answer for an output the IR cannot carry
+
+
+class _Multi:
+    """Outputs of a multi-output op, made on first use: get(i) tries the native lowering and
+    falls back to one EXTERN call of the whole op (shared by all its outputs)."""
+
+    def __init__(self, b, node, native=None):
+        self.b, self.node, self.native, self.cache = b, node, native, {}
+        self._extern = None
+
+    def get(self, i):
+        if i not in self.cache:
+            try:
+                if self.native is None:
+                    raise Unsupported("no native lowering")
+                self.cache[i] = self.native(i)
+            except Unsupported as e:
+                if self._extern is None:
+                    self._extern = self.b.extern(self.node, str(e), multi=True)
+                self.cache[i] = self._extern.get(i)
+        return self.cache[i]
+
+
+class _ExternOutputs:
+    def __init__(self, b, idx, operands, val, name):
+        self.b, self.idx, self.operands, self.val, self.name = b, idx, operands, val, name
+
+    def get(self, i):
+        t = self.val[i]
+        if not isinstance(t, torch.Tensor):
+            return t
+        dims = self.b.rep_dims(t)
+        if dims is None:
+            return _TORCH
+        return self.b.add("extern", self.operands, TORCH_TO_IR[t.dtype], dims, index=self.idx,
+                          axis=i, name=self.name)
+
+
+def _has_tensor(val):
+    if isinstance(val, torch.Tensor):
+        return True
+    return isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val)
+
+
+_SKIP = {aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+         aten.sym_constrain_range_for_size.default, aten.sym_constrain_range.default,
+         aten._assert_async.msg}
+
+_UNARY_ELEMENTWISE = ("unary", "binary", "ternary")
+
+
+def _mono(dims):
+    """Product of dims as (coef, sorted symbol tuple)."""
+    coef, syms = 1, []
+    for d in dims:
+        if isinstance(d, int):
+            coef *= d
+        else:
+            coef *= d[0]
+            syms += d[1]
+    return coef, tuple(sorted(syms))
+
+
+def mono_dim(dims):
+    """The product of dims as one dim, or None if it has too many symbols."""
+    coef, syms = _mono(dims)
+    if not syms:
+        return coef
+    return (coef, syms) if len(syms) <= 4 else None
+
+
+class Builder:
+    def __init__(self, sym_of, subst, example):
+        self.sym_of = sym_of          # sympy.Symbol -> symbol id
+        self.subst = subst            # sympy.Symbol -> sympy.Symbol (unified sizes)
+        self.example = example        # symbol values in the example
+        self.nodes = []               # dict(op, inputs, dtype, dims, attrs, name, kind)
+        self.cse = {}
+        self.env = {}
+        self.externs = []
+        self.notes = []               # why each extern exists
+        self.value_names = {}         # value id -> FX node name
+
+    # ---------------------------------------------------------------- sizes
+
+    def expr(self, s):
+        e = s.node.expr if isinstance(s, torch.SymInt) else sympy.sympify(s)
+        return e.xreplace(self.subst) if self.subst else e
+
+    def dim(self, s):
+        """int (pinned) or (coef, sorted sym ids); None if it uses an unknown (data-dependent)
+        symbol; NeedStatic if it is an expression the IR cannot write."""
+        if isinstance(s, int):
+            return s
+        e = self.expr(s)
+        if e.is_Integer:
+            return int(e)
+        if any(x not in self.sym_of for x in e.free_symbols):
+            return None
+        coef, rest = e.as_coeff_Mul()
+        if not coef.is_Integer or coef <= 0:
+            raise NeedStatic(f"size {e}")
+        syms = []
+        for f in sympy.Mul.make_args(rest):
+            if f.is_Symbol:
+                syms.append(self.sym_of[f])
+            elif f.is_Pow and f.base.is_Symbol and f.exp.is_Integer and f.exp > 0:
+                syms += [self.sym_of[f.base]] * int(f.exp)
+            else:
+                raise NeedStatic(f"size {e}")
+        if len(syms) > 4:
+            raise NeedStatic(f"size {e} multiplies more than 4 symbols")
+        return (int(coef), tuple(sorted(syms)))
+
+    def rep_dims(self, t):
+        """dims of a fake tensor if the IR can carry it, else None."""
+        if t.dtype not in TORCH_TO_IR or t.dim() > 8:
+            return None
+        dims = tuple(self.dim(s) for s in t.shape)
+        return None if any(d is None for d in dims) else dims
+
+    def dim_value(self, d):
+        if isinstance(d, int):
+            return d
+        v = d[0]
+        for s in d[1]:
+            v *= self.example[s]
+        return v
+
+    # ---------------------------------------------------------------- nodes
+
+    def add(self, op, inputs, dtype, dims, name="", **attrs):
+        dims = tuple(dims)
+        self.check(op, inputs, dims, attrs)
+        key = None
+        if op != "input":
+            key = (op, tuple(v.id for v in inputs), dtype, dims, tuple(sorted(attrs.items())))
+            hit = self.cse.get(key)
+            if hit is not None:
+                return hit
+        self.nodes.append(dict(op=op, inputs=[v.id for v in inputs], dtype=dtype, dims=dims,
+                               attrs=attrs, name=name))
+        v = _V(len(self.nodes) - 1, dtype, dims)
+        if key is not None:
+            self.cse[key] = v
+        return v
+
+    def check(self, op, inputs, dims, attrs):
+        """The builder checks of csrc/ir.c, early: a failure means "no lowering", not a crash."""
+        if not _KIND:
+            _load_kinds()
+        kind = "reduce" if op in ("max", "min") and len(inputs) == 1 else _KIND.get(op)
+        if len(dims) > 8:
+            raise Unsupported("rank above 8")
+        if kind in _UNARY_ELEMENTWISE:
+            for v in inputs:
+                if v.dims != dims:
+                    raise Unsupported(f"{op}: operand {v} does not have the output's shape {dims}")
+        elif op == "reshape":
+            if _mono(inputs[0].dims) != _mono(dims):
+                raise Unsupported(f"reshape {inputs[0].dims} -> {dims}: element counts differ "
+                                  "symbolically")
+        elif op == "expand":
+            a = inputs[0].dims
+            if len(a) != len(dims) or any(x != 1 and x != y for x, y in zip(a, dims)):
+                raise Unsupported(f"expand {a} -> {dims}")
+        elif op == "gather":
+            if inputs[1].dims != dims or len(inputs[0].dims) != len(dims):
+                raise Unsupported("gather: index and output shapes")
+        elif op == "extern" and len(inputs) > 16:
+            raise Unsupported("more than 16 tensor operands")
+
+    def node_of(self, v):
+        return self.nodes[v.id]
+
+    def const_value(self, v):
+        n = self.nodes[v.id]
+        return n["attrs"]["scalars"][0] if n["op"] == "const" else None
+
+    def const(self, value, dtype, dims):
+        if isinstance(value, (_Sym, _V)) or not isinstance(value, (int, float, bool)):
+            raise Unsupported(f"non-constant scalar {value!r}")
+        if dtype == "bool":
+            value = 1.0 if value else 0.0
+        elif dtype in ("i64", "i32"):
+            value = float(int(value))
+        return self.add("const", [], dtype, dims, scalars=(float(value), 0.0))
+
+    def cast(self, v, dtype):
+        if v.dtype == dtype:
+            return v
+        c = self.const_value(v)
+        if c is not None:
+            return self.const(c if dtype not in ("i64", "i32") else int(c), dtype, v.dims)
+        return self.add("cast", [v], dtype, v.dims)
+
+    def reshape(self, v, dims):
+        dims = tuple(dims)
+        if v.dims == dims:
+            return v
+        c = self.const_value(v)
+        if c is not None and _mono(v.dims) == _mono(dims):
+            return self.const(c, v.dtype, dims)
+        return self.add("reshape", [v], v.dtype, dims)
+
+    def bcast(self, v, dims):
+        """Broadcast v to dims: reshape (prepend 1s) then expand."""
+        dims = tuple(dims)
+        if v.dims == dims:
+            return v
+        c = self.const_value(v)
+        if c is not None:
+            return self.const(c, v.dtype, dims)
+        if v.rank > len(dims):
+            raise Unsupported(f"cannot broadcast {v.dims} to {dims}")
+        vd = (1,) * (len(dims) - v.rank) + v.dims
+        for x, y in zip(vd, dims):
+            if x != y and x != 1:
+                raise Unsupported(f"cannot broadcast {v.dims} to {dims}")
+        v = self.reshape(v, vd)
+        return v if vd == dims else self.add("expand", [v], v.dtype, dims)
+
+    def permute(self, v, perm):
+        perm = tuple(int(p) % max(v.rank, 1) for p in perm)
+        if perm == tuple(range(v.rank)):
+            return v
+        return self.add("permute", [v], v.dtype, tuple(v.dims[p] for p in perm), perm=perm)
+
+    def reduce(self, op, v, axes, keepdim):
+        axes = sorted({a % v.rank for a in axes}) if v.rank else []
+        if not axes:
+            return v
+        mask = sum(1 << a for a in axes)
+        dims = tuple(1 if i in axes else d for i, d in enumerate(v.dims)) if keepdim else \
+            tuple(d for i, d in enumerate(v.dims) if i not in axes)
+        return self.add(op, [v], v.dtype, dims, axes=mask)
+
+    def unary(self, op, v, dtype=None, **attrs):
+        dtype = dtype or v.dtype
+        v = self.cast(v, dtype)
+        return self.add(op, [v], dtype, v.dims, **attrs)
+
+    def bshape(self, *dimss):
+        rank = max((len(d) for d in dimss), default=0)
+        out = []
+        for i in range(rank):
+            cand = {d[len(d) - rank + i] for d in dimss if len(d) - rank + i >= 0}
+            non1 = cand - {1}
+            if len(non1) > 1:
+                raise Unsupported(f"cannot broadcast sizes {sorted(map(str, non1))}")
+            out.append(non1.pop() if non1 else 1)
+        return tuple(out)
+
+    def promote(self, *xs):
+        from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+        args = []
+        for x in xs:
+            if isinstance(x, _V):
+                args.append(torch.empty((1,) * min(x.rank, 1), dtype=IR_TO_TORCH[x.dtype], device="meta"))
+            elif isinstance(x, (bool, int, float)):
+                args.append(x)
+            else:
+                raise Unsupported(f"operand {x!r}")
+        _, result = elementwise_dtypes(*args, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        if result not in TORCH_TO_IR:
+            raise Unsupported(f"dtype {result}")
+        return TORCH_TO_IR[result]
+
+    def operand(self, x, dtype, dims):
+        if isinstance(x, _V):
+            return self.bcast(self.cast(x, dtype), dims)
+        return self.const(x, dtype, dims)
+
+    def arith(self, op, a, b, cdt=None, dims=None):
+        """Binary op with torch's type promotion and broadcasting; Python scalars become const
+        nodes of the full shape. Comparisons return bool."""
+        if cdt is None:
+            cdt = "bool" if op in ("and", "or") else self.promote(a, b)
+        if dims is None:
+            dims = self.bshape(*(x.dims for x in (a, b) if isinstance(x, _V)))
+        out = "bool" if op in _CMP else cdt
+        return self.add(op, [self.operand(a, cdt, dims), self.operand(b, cdt, dims)], out, dims)
+
+    def where(self, c, a, b, dtype=None):
+        dtype = dtype or self.promote(a, b)
+        dims = self.bshape(*(x.dims for x in (c, a, b) if isinstance(x, _V)))
+        c = self.operand(c, "bool", dims)
+        return self.add("where", [c, self.operand(a, dtype, dims), self.operand(b, dtype, dims)],
+                        dtype, dims)
+
+    def extern_call(self, fn, operands, args, kwargs, dtype, dims, name):
+        """A one-step extern made by a lowering (linear without its bias, ...)."""
+        idx = len(self.externs)
+        self.externs.append(_make_extern([(fn, args, kwargs)], str(fn), len(operands)))
+        return self.add("extern", operands, dtype, dims, index=idx, axis=0, name=name)
+
+    # ---------------------------------------------------------------- externs
+
+    def extern(self, node, reason, multi=False):
+        """node as an EXTERN call; its torch-side inputs are recomputed inside (extra steps)."""
+        operands, slot_of, steps, step_of = [], {}, [], {}
+        from .capture import DeviceSlot, StepRef, SymExpr, TensorSlot
+
+        def tmpl(x):
+            if isinstance(x, fx.Node):
+                e = self.env.get(x)
+                if isinstance(e, _V):
+                    if e.id not in slot_of:
+                        slot_of[e.id] = len(operands)
+                        operands.append(e)
+                    return TensorSlot(slot_of[e.id])
+                if isinstance(e, _Sym):
+                    return SymExpr(e.expr, self.sym_of)
+                if isinstance(e, (_TorchSide, _Multi, _ExternOutputs)) or x.op == "call_function" and e is None:
+                    return StepRef(step(x))
+                return e
+            if isinstance(x, (list, tuple)):
+                return type(x)(tmpl(y) for y in x)
+            if isinstance(x, dict):
+                return {k: tmpl(y) for k, y in x.items()}
+            if isinstance(x, torch.device):
+                return DeviceSlot(x)
+            return x
+
+        def step(n):
+            if n not in step_of:
+                a, k = tmpl(tuple(n.args)), tmpl(dict(n.kwargs))
+                steps.append((n.target, a, k))
+                step_of[n] = len(steps) - 1
+            return step_of[n]
+
+        step(node)
+        if len(operands) > 16:
+            raise CaptureError(f"{node.name} ({node.target}) would be an extern call with "
+                               f"{len(operands)} tensor operands; kbench supports 16")
+        idx = len(self.externs)
+        self.externs.append(_make_extern(steps, str(node.target), len(operands)))
+        self.notes.append(f"{node.name}: extern {node.target} ({reason})")
+        val = node.meta.get("val")
+        outs = _ExternOutputs(self, idx, operands, val if multi else [val], node.name)
+        if multi:
+            return outs
+        r = outs.get(0)
+        if r is _TORCH:
+            raise CaptureError(f"internal: extern {node.name} has an output the IR cannot carry")
+        return r
+
+    # ---------------------------------------------------------------- the walk
+
+    def val(self, x):
+        if isinstance(x, fx.Node):
+            return self.env.get(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(self.val(y) for y in x)
+        return x
+
+    def bind(self, node):
+        """The node's arguments by schema name (defaults filled), mapped to env values."""
+        schema = node.target._schema
+        out = {}
+        for i, arg in enumerate(schema.arguments):
+            if i < len(node.args) and not arg.kwarg_only:
+                v = node.args[i]
+            elif arg.name in node.kwargs:
+                v = node.kwargs[arg.name]
+            elif arg.has_default_value():
+                v = arg.default_value
+            else:
+                v = None
+            out[arg.name] = self.val(v)
+        return out
+
+    def non_tensor(self, node, val):
+        if val is None or isinstance(val, (bool, int, float)):
+            return val
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            e = self.expr(val)
+            if e.is_number or e in (sympy.true, sympy.false):
+                return bool(e) if e in (sympy.true, sympy.false) else (int(e) if e.is_integer else float(e))
+            if all(x in self.sym_of for x in e.free_symbols):
+                return _Sym(e)
+        return _TorchSide(node)
+
+    def visit(self, node):
+        from . import _lower_ops
+        tgt = node.target
+        if tgt in _SKIP:
+            return
+        val = node.meta.get("val")
+        if tgt is operator.getitem:
+            base = self.env.get(node.args[0])
+            if isinstance(base, (_Multi, _ExternOutputs)):
+                r = base.get(node.args[1])
+                self.env[node] = _TorchSide(node) if r is _TORCH else r
+                self._name(node)
+                return
+            if isinstance(base, (list, tuple)):
+                self.env[node] = base[node.args[1]]
+                return
+        if not _has_tensor(val):
+            self.env[node] = self.non_tensor(node, val)
+            return
+        flat = [a for a in _flat_nodes((node.args, node.kwargs))]
+        torch_side = any(isinstance(self.env.get(a), _TorchSide) for a in flat)
+        if isinstance(val, torch.Tensor):
+            if self.rep_dims(val) is None:       # the IR cannot carry the result: stay lazy
+                self.env[node] = _TorchSide(node)
+                return
+        if torch_side:
+            self.env[node] = self.extern(node, "uses a value the IR cannot carry",
+                                         multi=not isinstance(val, torch.Tensor))
+            return
+        fn = _lower_ops.LOWER.get(tgt)
+        try:
+            if fn is None:
+                raise Unsupported("no lowering")
+            res = fn(self, node, self.bind(node))
+            if isinstance(val, torch.Tensor):
+                res = self.conform(node, val, res)
+        except Unsupported as e:
+            res = self.extern(node, str(e), multi=not isinstance(val, torch.Tensor))
+        self.env[node] = res
+        self._name(node)
+
+    def _name(self, node):
+        r = self.env.get(node)
+        if isinstance(r, _V) and r.id not in self.value_names:
+            self.value_names[r.id] = node.name
+
+    def conform(self, node, val, res):
+        """A lowering's result must have the FX node's dtype and shape."""
+        if not isinstance(res, _V):
+            raise Unsupported(f"lowering returned {type(res).__name__}")
+        want_dims = self.rep_dims(val)
+        want_dt = TORCH_TO_IR[val.dtype]
+        if res.dtype != want_dt:
+            self.notes.append(f"{node.name}: lowering gave {res.dtype}, cast to {want_dt}")
+            res = self.cast(res, want_dt)
+        if res.dims != want_dims:
+            if _mono(res.dims) != _mono(want_dims):
+                raise Unsupported(f"lowering gave shape {res.dims}, torch says {want_dims}")
+            res = self.reshape(res, want_dims)
+        return res
+
+
+_CMP = {"lt", "le", "gt", "ge", "eq", "ne"}
+_KIND = {}
+
+
+def _load_kinds():
+    import re
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "..", "csrc", "ops.def")
+    try:
+        from . import _C
+        for name, info in _C.ops().items():
+            _KIND[name] = info["kind"]
+    except Exception:  # noqa: BLE001 - dev fallback: read the table itself
+        text = open(path).read()
+        for _, _, kind, name in re.findall(r'^X\((\w+),\s*(-?\d+),\s*KB_KIND_(\w+),\s*"(\w+)"', text, re.M):
+            _KIND.setdefault(name, kind.lower())
+    # "max"/"min" name both the binary op and the reduction; the builder tells them apart by
+    # operand count, so treat them as elementwise only when they have two operands.
+    for r in ("max", "min"):
+        _KIND[r] = "binary"
+
+
+def _flat_nodes(x):
+    if isinstance(x, fx.Node):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flat_nodes(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _flat_nodes(y)
+
+
+def _make_extern(steps, name, noperands):
+    from .capture import Extern
+    return Extern(steps, name, noperands)
+
+
+# ---------------------------------------------------------------------------- symbols
+
+def _shape_env(ep):
+    for n in ep.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            fm = getattr(v, "fake_mode", None)
+            if fm is not None and getattr(fm, "shape_env", None) is not None:
+                return fm.shape_env
+    return None
+
+
+def _factors(side):
+    """(coef, [symbols with multiplicity]) of a monomial, or None."""
+    c, rest = side.as_coeff_Mul()
+    if not c.is_Integer:
+        return None
+    fs = []
+    for f in sympy.Mul.make_args(rest):
+        if f.is_Symbol:
+            fs.append(f)
+        elif f.is_Pow and f.base.is_Symbol and f.exp.is_Integer and f.exp > 0:
+            fs += [f.base] * int(f.exp)
+        elif f != 1:
+            return None
+    return int(c), fs
+
+
+def _unify(guards, example, order):
+    """Merges symbols that a guard says are equal as products (s0*s1 == s2*s3 comes from
+    logits.view(-1, V) against targets.view(-1)), pairing them by example value when that is
+    unambiguous; the runtime then binds both inputs to the same symbols (a stricter guard)."""
+    parent = {}
+
+    def find(s):
+        while parent.get(s, s) != s:
+            s = parent[s]
+        return s
+
+    for g in guards:
+        e = getattr(g, "expr", g)
+        if not isinstance(e, sympy.Eq):
+            continue
+        sides = [_factors(side.xreplace({s: find(s) for s in side.free_symbols})) for side in e.args]
+        if None in sides or sides[0][0] != sides[1][0]:
+            continue
+        a, b = list(sides[0][1]), list(sides[1][1])
+        for s in list(a):
+            if s in b:
+                a.remove(s)
+                b.remove(s)
+        va, vb = [example.get(s) for s in a], [example.get(s) for s in b]
+        if not a or None in va or None in vb or len(set(va)) != len(va) or sorted(va) != sorted(vb):
+            continue
+        for sb in b:
+            ra, rb = find(a[va.index(example[sb])]), find(sb)
+            if ra != rb:
+                lo, hi = sorted((ra, rb), key=lambda s: order.get(s, 1 << 30))
+                parent[hi] = lo
+    return {s: find(s) for s in parent}
+
+
+# ---------------------------------------------------------------------------- the driver
+
+_INPUT_KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
+               InputKind.CONSTANT_TENSOR: "const"}
+
+
+def lower(ep, inputs, static_reason, model=None):
+    from .capture import Captured, OutputTree, SymExpr
+
+    sig = ep.graph_signature
+    ph = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    user_specs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    user_nodes = [ph[s.arg.name] for s in user_specs]
+
+    # symbols: one per varying user-input dim, in order of appearance, merged by the guards
+    example, order = {}, {}
+    for t, n in zip(inputs, user_nodes):
+        for d, s in enumerate(n.meta["val"].shape):
+            if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
+                example.setdefault(s.node.expr, int(t.shape[d]))
+                order.setdefault(s.node.expr, len(order))
+    shape_env = _shape_env(ep)
+    guards = list(getattr(shape_env, "guards", None) or []) if shape_env is not None else []
+    subst = _unify(guards, example, order)
+    sym_of, examples, sources, input_syms = {}, [], [], []
+    for t, n in zip(inputs, user_nodes):
+        row = []
+        for d, s in enumerate(n.meta["val"].shape):
+            e = s.node.expr.xreplace(subst) if isinstance(s, torch.SymInt) else None
+            if e is not None and e.is_Symbol:
+                if e not in sym_of:
+                    sym_of[e] = len(sym_of)
+                    examples.append(int(t.shape[d]))
+                    sources.append(str(e))
+                row.append(sym_of[e])
+            else:
+                row.append(None)
+        input_syms.append(row)
+    if len(sym_of) > 16:
+        raise NeedStatic(f"{len(sym_of)} varying sizes (the IR has 16 symbols)")
+
+    b = Builder(sym_of, subst, examples)
+    for n, t in zip(user_nodes, inputs):
+        dims = tuple(b.dim(s) for s in n.meta["val"].shape)
+        if None in dims:
+            raise NeedStatic(f"input {n.name} has sizes {tuple(n.meta['val'].shape)}")
+        b.env[n] = b.add("input", [], TORCH_TO_IR[t.dtype], dims, name=n.name, kind="user")
+    constants = {}
+    for s in sig.input_specs:
+        if s.kind == InputKind.USER_INPUT:
+            continue
+        n = ph[s.arg.name]
+        val = n.meta.get("val")
+        kind = _INPUT_KIND.get(s.kind)
+        if kind and isinstance(val, torch.Tensor) and b.rep_dims(val) is not None:
+            b.env[n] = b.add("input", [], TORCH_TO_IR[val.dtype], b.rep_dims(val), name=s.target, kind=kind)
+            if kind == "const":
+                constants[s.target] = ep.constants[s.target]
+        else:   # custom objects, tokens, tensors of other dtypes: held for extern calls
+            b.env[n] = _held(ep, model, s)
+
+    out_node = None
+    for node in ep.graph.nodes:
+        if node.op == "call_function":
+            b.visit(node)
+        elif node.op == "get_attr":
+            b.env[node] = getattr(ep.graph_module, node.target)
+        elif node.op == "output":
+            out_node = node
+
+    leaves, graph_outs, mutations = [], [], []
+    for spec, arg in zip(sig.output_specs, out_node.args[0]):
+        v = b.val(arg)
+        if spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+            if isinstance(v, _V):
+                leaves.append(("out", len(graph_outs)))
+                graph_outs.append(v)
+            elif isinstance(v, _Sym):
+                leaves.append(("sym", SymExpr(v.expr, sym_of)))
+            elif isinstance(v, (_TorchSide, _Multi)) or isinstance(v, torch.Tensor):
+                what = getattr(getattr(arg, "meta", {}).get("val"), "dtype", type(v).__name__)
+                raise CaptureError(f"output {getattr(arg, 'name', arg)} is a {what} value, which "
+                                   "kbench cannot return")
+            else:
+                leaves.append(("value", v))
+        elif spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION,
+                           getattr(OutputKind, "PARAMETER_MUTATION", None)):
+            if not isinstance(v, _V):
+                raise CaptureError(f"the model updates {spec.target} in place with a value kbench "
+                                   "cannot carry")
+            kind = {OutputKind.BUFFER_MUTATION: "buffer",
+                    OutputKind.USER_INPUT_MUTATION: "user"}.get(spec.kind, "param")
+            mutations.append((len(graph_outs), kind, spec.target))
+            graph_outs.append(v)
+
+    names = [f"s{i}" for i in range(len(sym_of))]
+    graph, idmap, others = b.emit(graph_outs, [b.env[n].id for n in user_nodes],
+                                  list(zip(names, examples)))
+    kept_guards = []
+    for g in guards:
+        e = getattr(g, "expr", g).xreplace(subst)
+        if e in (sympy.true, True) or not e.free_symbols or any(x not in sym_of for x in e.free_symbols):
+            continue
+        kept_guards.append(SymExpr(e, sym_of))
+    try:
+        out_spec = ep.call_spec.out_spec
+    except Exception:  # noqa: BLE001
+        out_spec = None
+    if out_spec is not None and getattr(out_spec, "num_leaves", len(leaves)) != len(leaves):
+        out_spec = None
+    return Captured(
+        graph=graph,
+        input_names=[n.name for n in user_nodes],
+        input_syms=input_syms,
+        param_names=[name for _, name in others],
+        externs=b.externs,
+        static_reason=static_reason,
+        output_tree=OutputTree(out_spec, leaves),
+        example_symvals=list(examples),
+        input_kinds=["user"] * len(user_nodes) + [k for k, _ in others],
+        constants=constants,
+        mutations=mutations,
+        symbol_sources=sources,
+        guards=kept_guards,
+        input_dtypes=[t.dtype for t in inputs],
+        device=inputs[0].device if inputs else None,
+        notes=b.notes,
+        value_names={idmap[i]: nm for i, nm in b.value_names.items() if i in idmap},
+    )
+
+
+def _held(ep, model, spec):
+    if spec.target in getattr(ep, "constants", {}):
+        return ep.constants[spec.target]
+    if model is not None and spec.target:
+        try:
+            return model.get_parameter(spec.target) if spec.kind == InputKind.PARAMETER \
+                else model.get_buffer(spec.target)
+        except AttributeError:
+            pass
+    return ep.state_dict.get(spec.target)
+
+
+def _emit(self, outputs, keep, symbols):
+    """The live nodes into a kbench._C.Graph: user inputs, other inputs, then the rest in
+    creation order (which is topological). Returns (graph, old id -> new id, [(kind, name)])."""
+    from . import _C
+    live, stack = set(), [v.id for v in outputs] + list(keep)
+    while stack:
+        i = stack.pop()
+        if i not in live:
+            live.add(i)
+            stack += self.nodes[i]["inputs"]
+    order = sorted(live)
+    ins = [i for i in order if self.nodes[i]["op"] == "input"]
+    user = [i for i in ins if self.nodes[i]["attrs"]["kind"] == "user"]
+    other = [i for i in ins if self.nodes[i]["attrs"]["kind"] != "user"]
+    g = _C.Graph()
+    for name, ex in symbols:
+        g.add_symbol(name, ex)
+    m = {}
+    for i in user + other:
+        n = self.nodes[i]
+        kind = n["attrs"]["kind"]
+        m[i] = g.add_input(n["name"], "buffer" if kind == "const" else kind, n["dtype"], list(n["dims"]))
+    for i in order:
+        n = self.nodes[i]
+        if n["op"] == "input":
+            continue
+        kw = dict(n["attrs"])
+        if "perm" in kw:
+            kw["perm"] = list(kw["perm"])
+        name = n["name"] or self.value_names.get(i, "")
+        try:
+            m[i] = g.add_node(n["op"], [m[j] for j in n["inputs"]], n["dtype"], list(n["dims"]),
+                              name=name[:47], **kw)
+        except Exception as e:  # noqa: BLE001 - the Python checks should have caught it
+            raise CaptureError(f"internal: the IR builder rejected {n['op']} {n['dims']} "
+                               f"({name}): {e}") from e
+    for v in outputs:
+        g.add_output(m[v.id])
+    others = [(self.nodes[i]["attrs"]["kind"], self.nodes[i]["name"]) for i in other]
+    return g, m, others
+
+
+Builder.emit = _emit
+
+
+# ---------------------------------------------------------------------------- integer inputs
+
+_CASTS = {"_to_copy", "to", "type_as"}
+_INDEX_ARGS = {"embedding": ("indices",), "gather": ("index",), "index_select": ("index",),
+               "cross_entropy_loss": ("target",), "nll_loss_nd": ("target",),
+               "nll_loss_forward": ("target",), "nll_loss2d_forward": ("target",),
+               "nll_loss": ("target",), "nll_loss2d": ("target",), "one_hot": ("self",),
+               "index": ("indices",), "take_along_dim": ("indices",), "scatter": ("index",),
+               "scatter_add": ("index",), "scatter_reduce": ("index",), "index_add": ("index",),
+               "index_copy": ("index",), "index_put": ("indices",), "embedding_bag": ("indices", "offsets"),
+               "bincount": ("self",), "take": ("index",)}
+
+
+def check_integer_inputs(ep, inputs):
+    """Integer user inputs may be indices or targets (and may be compared, cast explicitly or
+    combined into other integers); an integer input that reaches a floating-point op by
+    implicit promotion is a user error: TypeError naming it."""
+    user = [n for n in ep.graph.nodes if n.op == "placeholder"
+            and n.name in {s.arg.name for s in ep.graph_signature.input_specs
+                           if s.kind == InputKind.USER_INPUT}]
+    for i, (n, t) in enumerate(zip(user, inputs)):
+        if t.is_floating_point() or t.dtype == torch.bool:
+            continue
+        seen, stack = set(), [n]
+        while stack:
+            cur = stack.pop()
+            for u in cur.users:
+                if u in seen or u.op != "call_function":
+                    continue
+                seen.add(u)
+                ok, walk = _int_use(cur, u)
+                if not ok:
+                    raise TypeError(
+                        f"example_inputs[{i}] ({n.name!r}) is an integer tensor used as an operand "
+                        f"of {u.target}, a floating-point op; integer inputs may only be indices or "
+                        "targets (cast it explicitly, e.g. .float(), if that is meant)")
+                if walk:
+                    stack.append(u)
+
+
+def _int_use(src, u):
+    """(allowed, keep walking from u)."""
+    if u.target is operator.getitem:
+        return True, True
+    if not isinstance(u.target, torch._ops.OpOverload):
+        return True, False     # Python arithmetic on sizes etc.
+    name = u.target._schema.name.split("::")[-1]
+    val = u.meta.get("val")
+    if name in _INDEX_ARGS:
+        schema = u.target._schema
+        bad = [a.name for k, a in enumerate(schema.arguments) if a.name not in _INDEX_ARGS[name]
+               and _mentions(u.args[k] if k < len(u.args) else u.kwargs.get(a.name), src)]
+        return not bad, False
+    if name in _CASTS or val is None or not _has_tensor(val):
+        return True, False
+    outs = [o for o in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(o, torch.Tensor)]
+    if all(o.dtype == torch.bool for o in outs):
+        return True, False     # a comparison: the mask may go anywhere
+    if all(not o.is_floating_point() and not o.is_complex() for o in outs):
+        return True, True      # integer arithmetic and views: follow the result
+    return False, False
+
+
+def _mentions(x, node):
+    return node in list(_flat_nodes(x))

@@ -1,0 +1,796 @@
+"""_lower_ops.py — one lowering per ATen op: (builder, fx node, bound args) → IR value(s).
+Composites (layer_norm, softmax, cross_entropy, batch/group norm, ...) are decomposed into the
+IR's primitives here (DESIGN §2); half-precision composites compute in f32 and cast back, as
+torch's kernels do. A lowering raises Unsupported for a case it does not handle, and the op
+becomes an EXTERN call instead; it never has to be complete."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._dtypes import TORCH_TO_IR
+from ._lower import Builder, Unsupported, _Multi, _Sym, _V, mono_dim
+
+aten = torch.ops.aten
+LOWER = {}
+
+
+def _reg(*names):
+    def deco(fn):
+        for name in names:
+            packet, _, overload = name.partition(".")
+            op = getattr(getattr(aten, packet, None), overload or "default", None)
+            if op is not None:
+                LOWER[op] = fn
+        return fn
+    return deco
+
+
+def _out(node):
+    v = node.meta["val"]
+    return TORCH_TO_IR[v.dtype]
+
+
+def _odims(b: Builder, node):
+    return b.rep_dims(node.meta["val"])
+
+
+def _opmath(dt):
+    return "f32" if dt in ("f16", "bf16") else dt
+
+
+def _num(x):
+    """A Python number argument (a symbolic one makes the op an extern)."""
+    if isinstance(x, _Sym) or isinstance(x, _V):
+        raise Unsupported("scalar argument is not a constant")
+    if isinstance(x, torch.Tensor):
+        raise Unsupported("tensor held by value")
+    return x
+
+
+def _t(x):
+    if not isinstance(x, _V):
+        raise Unsupported(f"expected a tensor operand, got {type(x).__name__}")
+    return x
+
+
+def _axes(rank, dim):
+    if dim is None:
+        return list(range(rank))
+    if isinstance(dim, int):
+        dim = [dim]
+    dim = [_num(d) for d in dim]
+    if not dim:
+        return list(range(rank))
+    return sorted({d % rank for d in dim}) if rank else []
+
+
+# ---------------------------------------------------------------------------- pointwise
+
+_UNARY = {"neg": "neg", "abs": "abs", "sign": "sign", "exp": "exp", "log": "log", "log1p": "log1p",
+          "expm1": "expm1", "sqrt": "sqrt", "rsqrt": "rsqrt", "reciprocal": "recip", "sin": "sin",
+          "cos": "cos", "tanh": "tanh", "erf": "erf", "sigmoid": "sigmoid", "relu": "relu",
+          "silu": "silu", "mish": "mish", "hardswish": "hardswish"}
+
+
+def _make_unary(ir):
+    def lower(b, node, a):
+        return b.unary(ir, _t(a["self"]), _out(node))
+    return lower
+
+
+for _name, _ir in _UNARY.items():
+    _reg(f"{_name}.default")(_make_unary(_ir))
+
+
+@_reg("gelu.default")
+def _gelu(b, node, a):
+    approx = a.get("approximate") or "none"
+    return b.unary("gelu_tanh" if approx == "tanh" else "gelu", _t(a["self"]), _out(node))
+
+
+@_reg("leaky_relu.default")
+def _leaky_relu(b, node, a):
+    return b.unary("leaky_relu", _t(a["self"]), _out(node), scalars=(float(_num(a["negative_slope"])), 0.0))
+
+
+@_reg("softplus.default")
+def _softplus(b, node, a):
+    beta, thr = float(_num(a["beta"])), float(_num(a["threshold"]))
+    return b.unary("softplus", _t(a["self"]), _out(node), scalars=(beta, thr))
+
+
+@_reg("hardtanh.default")
+def _hardtanh(b, node, a):
+    return _clamp_to(b, _t(a["self"]), _num(a["min_val"]), _num(a["max_val"]), _out(node))
+
+
+@_reg("relu6.default")
+def _relu6(b, node, a):
+    return _clamp_to(b, _t(a["self"]), 0, 6, _out(node))
+
+
+@_reg("hardsigmoid.default")
+def _hardsigmoid(b, node, a):
+    dt = _out(node)
+    x = b.cast(_t(a["self"]), dt)
+    return b.arith("div", _clamp_to(b, b.arith("add", x, 3.0, dt), 0, 6, dt), 6.0, dt)
+
+
+@_reg("elu.default")
+def _elu(b, node, a):
+    dt = _out(node)
+    x = b.cast(_t(a["self"]), dt)
+    alpha, scale, iscale = (float(_num(a[k])) for k in ("alpha", "scale", "input_scale"))
+    neg = b.unary("expm1", b.arith("mul", x, iscale, dt) if iscale != 1 else x)
+    neg = b.arith("mul", neg, alpha * scale, dt)
+    pos = b.arith("mul", x, scale, dt) if scale != 1 else x
+    return b.where(b.arith("gt", x, 0.0), pos, neg, dt)
+
+
+@_reg("logical_not.default", "bitwise_not.default")
+def _not(b, node, a):
+    x = _t(a["self"])
+    if node.target is aten.bitwise_not.default and x.dtype != "bool":
+        raise Unsupported("bitwise not of integers")
+    return b.unary("not", b.cast(x, "bool"), "bool")
+
+
+@_reg("square.default")
+def _square(b, node, a):
+    x = b.cast(_t(a["self"]), _out(node))
+    return b.arith("mul", x, x)
+
+
+@_reg("exp2.default", "log2.default", "log10.default")
+def _explog_base(b, node, a):
+    dt = _out(node)
+    x = b.cast(_t(a["self"]), dt)
+    name = node.target._schema.name.split("::")[-1]
+    if name == "exp2":
+        return b.unary("exp", b.arith("mul", x, math.log(2.0), dt))
+    return b.arith("mul", b.unary("log", x), 1.0 / math.log(2.0 if name == "log2" else 10.0), dt)
+
+
+def _clamp_to(b, x, lo, hi, dt):
+    x = b.cast(x, dt)
+    if lo is not None:
+        x = b.arith("max", x, lo, dt)
+    if hi is not None:
+        x = b.arith("min", x, hi, dt)
+    return x
+
+
+@_reg("clamp.default", "clamp.Tensor", "clamp_min.default", "clamp_max.default",
+      "clamp_min.Tensor", "clamp_max.Tensor")
+def _clamp(b, node, a):
+    dt = _out(node)
+    lo = a.get("min")
+    hi = a.get("max")
+    name = node.target._schema.name.split("::")[-1]
+    if name == "clamp_max":
+        lo, hi = None, a.get("max")
+    if isinstance(lo, _Sym) or isinstance(hi, _Sym):
+        raise Unsupported("symbolic clamp bound")
+    return _clamp_to(b, _t(a["self"]), lo, hi, dt)
+
+
+def _binop(ir):
+    def lower(b, node, a):
+        x, y = a["self"], a["other"]
+        alpha = a.get("alpha", 1)
+        dt = _out(node)
+        if alpha not in (None, 1):
+            y = y * _num(alpha) if not isinstance(y, _V) else b.arith("mul", y, _num(alpha), dt)
+        return b.arith(ir, _num_or_t(x), _num_or_t(y), dt, _odims(b, node))
+    return lower
+
+
+def _num_or_t(x):
+    return x if isinstance(x, _V) else _num(x)
+
+
+for _name, _ir in (("add", "add"), ("sub", "sub"), ("mul", "mul"), ("div", "div")):
+    _reg(f"{_name}.Tensor", f"{_name}.Scalar")(_binop(_ir))
+_reg("maximum.default")(_binop("max"))
+_reg("minimum.default")(_binop("min"))
+
+
+@_reg("div.Tensor_mode", "div.Scalar_mode")
+def _div_mode(b, node, a):
+    if a.get("rounding_mode") is not None:
+        raise Unsupported("rounded division")
+    return b.arith("div", _num_or_t(a["self"]), _num_or_t(a["other"]), _out(node), _odims(b, node))
+
+
+@_reg("rsub.Tensor", "rsub.Scalar")
+def _rsub(b, node, a):
+    dt = _out(node)
+    x, y, alpha = a["self"], _num_or_t(a["other"]), _num(a.get("alpha", 1))
+    if alpha != 1:
+        x = b.arith("mul", x, alpha, dt)
+    return b.arith("sub", y, x, dt, _odims(b, node))
+
+
+@_reg("pow.Tensor_Scalar")
+def _pow_ts(b, node, a):
+    dt = _out(node)
+    x, e = b.cast(_t(a["self"]), dt), _num(a["exponent"])
+    if e == 1:
+        return x
+    if e == 2:
+        return b.arith("mul", x, x, dt)
+    if dt in ("f32", "f16", "bf16", "f64"):
+        special = {0.5: "sqrt", -0.5: "rsqrt", -1: "recip"}
+        if e in special:
+            return b.unary(special[e], x)
+    return b.arith("pow", x, e, dt)
+
+
+@_reg("pow.Tensor_Tensor", "pow.Scalar")
+def _pow(b, node, a):
+    return b.arith("pow", _num_or_t(a["self"]), _num_or_t(a["exponent"]), _out(node), _odims(b, node))
+
+
+def _cmp(ir):
+    def lower(b, node, a):
+        return b.arith(ir, _num_or_t(a["self"]), _num_or_t(a["other"]), dims=_odims(b, node))
+    return lower
+
+
+for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
+    _reg(f"{_name}.Tensor", f"{_name}.Scalar")(_cmp(_name))
+
+
+def _logic(ir):
+    def lower(b, node, a):
+        x, y = _num_or_t(a["self"]), _num_or_t(a["other"])
+        if node.target._schema.name.startswith("aten::bitwise") and any(
+                isinstance(v, _V) and v.dtype != "bool" for v in (x, y)):
+            raise Unsupported("bitwise ops on integers")
+        return b.arith(ir, x, y, "bool", _odims(b, node))
+    return lower
+
+
+_reg("logical_and.default", "bitwise_and.Tensor", "__and__.Tensor")(_logic("and"))
+_reg("logical_or.default", "bitwise_or.Tensor", "__or__.Tensor")(_logic("or"))
+
+
+@_reg("where.self", "where.ScalarOther", "where.ScalarSelf", "where.Scalar")
+def _where(b, node, a):
+    return b.where(_num_or_t(a["condition"]), _num_or_t(a["self"]), _num_or_t(a["other"]), _out(node))
+
+
+@_reg("masked_fill.Scalar", "masked_fill.Tensor")
+def _masked_fill(b, node, a):
+    x, m, v = _t(a["self"]), _t(a["mask"]), a["value"]
+    if isinstance(v, _V):
+        if v.rank != 0:
+            raise Unsupported("masked_fill value must be 0-dim")
+    else:
+        v = _num(v)
+    return b.where(m, v, x, _out(node))
+
+
+# ---------------------------------------------------------------------------- casts, copies
+
+@_reg("clone.default", "contiguous.default", "alias.default", "detach.default",
+      "lift_fresh_copy.default", "alias_copy.default", "detach_copy.default")
+def _identity(b, node, a):
+    return _t(a["self"])
+
+
+@_reg("_to_copy.default", "to.dtype", "to.dtype_layout", "to.device", "to.other", "type_as.default")
+def _to(b, node, a):
+    src = node.args[0].meta["val"]
+    if src.device != node.meta["val"].device:
+        raise Unsupported("device transfer")
+    return b.cast(_t(a["self"]), _out(node))
+
+
+@_reg("copy.default")
+def _copy(b, node, a):
+    return b.bcast(b.cast(_t(a["src"]), _out(node)), _odims(b, node))
+
+
+@_reg("dropout.default", "feature_dropout.default", "alpha_dropout.default",
+      "feature_alpha_dropout.default")
+def _dropout(b, node, a):
+    if a.get("train") and _num(a.get("p", 0)) != 0:
+        raise Unsupported("dropout in training mode")
+    return _t(a["input"])
+
+
+@_reg("native_dropout.default")
+def _native_dropout(b, node, a):
+    x = _t(a["input"])
+    if a.get("train") is not False and _num(a["p"]) != 0:
+        raise Unsupported("dropout in training mode")
+    return _Multi(b, node, lambda i: x if i == 0 else b.const(True, "bool", x.dims))
+
+
+# ---------------------------------------------------------------------------- constants
+
+def _fill(value_key):
+    def lower(b, node, a):
+        value = {"zeros": 0, "ones": 1, "empty": 0}.get(value_key)
+        if value is None:
+            value = _num(a[value_key])
+        return b.const(value, _out(node), _odims(b, node))
+    return lower
+
+
+_reg("zeros.default", "zeros_like.default", "new_zeros.default")(_fill("zeros"))
+_reg("ones.default", "ones_like.default", "new_ones.default")(_fill("ones"))
+_reg("empty_like.default", "empty.memory_format", "new_empty.default")(_fill("empty"))
+_reg("full.default", "full_like.default", "new_full.default")(_fill("fill_value"))
+_reg("fill.Scalar")(_fill("value"))
+_reg("scalar_tensor.default")(_fill("s"))
+
+
+# ---------------------------------------------------------------------------- views
+
+@_reg("view.default", "reshape.default", "_unsafe_view.default", "view_copy.default",
+      "unsqueeze.default", "squeeze.default", "squeeze.dim", "squeeze.dims", "flatten.using_ints",
+      "unflatten.int", "view_as.default", "reshape_as.default")
+def _reshape(b, node, a):
+    return b.reshape(_t(a["self"]), _odims(b, node))
+
+
+@_reg("expand.default", "expand_as.default", "broadcast_to.default", "expand_copy.default")
+def _expand(b, node, a):
+    return b.bcast(_t(a["self"]), _odims(b, node))
+
+
+@_reg("permute.default", "permute_copy.default")
+def _permute(b, node, a):
+    return b.permute(_t(a["self"]), [_num(d) for d in a["dims"]])
+
+
+@_reg("transpose.int", "transpose_copy.int", "swapaxes.default")
+def _transpose(b, node, a):
+    x = _t(a["self"])
+    d0, d1 = (_num(a[k]) for k in (("dim0", "dim1") if "dim0" in a else ("axis0", "axis1")))
+    perm = list(range(x.rank))
+    if x.rank:
+        d0, d1 = d0 % x.rank, d1 % x.rank
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    return b.permute(x, perm)
+
+
+@_reg("t.default")
+def _tt(b, node, a):
+    x = _t(a["self"])
+    return b.permute(x, [1, 0]) if x.rank == 2 else x
+
+
+def _slice(b, x, dim, start, length_dim, step=1):
+    """x[start : start + step*len : step] on dim; length from torch's output shape."""
+    dim %= x.rank
+    size = x.dims[dim]
+    start = _num(start) if start is not None else 0
+    if start < 0:
+        if not isinstance(size, int):
+            raise Unsupported("negative start on a varying size")
+        start = max(start + size, 0)
+    if isinstance(size, int):
+        start = min(start, size)
+    if start == 0 and step == 1 and length_dim == size:
+        return x
+    dims = list(x.dims)
+    dims[dim] = length_dim
+    return b.add("slice", [x], x.dtype, dims, axis=dim, start=int(start), step=int(step))
+
+
+@_reg("slice.Tensor", "slice_copy.Tensor")
+def _slice_t(b, node, a):
+    x = _t(a["self"])
+    dim = _num(a["dim"]) % x.rank
+    return _slice(b, x, dim, a["start"], _odims(b, node)[dim], _num(a["step"]))
+
+
+@_reg("narrow.default")
+def _narrow(b, node, a):
+    x = _t(a["self"])
+    dim = _num(a["dim"]) % x.rank
+    return _slice(b, x, dim, a["start"], _odims(b, node)[dim])
+
+
+@_reg("select.int", "select_copy.int")
+def _select(b, node, a):
+    x = _t(a["self"])
+    dim = _num(a["dim"]) % x.rank
+    return b.reshape(_slice(b, x, dim, _num(a["index"]), 1), _odims(b, node))
+
+
+def _split_lower(b, node, x, dim, drop_dim=False):
+    outs = node.meta["val"]
+    starts, acc = [], 0
+    for o in outs:
+        starts.append(acc)
+        size = o.shape[dim] if not drop_dim else 1
+        acc = acc + size if isinstance(acc, int) and isinstance(size, int) else None
+
+    def get(i):
+        if starts[i] is None:
+            raise Unsupported("split offsets vary")
+        dims = b.rep_dims(outs[i])
+        length = dims[dim] if not drop_dim else 1
+        s = _slice(b, x, dim, starts[i], length)
+        return b.reshape(s, dims)
+    return _Multi(b, node, get)
+
+
+@_reg("split.Tensor", "split_with_sizes.default", "chunk.default", "split.sizes",
+      "split_with_sizes_copy.default", "split_copy.Tensor")
+def _split(b, node, a):
+    x = _t(a["self"])
+    return _split_lower(b, node, x, _num(a.get("dim", 0)) % x.rank)
+
+
+@_reg("unbind.int", "unbind_copy.int")
+def _unbind(b, node, a):
+    x = _t(a["self"])
+    return _split_lower(b, node, x, _num(a.get("dim", 0)) % x.rank, drop_dim=True)
+
+
+# ---------------------------------------------------------------------------- reductions
+
+def _reduce_op(ir, all_dims=False):
+    def lower(b, node, a):
+        x = _t(a["self"])
+        dt = _out(node)
+        axes = list(range(x.rank)) if all_dims else _axes(x.rank, a.get("dim"))
+        return b.reduce(ir, b.cast(x, dt), axes, bool(a.get("keepdim", False)))
+    return lower
+
+
+_reg("sum.dim_IntList")(_reduce_op("sum"))
+_reg("sum.default")(_reduce_op("sum", all_dims=True))
+_reg("mean.dim")(_reduce_op("mean"))
+_reg("mean.default")(_reduce_op("mean", all_dims=True))
+_reg("amax.default")(_reduce_op("max"))
+_reg("amin.default")(_reduce_op("min"))
+_reg("max.default")(_reduce_op("max", all_dims=True))
+_reg("min.default")(_reduce_op("min", all_dims=True))
+
+
+@_reg("max.dim", "min.dim")
+def _minmax_dim(b, node, a):
+    x = _t(a["self"])
+    ir = "max" if node.target is aten.max.dim else "min"
+
+    def get(i):
+        if i != 0:
+            raise Unsupported("arg-max/min indices")
+        return b.reduce(ir, x, _axes(x.rank, a["dim"]), bool(a["keepdim"]))
+    return _Multi(b, node, get)
+
+
+@_reg("logsumexp.default")
+def _logsumexp(b, node, a):
+    dt = _out(node)
+    x = b.cast(_t(a["self"]), _opmath(dt))
+    axes, keep = _axes(x.rank, a["dim"]), bool(a["keepdim"])
+    if not axes:
+        return b.cast(x, dt)
+    m = b.reduce("max", x, axes, True)
+    # torch zeroes an infinite max so that all -inf rows give -inf, not nan
+    m = b.where(b.arith("eq", b.unary("abs", m), math.inf), 0.0, m, m.dtype)
+    s = b.reduce("sum", b.unary("exp", b.arith("sub", x, m)), axes, True)
+    y = b.arith("add", b.unary("log", s), m)
+    return b.cast(b.reshape(y, _odims(b, node)) if not keep else y, dt)
+
+
+def _moments(b, x, axes, correction):
+    """(var, mean) over axes with keepdim; var divides by n - correction (n must be pinned)."""
+    n = 1
+    for ax in axes:
+        if not isinstance(x.dims[ax], int):
+            raise Unsupported("variance over a varying size")
+        n *= x.dims[ax]
+    mean = b.reduce("mean", x, axes, True)
+    d = b.arith("sub", x, mean)
+    ss = b.reduce("sum", b.arith("mul", d, d), axes, True)
+    denom = max(n - correction, 0)
+    return b.arith("div", ss, float(denom)), mean
+
+
+def _var_args(a, rank):
+    axes = _axes(rank, a.get("dim"))
+    if "correction" in a and a.get("correction") is not None:
+        corr = _num(a["correction"])
+    elif "unbiased" in a and a.get("unbiased") is not None:
+        corr = 1 if a["unbiased"] else 0
+    else:
+        corr = 1
+    return axes, corr, bool(a.get("keepdim", False))
+
+
+@_reg("var.correction", "var.dim", "var.default", "std.correction", "std.dim", "std.default")
+def _var(b, node, a):
+    dt = _out(node)
+    x = b.cast(_t(a["self"]), _opmath(dt))
+    axes, corr, _ = _var_args(a, x.rank)
+    var, _ = _moments(b, x, axes, corr)
+    if node.target._schema.name.endswith("std"):
+        var = b.unary("sqrt", var)
+    return b.cast(b.reshape(var, _odims(b, node)), dt)
+
+
+@_reg("var_mean.correction", "var_mean.dim", "std_mean.correction", "std_mean.dim")
+def _var_mean(b, node, a):
+    outs = node.meta["val"]
+    dt = TORCH_TO_IR[outs[0].dtype]
+    x = b.cast(_t(a["self"]), _opmath(dt))
+    axes, corr, _ = _var_args(a, x.rank)
+    is_std = node.target._schema.name.endswith("std_mean")
+
+    def get(i):
+        var, mean = _moments(b, x, axes, corr)
+        v = (b.unary("sqrt", var) if is_std else var) if i == 0 else mean
+        return b.cast(b.reshape(v, b.rep_dims(outs[i])), dt)
+    return _Multi(b, node, get)
+
+
+@_reg("linalg_vector_norm.default")
+def _vector_norm(b, node, a):
+    dt = _out(node)
+    x = b.cast(_t(a["self"]), _opmath(dt))
+    ord_, axes, keep = _num(a["ord"]), _axes(x.rank, a.get("dim")), bool(a["keepdim"])
+    if ord_ == 2:
+        y = b.unary("sqrt", b.reduce("sum", b.arith("mul", x, x), axes, keep))
+    elif ord_ == 1:
+        y = b.reduce("sum", b.unary("abs", x), axes, keep)
+    elif ord_ == math.inf:
+        y = b.reduce("max", b.unary("abs", x), axes, keep)
+    else:
+        raise Unsupported(f"norm of order {ord_}")
+    return b.cast(y, dt)
+
+
+# ---------------------------------------------------------------------------- normalization
+
+def _normalize(b, x, axes, eps, rms=False):
+    """(x - mean) * rsqrt(var + eps) over axes (or x * rsqrt(mean(x^2) + eps) for rms);
+    returns (y, mean or None, rstd), statistics with keepdim."""
+    if rms:
+        mean, d = None, x
+    else:
+        mean = b.reduce("mean", x, axes, True)
+        d = b.arith("sub", x, mean)
+    var = b.reduce("mean", b.arith("mul", d, d), axes, True)
+    rstd = b.unary("rsqrt", b.arith("add", var, float(eps)))
+    return b.arith("mul", d, rstd), mean, rstd
+
+
+def _affine(b, y, w, bias, channel_rank=None):
+    """y * w + bias; w, bias broadcast from the right, or along dim 1 when channel_rank is set."""
+    for p, op in ((w, "mul"), (bias, "add")):
+        if p is None:
+            continue
+        p = b.cast(_t(p), y.dtype)
+        if channel_rank is not None:
+            p = b.reshape(p, (1, p.dims[0]) + (1,) * (channel_rank - 2))
+        y = b.arith(op, y, p, y.dtype)
+    return y
+
+
+@_reg("layer_norm.default", "native_layer_norm.default")
+def _layer_norm(b, node, a):
+    x0 = _t(a["input"])
+    k = len(a["normalized_shape"])
+    x = b.cast(x0, _opmath(x0.dtype))
+    axes = list(range(x.rank - k, x.rank))
+    y, mean, rstd = _normalize(b, x, axes, _num(a["eps"]))
+    if node.target is aten.native_layer_norm.default:
+        outs = node.meta["val"]
+        res = [None, mean, rstd]
+
+        def get(i):
+            if i == 0:
+                return b.cast(_affine(b, y, a["weight"], a["bias"]), TORCH_TO_IR[outs[0].dtype])
+            return b.cast(b.reshape(res[i], b.rep_dims(outs[i])), TORCH_TO_IR[outs[i].dtype])
+        return _Multi(b, node, get)
+    return b.cast(_affine(b, y, a["weight"], a["bias"]), _out(node))
+
+
+@_reg("rms_norm.default")
+def _rms_norm(b, node, a):
+    x0 = _t(a["input"])
+    k = len(a["normalized_shape"])
+    cdt = _opmath(x0.dtype)
+    eps = a.get("eps")
+    eps = torch.finfo(torch.float32 if cdt == "f32" else torch.float64).eps if eps is None else _num(eps)
+    x = b.cast(x0, cdt)
+    y, _, _ = _normalize(b, x, list(range(x.rank - k, x.rank)), eps, rms=True)
+    # torch: normalize in opmath, cast back to the input dtype, then multiply by the weight
+    y = b.cast(y, x0.dtype)
+    if a.get("weight") is not None:
+        y = b.arith("mul", y, _t(a["weight"]), _out(node))
+    return b.cast(y, _out(node))
+
+
+@_reg("_native_batch_norm_legit_no_training.default", "batch_norm.default",
+      "_native_batch_norm_legit.default")
+def _batch_norm(b, node, a):
+    if a.get("training"):
+        raise Unsupported("batch norm in training mode")
+    x0 = _t(a["input"])
+    rm, rv = a.get("running_mean"), a.get("running_var")
+    if rm is None or rv is None or x0.rank < 2:
+        raise Unsupported("batch norm without running statistics")
+    cdt = _opmath(x0.dtype)
+    x = b.cast(x0, cdt)
+    shape = (1, x.dims[1]) + (1,) * (x.rank - 2)
+    mean = b.reshape(b.cast(_t(rm), cdt), shape)
+    rstd = b.unary("rsqrt", b.arith("add", b.reshape(b.cast(_t(rv), cdt), shape), float(_num(a["eps"]))))
+    y = b.arith("mul", b.arith("sub", x, mean), rstd)
+    y = b.cast(_affine(b, y, a.get("weight"), a.get("bias"), channel_rank=x.rank), TORCH_TO_IR[
+        (node.meta["val"][0] if isinstance(node.meta["val"], (list, tuple)) else node.meta["val"]).dtype])
+    if node.target is aten.batch_norm.default:
+        return y
+    return _Multi(b, node, lambda i: y if i == 0 else _raise("batch norm statistics"))
+
+
+def _raise(why):
+    raise Unsupported(why)
+
+
+@_reg("group_norm.default", "native_group_norm.default")
+def _group_norm(b, node, a):
+    x0 = _t(a["input"])
+    g = _num(a["num_groups"] if "num_groups" in a else a["group"])
+    if x0.rank < 2 or not isinstance(x0.dims[1], int) or x0.dims[1] % g:
+        raise Unsupported("group norm channels must be pinned and divisible")
+    x = b.cast(x0, _opmath(x0.dtype))
+    inner = mono_dim((x.dims[1] // g,) + x.dims[2:])
+    if inner is None:
+        raise Unsupported("group too large to name")
+    xg = b.reshape(x, (x.dims[0], g, inner))
+    yg, mean, rstd = _normalize(b, xg, [2], _num(a["eps"]))
+    y = _affine(b, b.reshape(yg, x.dims), a.get("weight"), a.get("bias"), channel_rank=x.rank)
+    if node.target is aten.group_norm.default:
+        return b.cast(y, _out(node))
+    outs = node.meta["val"]
+    res = [y, mean, rstd]
+    return _Multi(b, node, lambda i: b.cast(b.reshape(res[i], b.rep_dims(outs[i])),
+                                            TORCH_TO_IR[outs[i].dtype]))
+
+
+# ---------------------------------------------------------------------------- softmax family
+
+def _softmax_common(b, node, a, log):
+    x0 = _t(a["self"])
+    dt = _out(node)
+    x = b.cast(x0, _opmath(dt))
+    if x.rank == 0:
+        return b.const(0.0 if log else 1.0, dt, ())
+    ax = [_num(a["dim"]) % x.rank]
+    m = b.reduce("max", x, ax, True)
+    sh = b.arith("sub", x, m)
+    e = b.unary("exp", sh)
+    s = b.reduce("sum", e, ax, True)
+    y = b.arith("sub", sh, b.unary("log", s)) if log else b.arith("div", e, s)
+    return b.cast(y, dt)
+
+
+@_reg("softmax.int", "_softmax.default", "_safe_softmax.default")
+def _softmax(b, node, a):
+    return _softmax_common(b, node, a, log=False)
+
+
+@_reg("log_softmax.int", "_log_softmax.default")
+def _log_softmax(b, node, a):
+    return _softmax_common(b, node, a, log=True)
+
+
+# ---------------------------------------------------------------------------- losses, gathers
+
+def _nll(b, lsm, target, weight, reduction, ignore_index):
+    """Negative log-likelihood of log-probabilities lsm ([N, C, d...] or [C]) at integer targets
+    ([N, d...] or []); returns (loss after reduction, total weight)."""
+    if target.dtype not in ("i64", "i32"):
+        raise Unsupported("class-probability targets")
+    if lsm.rank >= 3:   # classes last: [N, d..., C]
+        lsm = b.permute(lsm, [0] + list(range(2, lsm.rank)) + [1])
+    cdt = lsm.dtype
+    tdims = target.dims
+    mask = b.arith("ne", target, int(_num(ignore_index)))
+    tsafe = b.where(mask, target, 0, target.dtype)
+    picked = b.add("gather", [lsm, b.reshape(tsafe, tdims + (1,))], cdt, tdims + (1,), axis=lsm.rank - 1)
+    nll = b.unary("neg", b.reshape(picked, tdims))
+    wt = None
+    if weight is not None:
+        flat = mono_dim(tdims)
+        if flat is None:
+            raise Unsupported("too many varying target dims")
+        w = b.cast(_t(weight), cdt)
+        wt = b.add("gather", [w, b.reshape(tsafe, (flat,))], cdt, (flat,), axis=0)
+        wt = b.reshape(wt, tdims)
+        nll = b.arith("mul", nll, wt)
+    loss = b.where(mask, nll, 0.0, cdt)
+    counted = b.where(mask, wt, 0.0, cdt) if wt is not None else b.cast(mask, cdt)
+    total = b.reduce("sum", counted, range(len(tdims)), False)
+    reduction = _num(reduction)
+    if reduction == 0:
+        return loss, total
+    s = b.reduce("sum", loss, range(len(tdims)), False)
+    return (s if reduction == 2 else b.arith("div", s, total)), total
+
+
+@_reg("cross_entropy_loss.default")
+def _cross_entropy(b, node, a):
+    x0 = _t(a["self"])
+    if _num(a.get("label_smoothing", 0.0)) != 0.0:
+        raise Unsupported("label smoothing")
+    dt = _out(node)
+    x = b.cast(x0, _opmath(x0.dtype))
+    cdim = 1 if x.rank >= 2 else 0
+    m = b.reduce("max", x, [cdim], True)
+    sh = b.arith("sub", x, m)
+    lsm = b.arith("sub", sh, b.unary("log", b.reduce("sum", b.unary("exp", sh), [cdim], True)))
+    loss, _ = _nll(b, lsm, _t(a["target"]), a.get("weight"), a["reduction"], a["ignore_index"])
+    return b.cast(loss, dt)
+
+
+@_reg("nll_loss_nd.default", "nll_loss.default", "nll_loss2d.default", "nll_loss_forward.default",
+      "nll_loss2d_forward.default")
+def _nll_loss(b, node, a):
+    x0 = _t(a["self"])
+    x = b.cast(x0, _opmath(x0.dtype))
+    loss, total = _nll(b, x, _t(a["target"]), a.get("weight"), a["reduction"], a["ignore_index"])
+    val = node.meta["val"]
+    if isinstance(val, torch.Tensor):
+        return b.cast(loss, _out(node))
+    return _Multi(b, node, lambda i: b.cast((loss, total)[i], TORCH_TO_IR[val[i].dtype]))
+
+
+@_reg("gather.default")
+def _gather(b, node, a):
+    x, idx = _t(a["self"]), _t(a["index"])
+    if x.rank != idx.rank or x.rank == 0:
+        raise Unsupported("gather of rank-0 tensors")
+    return b.add("gather", [x, idx], x.dtype, idx.dims, axis=_num(a["dim"]) % x.rank)
+
+
+@_reg("embedding.default")
+def _embedding(b, node, a):
+    w, idx = _t(a["weight"]), _t(a["indices"])
+    if w.rank != 2 or _num(a.get("padding_idx", -1)) != -1 or a.get("scale_grad_by_freq") or a.get("sparse"):
+        raise Unsupported("embedding options")
+    flat = mono_dim(idx.dims)
+    if flat is None:
+        raise Unsupported("too many varying index dims")
+    rows = b.bcast(b.reshape(idx, (flat, 1)), (flat, w.dims[1]))
+    out = b.add("gather", [w, rows], w.dtype, (flat, w.dims[1]), axis=0)
+    return b.reshape(out, _odims(b, node))
+
+
+@_reg("index_select.default")
+def _index_select(b, node, a):
+    x, idx = _t(a["self"]), _t(a["index"])
+    if idx.rank != 1 or x.rank == 0:
+        raise Unsupported("index_select with a scalar index")
+    dim = _num(a["dim"]) % x.rank
+    out = _odims(b, node)
+    shape = tuple(idx.dims[0] if i == dim else 1 for i in range(x.rank))
+    return b.add("gather", [x, b.bcast(b.reshape(idx, shape), out)], x.dtype, out, axis=dim)
+
+
+# ---------------------------------------------------------------------------- matmul family
+
+@_reg("linear.default")
+def _linear(b, node, a):
+    x, w, bias = _t(a["input"]), _t(a["weight"]), a.get("bias")
+    if bias is None:
+        raise Unsupported("linear without bias is one extern call as it is")
+    dt, dims = _out(node), _odims(b, node)
+    mm = b.extern_call(aten.linear.default, [x, w], (_slot(0), _slot(1)), {}, dt, dims, node.name)
+    return b.arith("add", mm, _t(bias), dt, dims)
+
+
+def _slot(k):
+    from .capture import TensorSlot
+    return TensorSlot(k)

@@ -1,0 +1,188 @@
+"""`python -m kbench bench`: list the tasks, run the task filters, or score an implementation
+(eager, compile, kbench, or a .py/.cu file) on the robust harness. Exits non-zero when any row
+fails (a wrong result, a flagged timing, a task that cannot discriminate)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from . import filters as filters_mod
+from . import harness, impls, results
+from .tasks import TASKS, dtype_name, parse_dtype, select
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kbench bench",
+        description="Robust kernel benchmark: score an implementation against eager PyTorch "
+                    "and torch.compile on tasks that cannot be gamed.")
+    p.add_argument("--list", action="store_true", help="list the tasks and exit")
+    p.add_argument("--filters", action="store_true",
+                   help="run the task filters (5 seeds) and write filters.json")
+    p.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
+    p.add_argument("--dtypes", default=None,
+                   help="comma-separated dtypes (default: each task's own list)")
+    p.add_argument("--backward", action="store_true",
+                   help="also score forward+backward, for tasks that have one")
+    p.add_argument("--impl", default="kbench",
+                   help="eager | compile | kbench | path to a .py or .cu implementation")
+    p.add_argument("--kernel", default=None, help="same as --impl FILE")
+    p.add_argument("--budget", default="default", choices=sorted(harness.BUDGETS),
+                   help="repetitions, which configs are timed, kbench's search budget")
+    p.add_argument("--baselines", default="eager,compile",
+                   help="comma-separated baselines timed beside the implementation")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--out", default="benchmarks/results", help="directory for result files")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+class _Progress:
+    """tqdm when installed, else one line per step."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.n, self.desc = total, 0, desc
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+        except ImportError:
+            self.bar = None
+
+    def step(self, label: str, status: str = "") -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{label} {status}".strip())
+            self.bar.update(1)
+        else:
+            print(f"[{self.n}/{self.total}] {self.desc} {label} {status}".rstrip(),
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def list_tasks(names=None) -> str:
+    rows = []
+    for t in select(names):
+        perf = [c["name"] for c in t.configs(perf=True)]
+        rows.append((t.name, ",".join(t.dtypes), "yes" if t.backward else "no",
+                     len(t.input_configs), ",".join(perf) or "—", len(t.init_configs),
+                     t.description))
+    return results.markdown_table(
+        ("task", "dtypes", "backward", "configs", "perf config", "inits", "description"), rows)
+
+
+def _device(arg: Optional[str]) -> str:
+    import torch
+    if arg:
+        return arg
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_filters(args) -> int:
+    names = args.tasks
+    prog = _Progress(len(select(names)), "filters")
+    res = filters_mod.run_filters(names, device=args.device or "cpu",
+                                  progress=lambda n: prog.step(n))
+    prog.close()
+    path = filters_mod.write_filters(res, args.out)
+    print("\n".join(filters_mod.summary_lines(res)))
+    print(f"wrote {path}")
+    return 1 if filters_mod.failing(res) else 0
+
+
+def summary_table(rows: List[dict], impl_name: str) -> str:
+    out = []
+    for r in rows:
+        ms = {}
+        roof = {}
+        for t in r["timings"]:
+            for name, e in t.get("impls", {}).items():
+                if e.get("median_ms") is not None and name not in ms:
+                    ms[name] = e["median_ms"]
+                    roof[name] = (e.get("roofline") or {}).get("fraction")
+        reason = (r["failures"] or r["task_problems"] or r["flags"] or [""])[0]
+        out.append((r["task"], r["dtype"], r["mode"],
+                    results.fmt(ms.get("eager")), results.fmt(ms.get("compile")),
+                    results.fmt(ms.get(impl_name)),
+                    results.fmt(r.get("speedup_vs_eager"), ".2f") + "×",
+                    results.fmt(r.get("speedup_vs_compile"), ".2f") + "×",
+                    " / ".join(results.fmt(roof.get(k), ".0%")
+                               for k in ("eager", "compile", impl_name)),
+                    r["status"] + (f": {reason[:70]}" if reason else "")))
+    return results.markdown_table(
+        ("task", "dtype", "mode", "eager ms", "compile ms", f"{impl_name} ms",
+         "vs eager", "vs compile", "roofline e/c/i", "correctness"), out)
+
+
+def run_bench(args) -> int:
+    import torch
+    device = _device(args.device)
+    spec = args.kernel or args.impl
+    env = harness.Env(device, args.budget)
+    try:
+        impl_name, factory = impls.resolve(spec, budget=env.budget.kbench_budget)
+    except Exception as e:  # noqa: BLE001 - a kernel that does not build is a failure
+        print(f"error: cannot load implementation {spec!r}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 1
+    tasks = select(args.tasks)
+    want = None if not args.dtypes else {dtype_name(parse_dtype(d))
+                                         for d in args.dtypes.split(",") if d}
+    units = []
+    for t in tasks:
+        for dt in t.dtypes:
+            if want is not None and dt not in want:
+                continue
+            units.append((t, dt, False))
+            if args.backward and t.backward:
+                units.append((t, dt, True))
+    baselines = tuple(b for b in args.baselines.split(",") if b)
+    meta = results.metadata(device)
+    if env.cuda:
+        env.copy()  # measured up front, in the same run as everything it is compared with
+    rows = []
+    prog = _Progress(len(units), impl_name)
+    for t, dt, bw in units:
+        label = f"{t.name} {dt} {'fwd+bwd' if bw else 'fwd'}"
+        try:
+            row = harness.score(t, impl_name, factory, dtype=dt, backward=bw, env=env,
+                                baselines=baselines, seed=args.seed)
+        except Exception as e:  # noqa: BLE001 - a harness error must not hide other rows
+            row = {"task": t.name, "dtype": dt, "mode": "fwdbwd" if bw else "fwd",
+                   "impl": impl_name, "status": "ERROR", "cases": [], "timings": [],
+                   "failures": [f"harness error: {type(e).__name__}: {e}"],
+                   "task_problems": [], "flags": []}
+        rows.append(row)
+        prog.step(label, row["status"])
+        if env.cuda:
+            torch.cuda.empty_cache()
+    prog.close()
+    doc = {"schema": "kbench-bench/1", "impl": impl_name, "impl_spec": spec,
+           "budget": env.budget.name, "meta": meta, "env": env.describe(), "rows": rows}
+    path = results.write_json(results.results_path(args.out, meta, prefix=f"bench-{impl_name}-"),
+                              doc)
+    print(summary_table(rows, impl_name))
+    bad = [r for r in rows if r["status"] != "PASS"]
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} rows pass; results in {path}")
+    return 1 if bad else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.list:
+            print(list_tasks(args.tasks))
+            return 0
+        if args.filters:
+            return run_filters(args)
+        return run_bench(args)
+    except KeyError as e:  # unknown task names
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Result files and tables: run metadata (GPU, torch/CUDA/kbench versions, git commit), the
+results path benchmarks/results/<gpu>-<date>-<commit>.json, and markdown tables.
+Imports only torch and the standard library."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from typing import List, Optional, Sequence
+
+
+def git_commit(cwd: Optional[str] = None) -> str:
+    """`git rev-parse HEAD` of the repository holding this file (or cwd), else $KBENCH_COMMIT,
+    else 'unknown'."""
+    here = cwd or os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("KBENCH_COMMIT", "unknown")
+
+
+def kbench_version() -> dict:
+    """{"version": ..., "error": ...}: kbench may fail to import (no built core)."""
+    try:
+        import kbench
+        return {"version": getattr(kbench, "__version__", None), "error": None}
+    except Exception as e:  # noqa: BLE001
+        return {"version": None, "error": f"{type(e).__name__}: {e}"}
+
+
+def metadata(device) -> dict:
+    import torch
+    dev = torch.device(device)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(dev),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "kbench": kbench_version(),
+        "commit": git_commit(),
+        "argv": sys.argv,
+    }
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        meta["gpu_sm"] = f"{p.major}.{p.minor}"
+        meta["gpu_memory_bytes"] = p.total_memory
+    return meta
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", s).strip("-") or "unknown"
+
+
+def results_path(out_dir: str, meta: dict, prefix: str = "") -> str:
+    """<out_dir>/<prefix><gpu>-<YYYYmmdd-HHMMSS>-<commit[:12]>.json"""
+    name = meta.get("gpu") or f"cpu-{meta.get('cpu') or 'unknown'}"
+    stamp = meta["date"][:19].replace(":", "").replace("-", "").replace("T", "-")
+    fname = f"{prefix}{_slug(name)}-{stamp}-{_slug(meta.get('commit', 'unknown'))[:12]}.json"
+    return os.path.join(out_dir, fname)
+
+
+def write_json(path: str, obj) -> str:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(clean(obj), f, indent=1, default=str)
+    return path
+
+
+def clean(obj):
+    """NaN/Inf floats to None (strict JSON), tuples to lists, recursively."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {str(k): clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    return obj
+
+
+def fmt(x, spec: str = ".3f", none: str = "—") -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return none
+    return format(x, spec)
+
+
+def markdown_table(header: Sequence[str], rows: List[Sequence]) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(str(c) for c in r) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,201 @@
+"""Timing for the benchmark (DESIGN §6): CUDA events on the current stream, warm-up, median of
+many repetitions with the L2 flushed and inputs rotated between them, a wall-clock cross-check
+that exposes work hidden on another stream, and the device-to-device copy that sets the roofline.
+
+Imports only torch and the standard library: benchmarks/bench_ops.py loads this file by path
+when the kbench package itself cannot be imported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+# A run whose wall-clock time exceeds this multiple of its event time did work the events on
+# the current stream did not see (another stream, another thread): its timing is not trusted.
+WALL_OVER_EVENT_LIMIT = 3.0
+# Achieved bytes/s above this multiple of the measured copy bandwidth is flagged impossible.
+# The margin covers read-mostly kernels, which run somewhat faster than a read+write copy.
+ROOFLINE_LIMIT = 1.25
+_DEFAULT_L2 = 50 * 2**20  # H100's L2, when the device does not say
+
+
+@dataclasses.dataclass
+class Timing:
+    """One timed callable. Times are per call, in milliseconds."""
+
+    method: str                 # "cuda-events" or "perf_counter"
+    reps: int
+    median_ms: float
+    mean_ms: float
+    min_ms: float
+    std_ms: float
+    wall_ms: float = math.nan   # per call, synchronized loop timed on the host
+    loop_event_ms: float = math.nan  # per call, events around that same loop
+    wall_over_event: float = math.nan
+    hidden_work: bool = False   # wall_over_event > WALL_OVER_EVENT_LIMIT
+
+    def as_dict(self) -> dict:
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                for k, v in dataclasses.asdict(self).items()}
+
+
+def is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def sync(device) -> None:
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def l2_bytes(device) -> int:
+    if not is_cuda(device):
+        return 0
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return int(getattr(props, "L2_cache_size", 0) or _DEFAULT_L2)
+
+
+_flush_cache: dict = {}
+
+
+def flush_l2(device) -> None:
+    """Write a buffer of twice the L2 size so that nothing the timed call reads is cached.
+    Called outside the timed window (before the start event is recorded)."""
+    if not is_cuda(device):
+        return
+    key = str(torch.device(device))
+    buf = _flush_cache.get(key)
+    if buf is None:
+        buf = torch.empty(2 * l2_bytes(device) // 4, dtype=torch.float32, device=device)
+        _flush_cache[key] = buf
+    buf.zero_()
+
+
+def time_fn(fn: Callable, arg_sets: Sequence[Sequence], *, device, reps: int = 50,
+            warmup: int = 5, flush: bool = True,
+            before_each: Optional[Callable[[], None]] = None) -> Timing:
+    """Time fn(*arg_sets[i % len(arg_sets)]): per-call times from events on the current stream
+    (L2 flushed and `before_each` run outside each timed window), then a wall-clock check.
+
+    Rotating several argument sets keeps one set's data from staying warm across calls even
+    when flushing is off; outputs are dropped as soon as the call returns."""
+    if not arg_sets:
+        raise ValueError("time_fn needs at least one argument set")
+    k = len(arg_sets)
+    for i in range(warmup):
+        if before_each is not None:
+            before_each()
+        fn(*arg_sets[i % k])
+    if not is_cuda(device):
+        return _time_host(fn, arg_sets, reps, before_each)
+
+    sync(device)
+    stream = torch.cuda.current_stream(device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if before_each is not None:  # first, so that what it touches is flushed too
+            before_each()
+        if flush:
+            flush_l2(device)
+        starts[i].record(stream)
+        fn(*arg_sets[i % k])
+        ends[i].record(stream)
+    sync(device)
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+    # Wall-clock cross-check: the same calls back to back, timed both ways. Events only see
+    # the current stream; torch.cuda.synchronize() waits for every stream on the device.
+    loop_reps = max(10, min(reps, 100))
+    e0 = torch.cuda.Event(enable_timing=True)
+    e1 = torch.cuda.Event(enable_timing=True)
+    sync(device)
+    t0 = time.perf_counter()
+    e0.record(stream)
+    for i in range(loop_reps):
+        fn(*arg_sets[i % k])
+    e1.record(stream)
+    sync(device)
+    wall = (time.perf_counter() - t0) * 1e3 / loop_reps
+    loop_ev = e0.elapsed_time(e1) / loop_reps
+    ratio = wall / max(loop_ev, 1e-6)
+    return Timing("cuda-events", reps, statistics.median(times), statistics.fmean(times),
+                  min(times), statistics.pstdev(times), wall, loop_ev, ratio,
+                  ratio > WALL_OVER_EVENT_LIMIT)
+
+
+def _time_host(fn, arg_sets, reps, before_each) -> Timing:
+    # CPU: host time is device time, so there is no cross-check to make.
+    k = len(arg_sets)
+    times = []
+    for i in range(reps):
+        if before_each is not None:
+            before_each()
+        t0 = time.perf_counter()
+        fn(*arg_sets[i % k])
+        times.append((time.perf_counter() - t0) * 1e3)
+    med = statistics.median(times)
+    return Timing("perf_counter", reps, med, statistics.fmean(times), min(times),
+                  statistics.pstdev(times), med, med, 1.0, False)
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> dict:
+    """Bytes/s of dst.copy_(src) counting bytes read plus written: the roofline's denominator,
+    measured in the same run as the kernels it is compared with."""
+    n = max(1, nbytes // 4)
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), [()], device=device, reps=reps, warmup=3)
+    moved = 2 * n * 4
+    del src, dst
+    return {"bytes": moved, "median_ms": t.median_ms,
+            "bytes_per_s": moved / (t.median_ms * 1e-3), "method": t.method}
+
+
+def matmul_flops(device, dtype: torch.dtype, n: int = 8192, reps: int = 10) -> dict:
+    """FLOP/s of one large square matmul in `dtype`: the compute roof for tasks that declare
+    their FLOPs (GEMM and conv chains), measured rather than taken from a datasheet."""
+    if not is_cuda(device):
+        n = min(n, 512)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t = time_fn(lambda: a @ b, [()], device=device, reps=reps, warmup=2, flush=False)
+    return {"n": n, "dtype": str(dtype).replace("torch.", ""),
+            "flops_per_s": 2 * n**3 / (t.median_ms * 1e-3)}
+
+
+def roofline(nbytes: int, ms: float, bytes_per_s: float, flops: int = 0,
+             flops_per_s: float = 0.0) -> dict:
+    """The fraction of the roofline reached: (the least time the work can take) / (time taken),
+    where the least time is max(bytes / copy bandwidth, flops / matmul rate). Above
+    ROOFLINE_LIMIT the result is impossible (a skipped computation, or a broken timer)."""
+    if not ms or ms <= 0 or math.isnan(ms) or not bytes_per_s:
+        return {"fraction": None, "achieved_bytes_per_s": None, "impossible": False}
+    t_min = nbytes / bytes_per_s
+    if flops and flops_per_s:
+        t_min = max(t_min, flops / flops_per_s)
+    frac = t_min / (ms * 1e-3)
+    return {"fraction": frac, "achieved_bytes_per_s": nbytes / (ms * 1e-3),
+            "impossible": frac > ROOFLINE_LIMIT}
+
+
+def host_overhead_us(fn: Callable, args: Sequence, calls: int = 200, warmup: int = 20,
+                     device=None) -> float:
+    """Host time per call of fn(*args) without synchronizing (the launch path only). Inputs are
+    small so the device keeps up and the queue never pushes back."""
+    for _ in range(warmup):
+        fn(*args)
+    if device is not None:
+        sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    dt = time.perf_counter() - t0
+    if device is not None:
+        sync(device)
+    return dt * 1e6 / calls

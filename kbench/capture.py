@@ -1,0 +1,446 @@
+"""capture.py — nn.Module + example inputs → torch.export (non-strict) → the C IR (DESIGN §1-2).
+Validates the inputs, exports with every user-input dim dynamic (Dim.AUTO) and falls back to a
+static export when a size cannot be written as coef * product of symbols; the ATen → IR lowering
+itself lives in kbench/_lower.py. The result, Captured, is all the runtime needs: the graph, how
+to find each graph input (user input, live parameter or buffer, held constant), how to bind the
+symbols from actual input shapes, the torch callables behind EXTERN nodes, and how to rebuild
+the model's output structure.
+
+Conventions (the runtime and the reference evaluator rely on them):
+  graph inputs    user inputs first (all of them, in order), then the parameters, buffers and
+                  lifted constants the graph reads, in export's order; names are module paths.
+  symbols         "s0", "s1", ... in order of first appearance among the user inputs' dims;
+                  input_syms[i][d] is the symbol that user input i's dim d binds (None: pinned).
+  constants       a Python scalar becomes a "const" node of the full shape of its use.
+  broadcasting    explicit: "reshape" (prepend 1s) then "expand" to the operand's shape.
+  externs         EXTERN node: index = position in Captured.externs, axis = which output.
+  output_tree     the model's outputs rebuilt from the graph outputs with torch's pytree spec.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+from ._dtypes import TORCH_TO_IR
+from .errors import CaptureError
+
+__all__ = ["capture", "Captured", "Extern", "SymExpr", "TensorSlot", "StepRef", "DeviceSlot",
+           "CaptureError"]
+
+_log = logging.getLogger("kbench.capture")
+
+# ---------------------------------------------------------------------------- extern calls
+
+
+class TensorSlot:
+    """Extern argument: the k-th operand tensor of the EXTERN node."""
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __repr__(self):
+        return f"TensorSlot({self.k})"
+
+
+class StepRef:
+    """Extern argument: the result of an earlier step of a multi-step extern."""
+    __slots__ = ("j",)
+
+    def __init__(self, j: int):
+        self.j = j
+
+    def __repr__(self):
+        return f"StepRef({self.j})"
+
+
+class DeviceSlot:
+    """Extern argument: the device to run on (the operands' device, else the runtime's)."""
+    __slots__ = ("captured",)
+
+    def __init__(self, captured: torch.device):
+        self.captured = captured
+
+    def __repr__(self):
+        return "DeviceSlot()"
+
+
+class SymExpr:
+    """A size expression over the graph's symbols (a sympy expression), evaluated from the bound
+    symbol values; used where an extern's argument depends on a size (arange(T), x / T, ...)."""
+    __slots__ = ("expr", "syms", "_cache")
+
+    def __init__(self, expr, syms: dict):
+        self.expr = expr
+        self.syms = {s: i for s, i in syms.items() if s in expr.free_symbols}
+        self._cache: dict = {}
+
+    def __call__(self, symvals) -> Any:
+        key = tuple(symvals[i] for i in self.syms.values())
+        hit = self._cache.get(key)
+        if hit is None:
+            import sympy
+            v = self.expr.xreplace({s: sympy.Integer(symvals[i]) for s, i in self.syms.items()})
+            hit = int(v) if v.is_integer else (bool(v) if v.is_Boolean else float(v))
+            self._cache[key] = hit
+        return hit
+
+    def __repr__(self):
+        return f"SymExpr({self.expr})"
+
+
+def _subst(tmpl, tensors, results, symvals, device):
+    if isinstance(tmpl, TensorSlot):
+        return tensors[tmpl.k]
+    if isinstance(tmpl, StepRef):
+        return results[tmpl.j]
+    if isinstance(tmpl, SymExpr):
+        return tmpl(symvals)
+    if isinstance(tmpl, DeviceSlot):
+        return device if device is not None else tmpl.captured
+    if isinstance(tmpl, (list, tuple)) and not hasattr(tmpl, "_fields"):
+        return type(tmpl)(_subst(t, tensors, results, symvals, device) for t in tmpl)
+    if isinstance(tmpl, dict):
+        return {k: _subst(t, tensors, results, symvals, device) for k, t in tmpl.items()}
+    return tmpl
+
+
+class Extern:
+    """One torch computation the runtime runs between kernels. `steps` is a list of
+    (callable, args, kwargs); the last step's result is the extern's result (a tensor, or a tuple
+    the EXTERN node's axis indexes). Templates hold TensorSlot (the node's operands), StepRef,
+    SymExpr and DeviceSlot placeholders. Most externs are one step: fn(*args, **kwargs)."""
+    __slots__ = ("steps", "name", "noperands")
+
+    def __init__(self, steps, name: str, noperands: int):
+        self.steps = steps
+        self.name = name
+        self.noperands = noperands
+
+    @property
+    def fn(self):
+        return self.steps[-1][0]
+
+    @property
+    def args(self):
+        return self.steps[-1][1]
+
+    def __iter__(self):  # (callable, args-template), for one-step externs
+        yield self.fn
+        yield self.args
+
+    def call(self, tensors, symvals=(), device=None):
+        """Runs the extern on the operand tensors (in the EXTERN node's input order)."""
+        if device is None:
+            device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+        results: list = []
+        for fn, args, kwargs in self.steps:
+            results.append(fn(*_subst(args, tensors, results, symvals, device),
+                              **_subst(kwargs, tensors, results, symvals, device)))
+        return results[-1]
+
+    def __repr__(self):
+        return f"Extern({self.name}, {len(self.steps)} step(s), {self.noperands} operand(s))"
+
+
+# ---------------------------------------------------------------------------- the result
+
+
+@dataclasses.dataclass
+class OutputTree:
+    """How to rebuild the model's outputs: torch's pytree spec over leaves that are ("out", i)
+    (graph output i), ("value", v) (a constant such as None) or ("sym", SymExpr)."""
+    spec: Any
+    leaves: list
+
+    def build(self, graph_outputs, symvals=()):
+        vals = []
+        for kind, x in self.leaves:
+            vals.append(graph_outputs[x] if kind == "out" else x(symvals) if kind == "sym" else x)
+        if self.spec is None:
+            return vals[0] if len(vals) == 1 else tuple(vals)
+        return pytree.tree_unflatten(vals, self.spec)
+
+
+@dataclasses.dataclass
+class Captured:
+    graph: Any                      # kbench._C.Graph
+    input_names: list               # user inputs (graph inputs 0..n-1)
+    input_syms: list                # per user input, per dim: symbol id or None (pinned)
+    param_names: list               # the other graph inputs, in order (module paths)
+    externs: list                   # Extern per EXTERN index
+    static_reason: Optional[str]    # None when sizes may vary
+    output_tree: OutputTree
+    example_symvals: list           # the symbols' values in the example
+    input_kinds: list = dataclasses.field(default_factory=list)   # per graph input
+    constants: dict = dataclasses.field(default_factory=dict)     # lifted constants, by name
+    mutations: list = dataclasses.field(default_factory=list)     # (graph output, kind, name)
+    symbol_sources: list = dataclasses.field(default_factory=list)  # torch's name per symbol
+    guards: list = dataclasses.field(default_factory=list)        # SymExpr that must be true
+    input_dtypes: list = dataclasses.field(default_factory=list)  # torch dtype per user input
+    device: Optional[torch.device] = None
+    notes: list = dataclasses.field(default_factory=list)         # why each extern exists
+    value_names: dict = dataclasses.field(default_factory=dict)   # value id -> FX node name
+
+    # -- helpers the runtime and the reference evaluator share
+
+    def bind(self, user_inputs) -> list:
+        """Symbol values for actual user inputs; ValueError when the shapes (or dtypes) do not
+        fit the captured graph (the caller falls back to eager)."""
+        user_inputs = _as_tuple(user_inputs)
+        if len(user_inputs) != len(self.input_names):
+            raise ValueError(f"expected {len(self.input_names)} inputs, got {len(user_inputs)}")
+        symvals = [None] * len(self.example_symvals)
+        for i, (t, syms) in enumerate(zip(user_inputs, self.input_syms)):
+            if not isinstance(t, torch.Tensor) or t.dim() != len(syms):
+                raise ValueError(f"input {self.input_names[i]}: expected a tensor of rank {len(syms)}")
+            if self.input_dtypes and t.dtype != self.input_dtypes[i]:
+                raise ValueError(f"input {self.input_names[i]}: dtype {t.dtype}, captured with "
+                                 f"{self.input_dtypes[i]}")
+            for d, s in enumerate(syms):
+                if s is not None:
+                    if symvals[s] is None:
+                        symvals[s] = int(t.shape[d])
+                    elif symvals[s] != t.shape[d]:
+                        raise ValueError(f"input {self.input_names[i]} dim {d} is {t.shape[d]}, "
+                                         f"but {self.graph.symbols[s][0]} = {symvals[s]} elsewhere")
+        if any(v is None for v in symvals):
+            raise ValueError("a size symbol is bound by no input")
+        for i, t in enumerate(user_inputs):
+            want = tuple(self.graph.sizes(self.graph.inputs[i], symvals))
+            if tuple(t.shape) != want:
+                raise ValueError(f"input {self.input_names[i]}: shape {tuple(t.shape)}, "
+                                 f"the graph needs {want}")
+        for g in self.guards:
+            if not g(symvals):
+                raise ValueError(f"sizes {symvals} break the captured guard {g.expr}")
+        return symvals
+
+    def graph_inputs(self, model, user_inputs) -> list:
+        """Tensors for every graph input: the user inputs, then the live module's parameters
+        and buffers (so an optimized module shares them) and the held constants."""
+        out = list(_as_tuple(user_inputs))
+        for kind, name in zip(self.input_kinds[len(out):], self.param_names):
+            if kind == "param":
+                out.append(model.get_parameter(name))
+            elif kind == "buffer":
+                out.append(model.get_buffer(name))
+            else:
+                out.append(self.constants[name])
+        return out
+
+    def build_outputs(self, graph_outputs, symvals=()):
+        return self.output_tree.build(graph_outputs, symvals)
+
+    def apply_mutations(self, model, user_inputs, graph_outputs):
+        """Copies in-place updates the model makes (BatchNorm running stats in training mode,
+        user inputs changed in place) back into the live tensors, as eager would."""
+        if not self.mutations:
+            return
+        user_inputs = _as_tuple(user_inputs)
+        with torch.no_grad():
+            for out, kind, name in self.mutations:
+                if kind == "buffer":
+                    dst = model.get_buffer(name)
+                elif kind == "param":
+                    dst = model.get_parameter(name)
+                else:
+                    dst = user_inputs[self.input_names.index(name)]
+                dst.copy_(graph_outputs[out])
+
+
+def _as_tuple(x):
+    return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _validate(model, example_inputs):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, torch.Tensor):
+        inputs = (example_inputs,)
+    elif isinstance(example_inputs, (tuple, list)):
+        inputs = tuple(example_inputs)
+    else:
+        raise TypeError("example_inputs must be a tensor or a tuple/list of tensors, got "
+                        f"{type(example_inputs).__name__}")
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(t).__name__}")
+        if t.is_complex():
+            raise TypeError(f"example_inputs[{i}] has complex dtype {t.dtype}; kbench supports "
+                            "real floating, int32/int64 and bool inputs")
+        if t.dtype not in TORCH_TO_IR:
+            raise TypeError(f"example_inputs[{i}] has dtype {t.dtype}; kbench supports "
+                            + ", ".join(str(d) for d in TORCH_TO_IR))
+        if t.layout != torch.strided:
+            raise TypeError(f"example_inputs[{i}] has layout {t.layout}; only dense tensors")
+    devices = {t.device for t in inputs}
+    if len(devices) > 1:
+        raise ValueError("example_inputs are on several devices: "
+                         + ", ".join(sorted(str(d) for d in devices)))
+    state = [t.device for t in _model_tensors(model)]
+    if inputs and state and any(d != inputs[0].device for d in state):
+        other = next(d for d in state if d != inputs[0].device)
+        raise ValueError(f"example_inputs are on {inputs[0].device} but the model has tensors "
+                         f"on {other}")
+    try:
+        inspect.signature(model.forward).bind(*inputs)
+    except TypeError as e:
+        raise TypeError(f"example_inputs do not fit {type(model).__name__}.forward: {e}") from None
+    return inputs
+
+
+def _model_tensors(model):
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+# ---------------------------------------------------------------------------- export
+
+@contextlib.contextmanager
+def _model_untouched(model):
+    """Export must leave no trace: train/eval flags and requires_grad are put back."""
+    modes = [(m, m.training) for m in model.modules()]
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for p, rg in grads:
+            p.requires_grad_(rg)
+
+
+def _first_line(e: BaseException) -> str:
+    for line in str(e).splitlines():
+        if line.strip():
+            return f"{type(e).__name__}: {line.strip()}"
+    return type(e).__name__
+
+
+def _export(model, inputs, dynamic: bool):
+    """Returns (ExportedProgram, static_reason)."""
+    reason = None
+    if dynamic:
+        auto = getattr(getattr(torch.export, "Dim", None), "AUTO", None)
+        if auto is None:
+            reason = f"torch {torch.__version__} has no Dim.AUTO (needs >= 2.6)"
+        else:
+            shapes = _dynamic_spec(model, inputs, auto)
+            try:
+                return _export_once(model, inputs, shapes), None
+            except Exception as e:  # noqa: BLE001 - any failure: try the static export
+                reason = f"dynamic export failed ({_first_line(e)})"
+    else:
+        reason = "dynamic=False"
+    return _export_once(model, inputs, None), reason
+
+
+def _dynamic_spec(model, inputs, auto):
+    """Every dim of every user input Dim.AUTO, keyed by forward's parameter names (so that
+    forward(self, *xs) works too)."""
+    def one(t):
+        return (auto,) * t.dim() if t.dim() else None
+
+    sig = inspect.signature(model.forward)
+    spec = {}
+    for name, val in sig.bind(*inputs).arguments.items():
+        if sig.parameters[name].kind == inspect.Parameter.VAR_POSITIONAL:
+            spec[name] = tuple(one(t) for t in val)
+        else:
+            spec[name] = one(val)
+    return spec
+
+
+def _export_once(model, inputs, shapes):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(model, inputs, strict=False, dynamic_shapes=shapes)
+        # Functionalize (in-place ops and buffer mutations become values) but keep the
+        # composite ops (layer_norm, softmax, cross_entropy, ...) whole: an empty table.
+        ep = ep.run_decompositions({})
+    _refresh_metas(ep)
+    return ep
+
+
+def _refresh_metas(ep):
+    """run_decompositions can leave wrong shapes on the composite ops it keeps (torch 2.13:
+    cross_entropy_loss(reduction='none') with dynamic sizes gets shape []), and the lowering
+    trusts node.meta['val']: propagate the fake tensors through the graph again."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    phs = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in phs]
+    mode = next((getattr(v, "fake_mode", None) for v in vals if isinstance(v, torch.Tensor)), None)
+    if mode is None:
+        return
+    try:
+        FakeTensorProp(ep.graph_module, mode).propagate_dont_convert_inputs(*vals)
+    except Exception as e:  # noqa: BLE001 - keep export's own metas
+        _log.debug("fake tensor propagation failed: %s", e)
+
+
+# ---------------------------------------------------------------------------- capture
+
+
+def capture(model, example_inputs, *, dynamic: bool = True) -> Captured:
+    """Captures model's forward on example_inputs as a kbench IR graph. Sizes of the user inputs
+    may vary at run time (dynamic=True) unless the graph needs them fixed (static_reason says
+    why). Unsupported ops become EXTERN nodes; a model torch.export cannot capture raises
+    CaptureError. The model is not modified."""
+    from . import _lower
+
+    inputs = _validate(model, example_inputs)
+    with _model_untouched(model):
+        try:
+            ep, reason = _export(model, inputs, dynamic)
+        except Exception as e:  # noqa: BLE001
+            _raise_int_misuse_from_error(model, inputs, e)
+            raise CaptureError(f"torch.export could not capture {type(model).__name__}: "
+                               f"{_first_line(e)}") from e
+        _lower.check_integer_inputs(ep, inputs)
+        try:
+            return _lower.lower(ep, inputs, reason, model)
+        except _lower.NeedStatic as why:
+            if reason is not None:   # already static: a genuine limitation
+                raise CaptureError(f"cannot capture {type(model).__name__}: {why}") from None
+            reason = f"sizes not expressible as coef*symbols: {why}"
+        try:
+            ep = _export_once(model, inputs, None)
+        except Exception as e:  # noqa: BLE001
+            raise CaptureError(f"torch.export could not capture {type(model).__name__}: "
+                               f"{_first_line(e)}") from e
+        try:
+            return _lower.lower(ep, inputs, reason, model)
+        except _lower.NeedStatic as why:
+            raise CaptureError(f"cannot capture {type(model).__name__}: {why}") from None
+
+
+def _raise_int_misuse_from_error(model, inputs, e):
+    """An export that fails on a dtype error while an integer input is around: the user most
+    likely fed an integer tensor to a float op; say so (TypeError naming the input)."""
+    ints = [i for i, t in enumerate(inputs) if not t.is_floating_point() and t.dtype != torch.bool]
+    msg = str(e)
+    if ints and any(w in msg for w in ("dtype", "Long", "Int", "scalar type", "not implemented for")):
+        names = _input_names(model, len(inputs))
+        which = ", ".join(f"example_inputs[{i}] ({names[i]!r})" for i in ints)
+        raise TypeError(f"{which} is an integer tensor fed to a floating-point op "
+                        f"({_first_line(e)}); integer inputs may only be indices or targets") from e
+
+
+def _input_names(model, n):
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"arg{i}" for i in range(n)]
+

@@ -1,0 +1,440 @@
+"""Self-tests of the robust benchmark (kbench/bench): fake "kernels" written in Python that each
+exploit one known loophole must be caught, honest implementations must pass, the task filters
+must reject degenerate tasks, and --list / --filters must work without a GPU.
+GPU-only checks (side streams, allocator poisoning, an external .cu kernel) are marked gpu."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import kbench  # noqa: F401
+except Exception:  # the C core is not built here: the benchmark does not need it
+    for _k in [k for k in sys.modules if k == "kbench" or k.startswith("kbench.")]:
+        del sys.modules[_k]
+    _pkg = types.ModuleType("kbench")
+    _pkg.__path__ = [str(ROOT / "kbench")]
+    sys.modules["kbench"] = _pkg
+
+from kbench.bench import cli, compare, filters, harness, impls, timing  # noqa: E402
+from kbench.bench.tasks import TASKS, Task  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def env():
+    return harness.Env("cpu", "quick")
+
+
+def score(task, factory, env, dtype="float32", backward=False, name="fake"):
+    return harness.score(TASKS[task] if isinstance(task, str) else task, name, factory,
+                         dtype=dtype, backward=backward, env=env, baselines=())
+
+
+def reasons(row):
+    return " | ".join(row["failures"] + row["task_problems"] + row["flags"])
+
+
+# ------------------------------------------------------------------ honest implementations
+
+@pytest.mark.parametrize("task,dtype,backward", [
+    ("layer_norm", "float32", True), ("layer_norm", "bfloat16", True),
+    ("softmax", "float32", True), ("cross_entropy_32k", "float32", True),
+    ("residual_rms_norm", "bfloat16", True), ("swiglu_split", "float32", False),
+    ("conv_bn_relu", "float32", True), ("maxpool_backward", "float32", True),
+])
+def test_eager_passes(env, task, dtype, backward):
+    row = score(task, impls.eager, env, dtype, backward, name="eager")
+    assert row["status"] == "PASS", reasons(row)
+    assert row["cases"] and all(c["ok"] for c in row["cases"])
+    assert row["timings"] and row["timings"][0]["impls"]["eager"]["median_ms"] > 0
+
+
+def _ln_kernel_file(tmp_path, scale_grad=1.0):
+    """A .py implementation using the external-kernel contract forward/backward(*, *state)."""
+    src = f'''
+import torch, torch.nn.functional as F
+def forward(x, weight, bias):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, 1e-5)
+def backward(dy, x, weight, bias):
+    with torch.enable_grad():
+        xs = [t.detach().requires_grad_() for t in (x, weight, bias)]
+        y = F.layer_norm(xs[0], (x.shape[-1],), xs[1], xs[2], 1e-5)
+        gx, gw, gb = torch.autograd.grad(y, xs, dy)
+    return [gx * {scale_grad}, gw, gb]
+'''
+    p = tmp_path / f"ln_kernel_{str(scale_grad).replace('.', '_')}.py"
+    p.write_text(src)
+    return str(p)
+
+
+def test_kernel_contract_file_passes_forward_and_backward(env, tmp_path):
+    factory = impls.from_file(_ln_kernel_file(tmp_path))
+    row = score("layer_norm", factory, env, "float32", backward=True)
+    assert row["status"] == "PASS", reasons(row)
+
+
+def test_kernel_contract_file_with_wrong_gradient_fails(env, tmp_path):
+    factory = impls.from_file(_ln_kernel_file(tmp_path, scale_grad=1.01))
+    assert score("layer_norm", factory, env, "float32", backward=False)["status"] == "PASS"
+    row = score("layer_norm", factory, env, "float32", backward=True)
+    assert row["status"] == "FAIL"
+    assert "grad of input 0" in reasons(row)
+
+
+# ------------------------------------------------------------------ loopholes, each caught
+
+def test_ignoring_inputs_is_caught(env):
+    def factory(model, example):
+        with torch.no_grad():
+            fixed = model(*example)  # computed once, from the example inputs only
+        return lambda *xs: fixed.clone()
+    row = score("softmax", factory, env)
+    assert row["status"] == "FAIL"
+    assert "does not change when the inputs do" in reasons(row)
+
+
+def test_zeros_are_caught(env):
+    row = score("bias_silu", lambda m, ex: (lambda x: torch.zeros_like(x)), env)
+    assert row["status"] == "FAIL" and "out of tolerance" in reasons(row)
+
+
+def test_partial_write_is_caught(env):
+    def factory(model, example):
+        def run(x):
+            ref = model(x)
+            out = torch.empty_like(ref)  # memory from the (poisoned) allocator
+            n = out.numel() // 2
+            out.view(-1)[:n] = ref.reshape(-1)[:n]
+            return out
+        return run
+    row = score("layer_norm", factory, env)
+    assert row["status"] == "FAIL"
+
+
+def test_stale_output_is_caught(env):
+    """Right the first time, then returns fresh memory without writing it: passes only if
+    that memory still holds an earlier correct result."""
+    def factory(model, example):
+        calls = []
+
+        def run(x):
+            calls.append(1)
+            if len(calls) == 1:
+                return model(x)
+            return torch.empty(model(x[:1]).shape[:-1] and x.shape, dtype=x.dtype)
+        return run
+    row = score("softmax", factory, env)
+    assert row["status"] == "FAIL"
+
+
+def test_cached_result_is_caught(env):
+    def factory(model, example):
+        cache = {}
+
+        def run(*xs):
+            key = tuple(tuple(x.shape) for x in xs)
+            if key not in cache:
+                cache[key] = model(*xs).detach().clone()
+            return cache[key].clone()
+        return run
+    row = score("swiglu_two", factory, env)
+    assert row["status"] == "FAIL"
+    assert "does not change when the inputs do" in reasons(row)
+
+
+def test_modifying_inputs_is_caught(env):
+    def factory(model, example):
+        def run(x):
+            y = model(x)
+            x.mul_(0.5)  # scribbles on its input after use
+            return y
+        return run
+    row = score("softmax", factory, env)
+    assert row["status"] == "FAIL" and "modified input 0" in reasons(row)
+
+
+def test_output_aliasing_input_is_caught(env):
+    def factory(model, example):
+        def run(x):
+            return x.copy_(torch.softmax(x, -1))  # in place: the result IS the input
+        return run
+    row = score("softmax", factory, env)
+    assert row["status"] == "FAIL"
+    assert "shares storage with an input" in reasons(row)
+    assert "modified input 0" in reasons(row)
+
+
+def test_shape_tuned_kernel_is_caught(env):
+    def factory(model, example):
+        n0 = example[0].shape[0]
+
+        def run(x):
+            if x.shape[0] == n0:
+                return model(x)
+            return torch.zeros_like(x)  # only right at the shape it was tuned for
+        return run
+    row = score("layer_norm", factory, env)
+    assert row["status"] == "FAIL"
+    failing = {f.split(":")[0].split("] ")[-1] for f in row["failures"]}
+    assert "n16_h64" not in failing and "n37_h1024" in failing
+
+
+def test_parameters_baked_in_are_caught(env):
+    def factory(model, example):
+        w = model.weight.detach().clone()
+        b = model.bias.detach().clone()
+        return lambda x: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+    row = score("layer_norm", factory, env)
+    assert row["status"] == "FAIL"
+    assert all(f.startswith("[ones_zeros]") for f in row["failures"])
+
+
+def test_wrong_dtype_and_type_are_caught(env):
+    f32 = score("softmax", lambda m, ex: (lambda x: torch.softmax(x.float(), -1)), env,
+                dtype="bfloat16")
+    assert f32["status"] == "FAIL" and "dtype torch.float32" in reasons(f32)
+
+    class Sub(torch.Tensor):
+        pass
+    sub = score("softmax", lambda m, ex: (lambda x: torch.softmax(x, -1).as_subclass(Sub)), env)
+    assert sub["status"] == "FAIL" and "not torch.Tensor" in reasons(sub)
+
+
+def test_missing_backward_is_caught(env):
+    def factory(model, example):
+        return lambda x: model(x).detach()
+    assert score("softmax", factory, env)["status"] == "PASS"  # forward alone is fine
+    row = score("softmax", factory, env, backward=True)
+    assert row["status"] == "FAIL" and "does not require grad" in reasons(row)
+
+
+def test_raising_kernel_is_caught(env):
+    def factory(model, example):
+        def run(x):
+            raise RuntimeError("illegal memory access")
+        return run
+    row = score("softmax", factory, env)
+    assert row["status"] == "FAIL" and "illegal memory access" in reasons(row)
+
+
+def test_inexact_kernel_is_caught(env):
+    # 0.1% off everywhere: fine for bf16, not for f32
+    factory = lambda m, ex: (lambda x: m(x) * 1.001)  # noqa: E731
+    assert score("rms_norm", factory, env, "float32")["status"] == "FAIL"
+    assert score("rms_norm", factory, env, "bfloat16")["status"] == "PASS"
+
+
+def test_non_discriminating_task_is_reported_and_filtered(env):
+    mod = types.ModuleType("flat_out")
+    mod.__doc__ = "An output so flat that a constant passes."
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return 1.0 + x * 1e-7
+    mod.Model = Model
+    mod.make_inputs = lambda cfg, dtype, device, gen: [
+        torch.randn(cfg["shape"], generator=gen, device=device).to(dtype)]
+    mod.input_configs = [dict(name="n8_h16", shape=(8, 16))]
+    mod.init_configs = {"none": lambda m, g: None}
+    task = Task(mod)
+    row = score(task, impls.eager, env)
+    assert row["status"] == "TASK" and "a constant would pass" in reasons(row)
+    res = filters.filter_task(task)
+    assert not res["passed"] and not res["checks"]["seed_std"]["passed"]
+    assert res["checks"]["range"]["passed"]  # large values, but they barely vary
+
+
+# ------------------------------------------------------------------ filters and tasks
+
+def test_registry_has_the_tasks():
+    assert len(TASKS) >= 20
+    for name in ("layer_norm", "rms_norm", "group_norm", "batch_norm_eval", "softmax",
+                 "log_softmax", "cross_entropy_10", "cross_entropy_32k", "swiglu_split",
+                 "mlp", "transformer_block", "conv_bn_relu", "maxpool_backward"):
+        assert name in TASKS
+    for t in TASKS.values():
+        assert t.description and t.init_configs and t.configs(perf=False)
+        assert len(t.configs(perf=True)) == 1, t.name
+        if t.bytes_fn is not None:  # memory-bound tasks: the perf config is >= 64 MB
+            assert t.bytes_moved(t.configs(perf=True)[0], "bfloat16", False) >= 64 << 20, t.name
+
+
+def test_all_tasks_pass_filters():
+    res = filters.run_filters()
+    bad = {n: r for n, r in res["tasks"].items() if not r["passed"]}
+    assert not bad, json.dumps(bad, indent=1)[:2000]
+
+
+def test_filters_catch_axis_and_input_independence():
+    def make(forward):
+        mod = types.ModuleType("bad")
+        mod.__doc__ = "bad"
+        mod.Model = type("Model", (torch.nn.Module,), {"forward": forward})
+        mod.make_inputs = lambda cfg, dtype, device, gen: [
+            torch.randn(cfg["shape"], generator=gen, device=device).to(dtype)]
+        mod.input_configs = [dict(name="a", shape=(8, 16))]
+        mod.init_configs = {"none": lambda m, g: None}
+        return Task(mod)
+    # constant along the last axis: one row mean broadcast
+    res = filters.filter_task(make(lambda self, x: x.mean(-1, keepdim=True).expand_as(x) * 5))
+    assert not res["checks"]["axes"]["passed"]
+    # ignores its input
+    res = filters.filter_task(make(lambda self, x: torch.arange(x.numel(), dtype=x.dtype)
+                                   .reshape(x.shape)))
+    assert not res["checks"]["inputs"]["passed"] and not res["checks"]["seed_std"]["passed"]
+
+
+# ------------------------------------------------------------------ pieces
+
+def test_compare_tolerances():
+    r = torch.randn(1000, dtype=torch.float64)
+    tol32 = compare.tolerance(torch.float32, r)
+    assert compare.close(r.float(), r, tol32)[0]
+    assert not compare.close((r * 1.001).float(), r, tol32)[0]
+    nan = r.clone().float()
+    nan[3] = float("nan")
+    ok, why, _ = compare.close(nan, r, tol32)
+    assert not ok and "NaN" in why
+    assert compare.discriminating(r, tol32) == ""
+    assert "zeros" in compare.discriminating(torch.zeros_like(r), tol32)
+    assert "a constant" in compare.discriminating(torch.full_like(r, 3.0) + r * 1e-9, tol32)
+    assert "input 0" in compare.discriminating(r, compare.tolerance(torch.bfloat16, r),
+                                               [r * 1.001])
+
+
+def test_roofline_flags_impossible():
+    bw = 1e12
+    assert not timing.roofline(10**9, 1.0, bw)["impossible"]       # 1 GB in 1 ms: 100%
+    assert timing.roofline(10**9, 0.5, bw)["impossible"]           # 200%: impossible
+    r = timing.roofline(10**6, 1.0, bw, flops=10**12, flops_per_s=1e15)
+    assert r["fraction"] == pytest.approx(1.0)
+
+
+def test_time_fn_on_cpu():
+    x = torch.randn(256, 256)
+    t = timing.time_fn(lambda a: a @ a, [(x,)], device="cpu", reps=5, warmup=1)
+    assert t.method == "perf_counter" and t.median_ms > 0 and not t.hidden_work
+
+
+# ------------------------------------------------------------------ the command line
+
+def test_cli_list(capsys):
+    assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for name in TASKS:
+        assert name in out
+
+
+def test_cli_filters(tmp_path, capsys):
+    rc = cli.main(["--filters", "--tasks", "softmax,layer_norm", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "filters.json").read_text())
+    assert set(data["tasks"]) == {"softmax", "layer_norm"}
+    assert all(t["passed"] for t in data["tasks"].values())
+
+
+def test_cli_scores_and_fails(tmp_path, capsys):
+    good = ["--impl", "eager", "--tasks", "softmax", "--dtypes", "float32", "--budget", "quick",
+            "--baselines", "eager", "--device", "cpu", "--out", str(tmp_path)]
+    assert cli.main(good) == 0
+    bad_file = tmp_path / "bad.py"
+    bad_file.write_text("import torch\ndef forward(x):\n    return torch.zeros_like(x)\n")
+    bad = ["--impl", str(bad_file), "--tasks", "softmax", "--dtypes", "float32", "--budget",
+           "quick", "--baselines", "eager", "--device", "cpu", "--out", str(tmp_path)]
+    assert cli.main(bad) == 1
+    files = sorted(tmp_path.glob("bench-bad.py-*.json"))
+    assert files
+    doc = json.loads(files[-1].read_text())
+    assert doc["schema"] == "kbench-bench/1" and doc["rows"][0]["status"] == "FAIL"
+    assert doc["meta"]["torch"] == torch.__version__
+    assert cli.main(["--tasks", "no_such_task", "--device", "cpu"]) == 2
+
+
+# ------------------------------------------------------------------ GPU only
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_side_stream_work_is_flagged():
+    env = harness.Env("cuda", "quick")
+    side = torch.cuda.Stream()
+
+    def factory(model, example):
+        def run(x):
+            with torch.cuda.stream(side):  # the work hides from the current stream's events
+                torch.cuda._sleep(2_000_000)
+                return model(x)
+        return run
+    row = score("softmax", factory, env)
+    assert row["status"] == "FLAGGED", reasons(row)
+    assert "outside the current stream" in reasons(row)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_poison_reaches_the_next_allocation():
+    like = torch.empty(12345, device="cuda")
+    harness.poison([like], "nan", "cuda")
+    assert torch.isnan(torch.empty(12345, device="cuda")).all()
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_eager_and_compile_pass_on_gpu():
+    env = harness.Env("cuda", "quick")
+    for name in ("eager", "compile"):
+        row = harness.score(TASKS["layer_norm"], name, impls.resolve(name)[1],
+                            dtype="bfloat16", backward=True, env=env, baselines=("eager",))
+        assert row["status"] == "PASS", reasons(row)
+        t = row["timings"][0]["impls"][name]
+        assert t["method"] == "cuda-events" and t["wall_over_event"] < 3
+
+
+CU_SRC = r"""
+#include <torch/extension.h>
+__global__ void silu_bias(const float* x, const float* b, float* y, long n, long h, long upto) {
+  long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (i < upto) { float v = x[i] + b[i % h]; y[i] = v / (1.f + __expf(-v)); }
+}
+static torch::Tensor run(torch::Tensor x, torch::Tensor b, bool half) {
+  auto xc = x.contiguous();
+  auto y = torch::empty_like(xc);   // from the caching allocator: poisoned by the harness
+  long n = xc.numel(), h = b.numel(), upto = half ? n / 2 : n;
+  if (n) silu_bias<<<(n + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      xc.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(), n, h, upto);
+  return y;
+}
+torch::Tensor forward(torch::Tensor x, torch::Tensor b) { return run(x, b, false); }
+torch::Tensor forward_half(torch::Tensor x, torch::Tensor b) { return run(x, b, true); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward); m.def("forward_half", &forward_half);
+}
+"""
+
+
+@gpu
+@pytest.mark.skipif(not CUDA or not (shutil.which("nvcc") or os.environ.get("CUDA_HOME")),
+                    reason="needs CUDA and nvcc")
+def test_external_cu_kernel(tmp_path):
+    src = tmp_path / "silu_bias.cu"
+    src.write_text(CU_SRC.replace("#include <torch/extension.h>",
+                                  "#include <torch/extension.h>\n#include <ATen/cuda/CUDAContext.h>"))
+    env = harness.Env("cuda", "quick")
+    factory = impls.from_file(str(src))
+    row = score("bias_silu", factory, env)
+    assert row["status"] == "PASS", reasons(row)
+    mod = impls._load_ext(str(src))
+    half = types.SimpleNamespace(forward=mod.forward_half)
+    row = score("bias_silu", lambda m, ex: impls.KernelCall(half, m), env)
+    assert row["status"] == "FAIL" and "NaN positions" in reasons(row)

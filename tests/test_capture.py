@@ -1,0 +1,377 @@
+"""Capture (torch.export → IR) checked end to end on the CPU: every model of tests/models.py is
+captured and run through the IR with torch ops (kbench.torch_eval), against eager, at the example
+sizes and at another batch size; golden IR dumps; bad inputs; models left untouched."""
+import copy
+import os
+import pathlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+from kbench.capture import Captured, capture
+from kbench.errors import CaptureError
+from kbench.torch_eval import evaluate, run_graph
+
+from models import BY_NAME, MODELS
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+_CACHE = {}
+
+
+def _captured(name, dtype=torch.float32):
+    key = (name, dtype)
+    if key not in _CACHE:
+        case = BY_NAME[name]
+        torch.manual_seed(0)
+        model = case.make().to(dtype)
+        _CACHE[key] = model, capture(model, _cast(case.inputs(), dtype))
+    return _CACHE[key]
+
+
+def _cast(xs, dtype):
+    return tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)
+
+
+def assert_close(got, want, rtol):
+    g, w = pytree.tree_leaves(got), pytree.tree_leaves(want)
+    assert pytree.tree_structure(got) == pytree.tree_structure(want)
+    assert len(g) == len(w) and len(g) > 0
+    for a, b in zip(g, w):
+        if not isinstance(b, torch.Tensor):
+            assert a == b
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+        if not b.is_floating_point():
+            assert torch.equal(a, b)
+            continue
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        a, b = a.double().nan_to_num(), b.double().nan_to_num()
+        err = (a - b).norm().item()
+        assert err <= rtol * max(b.norm().item(), 1e-30), f"relative error {err / max(b.norm().item(), 1e-30):.2e}"
+
+
+# ---------------------------------------------------------------------------- every model
+
+@pytest.mark.parametrize("name", [c.name for c in MODELS])
+def test_model_matches_eager_f32(name):
+    model, cap = _captured(name)
+    assert isinstance(cap, Captured)
+    assert cap.graph.num_outputs >= 1
+    case = BY_NAME[name]
+    torch.manual_seed(1)
+    for xs in (case.inputs(), case.other_inputs()):
+        with torch.no_grad():
+            assert_close(run_graph(cap, model, xs), model(*xs), 2e-5)
+
+
+@pytest.mark.parametrize("name", [c.name for c in MODELS])
+def test_model_matches_eager_f64(name):
+    model, cap = _captured(name, torch.float64)
+    case = BY_NAME[name]
+    torch.manual_seed(2)
+    for xs in (case.inputs(), case.other_inputs()):
+        xs = _cast(xs, torch.float64)
+        with torch.no_grad():
+            assert_close(run_graph(cap, model, xs), model(*xs), 1e-9)
+
+
+@pytest.mark.parametrize("name", [c.name for c in MODELS])
+def test_sizes_vary(name):
+    """Every model's batch dim is a symbol (nothing here needs a static capture), and the
+    binding checks shapes."""
+    _, cap = _captured(name)
+    assert cap.static_reason is None
+    assert cap.input_syms[0][0] is not None, cap.input_syms
+    xs = BY_NAME[name].other_inputs()
+    symvals = cap.bind(xs)
+    for i, x in enumerate(xs):
+        assert tuple(cap.graph.sizes(cap.graph.inputs[i], symvals)) == tuple(x.shape)
+    with pytest.raises(ValueError):
+        cap.bind(tuple(x.unsqueeze(0) for x in xs))
+
+
+def test_float64_reference_mode():
+    """torch_eval's float64 mode on an f32 capture agrees with eager f64 to f64 precision."""
+    model, cap = _captured("transformer_block")
+    x = BY_NAME["transformer_block"].other_inputs()[0]
+    got = run_graph(cap, model, (x,), dtype=torch.float64)
+    want = copy.deepcopy(model).double()(x.double())
+    assert got.dtype == torch.float64
+    assert_close(got, want, 1e-9)
+
+
+@pytest.mark.parametrize("name", ["layernorm", "rmsnorm", "softmax_dim1", "log_softmax_last",
+                                  "cross_entropy_weight", "groupnorm", "batchnorm_eval", "gelu_tanh"])
+def test_bf16_models(name):
+    """Half-precision composites compute in f32 inside and round once, as torch's kernels do."""
+    model, cap = _captured(name, torch.bfloat16)
+    xs = _cast(BY_NAME[name].other_inputs(), torch.bfloat16)
+    with torch.no_grad():
+        assert_close(run_graph(cap, model, xs), model(*xs), 2e-2)
+
+
+def test_graph_is_decomposed():
+    """Composites become primitives; only matmul-like work is EXTERN."""
+    for name in ("layernorm", "rmsnorm", "softmax_dim1", "cross_entropy_ignore", "groupnorm",
+                 "batchnorm_eval", "logsumexp", "embedding", "lm_loss"):
+        _, cap = _captured(name)
+        ops = {cap.graph.node(i)["op"] for i in range(cap.graph.num_nodes)}
+        externs = [cap.externs[cap.graph.node(i)["index"]].name
+                   for i in range(cap.graph.num_nodes) if cap.graph.node(i)["op"] == "extern"]
+        assert all("linear" in e for e in externs), (name, externs)
+        assert "input" in ops and ops - {"input", "extern"}, name
+    _, cap = _captured("cross_entropy_weight")
+    ops = [cap.graph.node(i)["op"] for i in range(cap.graph.num_nodes)]
+    assert ops.count("gather") == 2 and "log" in ops and "where" in ops
+
+
+def test_linear_is_matmul_extern_plus_bias_add():
+    _, cap = _captured("linear_bias")
+    g = cap.graph
+    ops = [g.node(i)["op"] for i in range(g.num_nodes)]
+    assert ops.count("extern") == 1 and g.node(g.outputs[0])["op"] == "add"
+    assert cap.param_names == ["fc.weight", "fc.bias"]
+    assert cap.input_kinds == ["user", "param", "param"]
+    ext = cap.externs[0]
+    fn, args = ext
+    assert fn is torch.ops.aten.linear.default and len(args) == 2
+
+
+def test_params_are_fetched_live():
+    """The graph reads parameters from the live module at run time, not copies."""
+    model, cap = _captured("layernorm")
+    x = BY_NAME["layernorm"].inputs()[0]
+    m2 = copy.deepcopy(model)
+    with torch.no_grad():
+        m2.ln.weight.mul_(3.0)
+        m2.ln.bias.add_(1.0)
+        assert_close(run_graph(cap, m2, (x,)), m2(x), 2e-5)
+
+
+# ---------------------------------------------------------------------------- golden dumps
+
+@pytest.mark.parametrize("name", ["layernorm", "cross_entropy_weight", "groupnorm", "matmul_attention"])
+def test_golden_dump(name):
+    _, cap = _captured(name)
+    text = str(cap.graph)
+    path = GOLDEN / f"capture_{name}.txt"
+    if os.environ.get("KBENCH_UPDATE_GOLDEN"):
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"run with KBENCH_UPDATE_GOLDEN=1 to write {path}"
+    assert text == path.read_text()
+
+
+# ---------------------------------------------------------------------------- bad inputs
+
+def test_rejects_non_module():
+    with pytest.raises(TypeError, match="model"):
+        capture(lambda x: x, (torch.randn(2),))
+
+
+def test_rejects_bad_example_inputs():
+    m = BY_NAME["gelu"].make()
+    with pytest.raises(TypeError, match="example_inputs"):
+        capture(m, 3.0)
+    with pytest.raises(TypeError, match=r"example_inputs\[1\]"):
+        capture(m, (torch.randn(2), "x"))
+    with pytest.raises(TypeError, match="example_inputs"):
+        capture(BY_NAME["layernorm"].make(), (torch.randn(2, 48), torch.randn(2, 48)))
+
+
+def test_rejects_complex_input():
+    with pytest.raises(TypeError, match=r"example_inputs\[0\].*complex"):
+        capture(BY_NAME["gelu"].make(), (torch.randn(2, 3, dtype=torch.complex64),))
+
+
+def test_rejects_mixed_devices():
+    m = BY_NAME["where_compare"].make()
+    with pytest.raises(ValueError, match="example_inputs"):
+        capture(m, (torch.randn(2, 8), torch.randn(2, 8, device="meta")))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device kind")
+def test_rejects_inputs_and_model_on_different_devices():
+    with pytest.raises(ValueError):
+        capture(BY_NAME["layernorm"].make().cuda(), (torch.randn(2, 48),))
+
+
+def test_rejects_integer_input_to_float_op():
+    class Scale(nn.Module):
+        def forward(self, x, t):
+            return x * t
+
+    with pytest.raises(TypeError, match=r"example_inputs\[1\] \('t'\)"):
+        capture(Scale(), (torch.randn(3, 4), torch.randint(0, 5, (3, 4))))
+
+    lin = nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=r"example_inputs\[0\]"):
+        capture(lin, (torch.randint(0, 5, (3, 4)),))
+
+
+def test_integer_inputs_as_indices_casts_and_masks_are_fine():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 6)
+
+        def forward(self, idx, pos):
+            mask = (idx != 0).unsqueeze(-1)
+            return torch.where(mask, self.emb(idx), 0.0) + pos.float().unsqueeze(-1)
+
+    m = M().eval()
+    xs = (torch.randint(0, 10, (3, 5)), torch.arange(5).expand(3, 5).contiguous())
+    cap = capture(m, xs)
+    assert_close(run_graph(cap, m, xs), m(*xs), 2e-5)
+
+
+def test_uncapturable_model_raises_capture_error():
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                return x * 2
+            return -x
+
+    with pytest.raises(CaptureError, match="DataDependent"):
+        capture(DataDependent(), (torch.randn(3, 4),))
+
+
+# ---------------------------------------------------------------------------- the model is left alone
+
+@pytest.mark.parametrize("train", [False, True])
+def test_model_unchanged(train):
+    torch.manual_seed(0)
+    model = BY_NAME["transformer_block"].make()
+    bn = BY_NAME["batchnorm_eval"].make()
+    for m in (model, bn):
+        m.train(train)
+    if train:
+        model.ln1.eval()   # a mixed-mode submodule must stay as it was
+    before = {n: (t, t.detach().clone()) for m in (model, bn) for n, t in m.state_dict(keep_vars=True).items()}
+    modes = [(m, m.training) for mm in (model, bn) for m in mm.modules()]
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    capture(model, BY_NAME["transformer_block"].inputs())
+    capture(bn, BY_NAME["batchnorm_eval"].inputs())
+    after = {n: t for m in (model, bn) for n, t in m.state_dict(keep_vars=True).items()}
+    for n, (t, val) in before.items():
+        assert after[n] is t and torch.equal(t, val), n
+    assert all(m.training == was for m, was in modes)
+    assert all(p.requires_grad == rg for p, rg in grads)
+
+
+# ---------------------------------------------------------------------------- the harder cases
+
+def test_training_batchnorm_updates_running_stats_like_eager():
+    """BatchNorm in training mode: an extern call (batch statistics) whose running-stat updates
+    are graph outputs the runtime copies back into the live buffers."""
+    torch.manual_seed(0)
+    m1 = BY_NAME["batchnorm_eval"].make().train()
+    m2 = copy.deepcopy(m1)
+    x = BY_NAME["batchnorm_eval"].inputs()[0]
+    cap = capture(m1, (x,))
+    assert {k for _, k, _ in cap.mutations} == {"buffer"}
+    assert {n for _, _, n in cap.mutations} >= {"bn.running_mean", "bn.running_var"}
+    assert_close(run_graph(cap, m1, (x,)), m2(x), 2e-5)
+    for name in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        assert_close(m1.get_buffer(name), m2.get_buffer(name), 1e-6)
+
+
+def test_unsupported_ops_become_externs():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(6))    # pins dim 1 to 6
+
+        def forward(self, x):
+            x = x * self.w
+            y = torch.cumsum(x, 1) + torch.cat([x, x * 2], 1)[:, : x.shape[1]]
+            v, i = torch.sort(y, dim=-1)
+            z = torch.view_as_complex(x.reshape(x.shape[0], 3, 2))     # complex in the middle:
+            return F.relu(v), i, torch.view_as_real(z * z).flatten(1) + 1   # computed by torch
+
+    m = M()
+    xs = (torch.randn(3, 6),)
+    cap = capture(m, xs)
+    ops = [cap.graph.node(i)["op"] for i in range(cap.graph.num_nodes)]
+    assert "extern" in ops and "relu" in ops and cap.static_reason is None
+    assert_close(run_graph(cap, m, xs), m(*xs), 2e-5)
+    xs = (torch.randn(5, 6),)
+    assert_close(run_graph(cap, m, xs), m(*xs), 2e-5)
+
+
+def test_symbolic_scalars_go_through_externs():
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.softmax(x / x.shape[-1], -1) + torch.arange(x.shape[-1])
+
+    m = M()
+    cap = capture(m, (torch.randn(3, 5),))
+    assert cap.static_reason is None
+    for shape in ((3, 5), (4, 9)):
+        x = torch.randn(*shape)
+        assert_close(run_graph(cap, m, (x,)), m(x), 2e-5)
+
+
+def test_static_fallback_when_a_size_is_not_a_product():
+    class Shift(nn.Module):
+        def forward(self, x):
+            return x[:, 1:] - x[:, :-1]
+
+    m = Shift()
+    x = torch.randn(3, 7)
+    cap = capture(m, (x,))
+    assert cap.static_reason and "s" in cap.static_reason
+    assert cap.input_syms == [[None, None]]
+    assert_close(run_graph(cap, m, (x,)), m(x), 0)
+    with pytest.raises(ValueError):
+        cap.bind((torch.randn(4, 7),))
+
+
+def test_dynamic_false_is_static():
+    m, _ = _captured("gelu")
+    cap = capture(m, BY_NAME["gelu"].inputs(), dynamic=False)
+    assert cap.static_reason == "dynamic=False" and cap.graph.num_symbols == 0
+
+
+def test_output_structure_is_rebuilt():
+    class M(nn.Module):
+        def forward(self, x, y):
+            return {"sum": x + y, "pair": (x * 2, None), "n": 3}
+
+    m = M()
+    xs = (torch.randn(2, 3), torch.randn(2, 3))
+    got = run_graph(capture(m, xs), m, xs)
+    assert set(got) == {"sum", "pair", "n"} and got["pair"][1] is None and got["n"] == 3
+    assert_close(got["pair"][0], xs[0] * 2, 0)
+
+
+def test_lm_loss_unifies_flattened_sizes():
+    """logits.view(-1, V) against targets.view(-1): both inputs bind the same symbols, so the
+    gather needs no cast between unrelated sizes."""
+    _, cap = _captured("lm_loss")
+    assert cap.input_syms[0][:2] == cap.input_syms[1]
+
+
+def test_evaluate_subset_of_nodes():
+    """evaluate() runs a chosen node list given its inputs (how regions fall back to eager)."""
+    model, cap = _captured("softmax_last")
+    g = cap.graph
+    x = BY_NAME["softmax_last"].inputs()[0]
+    symvals = cap.bind((x,))
+    full = evaluate(g, cap, {g.inputs[0]: x}, symvals)
+    mid = g.num_nodes // 2
+    part = evaluate(g, cap, {i: full[i] for i in range(mid)}, symvals, nodes=list(range(mid, g.num_nodes)))
+    assert torch.equal(part[g.outputs[0]], full[g.outputs[0]])
+
+
+def test_evaluate_is_differentiable():
+    model, cap = _captured("layernorm")
+    x = BY_NAME["layernorm"].inputs()[0].requires_grad_(True)
+    y = run_graph(cap, model, (x,))
+    (gx,) = torch.autograd.grad(y.square().sum(), x)
+    x2 = x.detach().clone().requires_grad_(True)
+    (gx2,) = torch.autograd.grad(model(x2).square().sum(), x2)
+    assert_close(gx, gx2, 1e-5)
