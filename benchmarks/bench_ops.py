@@ -1,0 +1,401 @@
+#!/usr/bin/env python
+"""Fused-op benchmark (issues 3/4): eager vs torch.compile vs kbench on the memory-bound ops
+kbench fuses, each at a working set >= 64 MB, timed per DESIGN §6 (CUDA events on the current
+stream, warm-up, median of >= 50 reps, L2 flushed and inputs rotated between reps, wall-clock
+cross-check) and reported against the memory roofline (a device-to-device copy measured in the
+same run). Every result is checked against a float64 reference; kbench against eager too.
+
+    python benchmarks/bench_ops.py                      # forward, f32 and bf16, on the GPU
+    python benchmarks/bench_ops.py --backward           # also forward+backward
+    python benchmarks/bench_ops.py --quick --device cpu # smoke test (small sizes, few reps)
+
+Writes benchmarks/results/<gpu>-<date>-<commit>.json and prints a markdown table last.
+Models, inputs and the bytes-moved formulas come from kbench.bench.tasks (see each task's
+bytes_moved docstring, copied into the JSON). kbench failing to import or optimize is
+recorded in its cells; the other columns still run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+KBENCH_IMPORT_ERROR = None
+try:
+    import kbench  # noqa: F401
+except Exception as _e:  # noqa: BLE001 - kbench's core may not be built; the rest still runs
+    KBENCH_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
+    for _k in [k for k in sys.modules if k == "kbench" or k.startswith("kbench.")]:
+        del sys.modules[_k]
+    _pkg = types.ModuleType("kbench")  # the bench helpers are pure Python: load them alone
+    _pkg.__path__ = [str(ROOT / "kbench")]
+    sys.modules["kbench"] = _pkg
+
+from kbench.bench import compare, impls, results, timing  # noqa: E402
+from kbench.bench.compare import flatten, to_f64  # noqa: E402
+from kbench.bench.tasks import TASKS, dtype_name, parse_dtype  # noqa: E402
+
+# name -> (registry task, full-size config, --quick config, dtypes)
+OPS = {
+    "layer_norm": ("layer_norm", dict(shape=(8192, 4096)), dict(shape=(64, 256)), None),
+    "rms_norm": ("rms_norm", dict(shape=(8192, 4096)), dict(shape=(64, 256)), None),
+    "softmax": ("softmax", dict(shape=(8192, 4096)), dict(shape=(64, 256)), None),
+    "log_softmax": ("log_softmax", dict(shape=(8192, 4096)), dict(shape=(64, 256)), None),
+    "bias_gelu_tanh": ("bias_gelu_tanh", dict(shape=(8192, 4096)), dict(shape=(64, 256)), None),
+    "bias_gelu_erf": ("bias_gelu_erf", dict(shape=(8192, 4096)), dict(shape=(64, 256)), None),
+    "swiglu_split": ("swiglu_split", dict(shape=(8192, 8192)), dict(shape=(64, 512)), None),
+    "swiglu_two": ("swiglu_two", dict(shape=(8192, 4096)), dict(shape=(64, 256)), None),
+    "residual_layer_norm": ("residual_layer_norm", dict(shape=(8192, 4096)),
+                            dict(shape=(64, 256)), None),
+    "cross_entropy": ("cross_entropy_32k", dict(N=8192, V=32000), dict(N=16, V=1000),
+                      ("float32",)),
+}
+IMPLS = ("eager", "compile", "kbench")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default=",".join(OPS), help="comma-separated, from: "
+                   + ", ".join(OPS))
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--backward", action="store_true", help="also time forward+backward")
+    p.add_argument("--quick", action="store_true", help="small sizes, few reps (smoke test)")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--impls", default=",".join(IMPLS), help="subset of eager,compile,kbench")
+    p.add_argument("--reps", type=int, default=None, help="timed reps (default 100; quick 20)")
+    p.add_argument("--kbench-budget", default="fast", help="budget passed to kbench.optimize")
+    a = p.parse_args(argv)
+    a.tasks = [t for t in a.tasks.split(",") if t]
+    unknown = [t for t in a.tasks if t not in OPS]
+    if unknown:
+        p.error(f"unknown task(s) {unknown}; known: {list(OPS)}")
+    a.dtypes = [dtype_name(parse_dtype(d)) for d in a.dtypes.split(",") if d]
+    a.impls = [i for i in a.impls.split(",") if i]
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.reps = a.reps or (20 if a.quick else 100)
+    a.warmup = 2 if a.quick else 10
+    return a
+
+
+# --------------------------------------------------------------------------- building
+
+def build_impl(name, model, example, device, budget):
+    """(callable, seconds to build, error). torch.compile compiles lazily, at the first call."""
+    t0 = time.perf_counter()
+    try:
+        if name == "eager":
+            fn = model
+        elif name == "compile":
+            import torch._dynamo
+            torch._dynamo.reset()
+            fn = torch.compile(model)
+        elif name == "kbench":
+            if KBENCH_IMPORT_ERROR:
+                raise ImportError(f"kbench did not import: {KBENCH_IMPORT_ERROR}")
+            # backend "cuda" on a GPU, "interp" on the CPU; the budget if optimize() takes one
+            fn = impls.kbench_factory(budget=budget)(model, list(example))
+        else:
+            raise ValueError(name)
+        return fn, time.perf_counter() - t0, None
+    except Exception as e:  # noqa: BLE001
+        return None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
+
+
+def region_count(fn):
+    """Regions in kbench's report, if it says (tolerates any shape of report, or none)."""
+    rep = getattr(fn, "kbench_report", None)
+    if callable(rep):
+        try:
+            rep = rep()
+        except Exception:  # noqa: BLE001
+            return None
+    for attr in ("regions", "num_regions", "n_regions", "rows"):  # Report.rows: one per region
+        v = rep.get(attr) if isinstance(rep, dict) else getattr(rep, attr, None)
+        if isinstance(v, int):
+            return v
+        if v is not None and hasattr(v, "__len__"):
+            return len(v)
+    return None
+
+
+# --------------------------------------------------------------------------- running
+
+def clone(xs):
+    return [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in xs]
+
+
+def leaves_of(xs):
+    return [x for x in xs if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+def run_once(fn, xs, params, gouts, backward):
+    """Outputs (and gradients w.r.t. floating inputs and params) of fn on private copies."""
+    xs = clone(xs)
+    if not backward:
+        with torch.no_grad():
+            return [o.detach() for o in flatten(fn(*xs))], []
+    for x in leaves_of(xs):
+        x.requires_grad_()
+    outs = flatten(fn(*xs))
+    pairs = [(o, g) for o, g in zip(outs, gouts) if g is not None]
+    grads = torch.autograd.grad([o for o, _ in pairs], leaves_of(xs) + list(params),
+                                [g for _, g in pairs], allow_unused=True)
+    return [o.detach() for o in outs], list(grads)
+
+
+def timed_fn(fn, params, gouts, backward):
+    if not backward:
+        def fwd(*xs):
+            with torch.no_grad():
+                return fn(*xs)
+        return fwd
+
+    def fwd_bwd(*xs):
+        outs = flatten(fn(*xs))
+        pairs = [(o, g) for o, g in zip(outs, gouts) if g is not None]
+        return torch.autograd.grad([o for o, _ in pairs], leaves_of(xs) + list(params),
+                                   [g for _, g in pairs], allow_unused=True)
+    return fwd_bwd
+
+
+def check(got, eager, ref):
+    """Compare each tensor of `got` with the float64 `ref`, tolerances widened by eager's own
+    error; returns (ok, summary dict)."""
+    tensors, ok = [], True
+    for i, (g, e, r) in enumerate(zip(got, eager, ref)):
+        if r is None or e is None:
+            continue
+        if g is None:
+            tensors.append({"i": i, "ok": False, "reason": "missing"})
+            ok = False
+            continue
+        if tuple(g.shape) != tuple(r.shape) or g.dtype != e.dtype:
+            tensors.append({"i": i, "ok": False, "reason": f"shape/dtype {tuple(g.shape)} "
+                            f"{g.dtype}, expected {tuple(e.shape)} {e.dtype}"})
+            ok = False
+            continue
+        tol = compare.tolerance(e.dtype, r, compare.errors(e, r))
+        good, why, err = compare.close(g, r, tol)
+        tensors.append({"i": i, "ok": good, "reason": why, **err})
+        ok &= good
+    return ok, {"rel_norm": max((t.get("rel_norm", 0.0) for t in tensors), default=None),
+                "max_abs": max((t.get("max_abs", 0.0) for t in tensors), default=None),
+                "tensors": tensors}
+
+
+def max_abs_diff(a_list, b_list):
+    m = 0.0
+    for a, b in zip(a_list, b_list):
+        if a is None or b is None or a.shape != b.shape:
+            continue
+        m = max(m, (a.double() - b.double()).abs().max().item() if a.numel() else 0.0)
+    return m
+
+
+def bench_task(op, dtype, args, env):
+    """Rows (fwd, and fwdbwd with --backward) for one op in one dtype."""
+    task_name, full, quick, _ = OPS[op]
+    task = TASKS[task_name]
+    cfg = dict(quick if args.quick else full, name=op)
+    dev = args.device
+    model = task.build(cfg, dtype, dev, seed=0)  # the first init config: random
+    params = list(model.parameters())
+    arg_sets = [task.inputs(cfg, dtype, dev, seed=1 + i) for i in range(2)]
+    ref_model = task.reference(model)
+    modes = [False] + ([True] if args.backward and task.backward else [])
+
+    with torch.no_grad():
+        out0 = flatten(model(*arg_sets[0]))
+    g = torch.Generator(device=dev).manual_seed(7)
+    gouts = [torch.randn(o.shape, generator=g, device=dev).to(o.dtype)
+             if o.is_floating_point() else None for o in out0]
+    del out0
+
+    built = {}
+    for name in args.impls:
+        built[name] = build_impl(name, model, arg_sets[0], dev, args.kbench_budget)
+
+    rows = []
+    for backward in modes:
+        mode = "fwdbwd" if backward else "fwd"
+        r_out, r_gr = run_once(ref_model, [to_f64(x) for x in arg_sets[0]],
+                               list(ref_model.parameters()),
+                               [to_f64(x) for x in gouts], backward)
+        refs = r_out + r_gr
+        e_out, e_gr = run_once(model, arg_sets[0], params, gouts, backward)
+        eager_all = e_out + e_gr
+        nbytes = task.bytes_moved(cfg, dtype, backward)
+        row = {"task": op, "dtype": dtype, "mode": mode, "shape": {k: v for k, v in cfg.items()
+                                                                   if k != "name"},
+               "registry_task": task_name, "bytes": nbytes,
+               "bytes_formula": " ".join((task.bytes_fn.__doc__ or "").split()),
+               "impls": {}, "notes": []}
+        if backward:
+            for x in arg_sets:
+                for t in leaves_of(x):
+                    t.requires_grad_()
+        for name in args.impls:
+            fn, build_s, err = built[name]
+            cell = {"build_s": build_s, "error": err}
+            row["impls"][name] = cell
+            if fn is None:
+                continue
+            try:
+                t0 = time.perf_counter()
+                got_out, got_gr = run_once(fn, arg_sets[0], params, gouts, backward)
+                timing.sync(dev)
+                cell["first_call_s"] = time.perf_counter() - t0  # includes compilation
+                ok, cell["err_vs_f64"] = check(got_out + got_gr, eager_all, refs)
+                cell["correct"] = ok
+                if name == "kbench":
+                    cell["max_abs_vs_eager"] = max_abs_diff(got_out, e_out)
+                    if backward:
+                        cell["grad_max_abs_vs_eager"] = max_abs_diff(got_gr, e_gr)
+                del got_out, got_gr
+                t = timing.time_fn(timed_fn(fn, params, gouts, backward), arg_sets,
+                                   device=dev, reps=args.reps, warmup=args.warmup)
+                cell.update(t.as_dict())
+                roof = timing.roofline(nbytes, t.median_ms, env["copy"]["bytes_per_s"])
+                cell["roofline_fraction"] = roof["fraction"]
+                cell["achieved_gb_per_s"] = (roof["achieved_bytes_per_s"] or 0) / 1e9
+                if t.hidden_work:
+                    row["notes"].append(f"{name}: wall-clock {t.wall_over_event:.1f}x event "
+                                        f"time (work outside the current stream?)")
+            except Exception as e:  # noqa: BLE001
+                cell["error"] = f"{type(e).__name__}: {e}"
+                cell["traceback"] = traceback.format_exc(limit=4)
+        if not backward and "kbench" in built and built["kbench"][0] is not None:
+            host_overhead(task, cfg, dtype, dev, built["kbench"][0], model, row)
+        finish_row(row)
+        rows.append(row)
+        del refs, eager_all, r_out, r_gr, e_out, e_gr
+    del built, arg_sets, model, ref_model
+    gc.collect()
+    if torch.device(dev).type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def host_overhead(task, cfg, dtype, dev, kfn, model, row):
+    """Host time per kbench call on a small input (no sync), per region if the report says."""
+    small = dict(cfg)
+    if "shape" in small:
+        small["shape"] = (8,) + tuple(small["shape"][1:])
+    else:
+        small["N"] = 8
+    xs = task.inputs(small, dtype, dev, seed=5)
+    cell = row["impls"]["kbench"]
+    try:
+        with torch.no_grad():
+            cell["host_overhead_us"] = timing.host_overhead_us(kfn, xs, device=dev)
+            cell["eager_host_overhead_us"] = timing.host_overhead_us(model, xs, device=dev)
+        n = region_count(kfn)
+        cell["regions"] = n
+        cell["host_overhead_us_per_region"] = (cell["host_overhead_us"] / n) if n else None
+    except Exception as e:  # noqa: BLE001
+        cell["host_overhead_error"] = f"{type(e).__name__}: {e}"
+
+
+def finish_row(row):
+    cells = row["impls"]
+    wrong = [n for n, c in cells.items() if c.get("correct") is False]
+    errors = [n for n, c in cells.items() if c.get("error")]
+    row["status"] = "FAIL" if wrong else ("ERROR" if errors else "PASS")
+    if wrong:
+        row["notes"].append("wrong result: " + ", ".join(wrong))
+    k = cells.get("kbench", {})
+    for base in ("eager", "compile"):
+        b = cells.get(base, {})
+        if k.get("median_ms") and b.get("median_ms"):
+            row[f"speedup_kbench_vs_{base}"] = b["median_ms"] / k["median_ms"]
+
+
+# --------------------------------------------------------------------------- output
+
+def table(rows, impls):
+    out = []
+    for r in rows:
+        c = r["impls"]
+
+        def ms(n):
+            return results.fmt(c.get(n, {}).get("median_ms"), ".4f") if n in impls else "n/a"
+
+        def roof(n):
+            return results.fmt(c.get(n, {}).get("roofline_fraction"), ".0%")
+
+        corr = r["status"]
+        k = c.get("kbench", {})
+        if k.get("error"):
+            corr += f" (kbench: {k['error'][:60]})"
+        elif k.get("max_abs_vs_eager") is not None:
+            corr += f" (kbench−eager max {k['max_abs_vs_eager']:.2g}"
+            if k.get("grad_max_abs_vs_eager") is not None:
+                corr += f", grad {k['grad_max_abs_vs_eager']:.2g}"
+            corr += ")"
+        if r["status"] == "FAIL":
+            corr += " " + "; ".join(r["notes"])[:80]
+        out.append((r["task"], r["dtype"], r["mode"], ms("eager"), ms("compile"), ms("kbench"),
+                    results.fmt(r.get("speedup_kbench_vs_eager"), ".2f") + "×",
+                    results.fmt(r.get("speedup_kbench_vs_compile"), ".2f") + "×",
+                    f"{roof('eager')} / {roof('compile')} / {roof('kbench')}", corr))
+    return results.markdown_table(
+        ("task", "dtype", "mode", "eager ms", "compile ms", "kbench ms", "kbench vs eager",
+         "kbench vs compile", "roofline eager / compile / kbench", "correctness"), out)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dev = args.device
+    t_start = time.perf_counter()
+    meta = results.metadata(dev)
+    if KBENCH_IMPORT_ERROR:
+        meta["kbench"] = {"version": None, "error": KBENCH_IMPORT_ERROR}
+    copy_bytes = (16 << 20) if args.quick else (1 << 30)
+    env = {"copy": timing.copy_bandwidth(dev, copy_bytes), "l2_bytes": timing.l2_bytes(dev)}
+    print(f"device {meta['gpu'] or dev}; copy {env['copy']['bytes_per_s'] / 1e9:.0f} GB/s; "
+          f"torch {meta['torch']}; kbench {meta['kbench']['version'] or meta['kbench']['error']}",
+          file=sys.stderr)
+    rows = []
+    for op in args.tasks:
+        for dtype in args.dtypes:
+            allowed = OPS[op][3]
+            if allowed and dtype not in allowed:
+                continue
+            t0 = time.perf_counter()
+            try:
+                new = bench_task(op, dtype, args, env)
+            except Exception as e:  # noqa: BLE001 - one broken task must not stop the run
+                new = [{"task": op, "dtype": dtype, "mode": "fwd", "impls": {},
+                        "status": "ERROR", "notes": [f"{type(e).__name__}: {e}"],
+                        "traceback": traceback.format_exc(limit=6)}]
+            rows += new
+            print(f"  {op} {dtype}: {', '.join(r['status'] for r in new)} "
+                  f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr, flush=True)
+    doc = {"schema": "kbench-bench-ops/1", "meta": meta,
+           "options": {"tasks": args.tasks, "dtypes": args.dtypes, "backward": args.backward,
+                       "quick": args.quick, "reps": args.reps, "warmup": args.warmup,
+                       "impls": args.impls, "kbench_budget": args.kbench_budget,
+                       "l2_flush_bytes": 2 * env["l2_bytes"], "input_sets_rotated": 2},
+           "copy": env["copy"], "l2_bytes": env["l2_bytes"],
+           "total_s": time.perf_counter() - t_start, "rows": rows}
+    path = results.write_json(results.results_path(args.out, meta), doc)
+    print(f"wrote {path} in {doc['total_s']:.0f}s", file=sys.stderr)
+    print(table(rows, args.impls))
+    return 1 if any(r["status"] == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

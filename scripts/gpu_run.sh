@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: build kbench on the GPU machine, run the GPU tests and the benchmark, and leave
+# logs and results under $OUT. Phases: PHASES="build tests bench" (default all); BENCH_ARGS, TESTS.
+set -uo pipefail
+OUT=${OUT:-/tmp/kbench-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 KBENCH_CACHE_DIR=${KBENCH_CACHE_DIR:-/tmp/kbench-cache}
+PHASES=${PHASES:-build tests bench}
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+status=0
+if [[ $PHASES == *build* ]]; then
+    python3 -m pip install --no-build-isolation --no-deps -e . -q > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+    python3 -m kbench info | tee "$OUT/info.txt"
+fi
+if [[ $PHASES == *tests* ]]; then
+    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
+        ${TESTS:-tests/gpu} > "$OUT/gpu_tests.log" 2>&1 || status=1
+    grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
+    grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -40
+fi
+if [[ $PHASES == *bench* ]]; then
+    timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_ops.py --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1 || status=1
+    tail -45 "$OUT/bench.log"
+fi
+exit $status
