@@ -187,7 +187,7 @@ class CudaExecutor(Executor):
     def _verify(self, r, kernel, example_symvals) -> verify.Verdict:
         plan = self.plan
         info = plan.regions[r]
-        gen = torch.Generator().manual_seed(self.seed + 1000 * r)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed + 1000 * r)
         verdict = verify.Verdict(ok=True)
         strong = False
         for symvals in verify.sweep_symvals(example_symvals):
@@ -232,7 +232,7 @@ class CudaExecutor(Executor):
             if not x.is_floating_point():
                 continue
             moved = list(inputs)
-            moved[i] = x + torch.randn(x.shape, generator=gen).to(x.device, x.dtype) * 0.5
+            moved[i] = x + torch.randn(x.shape, generator=gen, device=x.device).to(x.dtype) * 0.5
             out = self._launch(kernel, r, symvals, moved)
             ref = self._reference(r, symvals, moved)
             for o, b, rf, rb in zip(out, base, ref, ref_base):
@@ -302,7 +302,7 @@ class CudaExecutor(Executor):
 
     def _time_region(self, r, symvals, reps=20):
         plan = self.plan
-        gen = torch.Generator().manual_seed(self.seed)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
         inputs = self._region_inputs(r, symvals, "normal", gen)
         info = plan.regions[r]
         kernel = self.kernels[r]

@@ -42,21 +42,23 @@ def sweep_symvals(example: list[int], pinned_limit: int = 1 << 31) -> list[list[
 
 
 def fill(t: torch.Tensor, dist: str, gen: torch.Generator, high: int | None = None) -> torch.Tensor:
-    """Random contents for an input of t's shape/dtype, drawn on the CPU (repeatable), moved."""
-    shape, dtype = t.shape, t.dtype
+    """Random contents for an input of t's shape/dtype, drawn on t's device with gen (a generator
+    on that device, so a sweep over large shapes costs no host time) — repeatable per seed."""
+    shape, dtype, dev = t.shape, t.dtype, t.device
     if dtype == torch.bool:
-        x = torch.rand(shape, generator=gen) < 0.5
-    elif not dtype.is_floating_point:
-        x = torch.randint(0, max(int(high or 2), 1), shape, generator=gen, dtype=torch.int64)
-    elif dist == "normal":
-        x = torch.randn(shape, generator=gen, dtype=torch.float64)
+        return torch.rand(shape, generator=gen, device=dev) < 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(0, max(int(high or 2), 1), shape, generator=gen, device=dev, dtype=dtype)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    if dist == "normal":
+        x = torch.randn(shape, generator=gen, device=dev, dtype=wide)
     elif dist == "uniform":
-        x = torch.rand(shape, generator=gen, dtype=torch.float64)
+        x = torch.rand(shape, generator=gen, device=dev, dtype=wide)
     elif dist == "large":
-        x = (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) * 1e3
+        x = (torch.rand(shape, generator=gen, device=dev, dtype=wide) * 2 - 1) * 1e3
     else:  # tiny, with negatives
-        x = (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) * 1e-3
-    return x.to(dtype=dtype).to(t.device)
+        x = (torch.rand(shape, generator=gen, device=dev, dtype=wide) * 2 - 1) * 1e-3
+    return x.to(dtype)
 
 
 def poison_like(shape, dtype, device) -> torch.Tensor:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build kbench on the GPU machine, run the GPU tests and the benchmark, and leave
-# logs and results under $OUT. Phases: PHASES="build tests bench" (default all); BENCH_ARGS, TESTS.
+# logs and results under $OUT. Phases: PHASES="build tests bench" (default all); BENCH_ARGS, TESTS
+# (paths), TESTS_K (a pytest -k expression).
 set -uo pipefail
 OUT=${OUT:-/tmp/kbench-out}
 mkdir -p "$OUT"
@@ -15,7 +16,7 @@ if [[ $PHASES == *build* ]]; then
 fi
 if [[ $PHASES == *tests* ]]; then
     timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
-        ${TESTS:-tests/gpu} > "$OUT/gpu_tests.log" 2>&1 || status=1
+        ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/gpu} > "$OUT/gpu_tests.log" 2>&1 || status=1
     grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -40
 fi
