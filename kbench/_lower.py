@@ -22,7 +22,13 @@ aten = torch.ops.aten
 
 
 class NeedStatic(Exception):
-    """A size the IR cannot write (s0 - 1, s0 // 2, ...): capture re-exports statically."""
+    """A size the IR cannot write (s0 - 1, s0 // 2, ...): capture re-exports with the user-input
+    dims it depends on fixed (`dims`: [(input, dim)]; empty: everything static)."""
+
+    def __init__(self, msg, syms=()):
+        super().__init__(msg)
+        self.syms = set(syms)
+        self.dims = []
 
 
 class Unsupported(Exception):
@@ -160,7 +166,7 @@ class Builder:
             return None
         coef, rest = e.as_coeff_Mul()
         if not coef.is_Integer or coef <= 0:
-            raise NeedStatic(f"size {e}")
+            raise NeedStatic(f"size {e}", e.free_symbols)
         syms = []
         for f in sympy.Mul.make_args(rest):
             if f.is_Symbol:
@@ -168,9 +174,9 @@ class Builder:
             elif f.is_Pow and f.base.is_Symbol and f.exp.is_Integer and f.exp > 0:
                 syms += [self.sym_of[f.base]] * int(f.exp)
             else:
-                raise NeedStatic(f"size {e}")
+                raise NeedStatic(f"size {e}", e.free_symbols)
         if len(syms) > 4:
-            raise NeedStatic(f"size {e} multiplies more than 4 symbols")
+            raise NeedStatic(f"size {e} multiplies more than 4 symbols", e.free_symbols)
         return (int(coef), tuple(sorted(syms)))
 
     def rep_dims(self, t):
@@ -612,6 +618,21 @@ _INPUT_KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
 
 
 def lower(ep, inputs, static_reason, model=None):
+    """The ExportedProgram as a Captured graph; NeedStatic (with .dims set) when some size
+    cannot be written."""
+    try:
+        return _lower(ep, inputs, static_reason, model)
+    except NeedStatic as e:
+        for i, n in enumerate(n for n in ep.graph.nodes if n.op == "placeholder"
+                              and n.name in {s.arg.name for s in ep.graph_signature.input_specs
+                                             if s.kind == InputKind.USER_INPUT}):
+            for d, s in enumerate(n.meta["val"].shape):
+                if isinstance(s, torch.SymInt) and s.node.expr.free_symbols & e.syms:
+                    e.dims.append((i, d))
+        raise
+
+
+def _lower(ep, inputs, static_reason, model):
     from .capture import Captured, OutputTree, SymExpr
 
     sig = ep.graph_signature
@@ -647,10 +668,17 @@ def lower(ep, inputs, static_reason, model=None):
         raise NeedStatic(f"{len(sym_of)} varying sizes (the IR has 16 symbols)")
 
     b = Builder(sym_of, subst, examples)
+    _check_sizes(b, ep)
+    for i, (t, row) in enumerate(zip(inputs, input_syms)):
+        for d, s in enumerate(row):
+            if s is None and static_reason is None and t.shape[d] in (0, 1):
+                b.notes.append(f"input {i} dim {d} has size {t.shape[d]} in the example: torch.export "
+                               "fixes sizes 0 and 1 (use an example of size >= 2 to let it vary)")
     for n, t in zip(user_nodes, inputs):
         dims = tuple(b.dim(s) for s in n.meta["val"].shape)
         if None in dims:
-            raise NeedStatic(f"input {n.name} has sizes {tuple(n.meta['val'].shape)}")
+            raise NeedStatic(f"input {n.name} has sizes {tuple(n.meta['val'].shape)}",
+                             set().union(*(b.expr(s).free_symbols for s in n.meta["val"].shape)))
         b.env[n] = b.add("input", [], TORCH_TO_IR[t.dtype], dims, name=n.name, kind="user")
     constants = {}
     for s in sig.input_specs:
@@ -736,6 +764,24 @@ def lower(ep, inputs, static_reason, model=None):
     )
 
 
+def _check_sizes(b, ep):
+    """Every size the IR would carry must be coef * symbols: find all that are not at once, so
+    that capture fixes all the input dims involved in one re-export."""
+    bad, why = set(), None
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        for t in val if isinstance(val, (list, tuple)) else [val]:
+            if isinstance(t, torch.Tensor) and t.dtype in TORCH_TO_IR:
+                for s in t.shape:
+                    try:
+                        b.dim(s)
+                    except NeedStatic as e:
+                        bad |= e.syms
+                        why = why or str(e)
+    if bad:
+        raise NeedStatic(why, bad)
+
+
 def _held(ep, model, spec):
     if spec.target in getattr(ep, "constants", {}):
         return ep.constants[spec.target]
@@ -791,70 +837,3 @@ def _emit(self, outputs, keep, symbols):
 
 
 Builder.emit = _emit
-
-
-# ---------------------------------------------------------------------------- integer inputs
-
-_CASTS = {"_to_copy", "to", "type_as"}
-_INDEX_ARGS = {"embedding": ("indices",), "gather": ("index",), "index_select": ("index",),
-               "cross_entropy_loss": ("target",), "nll_loss_nd": ("target",),
-               "nll_loss_forward": ("target",), "nll_loss2d_forward": ("target",),
-               "nll_loss": ("target",), "nll_loss2d": ("target",), "one_hot": ("self",),
-               "index": ("indices",), "take_along_dim": ("indices",), "scatter": ("index",),
-               "scatter_add": ("index",), "scatter_reduce": ("index",), "index_add": ("index",),
-               "index_copy": ("index",), "index_put": ("indices",), "embedding_bag": ("indices", "offsets"),
-               "bincount": ("self",), "take": ("index",)}
-
-
-def check_integer_inputs(ep, inputs):
-    """Integer user inputs may be indices or targets (and may be compared, cast explicitly or
-    combined into other integers); an integer input that reaches a floating-point op by
-    implicit promotion is a user error: TypeError naming it."""
-    user = [n for n in ep.graph.nodes if n.op == "placeholder"
-            and n.name in {s.arg.name for s in ep.graph_signature.input_specs
-                           if s.kind == InputKind.USER_INPUT}]
-    for i, (n, t) in enumerate(zip(user, inputs)):
-        if t.is_floating_point() or t.dtype == torch.bool:
-            continue
-        seen, stack = set(), [n]
-        while stack:
-            cur = stack.pop()
-            for u in cur.users:
-                if u in seen or u.op != "call_function":
-                    continue
-                seen.add(u)
-                ok, walk = _int_use(cur, u)
-                if not ok:
-                    raise TypeError(
-                        f"example_inputs[{i}] ({n.name!r}) is an integer tensor used as an operand "
-                        f"of {u.target}, a floating-point op; integer inputs may only be indices or "
-                        "targets (cast it explicitly, e.g. .float(), if that is meant)")
-                if walk:
-                    stack.append(u)
-
-
-def _int_use(src, u):
-    """(allowed, keep walking from u)."""
-    if u.target is operator.getitem:
-        return True, True
-    if not isinstance(u.target, torch._ops.OpOverload):
-        return True, False     # Python arithmetic on sizes etc.
-    name = u.target._schema.name.split("::")[-1]
-    val = u.meta.get("val")
-    if name in _INDEX_ARGS:
-        schema = u.target._schema
-        bad = [a.name for k, a in enumerate(schema.arguments) if a.name not in _INDEX_ARGS[name]
-               and _mentions(u.args[k] if k < len(u.args) else u.kwargs.get(a.name), src)]
-        return not bad, False
-    if name in _CASTS or val is None or not _has_tensor(val):
-        return True, False
-    outs = [o for o in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(o, torch.Tensor)]
-    if all(o.dtype == torch.bool for o in outs):
-        return True, False     # a comparison: the mask may go anywhere
-    if all(not o.is_floating_point() and not o.is_complex() for o in outs):
-        return True, True      # integer arithmetic and views: follow the result
-    return False, False
-
-
-def _mentions(x, node):
-    return node in list(_flat_nodes(x))

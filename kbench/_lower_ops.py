@@ -484,17 +484,19 @@ def _logsumexp(b, node, a):
 
 
 def _moments(b, x, axes, correction):
-    """(var, mean) over axes with keepdim; var divides by n - correction (n must be pinned)."""
-    n = 1
-    for ax in axes:
-        if not isinstance(x.dims[ax], int):
-            raise Unsupported("variance over a varying size")
-        n *= x.dims[ax]
+    """(var, mean) over axes with keepdim; var divides by max(n - correction, 0) like torch.
+    When a reduced size varies, n is counted in the graph (a sum of ones)."""
     mean = b.reduce("mean", x, axes, True)
     d = b.arith("sub", x, mean)
     ss = b.reduce("sum", b.arith("mul", d, d), axes, True)
-    denom = max(n - correction, 0)
-    return b.arith("div", ss, float(denom)), mean
+    if all(isinstance(x.dims[ax], int) for ax in axes):
+        n = 1
+        for ax in axes:
+            n *= x.dims[ax]
+        return b.arith("div", ss, float(max(n - correction, 0))), mean
+    n = b.reduce("sum", b.const(1.0, x.dtype, x.dims), axes, True)
+    denom = b.arith("max", b.arith("sub", n, float(correction)), 0.0)
+    return b.arith("div", ss, denom), mean
 
 
 def _var_args(a, rank):

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import operator
 import warnings
 from typing import Any, Optional
 
@@ -328,15 +329,16 @@ def _first_line(e: BaseException) -> str:
     return type(e).__name__
 
 
-def _export(model, inputs, dynamic: bool):
-    """Returns (ExportedProgram, static_reason)."""
+def _export(model, inputs, dynamic: bool, fixed=frozenset()):
+    """Returns (ExportedProgram, static_reason); `fixed` lists user-input dims (input, dim) to
+    keep at their example size."""
     reason = None
     if dynamic:
         auto = getattr(getattr(torch.export, "Dim", None), "AUTO", None)
         if auto is None:
             reason = f"torch {torch.__version__} has no Dim.AUTO (needs >= 2.6)"
         else:
-            shapes = _dynamic_spec(model, inputs, auto)
+            shapes = _dynamic_spec(model, inputs, auto, fixed)
             try:
                 return _export_once(model, inputs, shapes), None
             except Exception as e:  # noqa: BLE001 - any failure: try the static export
@@ -346,11 +348,15 @@ def _export(model, inputs, dynamic: bool):
     return _export_once(model, inputs, None), reason
 
 
-def _dynamic_spec(model, inputs, auto):
-    """Every dim of every user input Dim.AUTO, keyed by forward's parameter names (so that
-    forward(self, *xs) works too)."""
+def _dynamic_spec(model, inputs, auto, fixed):
+    """Every dim of every user input Dim.AUTO (but the fixed ones), keyed by forward's
+    parameter names (so that forward(self, *xs) works too)."""
+    pos = iter(range(len(inputs)))
+    static = getattr(torch.export.Dim, "STATIC", None)
+
     def one(t):
-        return (auto,) * t.dim() if t.dim() else None
+        i = next(pos)
+        return tuple(static if (i, d) in fixed else auto for d in range(t.dim())) if t.dim() else None
 
     sig = inspect.signature(model.forward)
     spec = {}
@@ -400,29 +406,41 @@ def capture(model, example_inputs, *, dynamic: bool = True) -> Captured:
     from . import _lower
 
     inputs = _validate(model, example_inputs)
+    name = type(model).__name__
     with _model_untouched(model):
+        # A size the IR cannot write (x[:, 1:] gives s1 - 1, pooling s2 // 2) fixes the input
+        # dims it comes from and the export is redone; the other dims stay free.
+        fixed, why = set(), None
+        for attempt in range(4):
+            ep, reason = _export_checked(model, inputs, dynamic, fixed)
+            if attempt == 0:
+                _check_integer_inputs(ep, inputs)
+            if reason is None and fixed:
+                reason = (f"input dims {sorted(fixed)} fixed at their example sizes ({why}); "
+                          "the others may vary")
+            try:
+                return _lower.lower(ep, inputs, reason, model)
+            except _lower.NeedStatic as e:
+                if reason is not None and not fixed:    # already static: a genuine limitation
+                    raise CaptureError(f"cannot capture {name}: {e}") from None
+                why = f"size not expressible as coef*symbols: {e}"
+                if not set(e.dims) - fixed:
+                    break
+                fixed |= set(e.dims)
+        ep = _export_checked(model, inputs, False, ())[0]
         try:
-            ep, reason = _export(model, inputs, dynamic)
-        except Exception as e:  # noqa: BLE001
-            _raise_int_misuse_from_error(model, inputs, e)
-            raise CaptureError(f"torch.export could not capture {type(model).__name__}: "
-                               f"{_first_line(e)}") from e
-        _lower.check_integer_inputs(ep, inputs)
-        try:
-            return _lower.lower(ep, inputs, reason, model)
-        except _lower.NeedStatic as why:
-            if reason is not None:   # already static: a genuine limitation
-                raise CaptureError(f"cannot capture {type(model).__name__}: {why}") from None
-            reason = f"sizes not expressible as coef*symbols: {why}"
-        try:
-            ep = _export_once(model, inputs, None)
-        except Exception as e:  # noqa: BLE001
-            raise CaptureError(f"torch.export could not capture {type(model).__name__}: "
-                               f"{_first_line(e)}") from e
-        try:
-            return _lower.lower(ep, inputs, reason, model)
-        except _lower.NeedStatic as why:
-            raise CaptureError(f"cannot capture {type(model).__name__}: {why}") from None
+            return _lower.lower(ep, inputs, why, model)
+        except _lower.NeedStatic as e:
+            raise CaptureError(f"cannot capture {name}: {e}") from None
+
+
+def _export_checked(model, inputs, dynamic, fixed):
+    try:
+        return _export(model, inputs, dynamic, frozenset(fixed))
+    except Exception as e:  # noqa: BLE001
+        _raise_int_misuse_from_error(model, inputs, e)
+        raise CaptureError(f"torch.export could not capture {type(model).__name__}: "
+                           f"{_first_line(e)}") from e
 
 
 def _raise_int_misuse_from_error(model, inputs, e):
@@ -444,3 +462,72 @@ def _input_names(model, n):
         params = []
     return [params[i] if i < len(params) else f"arg{i}" for i in range(n)]
 
+
+# ---------------------------------------------------------------------------- integer inputs
+
+_CASTS = {"_to_copy", "to", "type_as"}
+_INDEX_ARGS = {"embedding": ("indices",), "gather": ("index",), "index_select": ("index",),
+               "cross_entropy_loss": ("target",), "nll_loss_nd": ("target",),
+               "nll_loss_forward": ("target",), "nll_loss2d_forward": ("target",),
+               "nll_loss": ("target",), "nll_loss2d": ("target",), "one_hot": ("self",),
+               "index": ("indices",), "take_along_dim": ("indices",), "scatter": ("index",),
+               "scatter_add": ("index",), "scatter_reduce": ("index",), "index_add": ("index",),
+               "index_copy": ("index",), "index_put": ("indices",), "embedding_bag": ("indices", "offsets"),
+               "bincount": ("self",), "take": ("index",)}
+
+
+def _check_integer_inputs(ep, inputs):
+    """Integer user inputs may be indices or targets (and may be compared, cast explicitly or
+    combined into other integers); an integer input that reaches a floating-point op by
+    implicit promotion is a user error: TypeError naming it."""
+    from torch.export.graph_signature import InputKind
+    user = [n for n in ep.graph.nodes if n.op == "placeholder"
+            and n.name in {s.arg.name for s in ep.graph_signature.input_specs
+                           if s.kind == InputKind.USER_INPUT}]
+    for i, (n, t) in enumerate(zip(user, inputs)):
+        if t.is_floating_point() or t.dtype == torch.bool:
+            continue
+        seen, stack = set(), [n]
+        while stack:
+            cur = stack.pop()
+            for u in cur.users:
+                if u in seen or u.op != "call_function":
+                    continue
+                seen.add(u)
+                ok, walk = _int_use(cur, u)
+                if not ok:
+                    raise TypeError(
+                        f"example_inputs[{i}] ({n.name!r}) is an integer tensor used as an operand "
+                        f"of {u.target}, a floating-point op; integer inputs may only be indices or "
+                        "targets (cast it explicitly, e.g. .float(), if that is meant)")
+                if walk:
+                    stack.append(u)
+
+
+def _int_use(src, u):
+    """(allowed, keep walking from u)."""
+    from ._lower import _has_tensor
+    if u.target is operator.getitem:
+        return True, True
+    if not isinstance(u.target, torch._ops.OpOverload):
+        return True, False     # Python arithmetic on sizes etc.
+    name = u.target._schema.name.split("::")[-1]
+    val = u.meta.get("val")
+    if name in _INDEX_ARGS:
+        schema = u.target._schema
+        bad = [a.name for k, a in enumerate(schema.arguments) if a.name not in _INDEX_ARGS[name]
+               and _mentions(u.args[k] if k < len(u.args) else u.kwargs.get(a.name), src)]
+        return not bad, False
+    if name in _CASTS or val is None or not _has_tensor(val):
+        return True, False
+    outs = [o for o in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(o, torch.Tensor)]
+    if all(o.dtype == torch.bool for o in outs):
+        return True, False     # a comparison: the mask may go anywhere
+    if all(not o.is_floating_point() and not o.is_complex() for o in outs):
+        return True, True      # integer arithmetic and views: follow the result
+    return False, False
+
+
+def _mentions(x, node):
+    from ._lower import _flat_nodes
+    return node in list(_flat_nodes(x))

@@ -48,8 +48,9 @@ class RegionInfo:
 class Plan:
     """A graph and its regions: everything about it that does not change between calls."""
 
-    def __init__(self, graph, externs=(), example_symvals=None, static_reason=None):
+    def __init__(self, graph, externs=(), example_symvals=None, static_reason=None, guards=()):
         self.graph = graph
+        self.guards = list(guards)     # size relations the capture relies on (callables of symvals)
         self.externs = list(externs)   # torch_eval reads .externs of its `captured` argument
         self.example_symvals = list(example_symvals if example_symvals is not None
                                     else [s[1] for s in graph.symbols])
@@ -63,6 +64,10 @@ class Plan:
                            if self.nodes[n]["op"] not in ("const", "input"))
             self.regions.append(RegionInfo(r, d["kind"], d["nodes"], d["inputs"], d["outputs"], ops))
         self.nvrtc = None
+
+    def admits(self, symvals) -> bool:
+        """Do these sizes satisfy every relation the capture relies on (e.g. a slice's bound)?"""
+        return all(g(symvals) for g in self.guards)
 
     # the reference evaluator takes the plan where it would take a Captured
     @property
@@ -204,12 +209,18 @@ class OptimizedModule(torch.nn.Module):
         self._buffers = module._buffers
         self._modules = module._modules
         self.training = module.training
-        plan = Plan(captured.graph, captured.externs, captured.example_symvals, captured.static_reason)
+        plan = Plan(captured.graph, captured.externs, captured.example_symvals, captured.static_reason,
+                    captured.guards)
         executor.prepare(plan, device)
         self.__dict__.update(_kbench_orig=module, _kbench_captured=captured, _kbench_plan=plan,
                              _kbench_executor=executor, _kbench_reasons=set(), _kbench_device=device,
                              _kbench_program=Program(plan, executor, self._note), _kbench_backward={},
                              _kbench_captured_training=module.training)
+        # parameters and buffers as captured: a later .double() or resize sends calls to eager
+        nuser = len(captured.input_names)
+        self.__dict__["_kbench_param_meta"] = [
+            (plan.nodes[v]["name"], torch_dtype(plan.nodes[v]["dtype"]), tuple(plan.graph.sizes(v, plan.example_symvals)))
+            for v in plan.graph.inputs[nuser:]]
 
     @property
     def kbench_report(self):
@@ -257,6 +268,10 @@ class OptimizedModule(torch.nn.Module):
         for t in tensors:
             if t.device != device:
                 raise Fallback(f"tensors on {device} and {t.device}")
+        nuser = len(args)
+        for t, (name, dtype, shape) in zip(tensors[nuser:], self._kbench_param_meta):
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise Fallback(f"{name} is now {t.dtype}{list(t.shape)}; it was captured as {dtype}{list(shape)}")
         values = dict(zip(plan.graph.inputs, tensors))
         region_call = None
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -281,7 +296,7 @@ class OptimizedModule(torch.nn.Module):
         prog = None
         try:
             graph = plan.partition.region_graph(r).grad(list(need))
-            bplan = Plan(graph, (), plan.example_symvals)
+            bplan = Plan(graph, (), plan.example_symvals, None, plan.guards)
             executor = self._kbench_executor.fresh()
             executor.prepare(bplan, self._kbench_device)
             prog = Program(bplan, executor, self._note)

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from . import filters as filters_mod
 from . import harness, impls, results
-from .tasks import TASKS, dtype_name, parse_dtype, select
+from .tasks import dtype_name, parse_dtype, select
 
 
 def build_parser() -> argparse.ArgumentParser:

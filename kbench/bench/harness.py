@@ -74,7 +74,7 @@ class Env:
 
     def copy(self) -> dict:
         if self._copy is None:
-            nbytes = (1 << 30) if self.cuda else (64 << 20)
+            nbytes = (1 << 30) if self.cuda else (16 << 20)
             self._copy = timing.copy_bandwidth(self.device, nbytes)
         return self._copy
 
@@ -264,7 +264,7 @@ def check_config(task: Task, impl: Callable, model: torch.nn.Module, cfg: dict, 
                     ok, why, err = compare.close(c, r, tol)
                     worst = max(worst, err.get("rel_norm", 0.0) if err else 0.0)
                 if not ok:
-                    failures.append(f"{cfg['name']}: {lab} ({'NaN-poisoned' if k == 0 else 'random-poisoned'} run): {why}")
+                    failures.append(f"{cfg['name']}: {lab} ({kind}-poisoned run): {why}")
             runs.append(got)
         if len(runs) == 2:
             deterministic &= all(a is None or b is None or torch.equal(a, b)

@@ -71,11 +71,7 @@ class KernelFunction(torch.autograd.Function):
         ctx.mod, ctx.n_inputs = mod, n_inputs
         ctx.save_for_backward(*args)
         out = mod.forward(*args)
-        if isinstance(out, (list, tuple)):
-            ctx.multi = True
-            return tuple(out)
-        ctx.multi = False
-        return out
+        return tuple(out) if isinstance(out, (list, tuple)) else out
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -86,6 +82,8 @@ class KernelFunction(torch.autograd.Function):
         if len(grads) != len(args):
             raise RuntimeError(f"backward() returned {len(grads)} gradients, expected "
                                f"{len(args)} (one per input and state tensor)")
+        # only where autograd asked (integer targets, buffers get None whatever was returned)
+        grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:])]
         return (None, None, *grads)
 
 

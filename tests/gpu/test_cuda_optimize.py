@@ -1,6 +1,7 @@
 """optimize() with the cuda backend on a GPU: every test model's regions run as generated,
 verified kernels and match eager on fresh inputs and on other batch sizes, in f32, bf16 and f16.
 A region that stayed eager must say why; most regions must be kernels."""
+import copy
 import os
 import sys
 
@@ -41,7 +42,7 @@ def test_cuda_matches_eager(entry, dtype):
     report = fast.kbench_report
     for row in report.rows:
         assert row.status.startswith(("kernel", "torch")) or "(" in row.status, row  # eager rows say why
-    ref_model = model.double() if dtype != torch.float32 else model
+    ref_model = copy.deepcopy(model).double() if dtype != torch.float32 else model  # not in place: params are shared
     for inputs in (to(example(), dtype), to(other(), dtype)):
         with torch.no_grad():
             got = as_list(fast(*inputs))
@@ -52,9 +53,8 @@ def test_cuda_matches_eager(entry, dtype):
                 assert rel_err(g, w) <= TOL[dtype], f"{name}\n{report}"
             else:
                 assert torch.equal(g, w.to(g.dtype))
-    if dtype != torch.float32:
-        model.float()
-    assert not fast._kbench_reasons, fast._kbench_reasons
+    if fast._kbench_plan.static_reason is None:   # sizes may vary: the other shape ran on kernels
+        assert not fast._kbench_reasons, fast._kbench_reasons
 
 
 def test_report_and_kernel_count():

@@ -62,7 +62,8 @@ class Task:
         self.model_args_fn: Callable = getattr(module, "model_args", lambda cfg: {})
         self.bytes_fn: Optional[Callable] = getattr(module, "bytes_moved", None)
         self.flops_fn: Optional[Callable] = getattr(module, "flops", None)
-        self.description = (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
+        # the docstring's first paragraph, on one line
+        self.description = " ".join((module.__doc__ or "").strip().split("\n\n")[0].split())
         names = [c["name"] for c in self.input_configs]
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"task {self.name}: input config names must be unique, non-empty")

@@ -1,7 +1,7 @@
-"""Residual add + RMSNorm (Llama style), the pre-norm transformer pattern: returns (norm(x + r), x + r)."""
+"""Residual add + RMSNorm (Llama style), the pre-norm transformer pattern: returns
+(norm(x + r), x + r)."""
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ._common import STANDARD_INITS, last_dim, rand
 

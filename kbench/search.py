@@ -1,0 +1,464 @@
+"""The schedule search of one region (DESIGN §4): csrc/evolve.c's genetic search asks for genomes;
+each is generated, compiled by NVRTC (several at once), gated on one shape against the float64
+reference with NaN-poisoned outputs, timed (CUDA events, median, L2 flushed between repetitions)
+and told. The fastest few, the default genome among them, are re-timed interleaved (A B C A B C)
+and the winner goes through full verification. Every candidate is recorded.
+
+Everything that touches a device is in a bench object (CudaRegionBench), so the driver (ask/tell
+loop, budgets, finalists, the default-kept rule, the record) runs on the CPU with a fake one."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from . import _C
+
+log = logging.getLogger("kbench")
+
+
+@dataclass(frozen=True)
+class Budget:
+    candidates: int          # distinct kernels generated, compiled and timed
+    seconds: float           # wall clock of the generations (finalists and verification come after)
+    population: int          # candidates per generation
+    compile_timeout: float   # one compile, from when it starts
+    reps: int                # timed repetitions per candidate (the median is told)
+    finalists: int           # re-timed interleaved, the default genome joining them
+    rounds: int              # interleaved rounds of one repetition each
+
+
+BUDGETS = {
+    # fast is one generation: the default and 11 seeded random genomes, the same for a seed
+    "fast": Budget(12, 10.0, 12, 20.0, 10, 3, 10),
+    "default": Budget(48, 60.0, 12, 30.0, 20, 3, 20),
+    "max": Budget(160, 300.0, 16, 60.0, 30, 4, 30),
+}
+KEEP_DEFAULT = 0.02      # a winner within 2% of the default is noise: the default stays
+GATE_TIMEOUT_S = 10.0    # a kernel still running after this long is taken as hung
+DUPLICATE_FACTOR = 4     # asks (kernels generated more than once included) per budgeted candidate
+
+# driver errors after which the context is unusable (a trap poisons it for every later call)
+_STICKY = ("illegal_address", "illegal memory access", "launch_failed", "unspecified launch failure",
+           "misaligned", "illegal_instruction", "illegal instruction", "hardware_stack_error",
+           "hardware stack error", "assert", "launch_timeout", "launch timed out", "context is destroyed",
+           "context_is_destroyed", "ecc", "kernel hang")
+
+
+class KernelHang(RuntimeError):
+    """A launched kernel did not finish within GATE_TIMEOUT_S."""
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Does this error leave the CUDA context unusable (a trap, a hang)?"""
+    if isinstance(exc, KernelHang):
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in _STICKY)
+
+
+@dataclass
+class SearchResult:
+    best_k: dict | None              # _C.generate's dict of the winner; None when nothing verified
+    best_ms: float | None            # its time (interleaved re-timing when there were finalists)
+    default_ms: float | None         # the default genome's, measured the same way
+    candidates: list = field(default_factory=list)   # one dict per candidate (cache.CANDIDATE_FIELDS + extras)
+    seconds: float = 0.0
+    best_genome: str = ""
+    default_genome: str = ""
+    generations: int = 0
+    kernel: object = None            # the winner as loaded by the bench (the executor's Kernel)
+    verdict: object = None           # the winner's full verification
+    note: str = ""                   # why the search stopped early or fell back to the default
+
+
+def _first_lines(text: str, n: int = 2) -> str:
+    return "\n".join(str(text).strip().splitlines()[:n])
+
+
+def kernel_key(k: dict) -> str:
+    """What makes two generated kernels the same: the source (less its genome comment) and the
+    launch. Genomes that differ only in genes codegen ignores give the same key."""
+    src = "\n".join(line for line in k["source"].splitlines() if not line.startswith("// genome:"))
+    launch = (k.get("block"), k.get("smem"), repr(k.get("grid_units")), k.get("units_per_block"), k.get("nkernels"),
+              k.get("workspace_bytes_per_unit"), k.get("max_blocks"))
+    return hashlib.sha256((src + "\n" + repr(launch)).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------- the GPU side
+
+class CudaRegionBench:
+    """Region r of a CudaExecutor at one shape: generate, compile, load, gate, time, verify.
+    Built inside the executor's device context; the gate's inputs and float64 reference are
+    computed once and shared by every candidate."""
+
+    def __init__(self, executor, r: int, symvals):
+        import torch
+
+        from . import verify
+        self.torch, self.verify_mod = torch, verify
+        self.ex, self.r, self.symvals = executor, r, list(symvals)
+        gen = torch.Generator().manual_seed(getattr(executor, "seed", 0) + 7919 * (r + 1))
+        self.inputs = executor._region_inputs(r, self.symvals, "normal", gen)
+        self.clones = [x.clone() for x in self.inputs]
+        self.ref = executor._reference(r, self.symvals, self.clones)
+        device = self.inputs[0].device if self.inputs else getattr(executor, "device", torch.device("cpu"))
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        l2 = int((getattr(executor, "dev", None) or {}).get("l2_bytes", 0)) if self.cuda else 0
+        # writing twice the L2 between repetitions evicts the inputs: each repetition reads from DRAM
+        self.flush = torch.empty(max(1, 2 * l2 // 4), dtype=torch.int32, device=self.device) if l2 else None
+
+    def generate(self, genome: str) -> dict:
+        ex = self.ex
+        return _C.generate(ex.plan.partition, self.r, ex.sm, genome, ex.dev)
+
+    def compile(self, k: dict) -> None:
+        """NVRTC into the disk cache; runs in a worker thread (the compile releases the GIL)."""
+        from . import nvrtc
+        nvrtc.compile(k["source"], self.ex.arch)
+
+    def load(self, k: dict):
+        return self.ex._load(k)   # a cache hit after compile()
+
+    def _launch(self, kernel, poison=False):
+        return self.ex._launch(kernel, self.r, self.symvals, self.inputs, poison=poison)
+
+    def _sync(self, timeout: float = GATE_TIMEOUT_S) -> None:
+        if not self.cuda:
+            return
+        torch = self.torch
+        ev = torch.cuda.Event()
+        ev.record()
+        deadline = time.perf_counter() + timeout
+        while not ev.query():   # raises the driver's error after a trap
+            if time.perf_counter() > deadline:
+                raise KernelHang(f"kernel hang: still running after {timeout:.0f} s")
+            time.sleep(1e-4)
+
+    def gate(self, kernel) -> str:
+        """One shape, one distribution, outputs poisoned: "" if the kernel matches, else why not."""
+        outs = self._launch(kernel, poison=True)
+        self._sync()
+        for i, (x, c) in enumerate(zip(self.inputs, self.clones)):
+            if not self.torch.equal(x, c):
+                x.copy_(c)
+                return f"the kernel modified input {i}"
+        for j, (o, ref) in enumerate(zip(outs, self.ref)):
+            ok, _, why = self.verify_mod.compare(o, ref)
+            if not ok:
+                return f"output {j}: {why}"
+        return ""
+
+    def time(self, kernel, reps: int, warmup: int = 2) -> list:
+        """reps times in ms, each after the L2 flush, from CUDA events on the current stream."""
+        torch = self.torch
+        for _ in range(warmup):
+            self._launch(kernel)
+        if not self.cuda:  # a CPU stand-in executor (tests): wall clock
+            out = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                self._launch(kernel)
+                out.append((time.perf_counter() - t) * 1e3)
+            return out
+        pairs = []
+        for _ in range(reps):
+            if self.flush is not None:
+                self.flush.zero_()   # also keeps the GPU busy while the host enqueues the launch
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self._launch(kernel)
+            b.record()
+            pairs.append((a, b))
+        self._sync()
+        return [a.elapsed_time(b) for a, b in pairs]
+
+    def verify(self, kernel):
+        return self.ex._verify(self.r, kernel, self.symvals)
+
+
+# ---------------------------------------------------------------------------------------- the driver
+
+class _Search:
+    def __init__(self, executor, r, symvals, budget: Budget, seed, progress, bench):
+        self.r, self.symvals, self.b, self.seed, self.progress, self.bench = r, list(symvals), budget, seed, progress, bench
+        self.h = _C.evolve_new(executor.plan.partition, r, self.symvals, getattr(executor, "dev", None), seed,
+                               budget.population)
+        self.records: list[dict] = []
+        self.by_genome: dict[str, dict] = {}
+        self.by_kernel: dict[str, dict] = {}
+        self.ks: dict[str, dict] = {}         # genome -> generated kernel dict
+        self.kernels: dict[str, object] = {}  # genome -> loaded kernel (timed successfully)
+        self.default_genome = ""
+        self.fatal = ""
+        self.counted = 0
+        self.asked = 0
+        self.generations = 0
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def tell(self, rec: dict, ms: float) -> None:
+        _C.evolve_tell(self.h, rec["genome"], ms)
+
+    def fail(self, rec: dict, status: str | None = None, log_text: str = "", verify: str = "") -> None:
+        if status is not None:
+            rec["compile_status"] = status
+        if log_text:
+            rec["compile_log"] = _first_lines(log_text)
+        if verify:
+            rec["verify"] = verify
+        self.tell(rec, -1.0)
+
+    def new_record(self, genome: str, gen: int) -> dict:
+        rec = {"genome": genome, "compile_status": None, "compile_log": "", "regs": None, "spills": None,
+               "time_ms": None, "verify": "", "generation": gen, "seed": self.seed}
+        self.records.append(rec)
+        self.by_genome[genome] = rec
+        return rec
+
+    # ------------------------------------------------------------------ generations
+
+    def run(self) -> None:
+        b = self.b
+        # NOTE: not a `with` block: its exit would wait for a compile that hangs past its timeout
+        pool = cf.ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 2)),
+                                     thread_name_prefix="kbench-nvrtc")
+        try:
+            while not self.fatal and self.counted < b.candidates and self.elapsed() < b.seconds \
+                    and self.asked < DUPLICATE_FACTOR * b.candidates:
+                texts = _C.evolve_ask(self.h, min(b.population, b.candidates - self.counted))
+                if not texts:
+                    break   # every legal genome was tried
+                gen = _C.evolve_generation(self.h)
+                if not self.default_genome:
+                    self.default_genome = texts[0]
+                self.generations = gen + 1
+                self.asked += len(texts)
+                self.batch(pool, texts, gen)
+                if self.progress is not None:
+                    best = _C.evolve_best(self.h)
+                    self.progress(self.r, gen, best[1] if best else None)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def batch(self, pool, texts, gen) -> None:
+        pending, dups = [], []
+        for genome in texts:
+            rec = self.new_record(genome, gen)
+            try:
+                k = self.bench.generate(genome)
+            except (ValueError, NotImplementedError) as e:
+                self.fail(rec, "codegen rejected", str(e))
+                self.counted += 1
+                continue
+            key = kernel_key(k)
+            rec["source_hash"] = key[:12]
+            same = self.by_kernel.get(key)
+            self.ks[genome] = k
+            if same is not None:   # codegen ignored the genes that differ: share the result, no budget
+                dups.append((rec, same))
+                continue
+            self.by_kernel[key] = rec
+            self.counted += 1
+            pending.append((rec, k))
+        started: dict[int, float] = {}
+
+        def job(i, k):
+            started[i] = time.perf_counter()
+            self.bench.compile(k)
+
+        futures = [pool.submit(job, i, k) for i, (_, k) in enumerate(pending)]
+        for i, ((rec, k), fut) in enumerate(zip(pending, futures)):
+            if self.fatal:
+                rec["compile_status"] = rec["compile_status"] or "not run"
+                rec["verify"] = f"search stopped: {self.fatal}"
+                continue
+            self.evaluate(rec, k, fut, started, i)
+        for rec, same in dups:
+            for f in ("compile_status", "compile_log", "regs", "spills", "time_ms", "verify"):
+                rec[f] = same[f]
+            rec["same_kernel_as"] = same["genome"]
+            if same.get("_ok"):
+                self.kernels[rec["genome"]] = self.kernels[same["genome"]]
+                self.tell(rec, same["time_ms"])
+            elif same["compile_status"] != "not run":
+                self.tell(rec, -1.0)
+
+    def wait_compile(self, fut, started, i) -> str:
+        """"" when compiled; else the failure ("timeout" or the error text)."""
+        limit = self.b.compile_timeout
+        while True:
+            try:
+                fut.result(timeout=0.05)
+                return ""
+            except cf.TimeoutError:
+                t = started.get(i)
+                if t is not None and time.perf_counter() - t > limit:
+                    return "timeout"
+                # queued behind hung compiles: give up once the whole search is over time
+                if t is None and self.elapsed() > self.b.seconds + limit:
+                    return "timeout"
+
+    def evaluate(self, rec, k, fut, started, i) -> None:
+        bench = self.bench
+        try:
+            why = self.wait_compile(fut, started, i)
+        except Exception as e:   # CompileError (NVRTC's log) or anything the compile raised
+            self.fail(rec, "compile error", str(e))
+            return
+        if why == "timeout":
+            self.fail(rec, "compile timeout", f"no CUBIN after {self.b.compile_timeout:g} s")
+            return
+        rec["compile_status"] = "ok"
+        try:
+            kernel = bench.load(k)
+        except Exception as e:
+            if is_fatal(e):
+                self.fatal = _first_lines(e, 1)
+            self.fail(rec, "load error", str(e))
+            return
+        rec["regs"], rec["spills"] = getattr(kernel, "regs", None), getattr(kernel, "spills", None)
+        try:
+            why = bench.gate(kernel)
+            if why:
+                self.fail(rec, verify=f"gate: {why}")
+                return
+            times = bench.time(kernel, self.b.reps)
+        except Exception as e:
+            if is_fatal(e):
+                self.fatal = _first_lines(e, 1)
+                self.fail(rec, verify=f"trap: {_first_lines(e, 1)}")
+            else:
+                self.fail(rec, verify=f"launch failed: {_first_lines(e, 1)}")
+            return
+        rec["verify"] = "gate ok"
+        rec["time_ms"] = statistics.median(times)
+        rec["_ok"] = True
+        self.kernels[rec["genome"]] = kernel
+        self.tell(rec, rec["time_ms"])
+
+    # ------------------------------------------------------------------ finalists
+
+    def finalists(self) -> list[str]:
+        """The fastest few; those within KEEP_DEFAULT of the fastest are near-ties and go in the
+        order they were asked (fixed by the seed), so noise does not change who gets in."""
+        ok = [rec for rec in self.records if rec.get("_ok") and "same_kernel_as" not in rec]
+        ok.sort(key=lambda rec: rec["time_ms"])
+        if ok:
+            top = ok[0]["time_ms"]
+            ties = [rec for rec in self.records if rec in ok and rec["time_ms"] <= top * (1 + KEEP_DEFAULT)]
+            ok = ties + [rec for rec in ok if rec not in ties]
+        names = [rec["genome"] for rec in ok[:self.b.finalists]]
+        if self.default_genome in self.kernels and self.default_genome not in names:
+            names.append(self.default_genome)
+        return names
+
+    def retime(self, names) -> dict:
+        """Interleaved: one repetition of each finalist per round, so drift hits all alike."""
+        if len(names) < 2:
+            return {g: self.by_genome[g]["time_ms"] for g in names}
+        samples = {g: [] for g in names}
+        for g in names:
+            self.bench.time(self.kernels[g], 0)   # warm-up only
+        for _ in range(self.b.rounds):
+            for g in names:
+                samples[g] += self.bench.time(self.kernels[g], 1, warmup=0)
+        return {g: statistics.median(s) for g, s in samples.items()}
+
+    def order(self, final: dict) -> list[str]:
+        """Verification order: fastest first; the default first when the fastest is within
+        KEEP_DEFAULT of it; among near-ties (within KEEP_DEFAULT of the fastest) the earliest
+        asked first, so noise does not flip the winner between runs."""
+        asked = {rec["genome"]: i for i, rec in enumerate(self.records)}
+        ranked = sorted(final, key=lambda g: (final[g], asked[g]))
+        if not ranked:
+            return []
+        top = final[ranked[0]]
+        ties = sorted((g for g in ranked if final[g] <= top * (1 + KEEP_DEFAULT)), key=lambda g: asked[g])
+        ranked = ties + [g for g in ranked if g not in ties]
+        d = self.default_genome
+        if d in final and top >= final[d] * (1 - KEEP_DEFAULT):
+            ranked.remove(d)
+            ranked.insert(0, d)
+        return ranked
+
+    def finish(self) -> SearchResult:
+        res = SearchResult(None, None, None, self.records, 0.0, default_genome=self.default_genome,
+                           generations=self.generations)
+        d = self.by_genome.get(self.default_genome)
+        res.default_ms = d["time_ms"] if d else None
+        if self.fatal:
+            res.note = (f"search stopped ({self.fatal}); the CUDA context may be unusable: the default genome "
+                        "is kept, unverified")
+            res.best_genome = self.default_genome
+            res.best_k = self.ks.get(self.default_genome)
+            return self._done(res)
+        names = self.finalists()
+        try:
+            final = self.retime(names)
+        except Exception as e:
+            if not is_fatal(e):
+                raise
+            self.fatal = _first_lines(e, 1)
+            return self.finish()
+        for g, ms in final.items():
+            self.by_genome[g]["final_ms"] = ms
+        if d is not None and self.default_genome in final:
+            res.default_ms = final[self.default_genome]
+        for g in self.order(final):
+            rec = self.by_genome[g]
+            try:
+                verdict = self.bench.verify(self.kernels[g])
+            except Exception as e:
+                if not is_fatal(e):
+                    rec["verify"] = f"full: raised {_first_lines(e, 1)}"
+                    continue
+                self.fatal = _first_lines(e, 1)
+                rec["verify"] = f"trap: {self.fatal}"
+                return self.finish()
+            if not verdict:
+                rec["verify"] = f"full: {getattr(verdict, 'reason', 'failed')}"
+                continue
+            rec["verify"] = "full ok"
+            res.best_genome, res.best_k, res.best_ms = g, self.ks[g], final[g]
+            res.kernel, res.verdict = self.kernels[g], verdict
+            break
+        else:
+            res.note = "no candidate passed full verification" if names else "no candidate compiled and passed the gate"
+        return self._done(res)
+
+    def _done(self, res: SearchResult) -> SearchResult:
+        for rec in self.records:
+            rec.pop("_ok", None)
+        res.seconds = self.elapsed()
+        return res
+
+
+def search_region(executor, r: int, example_symvals, *, budget="default", seed: int = 0, progress=None,
+                  bench=None) -> SearchResult:
+    """Search region r's schedule on the executor's GPU at the example sizes.
+
+    budget: "fast" | "default" | "max" or a Budget. progress: optional callable (region,
+    generation, best_ms) after each generation. bench: the device side (CudaRegionBench by
+    default; tests pass a fake). The default genome is always a candidate and stays unless a
+    verified candidate beats it by more than KEEP_DEFAULT; result.best_k is None when nothing
+    verified, and result.note says so (or why the search stopped)."""
+    b = BUDGETS.get(budget) if isinstance(budget, str) else budget
+    if not isinstance(b, Budget):
+        raise ValueError(f"budget must be one of {sorted(BUDGETS)} or a Budget, got {budget!r}")
+    if bench is None:
+        bench = CudaRegionBench(executor, r, example_symvals)
+    s = _Search(executor, r, example_symvals, b, seed, progress, bench)
+    s.run()
+    res = s.finish()
+    if res.best_k is not None and not res.note:
+        log.debug("kbench: region %d searched %d candidates in %.1f s: %s (%.4g ms; default %.4g ms)", r,
+                  len(res.candidates), res.seconds, res.best_genome, res.best_ms or 0, res.default_ms or 0)
+    return res

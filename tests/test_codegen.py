@@ -1,0 +1,373 @@
+# test_codegen.py — fusion (csrc/fuse.c), default schedules (csrc/genome.c) and CUDA generation
+# (csrc/codegen*.c) through kbench._C: the partition of each model-like graph, run region by
+# region in the interpreter, computes what the whole graph computes; generation is deterministic
+# (golden sources under tests/golden_cuda/, KBENCH_UPDATE_GOLDEN=1 rewrites them); illegal
+# genomes are refused with ValueError; where NVRTC is present every kernel compiles for sm_80 and
+# sm_90; on a GPU (-m gpu) every kernel matches the interpreter.
+import math
+import os
+import pathlib
+
+import pytest
+import torch
+
+from kbench import _C
+
+DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64,
+      "i64": torch.int64, "i32": torch.int32, "bool": torch.bool}
+GOLDEN = pathlib.Path(__file__).parent / "golden_cuda"
+
+
+class Builder:
+    """Terse graph building: dims are ints or symbol names ("s0")."""
+
+    def __init__(self, **syms):
+        self.g = _C.Graph()
+        self.example = list(syms.values())
+        self.sym = {name: self.g.add_symbol(name, ex) for name, ex in syms.items()}
+
+    def dims(self, dims):
+        return [(1, (self.sym[d],)) if isinstance(d, str) else d for d in dims]
+
+    def input(self, name, dtype, dims, kind="user"):
+        return self.g.add_input(name, kind, dtype, self.dims(dims))
+
+    def op(self, op, inputs, dtype, dims, **kw):
+        return self.g.add_node(op, list(inputs), dtype, self.dims(dims), **kw)
+
+
+def layernorm(b, dt, rows, n, x, w, bias, eps=1e-5):
+    full, keep = [rows, n], [rows, 1]
+    mean = b.op("mean", [x], dt, keep, axes=2)
+    xc = b.op("sub", [x, b.op("expand", [mean], dt, full)], dt, full)
+    var = b.op("mean", [b.op("mul", [xc, xc], dt, full)], dt, keep, axes=2)
+    eps_c = b.op("const", [], dt, keep, scalars=(eps, 0.0))
+    rstd = b.op("rsqrt", [b.op("add", [var, eps_c], dt, keep)], dt, keep)
+    y = b.op("mul", [xc, b.op("expand", [rstd], dt, full)], dt, full)
+    we = b.op("expand", [b.op("reshape", [w], dt, [1, n])], dt, full)
+    be = b.op("expand", [b.op("reshape", [bias], dt, [1, n])], dt, full)
+    return b.op("add", [b.op("mul", [y, we], dt, full), be], dt, full), mean, rstd
+
+
+def g_layernorm(dt):
+    b = Builder(s0=6)
+    x, w, bias = b.input("x", dt, ["s0", 1024]), b.input("w", dt, [1024], "param"), b.input("b", dt, [1024], "param")
+    y, mean, rstd = layernorm(b, dt, "s0", 1024, x, w, bias)
+    for v in (y, mean, rstd):
+        b.g.add_output(v)
+    return b, ["ROW"], 1
+
+
+def g_res_layernorm(dt):
+    b = Builder(s0=5)
+    x, r = b.input("x", dt, ["s0", 768]), b.input("res", dt, ["s0", 768])
+    w, bias = b.input("w", dt, [768], "param"), b.input("b", dt, [768], "param")
+    h = b.op("add", [x, r], dt, ["s0", 768])
+    y, _, _ = layernorm(b, dt, "s0", 768, h, w, bias)
+    b.g.add_output(h)
+    b.g.add_output(y)
+    return b, ["ROW"], 1
+
+
+def g_softmax(dt, n=1000):
+    b = Builder(s0=5, s1=300)
+    x = b.input("x", dt, ["s0", n])
+    full, keep = ["s0", n], ["s0", 1]
+    m = b.op("expand", [b.op("max", [x], dt, keep, axes=2)], dt, full)
+    e = b.op("exp", [b.op("sub", [x, m], dt, full)], dt, full)
+    s = b.op("expand", [b.op("sum", [e], dt, keep, axes=2)], dt, full)
+    b.g.add_output(b.op("div", [e, s], dt, full))
+    return b, ["ROW"], 1
+
+
+def g_softmax_dyn(dt):
+    return g_softmax(dt, "s1")
+
+
+def g_bias_gelu(dt):
+    b = Builder(s0=7)
+    x, bias = b.input("x", dt, ["s0", 768]), b.input("bias", dt, [768], "param")
+    be = b.op("expand", [b.op("reshape", [bias], dt, [1, 768])], dt, ["s0", 768])
+    b.g.add_output(b.op("gelu_tanh", [b.op("add", [x, be], dt, ["s0", 768])], dt, ["s0", 768]))
+    return b, ["POINTWISE"], 1
+
+
+def g_swiglu(dt):
+    b = Builder(s0=7)
+    x = b.input("x", dt, ["s0", 1024])
+    a = b.op("slice", [x], dt, ["s0", 512], axis=1, start=0, step=1)
+    gate = b.op("slice", [x], dt, ["s0", 512], axis=1, start=512, step=1)
+    b.g.add_output(b.op("mul", [b.op("silu", [a], dt, ["s0", 512]), gate], dt, ["s0", 512]))
+    return b, ["POINTWISE"], 1
+
+
+def g_col_sum(dt):
+    b = Builder(s0=3, s1=11)
+    gy = b.input("gy", dt, ["s0", "s1", 256])
+    gf = b.op("cast", [gy], "f32", ["s0", "s1", 256])
+    b.g.add_output(b.op("cast", [b.op("sum", [gf], "f32", [256], axes=3)], dt, [256]))
+    b.g.add_output(b.op("sum", [b.op("mul", [gf, gf], "f32", ["s0", "s1", 256])], "f32", [256], axes=3))
+    return b, ["COL"], 1
+
+
+def g_cross_entropy(dt):
+    b = Builder(s0=5)
+    x, t = b.input("logits", dt, ["s0", 1000]), b.input("target", "i64", ["s0"])
+    full, keep = ["s0", 1000], ["s0", 1]
+    xf = b.op("cast", [x], "f32", full)
+    m = b.op("max", [xf], "f32", keep, axes=2)
+    sh = b.op("sub", [xf, b.op("expand", [m], "f32", full)], "f32", full)
+    lse = b.op("log", [b.op("sum", [b.op("exp", [sh], "f32", full)], "f32", keep, axes=2)], "f32", keep)
+    logp = b.op("sub", [sh, b.op("expand", [lse], "f32", full)], "f32", full)
+    picked = b.op("gather", [logp, b.op("reshape", [t], "i64", keep)], "f32", keep, axis=1)
+    nll = b.op("reshape", [b.op("neg", [picked], "f32", keep)], "f32", ["s0"])
+    b.g.add_output(b.op("mean", [nll], "f32", [], axes=1))
+    b.g.add_output(lse)
+    return b, ["ROW", "ROW"], 1000
+
+
+GRAPHS = {"layernorm": g_layernorm, "res_layernorm": g_res_layernorm, "softmax": g_softmax,
+          "softmax_dyn": g_softmax_dyn, "bias_gelu": g_bias_gelu, "swiglu": g_swiglu, "col_sum": g_col_sum,
+          "cross_entropy": g_cross_entropy}
+CASES = [(name, dt) for name in GRAPHS for dt in ("f32", "bf16", "f16")]
+
+
+def build(name, dt):
+    b, kinds, bound = GRAPHS[name](dt)
+    return b.g, b.example, kinds, bound
+
+
+def random_inputs(g, symvals, bound, gen):
+    ins = []
+    for v in g.inputs:
+        nd, shape = g.node(v), g.sizes(v, symvals)
+        if nd["dtype"] in ("i64", "i32"):
+            ins.append(torch.randint(0, bound, shape, generator=gen, dtype=DT[nd["dtype"]]))
+        else:
+            ins.append(torch.randn(shape, generator=gen, dtype=torch.float64).to(DT[nd["dtype"]]))
+    return ins
+
+
+def interp_region(p, g, r, symvals, values):
+    rg = p.region(r)
+    ins = [values[v].contiguous() for v in rg["inputs"]]
+    outs = [torch.empty(g.sizes(v, symvals), dtype=DT[g.node(v)["dtype"]]) for v in rg["outputs"]]
+    _C.interp_region(p, r, symvals, [t.data_ptr() for t in ins], [o.data_ptr() for o in outs])
+    return dict(zip(rg["outputs"], outs))
+
+
+def tol(dtype):
+    return {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 2e-5}.get(dtype, 1e-12)
+
+
+def assert_close(got, want, what):
+    if not got.dtype.is_floating_point:
+        assert torch.equal(got, want), what
+        return
+    g64, w64 = got.double(), want.double()
+    scale = max(1.0, w64.abs().max().item()) if w64.numel() else 1.0
+    err = (g64 - w64).abs().max().item() if w64.numel() else 0.0
+    assert err <= tol(got.dtype) * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
+
+
+# ------------------------------------------------------------------ fusion
+
+@pytest.mark.parametrize("name,dt", CASES)
+def test_partition_kinds(name, dt):
+    g, _, kinds, _ = build(name, dt)
+    p = g.partition()
+    assert [p.region(r)["kind"] for r in range(len(p))] == kinds
+    text = str(p)
+    assert text.startswith("region 0 ") and text == str(g.partition())  # stable text
+
+
+@pytest.mark.parametrize("name,dt", CASES)
+def test_regions_compute_the_graph(name, dt):
+    g, symvals, _, bound = build(name, dt)
+    p = g.partition()
+    gen = torch.Generator().manual_seed(0)
+    for sv in (symvals, [max(1, s // 2 + 1) for s in symvals]):
+        inputs = random_inputs(g, sv, bound, gen)
+        want = [torch.empty(g.sizes(v, sv), dtype=DT[g.node(v)["dtype"]]) for v in g.outputs]
+        _C.interp_graph(g, sv, [t.data_ptr() for t in inputs], [o.data_ptr() for o in want])
+        values = dict(zip(g.inputs, inputs))
+        for r in range(len(p)):
+            values.update(interp_region(p, g, r, sv, values))
+        for v, w in zip(g.outputs, want):
+            assert_close(values[v], w, f"{name}/{dt} output %{v}")
+
+
+def test_layernorm_is_one_row_region_with_stats():
+    g, _, _, _ = build("layernorm", "bf16")
+    p = g.partition()
+    rg = p.region(0)
+    assert rg["kind"] == "ROW" and rg["reduce_axes"] == 0b10 and rg["anchor"] == 0
+    assert rg["inputs"] == [0, 1, 2] and len(rg["outputs"]) == 3
+
+
+def test_views_of_intermediates_end_the_region():
+    b = Builder(s0=4)
+    x = b.input("x", "f32", ["s0", 8])
+    e = b.op("exp", [x], "f32", ["s0", 8])
+    t = b.op("permute", [e], "f32", [8, "s0"], perm=[1, 0])
+    b.g.add_output(b.op("add", [t, t], "f32", [8, "s0"]))
+    p = b.g.partition()
+    assert [p.region(r)["kind"] for r in range(len(p))] == ["POINTWISE", "POINTWISE"]
+    assert p.region(1)["inputs"] == [e]  # the second kernel reads the materialized exp, transposed
+
+
+def test_extern_is_a_boundary():
+    b = Builder(s0=4)
+    x = b.input("x", "f32", ["s0", 8])
+    e = b.op("exp", [x], "f32", ["s0", 8])
+    mm = b.op("extern", [e], "f32", ["s0", 8], index=0)
+    b.g.add_output(b.op("relu", [mm], "f32", ["s0", 8]))
+    p = b.g.partition()
+    assert [p.region(r)["kind"] for r in range(len(p))] == ["POINTWISE", "EXTERN", "POINTWISE"]
+    with pytest.raises(ValueError):
+        _C.generate(p, 1, 90, None)
+
+
+# ------------------------------------------------------------------ schedules and generation
+
+@pytest.mark.parametrize("name,dt", CASES)
+def test_generate_default_is_deterministic(name, dt):
+    g, symvals, _, _ = build(name, dt)
+    p = g.partition()
+    for r in range(len(p)):
+        text = _C.genome_default(p, r, symvals)
+        k = _C.generate(p, r, 90, None)
+        assert k["genome"] == text
+        again = _C.generate(build(name, dt)[0].partition(), r, 90, text)
+        assert again["source"] == k["source"], "same region and genome, different source"
+        assert k["name"] in k["source"] and f"__launch_bounds__({k['block']})" in k["source"]
+        assert k["units_per_block"] >= 1 and k["nkernels"] in (1, 2)
+        body = k["source"].split("#define KB_INF")[1]  # headers only where the kernel uses the type
+        assert ("cuda_bf16.h" in k["source"]) == ("bfloat16" in body)
+        assert ("cuda_fp16.h" in k["source"]) == ("half" in body)
+
+
+def test_genome_text_errors():
+    g, _, _, _ = build("softmax", "f32")
+    p = g.partition()
+    for bad in ("threads=256 warps=4", "cache=disk", "vec=3", "threads=100", "threads=256 rows=3",
+                "threads=256 col_split=4"):
+        with pytest.raises(ValueError):
+            _C.generate(p, 0, 90, bad)
+    # a row length that varies cannot live in registers
+    pd = build("softmax_dyn", "f32")[0].partition()
+    with pytest.raises(ValueError):
+        _C.generate(pd, 0, 90, "threads=256 cache=regs")
+    assert "cache=reread" in _C.genome_default(pd, 0, [5, 300])
+
+
+def test_default_genomes():
+    g, sv, _, _ = build("layernorm", "bf16")
+    text = _C.genome_default(g.partition(), 0, sv)
+    assert "vec=8" in text and "cache=regs" in text  # 16-byte bf16 vectors, the row in registers
+    g, sv, _, _ = build("bias_gelu", "f32")
+    assert "vec=4" in _C.genome_default(g.partition(), 0, sv)
+    g, sv, _, _ = build("col_sum", "f32")
+    assert "col_split=" in _C.genome_default(g.partition(), 0, sv)
+
+
+def variants(p, r, symvals):
+    """The default genome and a sweep over the genes of the region's kind (illegal ones skipped)."""
+    base = dict(kv.split("=") for kv in _C.genome_default(p, r, symvals).split())
+    kind = p.region(r)["kind"]
+    sweeps = {"POINTWISE": [{"vec": "1"}, {"vec": "2", "items": "2"}, {"persistent": "1"}],
+              "ROW": [{"cache": c, "threads": t, "rows": rw, "two_pass": tp} for c in ("regs", "smem", "reread")
+                      for t, rw in (("256", "1"), ("256", "8"), ("64", "8")) for tp in ("0", "1")] + [{"vec": "1"}],
+              "COL": [{"col_split": "1"}, {"col_split": "4"}, {"vec": "1"}]}[kind]
+    out = [_C.genome_default(p, r, symvals)]
+    for s in sweeps:
+        text = " ".join(f"{k}={v}" for k, v in {**base, **s}.items())
+        try:
+            _C.generate(p, r, 90, text)
+        except ValueError:
+            continue
+        out.append(text)
+    return out
+
+
+@pytest.mark.parametrize("name", ["layernorm", "softmax", "bias_gelu"])
+def test_golden_sources(name):
+    g, _, _, _ = build(name, "bf16" if name != "softmax" else "f32")
+    src = _C.generate(g.partition(), 0, 90, None)["source"]
+    path = GOLDEN / f"{name}.cu"
+    if os.environ.get("KBENCH_UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(src)
+    assert path.exists(), f"missing {path}; run with KBENCH_UPDATE_GOLDEN=1"
+    assert src == path.read_text(), f"{name}: generated source differs from {path}"
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    from kbench import nvrtc as nv
+    try:
+        return nv.handle()
+    except (FileNotFoundError, OSError) as e:
+        pytest.skip(f"no NVRTC here: {str(e).splitlines()[0]}")
+
+
+@pytest.mark.parametrize("name,dt", CASES)
+def test_kernels_compile(nvrtc, name, dt):
+    g, symvals, _, _ = build(name, dt)
+    p = g.partition()
+    for r in range(len(p)):
+        for text in variants(p, r, symvals):
+            src = _C.generate(p, r, 90, text)["source"]
+            for arch in ("sm_80", "sm_90"):
+                assert _C.nvrtc_compile(nvrtc, src, arch, None), (name, dt, r, text, arch)
+
+
+# ------------------------------------------------------------------ on the GPU
+
+def launch(cuda, k, fn, finish, symvals, ins, outs):
+    units = k["grid_units"] if isinstance(k["grid_units"], int) else \
+        k["grid_units"][0] * math.prod(symvals[s] for s in k["grid_units"][1])
+    grid = max(1, -(-units // k["units_per_block"]))
+    if k["max_blocks"]:
+        grid = min(grid, k["max_blocks"])
+    ints = list(symvals)
+    ws = None
+    if k["workspace_bytes_per_unit"]:
+        ws = torch.empty(max(1, k["workspace_bytes_per_unit"] * units), dtype=torch.uint8, device="cuda")
+        ints.append(ws.data_ptr())
+    ptrs = tuple(t.data_ptr() for t in ins) + tuple(t.data_ptr() for t in outs)
+    stream = torch.cuda.current_stream().cuda_stream
+    _C.launch(cuda, fn, (grid, 1, 1), k["block"], k["smem"], stream, ptrs, tuple(ints))
+    if finish is not None:
+        _C.launch(cuda, finish, (grid, 1, 1), k["block"], 0, stream, ptrs, tuple(ints))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dt", CASES)
+def test_kernels_match_interpreter(name, dt):
+    from kbench import nvrtc as nv
+    from kbench.verify import poison_like
+    cuda = _C.cuda_open()
+    dev = _C.device_info(cuda, torch.cuda.current_device())
+    arch = f"sm_{dev['sm']}"
+    g, symvals, _, bound = build(name, dt)
+    p = g.partition()
+    gen = torch.Generator().manual_seed(1)
+    for sv in (symvals, [1] * len(symvals), [s * 7 + 3 for s in symvals]):
+        inputs = random_inputs(g, sv, bound, gen)
+        values = dict(zip(g.inputs, inputs))
+        for r in range(len(p)):
+            rg = p.region(r)
+            want = interp_region(p, g, r, sv, values)
+            ins = [values[v].cuda() for v in rg["inputs"]]
+            for text in variants(p, r, symvals):
+                k = _C.generate(p, r, dev["sm"], text, dev)
+                module = _C.module_load(cuda, nv.compile(k["source"], arch))
+                fn, _, _ = _C.get_function(cuda, module, k["name"], k["smem"])
+                finish = _C.get_function(cuda, module, k["name"] + "_finish", 0)[0] if k["nkernels"] > 1 else None
+                outs = [poison_like(tuple(want[v].shape), want[v].dtype, "cuda") for v in rg["outputs"]]
+                launch(cuda, k, fn, finish, sv, ins, outs)
+                for v, o in zip(rg["outputs"], outs):
+                    assert_close(o.cpu(), want[v], f"{name}/{dt} region {r} [{text}] sizes {sv} output %{v}")
+            values.update(want)
