@@ -53,7 +53,8 @@ def test_cuda_matches_eager(entry, dtype):
                 assert rel_err(g, w) <= TOL[dtype], f"{name}\n{report}"
             else:
                 assert torch.equal(g, w.to(g.dtype))
-    if fast._kbench_plan.static_reason is None:   # sizes may vary: the other shape ran on kernels
+    plan = fast._kbench_plan
+    if plan.static_reason is None and plan.graph.num_symbols > 0:  # sizes vary: the other shape ran on kernels
         assert not fast._kbench_reasons, fast._kbench_reasons
 
 
