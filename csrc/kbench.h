@@ -324,6 +324,59 @@ void kb_cuda_mem_free(kb_cuda *c, uint64_t dptr);
 kb_status kb_cuda_copy_to_device(kb_ctx *ctx, kb_cuda *c, uint64_t dst, const void *src, size_t bytes);
 kb_status kb_cuda_copy_to_host(kb_ctx *ctx, kb_cuda *c, void *dst, uint64_t src, size_t bytes);
 
+/* ---------------------------------------------------------------- search (evolve.c) */
+/* (additive section, by the search helper) */
+
+/* Legal for region r at the example sizes symvals on dev (NULL: 48 KiB shared memory):
+ *   threads  32..1024, a power of two
+ *   vec      1, 2, 4, 8 with vec * (narrowest full-size element) <= 16 bytes; ROW and COL also
+ *            need the anchor's last dim pinned and a multiple of vec
+ *   items    1, 2, 4, 8
+ *   rows     ROW: a power of two <= 256 and <= threads; the threads per row (threads/rows) at
+ *            most max(32, the row's vectors rounded up to a power of two); 1 elsewhere
+ *   cache    ROW: regs or smem only with a pinned row length; regs when the row fits in
+ *            registers (vectors per thread * vec * full-size inputs <= 64, 32 at 1024 threads);
+ *            smem when rows * row * (full-size input bytes) <= the device's shared memory
+ *   col_split COL: 1..64; > 1 only with no reduction or full-size output after a reduction, and
+ *            col_split * 8 <= the column height; 1 elsewhere
+ *   COL      threads at most max(32, columns / vec rounded up to a power of two)
+ *   POINTWISE threads > 256 only when threads * vec <= elements; items > 1 only when
+ *            threads * vec * items <= elements
+ * Returns 0 for an illegal genome, an EXTERN or missing region, or when the scratch it needs
+ * cannot be allocated (kb_ctx_error then says so). */
+int kb_genome_legal(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
+                    const kb_genome *gn);
+
+/* An ask/tell genetic search over the legal genomes of one region: a seed population (the
+ * default genome, then random legal ones), then generations bred from the successes of the last
+ * one plus the two best ever (elitism): tournament selection (k = 3), gene-wise uniform
+ * crossover, one or two genes mutated. Genes a region ignores are pinned to one value (the
+ * canonical form), and no canonical genome is asked twice in a search. Seeded (xoshiro256**):
+ * the same seed and the same tells give the same asks. The partition is borrowed (it must
+ * outlive the search); allocation and errors go through its graph's context. */
+typedef struct kb_evolve kb_evolve;
+/* population <= 0: the default (12). The caller owns *out (kb_evolve_free). */
+kb_status kb_evolve_new(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
+                        uint64_t seed, int population, kb_evolve **out);
+void kb_evolve_free(kb_evolve *ev);
+/* Up to max candidates of the current generation not handed out yet; when it has all been
+ * handed out, the next generation is bred first (from what was told so far). One call never
+ * spans two generations. The first candidate of the first call is the default genome. *n == 0:
+ * the legal space is exhausted. On KB_ERR_OOM the search is unchanged (the call may be retried). */
+kb_status kb_evolve_ask(kb_evolve *ev, kb_genome *out, int max, int *n);
+/* The fitness of a candidate: its time in ms, or a negative number for a failure (compile,
+ * verification, trap); failures never become parents. A genome never asked is remembered as
+ * seen (it will not be asked). KB_ERR_INVALID for an illegal genome or a NaN. */
+kb_status kb_evolve_tell(kb_evolve *ev, const kb_genome *gn, double ms);
+/* The fastest success so far (ties: the earliest); 0 if none succeeded. */
+int kb_evolve_best(const kb_evolve *ev, kb_genome *out, double *ms);
+/* The generation of the latest batch (0 for the seed population and before the first ask). */
+int kb_evolve_generation(const kb_evolve *ev);
+/* The values the search draws gene `gene` from (genes in kb_genome field order: 0 threads,
+ * 1 vec, 2 rows, 3 items, 4 cache, 5 two_pass, 6 fast_math, 7 persistent, 8 col_split), sorted;
+ * writes at most max of them and returns how many there are (0 for a bad gene). */
+int kb_evolve_domain(const kb_evolve *ev, int gene, int32_t *values, int max);
+
 #ifdef __cplusplus
 }
 #endif

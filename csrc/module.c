@@ -8,6 +8,7 @@
 
 #include "internal.h"
 #include "module_cuda.h"
+#include "module_evolve.h"
 
 kb_module_state *kb_py_state(PyObject *module) { return (kb_module_state *)PyModule_GetState(module); }
 
@@ -688,6 +689,7 @@ static int module_exec(PyObject *module) {
                                                   PyExc_RuntimeError, NULL);
     if (!state->cuda_error || PyModule_AddObjectRef(module, "CudaError", state->cuda_error) < 0) return -1;
     if (PyModule_AddFunctions(module, kb_cuda_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, kb_evolve_methods) < 0) return -1;
     if (PyModule_AddStringConstant(module, "CORE_VERSION", KB_VERSION) < 0) return -1;
     if (PyModule_AddIntConstant(module, "MAX_RANK", KB_MAX_RANK) < 0) return -1;
     return PyModule_AddIntConstant(module, "MAX_SYMS", KB_MAX_SYMS);

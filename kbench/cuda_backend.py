@@ -146,6 +146,8 @@ class CudaExecutor(Executor):
     # ------------------------------------------------------------------ verification
 
     def _region_inputs(self, r, symvals, dist, gen):
+        if gen.device.type != self.device.type:  # inputs are drawn where they live
+            gen = torch.Generator(device=self.device).manual_seed(gen.initial_seed())
         plan = self.plan
         info = plan.regions[r]
         inputs = []

@@ -30,11 +30,12 @@ class Budget:
     reps: int                # timed repetitions per candidate (the median is told)
     finalists: int           # re-timed interleaved, the default genome joining them
     rounds: int              # interleaved rounds of one repetition each
+    generations: int = 0     # at most this many generations (0: no limit but the others)
 
 
 BUDGETS = {
     # fast is one generation: the default and 11 seeded random genomes, the same for a seed
-    "fast": Budget(12, 10.0, 12, 20.0, 10, 3, 10),
+    "fast": Budget(12, 10.0, 12, 20.0, 10, 3, 10, generations=1),
     "default": Budget(48, 60.0, 12, 30.0, 20, 3, 20),
     "max": Budget(160, 300.0, 16, 60.0, 30, 4, 30),
 }
@@ -232,7 +233,8 @@ class _Search:
                                      thread_name_prefix="kbench-nvrtc")
         try:
             while not self.fatal and self.counted < b.candidates and self.elapsed() < b.seconds \
-                    and self.asked < DUPLICATE_FACTOR * b.candidates:
+                    and self.asked < DUPLICATE_FACTOR * b.candidates \
+                    and not (b.generations and self.generations >= b.generations):
                 texts = _C.evolve_ask(self.h, min(b.population, b.candidates - self.counted))
                 if not texts:
                     break   # every legal genome was tried
@@ -292,7 +294,7 @@ class _Search:
                 self.tell(rec, -1.0)
 
     def wait_compile(self, fut, started, i) -> str:
-        """"" when compiled; else the failure ("timeout" or the error text)."""
+        """Empty when compiled, "timeout" when it ran past the limit; a compile error raises."""
         limit = self.b.compile_timeout
         while True:
             try:

@@ -143,7 +143,7 @@ def test_binding_errors_and_lifetime():
     with pytest.raises((TypeError, ValueError)):
         _C.evolve_ask(object(), 4)
     # a genome told from elsewhere (a cache) is remembered and may be the best
-    t = "threads=128 vec=4 rows=1 items=1 cache=regs two_pass=0 fast_math=0 persistent=1 col_split=1"
+    t = "threads=128 vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=1 col_split=1"
     assert _C.genome_legal(p, r, [512], None, t)
     _C.evolve_tell(h, t, 0.01)
     assert _C.evolve_best(h) == (t, 0.01)
@@ -248,7 +248,7 @@ def ln_cost(genome):
             + {"regs": 0, "smem": 0.2, "reread": 0.3}[g["cache"]] + 0.05 * g["two_pass"] + 0.03 * (1 - g["persistent"]))
 
 
-LN_BEST = "threads=128 vec=4 rows=1 items=1 cache=regs two_pass=0 fast_math=0 persistent=1 col_split=1"
+LN_BEST = "threads=128 vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=1 col_split=1"
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +270,7 @@ def test_search_finds_the_optimum_and_records_everything(ln):
     progress = []
     bench = FakeBench(ln_cost)
     res = run_search(ln, bench, progress=lambda r, gen, best: progress.append((r, gen, best)))
-    assert res.best_genome == LN_BEST and res.best_ms == pytest.approx(1.0)
+    assert res.best_genome == LN_BEST and res.best_ms == pytest.approx(ln_cost(LN_BEST))
     assert res.best_k["genome"] == LN_BEST and res.kernel.genome == LN_BEST and res.verdict
     assert res.default_genome == res.candidates[0]["genome"] == _C.genome_default(ln[1], ln[2], [4096])
     assert res.default_ms == pytest.approx(ln_cost(res.default_genome))
@@ -278,7 +278,7 @@ def test_search_finds_the_optimum_and_records_everything(ln):
     assert res.generations == 10 and [p[1] for p in progress] == list(range(10))
     assert all(p[0] == ln[2] for p in progress)
     bests = [p[2] for p in progress]
-    assert bests == sorted(bests, reverse=True) and bests[-1] == pytest.approx(1.0)
+    assert bests == sorted(bests, reverse=True) and bests[-1] == pytest.approx(ln_cost(LN_BEST))
     for c in res.candidates:
         assert set(cache.CANDIDATE_FIELDS) <= set(c) and "_ok" not in c
         assert c["compile_status"] == "ok" and c["verify"] in ("gate ok", "full ok") and c["time_ms"] > 0
@@ -412,6 +412,10 @@ def test_same_kernel_is_measured_once(ln):
     for c in dups:
         assert c["time_ms"] == by[c["same_kernel_as"]]["time_ms"]
         assert c["source_hash"] == by[c["same_kernel_as"]]["source_hash"]
+    # fast stops after its one generation, duplicates or not
+    res = run_search(ln, FakeBench(ln_cost, real_partition=(p, r)), budget="fast")
+    assert len(res.candidates) == 12 and {c["generation"] for c in res.candidates} == {0}
+    assert res.generations == 1
 
 
 def test_bad_budget(ln):
