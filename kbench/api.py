@@ -77,8 +77,11 @@ def optimize(model: torch.nn.Module, example_inputs, *, backend: str | None = No
     """Return a module that computes what `model` computes, on kbench's regions.
 
     backend: "cuda" (generated kernels; the default for inputs on a GPU) or "interp" (the C
-    interpreter on the CPU; the default for CPU inputs). The returned module shares model's
-    parameters and buffers; model itself is not modified."""
+    interpreter on the CPU; the default for CPU inputs).
+    budget: the schedule search per region — "fast", "default", "max" (bounded candidates and
+    seconds; winners persist in the kernel cache, so a second optimize() searches nothing), or
+    "none" (default schedules, no search, no cache). seed makes the search repeatable.
+    The returned module shares model's parameters and buffers; model itself is not modified."""
     from .runtime import InterpExecutor, OptimizedModule
 
     if not isinstance(model, torch.nn.Module):
@@ -88,8 +91,8 @@ def optimize(model: torch.nn.Module, example_inputs, *, backend: str | None = No
         backend = "cuda" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "interp"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if budget not in ("fast", "default", "max"):
-        raise ValueError(f"budget must be 'fast', 'default' or 'max', got {budget!r}")
+    if budget not in ("none", "fast", "default", "max"):
+        raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
     devices = {a.device for a in args if isinstance(a, torch.Tensor)}
     if len(devices) > 1:
         raise ValueError(f"example_inputs are on several devices: {sorted(map(str, devices))}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import re
 import time
 
 import torch
@@ -50,8 +51,11 @@ class CudaExecutor(Executor):
 
     def __init__(self, *, budget: str = "default", seed: int = 0, verbose: bool = True, verify_kernels: bool = True):
         self.budget, self.seed, self.verbose, self.verify_kernels = budget, seed, verbose, verify_kernels
+        if budget not in ("none", "fast", "default", "max"):
+            raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
         self.kernels: dict[int, Kernel] = {}
-        self._by_source: dict[str, tuple] = {}   # identical regions compile and verify once
+        self._by_source: dict = {}   # cache key -> prepared kernel: identical regions tuned once
+        self._cache_db = None
         self._shapes: dict = {}
 
     # ------------------------------------------------------------------ preparation
@@ -81,30 +85,162 @@ class CudaExecutor(Executor):
                 self._prepare_region(info, plan.example_symvals)
 
     def _prepare_region(self, info, example_symvals):
+        """Pick region r's kernel: the cache's winner, else the search's (budget fast/default/max),
+        else the default genome — each verified before the runtime trusts it."""
         plan, r = self.plan, info.index
-        try:
-            k = _C.generate(plan.partition, r, self.sm, None, self.dev)
-        except (NotImplementedError, ValueError) as e:
-            info.status = f"eager (no kernel: {str(e).splitlines()[0]})"
-            return
-        info.genome = k["genome"]
-        key = hashlib.sha256(k["source"].encode()).hexdigest()
-        if key in self._by_source:
-            kernel, status, envelope = self._by_source[key]
+        key = self._cache_key(r)
+        memo = self._by_source.get(key)
+        if memo is None:                       # identical regions (a repeated block) are tuned once
+            memo = self._cached(r, key, example_symvals) or self._tune(r, key, example_symvals, info)
+            self._by_source[key] = memo + (r,)
+            kernel, status, envelope, extra = memo
+            info.extra.update(extra)
         else:
-            kernel, status, envelope = self._build(k, r, example_symvals)
-            self._by_source[key] = (kernel, status, envelope)
+            kernel, status, envelope, extra, first = memo
+            info.extra.update(cache=f"same as region {first}")
         info.status, info.envelope = status, envelope
-        info.extra["source_hash"] = key[:12]
         if kernel is None:
             return
+        info.genome = kernel.genome
         info.extra.update(regs=kernel.regs, spills=kernel.spills)
         self.kernels[r] = kernel
         info.eager_ms, info.kernel_ms = self._time_region(r, example_symvals)
 
-    def _load(self, k) -> "Kernel":
+    def _cache_key(self, r):
+        """The region's identity: its IR with value names stripped, dtypes inside; sizes that vary
+        bucketed; the GPU, driver, NVRTC, torch and kbench versions."""
+        from . import cache
+        text = re.sub(r'"[^"]*"', '""', str(self.plan.partition.region_graph(r)))
+        varying = {name: v for (name, _), v in zip(self.plan.graph.symbols, self.plan.example_symvals)}
+        _, nvrtc_version = nvrtc.info()
+        return cache.make_key(text, "-", cache.shape_class({}, varying), driver=self.dev.get("driver_version", 0),
+                              nvrtc=nvrtc_version, device=self.device)
+
+    def _store(self):
+        if self._cache_db is None:
+            from . import cache
+            self._cache_db = cache.open_cache()
+        return self._cache_db
+
+    def _cached(self, r, key, example_symvals):
+        """A stored winner: loaded from its CUBIN (nothing compiled, nothing searched), then gated
+        once against the reference on the example sizes."""
+        if self.budget == "none":
+            return None
+        try:
+            w = self._store().lookup(key)
+        except Exception as e:  # noqa: BLE001 - a cache problem never stops optimize
+            log.warning("kbench: cache lookup failed: %s", e)
+            return None
+        if w is None or not w.cubin:
+            return None
+        try:
+            k = dict(w.launch, name=w.entries[0], genome=w.genome, source="")
+            k["workspace_bytes_per_unit"] = k.pop("workspace", 0)
+            kernel = self._load(k, cubin=w.cubin)
+        except Exception as e:  # noqa: BLE001 - a stale entry is recompiled, not trusted
+            log.warning("kbench: cached kernel for region %d unusable (%s); tuning again", r, e)
+            return None
+        why = self._gate(r, kernel, example_symvals)
+        if why:
+            log.warning("kbench: cached kernel for region %d fails its check (%s); tuning again", r, why)
+            return None
+        return kernel, "kernel (cached)", w.envelope, {"search_s": 0.0, "candidates": 0, "cache": "hit"}
+
+    def _tune(self, r, key, example_symvals, info):
+        k = None
+        extra = {"cache": "miss" if self.budget != "none" else "off"}
+        if self.budget != "none":
+            from . import search
+            progress = self._progress(info)
+            try:
+                res = search.search_region(self, r, example_symvals, budget=self.budget, seed=self.seed,
+                                           progress=progress)
+            finally:
+                if progress is not None:
+                    progress.close()
+            extra.update(search_s=round(res.seconds, 2), candidates=len(res.candidates),
+                         default_ms=res.default_ms, best_ms=res.best_ms, search_note=res.note)
+            if res.kernel is not None and res.verdict:
+                kernel = res.kernel
+                envelope = self._envelope(res.verdict)
+                self._remember(key, res.best_k, kernel, envelope, res)
+                return kernel, "kernel", envelope, extra
+            k = res.best_k  # the default genome's dict, when the search could not do better
+        if k is None:
+            try:
+                k = _C.generate(self.plan.partition, r, self.sm, None, self.dev)
+            except (NotImplementedError, ValueError) as e:
+                return None, f"eager (no kernel: {str(e).splitlines()[0]})", "", extra
+        kernel, status, envelope = self._build(k, r, example_symvals)
+        if kernel is not None and self.budget != "none":
+            self._remember(key, k, kernel, envelope, None)
+        return kernel, status, envelope, extra
+
+    def _remember(self, key, k, kernel, envelope, res):
+        from . import cache
+        try:
+            cubin = nvrtc.compile(k["source"], self.arch)  # the CUBIN cache makes this a file read
+            launch = {f: k[f] for f in ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels")}
+            launch["workspace"] = k["workspace_bytes_per_unit"]
+            entries = [k["name"]] + ([k["name"] + "_finish"] if k["nkernels"] > 1 else [])
+            db = self._store()
+            db.store(key, cache.Winner(genome=k["genome"], source_hash=hashlib.sha256(k["source"].encode()).hexdigest(),
+                                       cubin=cubin, entries=entries, launch=launch, envelope=envelope,
+                                       best_ms=res.best_ms if res else None, search_s=res.seconds if res else None,
+                                       ncandidates=len(res.candidates) if res else 0))
+            if res is not None and res.candidates:
+                db.record(key, res.candidates)
+        except Exception as e:  # noqa: BLE001 - the kernel is fine; only persistence failed
+            log.warning("kbench: could not store region's kernel in the cache: %s", e)
+
+    def _progress(self, info):
+        """A progress bar (notebook-aware) for one region's search, or None when not verbose."""
+        if not self.verbose:
+            return None
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            tqdm = None
+        label = f"kbench region {info.index} {info.kind}"
+        if tqdm is None:
+            class Line:
+                def __call__(self, region, generation, best_ms):
+                    print(f"\r{label}: generation {generation}, best {best_ms:.4f} ms", end="", flush=True)
+
+                def close(self):
+                    print()
+            return Line()
+        bar = tqdm(desc=label, unit="gen", leave=False)
+
+        class Bar:
+            def __call__(self, region, generation, best_ms):
+                bar.set_postfix_str(f"gen {generation} best {best_ms:.4f} ms" if best_ms else f"gen {generation}")
+                bar.update(1)
+
+            def close(self):
+                bar.close()
+        return Bar()
+
+    def _gate(self, r, kernel, symvals) -> str:
+        """One quick check against the float64 reference (NaN-poisoned outputs); '' when it passes."""
+        gen = torch.Generator(device=self.device).manual_seed(self.seed + 17)
+        inputs = self._region_inputs(r, symvals, "normal", gen)
+        outs = self._launch(kernel, r, symvals, inputs, poison=True)
+        for o, ref in zip(outs, self._reference(r, symvals, inputs)):
+            ok, _, why = verify.compare(o, ref)
+            if not ok:
+                return why
+        return ""
+
+    def _envelope(self, verdict) -> str:
+        sizes = sorted({tuple(s) for s in verdict.sizes})
+        return f"{verdict.checked} checks, sizes {self._describe_sizes(sizes)}, max err {verdict.max_error:.2g}"
+
+    def _load(self, k, cubin=None) -> "Kernel":
         """Compile (NVRTC, disk-cached) and load one generated kernel; CompileError on failure."""
-        cubin = nvrtc.compile(k["source"], self.arch)
+        if cubin is None:
+            cubin = nvrtc.compile(k["source"], self.arch)
         kernel = Kernel()
         kernel.source = k["source"]
         kernel.module = _C.module_load(self.cuda, cubin)
@@ -131,9 +267,7 @@ class CudaExecutor(Executor):
         verdict = self._verify(r, kernel, example_symvals)
         if not verdict:
             return None, f"eager (verification failed: {verdict.reason})", ""
-        sizes = sorted({tuple(s) for s in verdict.sizes})
-        envelope = f"{verdict.checked} checks, sizes {self._describe_sizes(sizes)}, max err {verdict.max_error:.2g}"
-        return kernel, "kernel", envelope
+        return kernel, "kernel", self._envelope(verdict)
 
     def _describe_sizes(self, sizes):
         names = [s[0] for s in self.plan.graph.symbols]

@@ -6,6 +6,10 @@ import html
 from dataclasses import dataclass, field
 
 
+def _ms(v) -> str:
+    return f"{v:.4f} ms" if isinstance(v, (int, float)) else "?"
+
+
 @dataclass
 class Row:
     region: int
@@ -43,6 +47,11 @@ class Report:
         if plan.static_reason:
             rep.notes.append(f"all sizes pinned: {plan.static_reason}")
         for info in plan.regions:
+            x = info.extra
+            if x.get("candidates"):
+                rep.notes.append(f"region {info.index} search: {x['candidates']} candidates in {x['search_s']}s, "
+                                 f"default {_ms(x.get('default_ms'))} → best {_ms(x.get('best_ms'))}"
+                                 + (f" ({x['search_note']})" if x.get("search_note") else ""))
             if info.backward:
                 rep.notes.append(f"region {info.index} backward: {info.backward}")
         for reason in sorted(module._kbench_reasons):

@@ -38,7 +38,7 @@ def test_cuda_matches_eager(entry, dtype):
     torch.manual_seed(0)
     model = factory().to(dtype).cuda().eval()
     ex = to(example(), dtype)
-    fast = kbench.optimize(model, ex, verbose=False)
+    fast = kbench.optimize(model, ex, budget="none", verbose=False)
     report = fast.kbench_report
     for row in report.rows:
         assert row.status.startswith(("kernel", "torch")) or "(" in row.status, row  # eager rows say why
@@ -61,7 +61,7 @@ def test_cuda_matches_eager(entry, dtype):
 def test_report_and_kernel_count():
     name, factory, example, _ = MODELS[0]
     model = factory().cuda()
-    fast = kbench.optimize(model, to(example(), torch.float32), verbose=False)
+    fast = kbench.optimize(model, to(example(), torch.float32), budget="none", verbose=False)
     text = str(fast.kbench_report)
     assert "kernel" in text and "NVRTC" in text
 
@@ -69,7 +69,7 @@ def test_report_and_kernel_count():
 def test_cpu_input_falls_back_with_reason(caplog):
     model = torch.nn.GELU()
     x = torch.randn(64, 128, device="cuda")
-    fast = kbench.optimize(model, (x,), verbose=False)
+    fast = kbench.optimize(model, (x,), budget="none", verbose=False)
     with caplog.at_level("WARNING", logger="kbench"):
         out = fast(x.cpu())
     assert out.device.type == "cpu" and torch.allclose(out, model(x.cpu()))
@@ -79,7 +79,7 @@ def test_cpu_input_falls_back_with_reason(caplog):
 def test_noncontiguous_and_misaligned_inputs_stay_correct():
     model = torch.nn.LayerNorm(256).cuda()
     x = torch.randn(64, 256, device="cuda")
-    fast = kbench.optimize(model, (x,), verbose=False)
+    fast = kbench.optimize(model, (x,), budget="none", verbose=False)
     xt = torch.randn(256, 64, device="cuda").t()          # non-contiguous
     assert rel_err(fast(xt), model(xt)) <= 1e-4
     buf = torch.randn(64 * 256 + 1, device="cuda")
@@ -90,7 +90,7 @@ def test_noncontiguous_and_misaligned_inputs_stay_correct():
 def test_cuda_graph_capture():
     model = torch.nn.Sequential(torch.nn.LayerNorm(512), torch.nn.GELU()).cuda()
     x = torch.randn(128, 512, device="cuda")
-    fast = kbench.optimize(model, (x,), verbose=False)
+    fast = kbench.optimize(model, (x,), budget="none", verbose=False)
     static_x = x.clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -109,7 +109,7 @@ def test_cuda_graph_capture():
 def test_autograd_through_kernels_matches_eager():
     model = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.GELU()).cuda()
     x = torch.randn(32, 256, device="cuda", requires_grad=True)
-    fast = kbench.optimize(model, (x.detach(),), verbose=False)
+    fast = kbench.optimize(model, (x.detach(),), budget="none", verbose=False)
     g = torch.randn(32, 256, device="cuda")
     want = torch.autograd.grad(model(x), [x, *model.parameters()], g)
     got = torch.autograd.grad(fast(x), [x, *fast.parameters()], g)
