@@ -39,7 +39,7 @@ BUDGETS = {
     "default": Budget(48, 60.0, 12, 30.0, 20, 3, 20),
     "max": Budget(160, 300.0, 16, 60.0, 30, 4, 30),
 }
-KEEP_DEFAULT = 0.02      # a winner within 2% of the default is noise: the default stays
+KEEP_DEFAULT = 0.03      # a winner within 3% of the default is noise: the default stays
 GATE_TIMEOUT_S = 10.0    # a kernel still running after this long is taken as hung
 DUPLICATE_FACTOR = 4     # asks (kernels generated more than once included) per budgeted candidate
 
