@@ -49,7 +49,7 @@ def kbench_factory(budget: Optional[str] = None, backend: Optional[str] = None) 
         import kbench
         dev = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)),
                    torch.device("cpu"))
-        kw = {"backend": backend or ("cuda" if dev.type == "cuda" else "interp")}
+        kw = {"backend": backend or ("cuda" if dev.type == "cuda" else "interp"), "verbose": False}
         if budget is not None:
             kw["budget"] = budget
         try:
