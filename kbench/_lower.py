@@ -186,14 +186,6 @@ class Builder:
         dims = tuple(self.dim(s) for s in t.shape)
         return None if any(d is None for d in dims) else dims
 
-    def dim_value(self, d):
-        if isinstance(d, int):
-            return d
-        v = d[0]
-        for s in d[1]:
-            v *= self.example[s]
-        return v
-
     # ---------------------------------------------------------------- nodes
 
     def add(self, op, inputs, dtype, dims, name="", **attrs):
@@ -236,9 +228,6 @@ class Builder:
                 raise Unsupported("gather: index and output shapes")
         elif op == "extern" and len(inputs) > 16:
             raise Unsupported("more than 16 tensor operands")
-
-    def node_of(self, v):
-        return self.nodes[v.id]
 
     def const_value(self, v):
         n = self.nodes[v.id]
@@ -515,20 +504,11 @@ _KIND = {}
 
 
 def _load_kinds():
-    import re
-    import os
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "csrc", "ops.def")
-    try:
-        from . import _C
-        for name, info in _C.ops().items():
-            _KIND[name] = info["kind"]
-    except Exception:  # noqa: BLE001 - dev fallback: read the table itself
-        text = open(path).read()
-        for _, _, kind, name in re.findall(r'^X\((\w+),\s*(-?\d+),\s*KB_KIND_(\w+),\s*"(\w+)"', text, re.M):
-            _KIND.setdefault(name, kind.lower())
-    # "max"/"min" name both the binary op and the reduction; the builder tells them apart by
-    # operand count, so treat them as elementwise only when they have two operands.
+    from . import _C
+    for name, info in _C.ops().items():
+        _KIND[name] = info["kind"]
+    # "max"/"min" name both the binary op and the reduction; Builder.check tells them apart by
+    # operand count.
     for r in ("max", "min"):
         _KIND[r] = "binary"
 

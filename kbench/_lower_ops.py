@@ -675,6 +675,8 @@ def _softmax_common(b, node, a, log):
     e = b.unary("exp", sh)
     s = b.reduce("sum", e, ax, True)
     y = b.arith("sub", sh, b.unary("log", s)) if log else b.arith("div", e, s)
+    if node.target._schema.name == "aten::_safe_softmax":
+        y = b.where(b.arith("eq", m, -math.inf), 0.0, y, y.dtype)   # all -inf rows give 0
     return b.cast(y, dt)
 
 
@@ -796,3 +798,37 @@ def _linear(b, node, a):
 def _slot(k):
     from .capture import TensorSlot
     return TensorSlot(k)
+
+
+@_reg("cat.default", "stack.default")
+def _cat(b, node, a):
+    """cat/stack stay one extern call; past 16 tensors (the most one IR node takes) the
+    tensors are joined 16 at a time."""
+    ts = list(a["tensors"])
+    if len(ts) <= 16 or not all(isinstance(t, _V) for t in ts):
+        raise Unsupported("cat is an extern call")
+    dim = _num(a["dim"])
+    if node.target is aten.stack.default:
+        rank = ts[0].rank + 1
+        dim %= rank
+        ts = [b.reshape(t, t.dims[:dim] + (1,) + t.dims[dim:]) for t in ts]
+    dim %= ts[0].rank
+    while len(ts) > 16:
+        ts = [g[0] if len(g) == 1 else _cat_group(b, g, dim, node.name)
+              for g in (ts[i:i + 16] for i in range(0, len(ts), 16))]
+    return _cat_group(b, ts, dim, node.name)
+
+
+def _cat_group(b, ts, dim, name):
+    import sympy
+    by_id = {i: s for s, i in b.sym_of.items()}
+
+    def expr(d):
+        if isinstance(d, int):
+            return sympy.Integer(d)
+        return d[0] * sympy.Mul(*(by_id[s] for s in d[1]))
+
+    size = b.dim(sum((expr(t.dims[dim]) for t in ts), sympy.Integer(0)))
+    dims = ts[0].dims[:dim] + (size,) + ts[0].dims[dim + 1:]
+    slots = [_slot(k) for k in range(len(ts))]
+    return b.extern_call(aten.cat.default, ts, (slots, dim), {}, b.promote(*ts), dims, name)

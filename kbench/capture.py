@@ -1,7 +1,7 @@
 """capture.py — nn.Module + example inputs → torch.export (non-strict) → the C IR (DESIGN §1-2).
-Validates the inputs, exports with every user-input dim dynamic (Dim.AUTO) and falls back to a
-static export when a size cannot be written as coef * product of symbols; the ATen → IR lowering
-itself lives in kbench/_lower.py. The result, Captured, is all the runtime needs: the graph, how
+Validates the inputs, exports with every user-input dim dynamic (Dim.AUTO), fixes at their example
+sizes the input dims behind any size the IR cannot write (s0 - 1, s0 // 2) and re-exports; the
+ATen → IR lowering itself lives in kbench/_lower.py and kbench/_lower_ops.py. The result, Captured, is all the runtime needs: the graph, how
 to find each graph input (user input, live parameter or buffer, held constant), how to bind the
 symbols from actual input shapes, the torch callables behind EXTERN nodes, and how to rebuild
 the model's output structure.
@@ -15,6 +15,8 @@ Conventions (the runtime and the reference evaluator rely on them):
   broadcasting    explicit: "reshape" (prepend 1s) then "expand" to the operand's shape.
   externs         EXTERN node: index = position in Captured.externs, axis = which output.
   output_tree     the model's outputs rebuilt from the graph outputs with torch's pytree spec.
+  mutations       in-place updates of buffers / inputs are extra graph outputs the runtime
+                  copies back (Captured.apply_mutations).
 """
 from __future__ import annotations
 
@@ -172,6 +174,11 @@ class OutputTree:
 
 @dataclasses.dataclass
 class Captured:
+    """A captured model. Graph inputs are the user inputs (input_names, in order) followed by
+    param_names (input_kinds says "param", "buffer" or "const" for each: the first two are
+    fetched from the live module by path, "const" from `constants`). Graph outputs are the
+    model's tensor outputs (output_tree rebuilds its structure) then the in-place updates
+    listed in `mutations`. EXTERN node i runs externs[node.index]."""
     graph: Any                      # kbench._C.Graph
     input_names: list               # user inputs (graph inputs 0..n-1)
     input_syms: list                # per user input, per dim: symbol id or None (pinned)
@@ -369,30 +376,106 @@ def _dynamic_spec(model, inputs, auto, fixed):
 
 
 def _export_once(model, inputs, shapes):
+    """torch.export's graph, functional: in-place ops on intermediate values are rewritten to
+    their functional forms; a real mutation (a buffer, an input, a view, BatchNorm running
+    statistics) makes torch functionalize the graph with run_decompositions({}) instead (the
+    empty table keeps the composite ops whole)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, inputs, strict=False, dynamic_shapes=shapes)
-        # Functionalize (in-place ops and buffer mutations become values) but keep the
-        # composite ops (layer_norm, softmax, cross_entropy, ...) whole: an empty table.
+        if _make_functional(ep):
+            return ep
+        before = {n.name: (n.target, _shape_key(n)) for n in ep.graph.nodes}
         ep = ep.run_decompositions({})
-    _refresh_metas(ep)
+    _refresh_metas(ep, before)
     return ep
 
 
-def _refresh_metas(ep):
+def _shape_key(n):
+    v = n.meta.get("val")
+    vs = v if isinstance(v, (list, tuple)) else [v]
+    return tuple(tuple(str(s) for s in t.shape) if isinstance(t, torch.Tensor) else None for t in vs)
+
+
+def _refresh_metas(ep, before):
     """run_decompositions can leave wrong shapes on the composite ops it keeps (torch 2.13:
-    cross_entropy_loss(reduction='none') with dynamic sizes gets shape []), and the lowering
-    trusts node.meta['val']: propagate the fake tensors through the graph again."""
+    cross_entropy_loss / nll_loss with reduction='none' and varying sizes get shape []), and
+    the lowering trusts node.meta['val']: when a node's shape differs from the one it had
+    before, propagate the fake tensors through the graph again. That must not fix any varying
+    size (torch 2.11's matmul meta does): then the export fails and capture goes static."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    if all(before.get(n.name, (None,))[0] != n.target or before[n.name][1] == _shape_key(n)
+           for n in ep.graph.nodes):
+        return
     phs = [n for n in ep.graph.nodes if n.op == "placeholder"]
     vals = [n.meta.get("val") for n in phs]
     mode = next((getattr(v, "fake_mode", None) for v in vals if isinstance(v, torch.Tensor)), None)
     if mode is None:
         return
-    try:
-        FakeTensorProp(ep.graph_module, mode).propagate_dont_convert_inputs(*vals)
-    except Exception as e:  # noqa: BLE001 - keep export's own metas
-        _log.debug("fake tensor propagation failed: %s", e)
+    keys = [_shape_key(n) for n in phs]
+    FakeTensorProp(ep.graph_module, mode).propagate_dont_convert_inputs(*vals)
+    if keys != [_shape_key(n) for n in phs]:
+        raise RuntimeError("re-propagating shapes after functionalization fixed varying sizes")
+
+
+# ---------------------------------------------------------------------------- in-place ops
+
+_STATEFUL = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm",
+             "instance_norm", "_batch_norm_with_update", "_batch_norm_impl_index"}
+
+
+def _is_view(n):
+    import torch.fx as fx
+    t = n.target
+    if t is operator.getitem:
+        return isinstance(n.args[0], fx.Node) and _is_view(n.args[0])
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    rets = t._schema.returns
+    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def _make_functional(ep):
+    """True when export's graph can be lowered as it is: every in-place op acts on an
+    intermediate value that nothing else aliases or reads later (x = relu(y); x += 1), and is
+    rewritten to its functional form here. False when something is really mutated (a
+    parameter, buffer or input, a view, BatchNorm's running statistics) or a higher-order op
+    needs inlining: the caller then functionalizes with run_decompositions."""
+    import torch.fx as fx
+    aten = torch.ops.aten
+    order = {n: i for i, n in enumerate(ep.graph.nodes)}
+    rewrites = []
+    for n in ep.graph.nodes:
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            if n.op == "call_function" and isinstance(t, torch._ops.HigherOrderOperator):
+                return False
+            continue
+        name = t._schema.name.split("::")[-1]
+        if name in _STATEFUL:
+            args = {a.name: (n.args[k] if k < len(n.args) else n.kwargs.get(a.name, a.default_value
+                                                                          if a.has_default_value() else None))
+                    for k, a in enumerate(t._schema.arguments)}
+            if (args.get("training") or args.get("use_input_stats") or name == "_batch_norm_with_update") \
+                    and args.get("running_mean") is not None:
+                return False
+        if not t._schema.is_mutable:
+            continue
+        written = [k for k, a in enumerate(t._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+        src = n.args[0] if n.args else None
+        if written != [0] or not name.endswith("_") or not isinstance(src, fx.Node) \
+                or src.op != "call_function" or _is_view(src):
+            return False
+        if any(u is not n and (_is_view(u) or order[u] > order[n]) for u in src.users):
+            return False
+        functional = getattr(getattr(aten, name[:-1], None), t._overloadname, None)
+        if functional is None:
+            return False
+        rewrites.append((n, functional))
+    for n, f in rewrites:
+        n.target = f
+    return True
 
 
 # ---------------------------------------------------------------------------- capture
