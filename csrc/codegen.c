@@ -14,7 +14,7 @@ static const renderer CUDA_RENDERER = {
     .kernel_prefix = "extern \"C\" __global__ void",
     .launch_bounds = "__launch_bounds__(%d)",
     .barrier = "__syncthreads()",
-    .shfl_xor = "__shfl_xor_sync(0xffffffffu, v, o)",
+    .shfl_xor = "__shfl_xor_sync(0xffffffffu, %s, o)",
     .restrict_kw = "__restrict__",
     .smem_decl = "extern __shared__ __align__(16) unsigned char kb_smem[];",
 };
@@ -87,6 +87,10 @@ static void emit_preamble(cg *c, kb_sb *sb) {
     /* warp reductions over W lanes (xor butterflies stay inside aligned groups of W) */
     static const char *const warp_ops[][2] = {{"kb_warp_sum", "v + w"}, {"kb_warp_max", "kb_maxf(v, w)"},
                                               {"kb_warp_min", "kb_minf(v, w)"}};
+    char shv[96], shm[96], shs[96];
+    snprintf(shv, sizeof shv, c->rd->shfl_xor, "v");
+    snprintf(shm, sizeof shm, c->rd->shfl_xor, "m");
+    snprintf(shs, sizeof shs, c->rd->shfl_xor, "s");
     for (int i = 0; i < 3; i++)
         kb_sb_printf(sb,
                      "template <int W, typename T> __device__ __forceinline__ T %s(T v) {\n"
@@ -94,7 +98,27 @@ static void emit_preamble(cg *c, kb_sb *sb) {
                      "    for (int o = W / 2; o > 0; o >>= 1) { const T w = %s; v = %s; }\n"
                      "    return v;\n"
                      "}\n",
-                     warp_ops[i][0], c->rd->shfl_xor, warp_ops[i][1]);
+                     warp_ops[i][0], shv, warp_ops[i][1]);
+    if (c->has_online)
+        kb_sb_printf(sb,
+                     "// online softmax normalizer: (max m, sum s of exp(x - m)), rescaled as m grows (NaN and inf as torch)\n"
+                     "__device__ __forceinline__ float kb_exp(float x) { return %s(x); }\n"
+                     "__device__ __forceinline__ double kb_exp(double x) { return exp(x); }\n"
+                     "template <typename T> __device__ __forceinline__ void kb_online_add(T &m, T &s, T x) {\n"
+                     "    if (x != x) { m = x; s = x; }\n"
+                     "    else if (x > m) { s = s * kb_exp(m - x) + (T)1; m = x; }\n"
+                     "    else if (x != -(T)KB_INF) s += kb_exp(x - m);\n"
+                     "}\n"
+                     "template <typename T> __device__ __forceinline__ void kb_online_merge(T &m, T &s, T m2, T s2) {\n"
+                     "    if (m2 != m2 || m != m) { m = m + m2; s = m; }\n"
+                     "    else if (m2 > m) { s = s * kb_exp(m - m2) + s2; m = m2; }\n"
+                     "    else if (m2 != -(T)KB_INF) s += s2 * kb_exp(m2 - m);\n"
+                     "}\n"
+                     "template <int W, typename T> __device__ __forceinline__ void kb_warp_online(T &m, T &s) {\n"
+                     "#pragma unroll\n"
+                     "    for (int o = W / 2; o > 0; o >>= 1) { const T m2 = %s; const T s2 = %s; kb_online_merge(m, s, m2, s2); }\n"
+                     "}\n",
+                     c->gn.fast_math ? "__expf" : "expf", shm, shs);
     kb_sb_puts(sb, "\n");
 }
 
@@ -119,6 +143,23 @@ static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
 
 /* dp[v]: the latest reduction pass v depends on (-1: none); a reduction runs one pass after
  * the latest one its operand depends on. */
+/* two_pass=0: S = sum(exp(y - expand(M))) with M = max(y) over the same axes is computed in
+ * M's pass with an online normalizer (one read of the row instead of two). */
+static int32_t online_max_of(cg *c, int32_t s) {
+    const kb_node *S = kb_graph_node(c->g, s);
+    if (S->op != KB_OP_SUM || !c->member[S->inputs[0]]) return -1;
+    const kb_node *E = kb_graph_node(c->g, S->inputs[0]);
+    if (E->op != KB_OP_EXP || !c->member[E->inputs[0]]) return -1;
+    const kb_node *D = kb_graph_node(c->g, E->inputs[0]);
+    if (D->op != KB_OP_SUB || !c->member[D->inputs[1]]) return -1;
+    const kb_node *X = kb_graph_node(c->g, D->inputs[1]);
+    if (X->op != KB_OP_EXPAND || !c->member[X->inputs[0]]) return -1;
+    int32_t m = X->inputs[0];
+    const kb_node *M = kb_graph_node(c->g, m);
+    if (M->op != KB_OP_RMAX || M->axes != S->axes || M->inputs[0] != D->inputs[0] || c->partner[m] >= 0) return -1;
+    return m;
+}
+
 static void plan_passes(cg *c) {
     c->npasses = 0;
     for (int32_t k = 0; k < c->rg->nnodes; k++) {
@@ -128,7 +169,15 @@ static void plan_passes(cg *c) {
         for (int i = 0; i < nd->ninputs; i++)
             if (c->member[nd->inputs[i]] && c->dp[nd->inputs[i]] > d) d = c->dp[nd->inputs[i]];
         if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE) {
-            d = d + 1;
+            int32_t m = c->gn.two_pass == 0 ? online_max_of(c, v) : -1;
+            if (m >= 0) {
+                c->partner[m] = v;
+                c->online_of[v] = m;
+                c->has_online = 1;
+                d = c->dp[m];
+            } else {
+                d = d + 1;
+            }
             if (d + 1 > c->npasses) c->npasses = d + 1;
         }
         c->dp[v] = (int8_t)d;
@@ -167,8 +216,13 @@ static void row_group_reduce(cg *c, const int32_t *reds, int nred) {
     if (nred == 0) return;
     int W = c->G < 32 ? c->G : 32;
     if (W > 1)
-        for (int j = 0; j < nred; j++)
-            cg_line(c, "acc%d = %s<%d>(acc%d);", reds[j], red_of(kb_graph_node(c->g, reds[j])->op)->warp, W, reds[j]);
+        for (int j = 0; j < nred; j++) {
+            if (c->online_of[reds[j]] >= 0) continue;
+            if (c->partner[reds[j]] >= 0)
+                cg_line(c, "kb_warp_online<%d>(acc%d, acc%d);", W, reds[j], c->partner[reds[j]]);
+            else
+                cg_line(c, "acc%d = %s<%d>(acc%d);", reds[j], red_of(kb_graph_node(c->g, reds[j])->op)->warp, W, reds[j]);
+        }
     if (c->G <= 32) return;
     int nw = c->G / 32;
     cg_line(c, "// across the %d warps of the row, in a fixed order (deterministic)", nw);
@@ -177,6 +231,15 @@ static void row_group_reduce(cg *c, const int32_t *reds, int nred) {
     cg_line(c, "}");
     cg_line(c, "%s;", c->rd->barrier);
     for (int j = 0; j < nred; j++) {
+        if (c->online_of[reds[j]] >= 0) continue;
+        if (c->partner[reds[j]] >= 0) {
+            int js = 0;
+            while (js < nred && reds[js] != c->partner[reds[j]]) js++;
+            cg_line(c, "acc%d = kb_red[%d][grp * %d], acc%d = kb_red[%d][grp * %d];", reds[j], j, nw, reds[js], js, nw);
+            cg_line(c, "for (int w = 1; w < %d; ++w) kb_online_merge(acc%d, acc%d, kb_red[%d][grp * %d + w], kb_red[%d][grp * %d + w]);",
+                    nw, reds[j], reds[js], j, nw, js, nw);
+            continue;
+        }
         const struct red_render *rr = red_of(kb_graph_node(c->g, reds[j])->op);
         char comb[128];
         char acc[32], other[64];
@@ -209,7 +272,11 @@ static void row_pass(cg *c, int pass) {
     cg_line(c, "// pass %d over the row:%s", pass + 1, nred ? "" : " write the outputs");
     for (int j = 0; j < nred; j++) {
         const kb_node *nd = kb_graph_node(c->g, reds[j]);
-        cg_line(c, "//   %s of %%%d", kb_op_get(nd->op)->name, nd->inputs[0]);
+        if (c->online_of[reds[j]] >= 0)
+            cg_line(c, "//   %s of %%%d, online with %%%d (rescaled as the max grows)", kb_op_get(nd->op)->name, nd->inputs[0],
+                    c->online_of[reds[j]]);
+        else
+            cg_line(c, "//   %s of %%%d", kb_op_get(nd->op)->name, nd->inputs[0]);
     }
     for (int j = 0; j < nout; j++) cg_line(c, "//   write %%%d", outs[j]);
     for (int j = 0; j < nred; j++)
@@ -356,6 +423,10 @@ static void emit_col_body(cg *c) {
     col_epilogue(c);
 }
 
+static void fail_unsupported(cg *c, const char *what) {
+    if (c->st == KB_OK) c->st = KB_FAIL(c->ctx, KB_ERR_INVALID, "genome: %s", what);
+}
+
 /* The finishing kernel of a split COL region: partials summed in split order, then the
  * per-column statistics and outputs. */
 static void emit_col_finish(cg *c) {
@@ -372,6 +443,10 @@ static void emit_col_finish(cg *c) {
         snprintf(acc, sizeof acc, "v%d[k]", v);
         snprintf(part, sizeof part, "ws[(s * %d + %d) * C + col0 + k]", c->nred_total, j);
         snprintf(comb, sizeof comb, rr->combine, acc, part);
+        if (c->online_of[v] >= 0 || c->partner[v] >= 0) {
+            fail_unsupported(c, "an online normalizer with col_split > 1");
+            return;
+        }
         cg_line(c, "%s v%d[%d];", c->ct, v, c->vec);
         cg_line(c, "for (int k = 0; k < %d; ++k) {", c->vec);
         cg_line(c, "    v%d[k] = ws[(%d) * C + col0 + k];", v, j);
@@ -471,8 +546,11 @@ static void prune_unused(char *src) {
             if (!eol) break;
             char *p = line;
             while (*p == ' ') p++;
-            char *eq = strstr(p, " = ");
-            if (strncmp(p, "const ", 6) == 0 && eq && eq < eol && eol[-1] == ';' && !memchr(p, '(', (size_t)(eq - p))) {
+            char *eq = strstr(p, " = "), *code_end = strstr(p, "//");
+            if (!code_end || code_end > eol) code_end = eol;
+            while (code_end > p && code_end[-1] == ' ') code_end--;
+            if (strncmp(p, "const ", 6) == 0 && eq && eq < code_end && code_end[-1] == ';' &&
+                !memchr(p, '(', (size_t)(eq - p))) {
                 char *name = eq;
                 while (name > p && name[-1] != ' ' && name[-1] != '*') name--;
                 size_t n = (size_t)(eq - name);
@@ -561,14 +639,26 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     plan_passes(&c);
     KB_TRY(check_genome(&c));
 
-    /* dry run: which inputs are read in several passes (those a row cache holds) */
+    /* dry runs: which values several passes evaluate (those a row cache holds), then which of
+       those caches a later pass actually reads */
     c.out = &scratch;
     c.dry = 1;
-    emit_body(&c);
-    KB_TRY(cg_status(&c));
-    kb_sb_discard(&scratch);
-    KB_TRY(cg_plan_cache(&c));
-    cg_reset(&c);
+    for (int round = 0; round < 2; round++) {
+        size_t n = (size_t)(c.n ? c.n : 1);
+        memset(c.uses, 0, sizeof(uint32_t) * n);
+        memset(c.reads, 0, sizeof(uint32_t) * n);
+        memset(c.cached, 0, n);
+        for (int stage = 0; stage < 2; stage++) {
+            emit_body(&c);
+            KB_TRY(cg_status(&c));
+            kb_sb_discard(&scratch);
+            KB_TRY(cg_plan_cache(&c, stage));
+            cg_reset(&c);
+        }
+        if (!c.replan) break;
+        c.replan = 0;
+        c.inputs_only = 1;
+    }
     c.dry = 0;
     c.out = &body;
     emit_body(&c);
@@ -598,7 +688,8 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     k->smem_bytes = c.smem_bytes;
     k->genome = *gn;
     k->nkernels = c.col_split > 1 ? 2 : 1;
-    k->workspace_bytes_per_unit = c.col_split > 1 ? (int64_t)c.col_split * c.nred_total * (c.dbl ? 8 : 4) : 0;
+    /* grid_units of a split COL region count (column, split) pairs: one partial per reduction */
+    k->workspace_bytes_per_unit = c.col_split > 1 ? (int64_t)c.nred_total * (c.dbl ? 8 : 4) : 0;
     KB_TRY(cg_grid_units(&c, &k->grid_units, &k->units_per_block));
     KB_CHECK(ctx, dev == NULL || dev->max_smem_per_block <= 0 || k->smem_bytes <= dev->max_smem_per_block, KB_ERR_INVALID,
              "genome: %d bytes of shared memory, the device allows %d", k->smem_bytes, dev ? dev->max_smem_per_block : 0);

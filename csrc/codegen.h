@@ -15,7 +15,7 @@ typedef struct renderer {
     const char *kernel_prefix; /* extern "C" __global__ void */
     const char *launch_bounds; /* printf format over the block size */
     const char *barrier;
-    const char *shfl_xor;      /* expression over v (value) and o (lane offset) */
+    const char *shfl_xor;      /* printf format over the value; the lane offset is o */
     const char *restrict_kw;
     const char *smem_decl;     /* the dynamic shared memory array kb_smem */
 } renderer;
@@ -79,10 +79,17 @@ typedef struct cg {
     int npasses, pass, maxred, nred_total, col_split;
     int G, U;
     int dry;
-    uint32_t *uses;     /* per input slot: passes that read it at the canonical element */
-    int8_t *cached;
+    uint32_t *uses;     /* per value: passes that evaluate it at the canonical element */
+    uint32_t *reads;    /* per value: passes that read it back from the row cache */
+    int8_t *cached;     /* per value: held in the row cache from its first pass on */
     int8_t *fill_pass;
     int32_t *smem_off;
+    int inputs_only;    /* registers hold inputs only (intermediates did not fit) */
+    int replan;         /* the plan asks for another round with inputs_only */
+    /* two_pass=0: max M and sum(exp(y - M)) S in one pass (online softmax normalizer) */
+    int32_t *partner;   /* M -> S, else -1 */
+    int32_t *online_of; /* S -> M, else -1 */
+    int has_online;
     int smem_bytes;
     /* emission */
     kb_sb *out;
@@ -98,7 +105,8 @@ kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, 
 void cg_done(cg *c);
 void cg_reset(cg *c);
 kb_status cg_status(cg *c);
-kb_status cg_plan_cache(cg *c);
+/* stage 0: after a dry run without caching; stage 1: after one with it (drops unread caches) */
+kb_status cg_plan_cache(cg *c, int stage);
 kb_status cg_grid_units(cg *c, kb_dim *units, int64_t *per_block);
 
 const char *cg_storage(kb_dtype t);
@@ -125,5 +133,19 @@ void cg_stat_outputs(cg *c);
 int cg_out_full(cg *c, int32_t v);
 void cg_smem_pointers(cg *c);
 void cg_regs_arrays(cg *c);
+
+/* codegen_expr.c, for codegen_chunk.c: a value at an index, and the pieces around it */
+void cg_ev(cg *c, int32_t v, const idx *ix, char *out);
+void cg_bind(cg *c, int32_t v, const idx *x, const char *var);
+void cg_set_lin(idx *x, const char *e, uint32_t mask);
+uint32_t cg_all_bits(const cg *c);
+int cg_stat_shape(const cg *c, const kb_node *nd, int *keep);
+const char *cg_store_fmt(kb_dtype t);
+void cg_fail(cg *c, const char *what);
+void cg_fmt(cg *c, char *dst, size_t n, const char *f, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
 
 #endif /* KBENCH_CODEGEN_H */

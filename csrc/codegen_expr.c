@@ -45,12 +45,7 @@ static void fail(cg *c, kb_status s, const char *fmt, ...) {
 }
 
 /* snprintf that turns truncation into a failure instead of wrong code */
-static void fmt(cg *c, char *dst, size_t n, const char *f, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 4, 5)))
-#endif
-    ;
-static void fmt(cg *c, char *dst, size_t n, const char *f, ...) {
+void cg_fmt(cg *c, char *dst, size_t n, const char *f, ...) {
     va_list ap;
     va_start(ap, f);
     int k = vsnprintf(dst, n, f, ap);
@@ -109,7 +104,7 @@ static void prod_expr(cg *c, const kb_dim *dims, int rank, uint32_t mask, char *
         }
     }
     if (n == 0 || coef == 0) {
-        fmt(c, out, EXPR_LEN, "%" PRId64, n == 0 ? coef : 0);
+        cg_fmt(c, out, EXPR_LEN, "%" PRId64, n == 0 ? coef : 0);
         return;
     }
     char buf[EXPR_LEN];
@@ -118,8 +113,8 @@ static void prod_expr(cg *c, const kb_dim *dims, int rank, uint32_t mask, char *
     if (coef != 1) len += (size_t)snprintf(buf, sizeof buf, "%" PRId64, coef);
     for (int i = 0; i < n && len < sizeof buf; i++)
         len += (size_t)snprintf(buf + len, sizeof buf - len, "%ss%d", len ? "*" : "", syms[i]);
-    if (n == 1 && coef == 1) fmt(c, out, EXPR_LEN, "%s", buf);
-    else fmt(c, out, EXPR_LEN, "(%s)", buf);
+    if (n == 1 && coef == 1) cg_fmt(c, out, EXPR_LEN, "%s", buf);
+    else cg_fmt(c, out, EXPR_LEN, "(%s)", buf);
 }
 
 static void dim_expr(cg *c, kb_dim d, char *out) { prod_expr(c, &d, 1, 1u, out); }
@@ -180,10 +175,10 @@ void cg_decl_vars(cg *c, const char *src, uint32_t mask, int chunk_base) {
         prod_expr(c, c->adims, c->arank, after, st);
         dim_expr(c, c->adims[ds[j]], size);
         int unit = strcmp(st, "1") == 0;
-        if (nd == 1) fmt(c, e, sizeof e, "%s", src);
-        else if (j == 0) fmt(c, e, sizeof e, unit ? "%s" : "%s / %s", src, st);
-        else if (unit) fmt(c, e, sizeof e, "%s %% %s", src, size);
-        else fmt(c, e, sizeof e, "(%s / %s) %% %s", src, st, size);
+        if (nd == 1) cg_fmt(c, e, sizeof e, "%s", src);
+        else if (j == 0) cg_fmt(c, e, sizeof e, unit ? "%s" : "%s / %s", src, st);
+        else if (unit) cg_fmt(c, e, sizeof e, "%s %% %s", src, size);
+        else cg_fmt(c, e, sizeof e, "(%s / %s) %% %s", src, st, size);
         aname(c, ds[j], chunk_base && c->vec > 1, name);
         cg_line(c, "const long long %s = %s;", name, e);
     }
@@ -206,7 +201,7 @@ static void anchor_lin(cg *c, int chunk_base, char *out) {
             break;
         }
     }
-    fmt(c, out, EXPR_LEN, "(%s)", len ? buf : "0");
+    cg_fmt(c, out, EXPR_LEN, "(%s)", len ? buf : "0");
 }
 
 void cg_set_space_vec(cg *c) {
@@ -356,24 +351,24 @@ static void to_comps(cg *c, const kb_node *nd, const idx *in, idx *out) {
         prod_expr(c, nd->dims, nd->rank, all & ~((2u << d) - 1), st);
         dim_expr(c, nd->dims[d], size);
         int unit = strcmp(st, "1") == 0;
-        if (nonone == 1) fmt(c, out->e[d], EXPR_LEN, "%s", in->e[0]);
-        else if (d == first) fmt(c, out->e[d], EXPR_LEN, unit ? "%s" : "(%s / %s)", in->e[0], st);
-        else if (unit) fmt(c, out->e[d], EXPR_LEN, "(%s %% %s)", in->e[0], size);
-        else fmt(c, out->e[d], EXPR_LEN, "((%s / %s) %% %s)", in->e[0], st, size);
+        if (nonone == 1) cg_fmt(c, out->e[d], EXPR_LEN, "%s", in->e[0]);
+        else if (d == first) cg_fmt(c, out->e[d], EXPR_LEN, unit ? "%s" : "(%s / %s)", in->e[0], st);
+        else if (unit) cg_fmt(c, out->e[d], EXPR_LEN, "(%s %% %s)", in->e[0], size);
+        else cg_fmt(c, out->e[d], EXPR_LEN, "((%s / %s) %% %s)", in->e[0], st, size);
     }
 }
 
 /* the value's row-major linear index */
 static void to_lin(cg *c, const kb_node *nd, const idx *in, char *out, uint32_t *mask) {
     if (in->lin) {
-        fmt(c, out, EXPR_LEN, "%s", in->e[0]);
+        cg_fmt(c, out, EXPR_LEN, "%s", in->e[0]);
         if (mask) *mask = in->mask[0];
         return;
     }
     idx x = *in;
     normalize(c, nd, &x);
     if (x.lin) {
-        fmt(c, out, EXPR_LEN, "%s", x.e[0]);
+        cg_fmt(c, out, EXPR_LEN, "%s", x.e[0]);
         if (mask) *mask = x.mask[0];
         return;
     }
@@ -395,9 +390,9 @@ static void to_lin(cg *c, const kb_node *nd, const idx *in, char *out, uint32_t 
         m |= x.mask[d];
         terms++;
     }
-    if (terms == 0) fmt(c, out, EXPR_LEN, "0");
-    else if (terms == 1) fmt(c, out, EXPR_LEN, "%s", buf);
-    else fmt(c, out, EXPR_LEN, "(%s)", buf);
+    if (terms == 0) cg_fmt(c, out, EXPR_LEN, "0");
+    else if (terms == 1) cg_fmt(c, out, EXPR_LEN, "%s", buf);
+    else cg_fmt(c, out, EXPR_LEN, "(%s)", buf);
     if (mask) *mask = m;
 }
 
@@ -455,11 +450,11 @@ static void view_map(cg *c, const kb_node *nd, const idx *ix, idx *out) {
     } else if (nd->op == KB_OP_SLICE) {
         int a = nd->axis;
         const char *e = x.e[a];
-        if (strcmp(e, "0") == 0) fmt(c, out->e[a], EXPR_LEN, "%" PRId64, nd->start);
-        else if (nd->step == 1 && nd->start == 0) fmt(c, out->e[a], EXPR_LEN, "%s", e);
-        else if (nd->step == 1) fmt(c, out->e[a], EXPR_LEN, "(%s + %" PRId64 ")", e, nd->start);
-        else if (nd->start == 0) fmt(c, out->e[a], EXPR_LEN, "(%s * %" PRId64 ")", e, nd->step);
-        else fmt(c, out->e[a], EXPR_LEN, "(%s * %" PRId64 " + %" PRId64 ")", e, nd->step, nd->start);
+        if (strcmp(e, "0") == 0) cg_fmt(c, out->e[a], EXPR_LEN, "%" PRId64, nd->start);
+        else if (nd->step == 1 && nd->start == 0) cg_fmt(c, out->e[a], EXPR_LEN, "%s", e);
+        else if (nd->step == 1) cg_fmt(c, out->e[a], EXPR_LEN, "(%s + %" PRId64 ")", e, nd->start);
+        else if (nd->start == 0) cg_fmt(c, out->e[a], EXPR_LEN, "(%s * %" PRId64 ")", e, nd->step);
+        else cg_fmt(c, out->e[a], EXPR_LEN, "(%s * %" PRId64 " + %" PRId64 ")", e, nd->step, nd->start);
     }
 }
 
@@ -516,14 +511,14 @@ static void var_name(cg *c, int32_t v, const idx *x, char *name) {
 
 static void literal(cg *c, double x, char *out) {
     if (isnan(x)) {
-        fmt(c, out, EXPR_LEN, c->dbl ? "(double)KB_NAN" : "KB_NAN");
+        cg_fmt(c, out, EXPR_LEN, c->dbl ? "(double)KB_NAN" : "KB_NAN");
     } else if (isinf(x)) {
-        fmt(c, out, EXPR_LEN, "%s%sKB_INF%s", x < 0 ? "(-" : "", c->dbl ? "(double)" : "", x < 0 ? ")" : "");
+        cg_fmt(c, out, EXPR_LEN, "%s%sKB_INF%s", x < 0 ? "(-" : "", c->dbl ? "(double)" : "", x < 0 ? ")" : "");
     } else {
         char num[64];
         snprintf(num, sizeof num, c->dbl ? "%.17g" : "%.9g", x);
         if (!strpbrk(num, ".e")) strcat(num, ".0");
-        fmt(c, out, EXPR_LEN, "%s%s%s%s", x < 0 ? "(" : "", num, c->dbl ? "" : "f", x < 0 ? ")" : "");
+        cg_fmt(c, out, EXPR_LEN, "%s%s%s%s", x < 0 ? "(" : "", num, c->dbl ? "" : "f", x < 0 ? ")" : "");
     }
 }
 
@@ -606,7 +601,7 @@ static void substitute(cg *c, const char *t, const char ops[3][EXPR_LEN], const 
         else buf[len++] = *t++, buf[len] = '\0';
     }
     if (len >= n) fail(c, KB_ERR_UNSUPPORTED, "a pointwise expression is too long");
-    fmt(c, out, EXPR_LEN * 4, "%s", buf);
+    cg_fmt(c, out, EXPR_LEN * 4, "%s", buf);
 }
 
 /* ---------------------------------------------------------------- values at an index */
@@ -618,15 +613,15 @@ static void declare(cg *c, int32_t v, const idx *x, const char *key, const char 
     var_name(c, v, x, name);
     cg_line(c, "const %s %s = %s;", c->ct, name, expr);
     insert(c, v, key, name);
-    fmt(c, out, EXPR_LEN, "%s", name);
+    cg_fmt(c, out, EXPR_LEN, "%s", name);
 }
 
 static void convert_load(cg *c, kb_dtype t, const char *raw, char *out) {
     char conv[EXPR_LEN * 2];
-    fmt(c, conv, sizeof conv, DT[t].load, raw);
+    cg_fmt(c, conv, sizeof conv, DT[t].load, raw);
     int native = (t == KB_F64 && c->dbl) || ((t == KB_F32 || t == KB_F16 || t == KB_BF16) && !c->dbl);
-    if (native) fmt(c, out, EXPR_LEN * 2, "%s", conv);
-    else fmt(c, out, EXPR_LEN * 2, "(%s)%s", c->ct, conv);
+    if (native) cg_fmt(c, out, EXPR_LEN * 2, "%s", conv);
+    else cg_fmt(c, out, EXPR_LEN * 2, "(%s)%s", c->ct, conv);
 }
 
 /* Vector access along the chunk: the index is the chunk's canonical element (rule 1), or the
@@ -636,7 +631,7 @@ static int vector_base(cg *c, const kb_node *nd, const idx *x, char *base) {
     if (!c->in_element || c->vec <= 1) return 0;
     if (x->lin && strcmp(x->e[0], c->full_lin) == 0) {
         if (!c->full_vec_ok) return 0;
-        fmt(c, base, EXPR_LEN, "%s", c->full_lin0);
+        cg_fmt(c, base, EXPR_LEN, "%s", c->full_lin0);
         return 1;
     }
     if (!c->aligned || nd->rank == 0) return 0;
@@ -644,12 +639,21 @@ static int vector_base(cg *c, const kb_node *nd, const idx *x, char *base) {
     if (ld.nsym || ld.coef % c->vec) return 0;
     idx y;
     to_comps(c, nd, x, &y);
-    char lastvar[NAME_LEN];
+    char lastvar[NAME_LEN], shifted[NAME_LEN];
     snprintf(lastvar, sizeof lastvar, "a%d", c->last);
-    if (strcmp(y.e[nd->rank - 1], lastvar) != 0) return 0;
+    snprintf(shifted, sizeof shifted, "(a%d + ", c->last);
+    const char *e = y.e[nd->rank - 1];
+    long long off = 0;
+    if (strcmp(e, lastvar) != 0) { /* a slice at a whole number of vectors: (a1 + 512) */
+        char *end;
+        if (strncmp(e, shifted, strlen(shifted)) != 0) return 0;
+        off = strtoll(e + strlen(shifted), &end, 10);
+        if (strcmp(end, ")") != 0 || off % c->vec != 0) return 0;
+    }
     for (int d = 0; d + 1 < nd->rank; d++)
         if (y.mask[d] & ((1u << c->last) | CG_DATA)) return 0;
-    snprintf(y.e[nd->rank - 1], EXPR_LEN, "a%d_0", c->last);
+    if (off) snprintf(y.e[nd->rank - 1], EXPR_LEN, "(a%d_0 + %lld)", c->last, off);
+    else snprintf(y.e[nd->rank - 1], EXPR_LEN, "a%d_0", c->last);
     to_lin(c, nd, &y, base, NULL);
     return 1;
 }
@@ -672,52 +676,45 @@ static const char *vector_request(cg *c, int32_t v, int smem, int fill, const ch
 
 static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
     const kb_node *nd = NODE(c, v);
-    int slot = c->in_slot[v];
     int canon = c->in_element && x->lin && strcmp(x->e[0], c->full_lin) == 0;
-    if (canon && c->pass < 32) c->uses[slot] |= 1u << c->pass;
-    int cached = canon && c->cached[slot] && !c->dry;
+    int cached = canon && c->cached[v];
     int regs = c->gn.cache == KB_CACHE_REGS;
     char name[NAME_LEN], raw[EXPR_LEN], conv[EXPR_LEN * 2], base[EXPR_LEN];
     var_name(c, v, x, name);
-    if (cached && c->pass > c->fill_pass[slot] && regs) {
-        cg_line(c, "const %s %s = rc%d[u][%s];  // from the row cache", c->ct, name, (int)v, c->kvar);
-        insert(c, v, key, name);
-        fmt(c, out, EXPR_LEN, "%s", name);
-        return;
-    }
     const char *vn;
-    if (cached && c->pass > c->fill_pass[slot]) { /* shared-memory row cache */
-        if (c->vec > 1 && (vn = vector_request(c, v, 1, 0, "c0")) != NULL) fmt(c, raw, sizeof raw, "%s.v[k]", vn);
-        else fmt(c, raw, sizeof raw, "sm%d[c]", (int)v);
+    if (cached && c->pass > c->fill_pass[v]) { /* shared-memory row cache (registers: see ev) */
+        if (c->pass < 32) c->reads[v] |= 1u << c->pass;
+        if (c->vec > 1 && (vn = vector_request(c, v, 1, 0, "c0")) != NULL) cg_fmt(c, raw, sizeof raw, "%s.v[k]", vn);
+        else cg_fmt(c, raw, sizeof raw, "sm%d[c]", (int)v);
     } else {
         int fill = cached && !regs;
         if (vector_base(c, nd, x, base) && (vn = vector_request(c, v, 0, fill, base)) != NULL) {
-            fmt(c, raw, sizeof raw, "%s.v[k]", vn);
+            cg_fmt(c, raw, sizeof raw, "%s.v[k]", vn);
         } else {
             char lin[EXPR_LEN];
             to_lin(c, nd, x, lin, NULL);
-            fmt(c, raw, sizeof raw, "p%d[%s]", (int)v, lin);
+            cg_fmt(c, raw, sizeof raw, "p%d[%s]", (int)v, lin);
             if (fill) { /* scalar fill of the shared-memory cache */
                 char r[NAME_LEN];
                 snprintf(r, sizeof r, "r%d_%d", (int)v, ++c->counter);
                 cg_line(c, "const %s %s = %s;", DT[nd->dtype].storage, r, raw);
                 cg_line(c, "sm%d[c] = %s;", (int)v, r);
-                fmt(c, raw, sizeof raw, "%s", r);
+                cg_fmt(c, raw, sizeof raw, "%s", r);
             }
         }
     }
     convert_load(c, nd->dtype, raw, conv);
     cg_line(c, "const %s %s = %s;", c->ct, name, conv);
-    if (cached && regs && c->pass == c->fill_pass[slot]) cg_line(c, "rc%d[u][%s] = %s;", (int)v, c->kvar, name);
+    if (cached && regs && c->pass == c->fill_pass[v]) cg_line(c, "rc%d[u][%s] = %s;", (int)v, c->kvar, name);
     insert(c, v, key, name);
-    fmt(c, out, EXPR_LEN, "%s", name);
+    cg_fmt(c, out, EXPR_LEN, "%s", name);
 }
 
 /* An integer (gather index) at x, as a long long expression. */
 static void ev_int(cg *c, int32_t v, const idx *x, char *out) {
     const kb_node *nd = NODE(c, v);
     if (nd->op == KB_OP_CONST) {
-        fmt(c, out, EXPR_LEN, "(long long)%.17g", nd->scalar[0]);
+        cg_fmt(c, out, EXPR_LEN, "(long long)%.17g", nd->scalar[0]);
     } else if (c->member[v] && kb_op_get(nd->op)->kind == KB_KIND_VIEW) {
         idx u;
         view_map(c, nd, x, &u);
@@ -725,23 +722,23 @@ static void ev_int(cg *c, int32_t v, const idx *x, char *out) {
     } else if (!c->member[v] && c->in_slot[v] >= 0) {
         char lin[EXPR_LEN];
         to_lin(c, nd, x, lin, NULL);
-        fmt(c, out, EXPR_LEN, "(long long)p%d[%s]", (int)v, lin);
+        cg_fmt(c, out, EXPR_LEN, "(long long)p%d[%s]", (int)v, lin);
     } else {
         char e[EXPR_LEN];
         ev(c, v, x, e);
-        fmt(c, out, EXPR_LEN, "(long long)(%s)", e);
+        cg_fmt(c, out, EXPR_LEN, "(long long)(%s)", e);
     }
 }
 
 static void cast_expr(cg *c, kb_dtype to, const char *a, char *out) {
     const char *ct = c->ct;
     switch (to) {
-    case KB_F32: fmt(c, out, EXPR_LEN * 4, c->dbl ? "(double)(float)(%s)" : "%s", a); break;
-    case KB_F64: fmt(c, out, EXPR_LEN * 4, "%s", a); break;
-    case KB_F16: fmt(c, out, EXPR_LEN * 4, "(%s)__half2float(__float2half_rn((float)(%s)))", ct, a); break;
-    case KB_BF16: fmt(c, out, EXPR_LEN * 4, "(%s)__bfloat162float(__float2bfloat16_rn((float)(%s)))", ct, a); break;
-    case KB_BOOL: fmt(c, out, EXPR_LEN * 4, "(%s)((%s) != 0)", ct, a); break;
-    default: fmt(c, out, EXPR_LEN * 4, "(%s)(long long)(%s)", ct, a); break;
+    case KB_F32: cg_fmt(c, out, EXPR_LEN * 4, c->dbl ? "(double)(float)(%s)" : "%s", a); break;
+    case KB_F64: cg_fmt(c, out, EXPR_LEN * 4, "%s", a); break;
+    case KB_F16: cg_fmt(c, out, EXPR_LEN * 4, "(%s)__half2float(__float2half_rn((float)(%s)))", ct, a); break;
+    case KB_BF16: cg_fmt(c, out, EXPR_LEN * 4, "(%s)__bfloat162float(__float2bfloat16_rn((float)(%s)))", ct, a); break;
+    case KB_BOOL: cg_fmt(c, out, EXPR_LEN * 4, "(%s)((%s) != 0)", ct, a); break;
+    default: cg_fmt(c, out, EXPR_LEN * 4, "(%s)(long long)(%s)", ct, a); break;
     }
 }
 
@@ -768,7 +765,19 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
     make_key(c, v, &x, key);
     const char *hit = lookup(c, v, key);
     if (hit) {
-        fmt(c, out, EXPR_LEN, "%s", hit);
+        cg_fmt(c, out, EXPR_LEN, "%s", hit);
+        return;
+    }
+    /* the row cache: a value evaluated in several passes is kept from its first one */
+    int canon = c->in_element && x.lin && strcmp(x.e[0], c->full_lin) == 0;
+    if (canon && c->pass < 32) c->uses[v] |= 1u << c->pass;
+    if (canon && c->cached[v] && c->pass > c->fill_pass[v] && c->gn.cache == KB_CACHE_REGS) {
+        char name[NAME_LEN];
+        var_name(c, v, &x, name);
+        if (c->pass < 32) c->reads[v] |= 1u << c->pass;
+        cg_line(c, "const %s %s = rc%d[u][%s];  // from the row cache", c->ct, name, (int)v, c->kvar);
+        insert(c, v, key, name);
+        cg_fmt(c, out, EXPR_LEN, "%s", name);
         return;
     }
     if (!c->member[v]) {
@@ -792,6 +801,7 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
             substitute(c, tpl, ops, nd, expr);
         }
         declare(c, v, &x, key, expr, out);
+        if (canon && c->cached[v] && c->pass == c->fill_pass[v]) cg_line(c, "rc%d[u][%s] = %s;", (int)v, c->kvar, out);
         return;
     case KB_KIND_GATHER: {
         idx y, a;
@@ -805,10 +815,10 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
         cg_line(c, "const bool ok%d = g%d >= 0 && g%d < %s;  // out of range reads nothing, gives NaN", g, g, g, size);
         a = y;
         a.rank = an->rank;
-        fmt(c, a.e[nd->axis], EXPR_LEN, "(ok%d ? g%d : 0)", g, g);
+        cg_fmt(c, a.e[nd->axis], EXPR_LEN, "(ok%d ? g%d : 0)", g, g);
         a.mask[nd->axis] = CG_DATA;
         ev(c, nd->inputs[0], &a, ops[0]);
-        fmt(c, expr, sizeof expr, "ok%d ? %s : %s", g, ops[0], c->dbl ? "(double)KB_NAN" : "KB_NAN");
+        cg_fmt(c, expr, sizeof expr, "ok%d ? %s : %s", g, ops[0], c->dbl ? "(double)KB_NAN" : "KB_NAN");
         declare(c, v, &x, key, expr, out);
         return;
     }
@@ -821,353 +831,17 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
     }
 }
 
-/* ---------------------------------------------------------------- chunks, statistics, stores */
+/* ---------------------------------------------------------------- for codegen_chunk.c */
 
-static void full_index(cg *c, idx *x) { set_lin(x, c->full_lin, all_bits(c)); }
+void cg_ev(cg *c, int32_t v, const idx *ix, char *out) { ev(c, v, ix, out); }
+void cg_set_lin(idx *x, const char *e, uint32_t mask) { set_lin(x, e, mask); }
+uint32_t cg_all_bits(const cg *c) { return all_bits(c); }
+int cg_stat_shape(const cg *c, const kb_node *nd, int *keep) { return stat_shape(c, nd, keep); }
+const char *cg_store_fmt(kb_dtype t) { return (unsigned)t < KB_DTYPE_COUNT ? DT[t].store : "%s"; }
+void cg_fail(cg *c, const char *what) { fail(c, KB_ERR_UNSUPPORTED, "%s", what); }
 
-static void stat_index(cg *c, idx *x) { set_lin(x, c->stat_lin, all_bits(c) & ~c->red); }
-
-void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout) {
-    kb_region_kind kind = c->rg->kind;
-    int V = c->vec;
-    /* chunk scope: the anchor position of the chunk's first element */
-    if (kind == KB_REGION_POINTWISE && V > 1 && c->aligned) cg_decl_vars(c, c->base, all_bits(c), 1);
-    if (kind == KB_REGION_ROW && V > 1) cg_decl_vars(c, "c0", c->red, 1);
-    kb_sb *outer = c->out, body;
-    kb_sb_init(&body, c->ctx);
-    int ind0 = c->ind;
-    c->out = &body;
-    c->ind = ind0 + 1;
-    c->nvr = 0;
-    cg_scope_push(c);
-    c->in_element = 1;
-    const char *pos = kind == KB_REGION_POINTWISE ? "i" : kind == KB_REGION_ROW ? "c" : "col";
-    if (V > 1) cg_line(c, "const long long %s = %s + k;", pos, c->base);
-    else cg_line(c, "const long long %s = %s;", pos, c->base);
-    if (V > 1 && c->aligned) cg_line(c, "const long long a%d = a%d_0 + k;", c->last, c->last);
-    else if (kind == KB_REGION_POINTWISE) cg_decl_vars(c, "i", all_bits(c), 0);
-    else if (kind == KB_REGION_ROW) cg_decl_vars(c, "c", c->red, 0);
-    idx full;
-    full_index(c, &full);
-    char val[EXPR_LEN];
-    for (int j = 0; j < nred; j++) {
-        const kb_node *nd = NODE(c, reds[j]);
-        ev(c, nd->inputs[0], &full, val);
-        char acc[NAME_LEN], comb[EXPR_LEN * 2];
-        if (kind == KB_REGION_COL) snprintf(acc, sizeof acc, "acc%d[%s]", (int)reds[j], c->kvar);
-        else snprintf(acc, sizeof acc, "acc%d", (int)reds[j]);
-        const char *f = (nd->op == KB_OP_RMAX) ? "kb_maxf(%s, %s)" : (nd->op == KB_OP_RMIN) ? "kb_minf(%s, %s)" : "%s + %s";
-        fmt(c, comb, sizeof comb, f, acc, val);
-        cg_line(c, "%s = %s;", acc, comb);
-    }
-    int vstore[256] = {0};
-    for (int j = 0; j < nout && j < 256; j++) {
-        const kb_node *nd = NODE(c, outs[j]);
-        ev(c, outs[j], &full, val);
-        char st[EXPR_LEN * 2];
-        fmt(c, st, sizeof st, DT[nd->dtype].store, val);
-        if (c->full_vec_ok) {
-            vstore[j] = 1;
-            cg_line(c, "y%d.v[k] = %s;", (int)outs[j], st);
-        } else {
-            cg_line(c, "p%d[%s] = %s;", (int)outs[j], c->full_lin, st);
-        }
-    }
-    c->in_element = 0;
-    cg_scope_pop(c);
-    c->out = outer;
-    c->ind = ind0;
-    /* the chunk: vector loads first (all in flight together), the elements, vector stores */
-    for (int i = 0; i < c->nvr; i++) {
-        const cg_vreq *r = &c->vr[i];
-        const char *T = DT[NODE(c, r->v)->dtype].storage;
-        if (r->smem) cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(sm%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
-        else cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(p%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
-        if (r->fill) cg_line(c, "kb_st<%s, %d>(sm%d + c0, %s);  // into the row cache", T, V, (int)r->v, r->name);
-    }
-    for (int j = 0; j < nout && j < 256; j++)
-        if (vstore[j]) cg_line(c, "kb_vec<%s, %d> y%d;", DT[NODE(c, outs[j])->dtype].storage, V, (int)outs[j]);
-    if (V > 1) {
-        cg_line(c, "#pragma unroll");
-        cg_line(c, "for (int k = 0; k < %d; ++k) {", V);
-    } else {
-        cg_line(c, "{");
-    }
-    if (!c->dry && body.buf) kb_sb_puts(c->out, body.buf);
-    if (body.oom) c->st = KB_FAIL(c->ctx, KB_ERR_OOM, "out of memory");
-    kb_sb_discard(&body);
-    cg_line(c, "}");
-    for (int j = 0; j < nout && j < 256; j++)
-        if (vstore[j]) {
-            const char *T = DT[NODE(c, outs[j])->dtype].storage;
-            cg_line(c, "kb_st<%s, %d>(p%d + %s, y%d);", T, V, (int)outs[j], c->full_lin0, (int)outs[j]);
-        }
-}
-
-void cg_bind_stat(cg *c, int32_t reduce) {
-    idx x;
-    stat_index(c, &x);
-    char key[KEY_LEN], var[NAME_LEN];
-    make_key(c, reduce, &x, key);
-    if (c->rg->kind == KB_REGION_COL) snprintf(var, sizeof var, "v%d[%s]", (int)reduce, c->kvar);
-    else snprintf(var, sizeof var, "v%d", (int)reduce);
-    insert(c, reduce, key, var);
-}
-
-/* Per-row values that follow from finished reductions alone (rstd = rsqrt(var + eps)):
- * computed once per row rather than once per element. */
-void cg_eager_stats(cg *c, int pass) {
-    if (c->rg->kind != KB_REGION_ROW) return;
-    idx x;
-    stat_index(c, &x);
-    char val[EXPR_LEN];
-    for (int32_t k = 0; k < c->rg->nnodes; k++) {
-        int32_t v = c->rg->nodes[k];
-        const kb_node *nd = NODE(c, v);
-        kb_op_kind kind = kb_op_get(nd->op)->kind;
-        int keep;
-        if (!c->pure[v] || c->dp[v] < 0 || c->dp[v] > pass || nd->op == KB_OP_CONST) continue;
-        if (kind != KB_KIND_UNARY && kind != KB_KIND_BINARY && kind != KB_KIND_TERNARY) continue;
-        if (!stat_shape(c, nd, &keep)) continue;
-        ev(c, v, &x, val);
-    }
-}
-
-int cg_out_full(cg *c, int32_t v) {
-    if (c->rg->kind == KB_REGION_POINTWISE) return 1;
-    int full = cg_numel_is(c, v, 0), stat = cg_numel_is(c, v, 1);
-    if (full && stat) return c->dp[v] < 0 || kb_op_get(NODE(c, v)->op)->kind != KB_KIND_REDUCE;
-    return full;
-}
-
-void cg_stat_outputs(cg *c) {
-    int any = 0;
-    for (int32_t j = 0; j < c->rg->noutputs; j++) any |= !cg_out_full(c, c->rg->outputs[j]);
-    if (!any) return;
-    idx x;
-    char val[EXPR_LEN], st[EXPR_LEN * 2];
-    kb_sb_puts(c->out, c->dry ? "" : "\n");
-    if (c->rg->kind == KB_REGION_ROW) {
-        cg_line(c, "// per-row outputs");
-        cg_line(c, "if (lane == 0 && row < O) {");
-    } else {
-        cg_line(c, "// per-column outputs");
-        if (c->vec > 1) cg_line(c, "for (int k = 0; k < %d; ++k) {", c->vec);
-        else cg_line(c, "{");
-    }
-    c->ind++;
-    cg_scope_push(c);
-    if (c->rg->kind == KB_REGION_COL) {
-        cg_line(c, "const long long col = col0%s;", c->vec > 1 ? " + k" : "");
-        if (c->vec > 1 && c->aligned) cg_line(c, "const long long a%d = a%d_0 + k;", c->last, c->last);
-    }
-    stat_index(c, &x);
-    for (int32_t j = 0; j < c->rg->noutputs; j++) {
-        int32_t v = c->rg->outputs[j];
-        if (cg_out_full(c, v)) continue;
-        ev(c, v, &x, val);
-        fmt(c, st, sizeof st, DT[NODE(c, v)->dtype].store, val);
-        cg_line(c, "p%d[%s] = %s;", (int)v, c->stat_lin, st);
-    }
-    cg_scope_pop(c);
-    c->ind--;
-    cg_line(c, "}");
-}
-
-/* ---------------------------------------------------------------- the row cache */
-
-void cg_smem_pointers(cg *c) {
-    cg_line(c, "%s", c->rd->smem_decl);
-    for (int32_t i = 0; i < c->rg->ninputs; i++) {
-        if (!c->cached[i]) continue;
-        int32_t v = c->rg->inputs[i];
-        const char *T = DT[NODE(c, v)->dtype].storage;
-        cg_line(c, "%s *sm%d = reinterpret_cast<%s *>(kb_smem + %d) + (long long)grp * R;  // row cache of p%d", T, (int)v, T,
-                (int)c->smem_off[i], (int)v);
-    }
-}
-
-void cg_regs_arrays(cg *c) {
-    for (int32_t i = 0; i < c->rg->ninputs; i++)
-        if (c->cached[i])
-            cg_line(c, "%s rc%d[%d][%d];  // p%d's share of the row, in registers", c->ct, (int)c->rg->inputs[i], c->U, c->vec,
-                    (int)c->rg->inputs[i]);
-}
-
-kb_status cg_plan_cache(cg *c) {
-    c->smem_bytes = 0;
-    for (int32_t i = 0; i < c->rg->ninputs; i++) {
-        c->cached[i] = 0;
-        c->fill_pass[i] = 0;
-    }
-    if (c->rg->kind != KB_REGION_ROW || c->gn.cache == KB_CACHE_REREAD) return KB_OK;
-    int n = 0;
-    int64_t R = 1;
-    for (int d = 0; d < c->arank; d++)
-        if (c->red & (1u << d)) R *= c->adims[d].coef;
-    for (int32_t i = 0; i < c->rg->ninputs; i++) {
-        if (kb_popcount32(c->uses[i]) < 2) continue;
-        c->cached[i] = 1;
-        c->fill_pass[i] = (int8_t)__builtin_ctz(c->uses[i]);
-        n++;
-        if (c->gn.cache == KB_CACHE_SMEM) {
-            c->smem_off[i] = c->smem_bytes;
-            int64_t bytes = (int64_t)c->gn.rows * R * (int64_t)kb_dtype_size(NODE(c, c->rg->inputs[i])->dtype);
-            bytes = (bytes + 15) / 16 * 16;
-            if (c->smem_bytes + bytes > 0x7fffffff)
-                return KB_FAIL(c->ctx, KB_ERR_INVALID, "codegen: the row cache needs more than 2 GiB of shared memory");
-            c->smem_bytes += (int)bytes;
-        }
-    }
-    if (c->gn.cache == KB_CACHE_REGS && (int64_t)n * c->U * c->vec > 256)
-        return KB_FAIL(c->ctx, KB_ERR_INVALID, "genome: cache=regs needs %d registers per thread for the row",
-                       n * c->U * c->vec);
-    return KB_OK;
-}
-
-/* ---------------------------------------------------------------- setup */
-
-static kb_status dims_product(cg *c, uint32_t mask, int64_t mul, kb_dim *out) {
-    kb_dim d = {mul, 0, {0}};
-    for (int i = 0; i < c->arank; i++) {
-        if (!(mask & (1u << i))) continue;
-        d.coef *= c->adims[i].coef;
-        for (int s = 0; s < c->adims[i].nsym; s++) {
-            if (d.nsym == KB_MAX_DIM_SYMS)
-                return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: the grid size multiplies more than %d symbols",
-                               KB_MAX_DIM_SYMS);
-            int j = d.nsym++;
-            while (j > 0 && d.sym[j - 1] > c->adims[i].sym[s]) {
-                d.sym[j] = d.sym[j - 1];
-                j--;
-            }
-            d.sym[j] = c->adims[i].sym[s];
-        }
-    }
-    *out = d;
-    return KB_OK;
-}
-
-kb_status cg_grid_units(cg *c, kb_dim *units, int64_t *per_block) {
-    uint32_t all = all_bits(c);
-    switch (c->rg->kind) {
-    case KB_REGION_POINTWISE:
-        *per_block = (int64_t)c->gn.threads * c->gn.vec * c->gn.items;
-        return dims_product(c, all, 1, units);
-    case KB_REGION_ROW:
-        *per_block = c->gn.rows;
-        return dims_product(c, all & ~c->red, 1, units);
-    default:
-        *per_block = (int64_t)c->gn.threads * c->gn.vec;
-        return dims_product(c, all & ~c->red, c->col_split, units);
-    }
-}
-
-kb_status cg_status(cg *c) { return c->st; }
-
-void cg_reset(cg *c) {
-    c->nents = 0;
-    c->scope = 0;
-    c->counter = 0;
-    c->nvr = 0;
-    c->pass = 0;
-    c->in_element = 0;
-    c->ind = 1;
-}
-
-void cg_done(cg *c) {
-    if (!c->ctx) return;
-    size_t n = (size_t)(c->n ? c->n : 1), ni = (size_t)(c->rg && c->rg->ninputs ? c->rg->ninputs : 1);
-    kb_free(c->ctx, c->member, n);
-    kb_free(c->ctx, c->in_slot, sizeof(int32_t) * n);
-    kb_free(c->ctx, c->dp, n);
-    kb_free(c->ctx, c->pure, n);
-    kb_free(c->ctx, c->uses, sizeof(uint32_t) * ni);
-    kb_free(c->ctx, c->cached, ni);
-    kb_free(c->ctx, c->fill_pass, ni);
-    kb_free(c->ctx, c->smem_off, sizeof(int32_t) * ni);
-    kb_free(c->ctx, c->ents, sizeof(cg_ent) * (size_t)c->capents);
-    c->ctx = NULL;
-}
-
-kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
-                  const renderer *rd) {
-    (void)dev;
-    memset(c, 0, sizeof *c);
-    c->ctx = kb_graph_ctx(p->graph);
-    c->p = p;
-    c->g = p->graph;
-    c->rg = &p->regions[r];
-    c->r = r;
-    c->gn = *gn;
-    c->rd = rd;
-    c->n = kb_graph_nnodes(c->g);
-    size_t n = (size_t)(c->n ? c->n : 1), ni = (size_t)(c->rg->ninputs ? c->rg->ninputs : 1);
-    c->member = kb_calloc(c->ctx, n, 1);
-    c->in_slot = kb_malloc(c->ctx, sizeof(int32_t) * n);
-    c->dp = kb_calloc(c->ctx, n, 1);
-    c->pure = kb_calloc(c->ctx, n, 1);
-    c->uses = kb_calloc(c->ctx, ni, sizeof(uint32_t));
-    c->cached = kb_calloc(c->ctx, ni, 1);
-    c->fill_pass = kb_calloc(c->ctx, ni, 1);
-    c->smem_off = kb_calloc(c->ctx, ni, sizeof(int32_t));
-    if (!c->member || !c->in_slot || !c->dp || !c->pure || !c->uses || !c->cached || !c->fill_pass || !c->smem_off)
-        return KB_ERR_OOM;
-    for (int32_t v = 0; v < c->n; v++) c->in_slot[v] = -1;
-    for (int32_t i = 0; i < c->rg->ninputs; i++) c->in_slot[c->rg->inputs[i]] = i;
-    /* dtypes: compute in double when f64 is involved; headers only when used */
-    for (int32_t k = 0; k < c->rg->nnodes + c->rg->ninputs; k++) {
-        int32_t v = k < c->rg->nnodes ? c->rg->nodes[k] : c->rg->inputs[k - c->rg->nnodes];
-        if (k < c->rg->nnodes) c->member[v] = 1;
-        kb_dtype t = NODE(c, v)->dtype;
-        c->dbl |= t == KB_F64;
-        c->use_bf16 |= t == KB_BF16;
-        c->use_f16 |= t == KB_F16;
-    }
-    c->ct = c->dbl ? "double" : "float";
-    /* the space */
-    const kb_node *a = NODE(c, c->rg->anchor);
-    c->arank = a->rank;
-    c->last = a->rank - 1;
-    memcpy(c->adims, a->dims, sizeof(kb_dim) * (size_t)a->rank);
-    c->red = c->rg->kind == KB_REGION_POINTWISE ? 0 : c->rg->reduce_axes;
-    int nred = kb_popcount32(c->red);
-    uint32_t all = all_bits(c);
-    uint32_t trail = nred ? (all & ~((1u << (c->arank - nred)) - 1)) : 0, lead = (1u << nred) - 1;
-    c->trailing = (c->rg->kind == KB_REGION_ROW && c->red == trail) || (c->rg->kind == KB_REGION_COL && c->red == lead);
-    c->red_pinned = 1;
-    int64_t R = 1;
-    for (int d = 0; d < c->arank; d++)
-        if (c->red & (1u << d)) {
-            if (c->adims[d].nsym) c->red_pinned = 0;
-            R *= c->adims[d].coef;
-        }
-    static const char *const kinds[] = {"pointwise", "row", "col", "extern"};
-    snprintf(c->name, sizeof c->name, "kb_r%d_%s", (int)r, kinds[c->rg->kind]);
-    c->col_split = c->rg->kind == KB_REGION_COL ? gn->col_split : 1;
-    c->G = c->rg->kind == KB_REGION_ROW ? gn->threads / (gn->rows > 0 ? gn->rows : 1) : gn->threads;
-    if (c->G < 1) c->G = 1;
-    c->vec = gn->vec;
-    c->U = (int)((R + (int64_t)c->G * c->vec - 1) / ((int64_t)c->G * c->vec));
-    if (c->U < 1) c->U = 1;
-    c->base = c->rg->kind == KB_REGION_POINTWISE ? "i0" : c->rg->kind == KB_REGION_ROW ? "c0" : "col0";
-    cg_set_space_vec(c);
-    /* values that are functions of reductions and constants alone */
-    for (int32_t k = 0; k < c->rg->nnodes; k++) {
-        int32_t v = c->rg->nodes[k];
-        const kb_node *nd = NODE(c, v);
-        kb_op_kind kind = kb_op_get(nd->op)->kind;
-        if (kind == KB_KIND_REDUCE) {
-            c->nred_total++;
-            c->pure[v] = 1;
-        } else if (nd->op == KB_OP_CONST) {
-            c->pure[v] = 1;
-        } else if (kind == KB_KIND_UNARY || kind == KB_KIND_BINARY || kind == KB_KIND_TERNARY || kind == KB_KIND_VIEW) {
-            int ok = 1;
-            for (int i = 0; i < nd->ninputs; i++) ok &= c->member[nd->inputs[i]] && c->pure[nd->inputs[i]];
-            c->pure[v] = (uint8_t)ok;
-        }
-    }
-    c->ind = 1;
-    return KB_OK;
+void cg_bind(cg *c, int32_t v, const idx *x, const char *var) {
+    char key[KEY_LEN];
+    make_key(c, v, x, key);
+    insert(c, v, key, var);
 }

@@ -438,9 +438,9 @@ kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
     KB_CHECK(ctx, p != NULL, KB_ERR_OOM, "out of memory");
     p->graph = g;
     p->regions = kb_calloc(ctx, (size_t)(b.nreg ? b.nreg : 1), sizeof(kb_region));
+    if (p->regions) p->nregions = b.nreg; /* kb_partition_free frees by this count */
     p->region_of = kb_malloc(ctx, sizeof(int32_t) * n1);
     KB_CHECK(ctx, p->regions && p->region_of, KB_ERR_OOM, "out of memory");
-    p->nregions = b.nreg;
     for (int32_t v = 0; v < b.n; v++) p->region_of[v] = b.floating[v] ? -1 : b.reg[v];
 
     /* outputs: graph outputs, and values read by nodes of other regions (directly or as the

@@ -26,7 +26,11 @@ class Kernel:
     """A loaded, verified kernel and what a launch needs, precomputed."""
 
     __slots__ = ("fn", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks", "genome",
-                 "name", "vec", "workspace_per_unit", "source", "module", "regs", "spills", "finish_module")
+                 "name", "vec", "workspace_per_unit", "source", "module", "regs", "spills", "finish_module",
+                 "launches")
+
+    def __init__(self):
+        self.launches = {}   # sizes -> precomputed launch parameters (see CudaExecutor._launch_params)
 
     def grid(self, symvals) -> int:
         units = self.grid_units if isinstance(self.grid_units, int) else \
@@ -56,7 +60,6 @@ class CudaExecutor(Executor):
         self.kernels: dict[int, Kernel] = {}
         self._by_source: dict = {}   # cache key -> prepared kernel: identical regions tuned once
         self._cache_db = None
-        self._shapes: dict = {}
 
     # ------------------------------------------------------------------ preparation
 
@@ -384,38 +387,40 @@ class CudaExecutor(Executor):
 
     # ------------------------------------------------------------------ launching
 
-    def _out_shapes(self, r, symvals):
-        key = (r, tuple(symvals))
-        shapes = self._shapes.get(key)
-        if shapes is None:
+    def _launch_params(self, kernel, r, symvals):
+        """What launching kernel at these sizes takes beyond the pointers, computed once per size:
+        (output shapes and dtypes, grid, int arguments, workspace bytes, largest element count)."""
+        key = tuple(symvals)
+        lp = kernel.launches.get(key)
+        if lp is None:
             plan = self.plan
-            shapes = [(plan.graph.sizes(v, symvals), torch_dtype(plan.nodes[v]["dtype"]))
+            shapes = [(torch.Size(plan.graph.sizes(v, key)), torch_dtype(plan.nodes[v]["dtype"]))
                       for v in plan.regions[r].outputs]
-            if len(self._shapes) > 4096:
-                self._shapes.clear()
-            self._shapes[key] = shapes
-        return shapes
+            units = kernel.grid_units if isinstance(kernel.grid_units, int) else \
+                kernel.grid_units[0] * math.prod(key[s] for s in kernel.grid_units[1])
+            numel = max([math.prod(plan.graph.sizes(v, key)) for v in plan.regions[r].inputs + plan.regions[r].outputs]
+                        or [0])
+            lp = (shapes, (kernel.grid(key), 1, 1), key, kernel.workspace_per_unit * units, numel)
+            if len(kernel.launches) > 256:
+                kernel.launches.clear()
+            kernel.launches[key] = lp
+        return lp
 
     def _launch(self, kernel, r, symvals, inputs, poison=False):
-        shapes = self._out_shapes(r, symvals)
+        shapes, grid, ints, workspace_bytes, _ = self._launch_params(kernel, r, symvals)
         device = inputs[0].device if inputs else self.device
         if poison:
             outs = [verify.poison_like(s, d, device) for s, d in shapes]
         else:
             outs = [torch.empty(s, dtype=d, device=device) for s, d in shapes]
-        ints = list(symvals)
-        grid = kernel.grid(symvals)
-        workspace = None
-        if kernel.workspace_per_unit:
-            units = kernel.grid_units if isinstance(kernel.grid_units, int) else \
-                kernel.grid_units[0] * math.prod(symvals[s] for s in kernel.grid_units[1])
-            workspace = torch.empty(max(1, kernel.workspace_per_unit * units), dtype=torch.uint8, device=device)
-            ints.append(workspace.data_ptr())  # a pointer argument is 8 bytes, like an int64
-        ptrs = tuple(x.data_ptr() for x in inputs) + tuple(o.data_ptr() for o in outs)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        _C.launch(self.cuda, kernel.fn, (grid, 1, 1), kernel.block, kernel.smem, stream, ptrs, tuple(ints))
+        if workspace_bytes:
+            workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+            ints = ints + (workspace.data_ptr(),)  # a pointer argument is 8 bytes, like an int64
+        ptrs = tuple([x.data_ptr() for x in inputs] + [o.data_ptr() for o in outs])
+        stream = _current_stream(device)
+        _C.launch(self.cuda, kernel.fn, grid, kernel.block, kernel.smem, stream, ptrs, ints)
         if kernel.finish_fn is not None:
-            _C.launch(self.cuda, kernel.finish_fn, (grid, 1, 1), kernel.block, 0, stream, ptrs, tuple(ints))
+            _C.launch(self.cuda, kernel.finish_fn, grid, kernel.block, 0, stream, ptrs, ints)
         return outs
 
     def can_run(self, r):
@@ -423,17 +428,16 @@ class CudaExecutor(Executor):
 
     def run(self, r, symvals, inputs):
         kernel = self.kernels[r]
+        device = self.device
         for i, x in enumerate(inputs):
-            if not x.is_cuda:
-                raise Fallback(f"the model was optimized for {self.device}; got a tensor on {x.device}")
-            if x.device != self.device:
-                raise Fallback(f"the model was optimized for {self.device}; got a tensor on {x.device}")
+            if x.device != device:
+                raise Fallback(f"the model was optimized for {device}; got a tensor on {x.device}")
             if not x.is_contiguous():
                 raise RegionFallback(f"region {r}: input {i} is not contiguous")
             if kernel.vec > 1 and x.data_ptr() % 16:
                 raise RegionFallback(f"region {r}: input {i} is not 16-byte aligned (kernel uses vec={kernel.vec})")
-            if x.numel() > INT32_LIMIT:
-                raise RegionFallback(f"region {r}: input {i} has more than 2^31 elements")
+        if self._launch_params(kernel, r, symvals)[4] > INT32_LIMIT:
+            raise RegionFallback(f"region {r}: a tensor has more than 2^31 elements")
         return self._launch(kernel, r, symvals, inputs)
 
     # ------------------------------------------------------------------ timing for the report
@@ -452,6 +456,14 @@ class CudaExecutor(Executor):
             self._launch(kernel, r, symvals, inputs)
 
         return _event_ms(eager, reps), _event_ms(ours, reps)
+
+
+def _current_stream(device) -> int:
+    """The raw handle of torch's current stream on device (the cheap way, where torch has it)."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return get(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _event_ms(fn, reps):

@@ -219,8 +219,11 @@ class OptimizedModule(torch.nn.Module):
         # parameters and buffers as captured: a later .double() or resize sends calls to eager
         nuser = len(captured.input_names)
         self.__dict__["_kbench_param_meta"] = [
-            (plan.nodes[v]["name"], torch_dtype(plan.nodes[v]["dtype"]), tuple(plan.graph.sizes(v, plan.example_symvals)))
+            (plan.nodes[v]["name"], torch_dtype(plan.nodes[v]["dtype"]),
+             torch.Size(plan.graph.sizes(v, plan.example_symvals)))
             for v in plan.graph.inputs[nuser:]]
+        self.__dict__["_kbench_param_chains"] = self._param_chains()
+        self.__dict__["_kbench_sigs"] = {}
 
     @property
     def kbench_report(self):
@@ -244,34 +247,87 @@ class OptimizedModule(torch.nn.Module):
         captured = self._kbench_captured
         if kwargs:
             return self._fallback("keyword arguments are not captured", args, kwargs)
+        # the hot path: sizes bound once per input signature (shapes, dtypes, devices)
+        try:
+            sig = tuple((x.shape, x.dtype, x.device) for x in args)
+        except AttributeError:
+            sig = None
+        symvals = self._kbench_sigs.get(sig) if sig is not None else None
+        if symvals is None:
+            symvals = self._bind(args, sig)
+            if isinstance(symvals, str):
+                return self._fallback(symvals, args, kwargs)
+        if self.training != self._kbench_captured_training:
+            return self._fallback("the module's train/eval mode differs from the captured one", args, kwargs)
+        try:
+            return self._run(symvals, args)
+        except Fallback as e:
+            return self._fallback(str(e), args, kwargs)
+
+    def _bind(self, args, sig):
+        """Symbol values for a new input signature, or the reason the call must go to eager."""
+        captured = self._kbench_captured
         if len(args) != len(captured.input_names):
             raise TypeError(f"{type(self._kbench_orig).__name__} was captured with {len(captured.input_names)} "
                             f"input(s); got {len(args)}")
         for i, x in enumerate(args):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
-        if self.training != self._kbench_captured_training:
-            return self._fallback("the module's train/eval mode differs from the captured one", args, kwargs)
         try:
-            symvals = captured.bind(args)
+            symvals = tuple(captured.bind(args))
         except ValueError as e:
-            return self._fallback(str(e), args, kwargs)
-        try:
-            return self._run(symvals, args)
-        except Fallback as e:
-            return self._fallback(str(e), args, kwargs)
+            return str(e)
+        if len(self._kbench_sigs) > 256:   # many shapes: keep the table bounded
+            self._kbench_sigs.clear()
+        self._kbench_sigs[sig] = symvals
+        return symvals
+
+    def _param_chains(self):
+        """(module path, table, name) per parameter/buffer input: read through the live modules'
+        own dicts at each call, so a replaced tensor or submodule is the one used."""
+        chains = []
+        for v in self._kbench_plan.graph.inputs[len(self._kbench_captured.input_names):]:
+            name = self._kbench_plan.nodes[v]["name"]
+            if name in self._kbench_captured.constants:
+                chains.append((None, None, name))
+                continue
+            *path, leaf = name.split(".")
+            owner = self._kbench_orig.get_submodule(".".join(path)) if path else self._kbench_orig
+            table = "_parameters" if leaf in owner._parameters else "_buffers"
+            chains.append((tuple(path), table, leaf))
+        return chains
+
+    def _params(self):
+        out = []
+        constants = self._kbench_captured.constants
+        for path, table, leaf in self._kbench_param_chains:
+            if path is None:
+                out.append(constants[leaf])
+                continue
+            m = self._kbench_orig
+            try:
+                for part in path:
+                    m = m._modules[part]
+                t = getattr(m, table)[leaf]
+            except (KeyError, AttributeError):
+                raise Fallback(f"{'.'.join(path + (leaf,))} is gone from the module") from None
+            if t is None:
+                raise Fallback(f"{'.'.join(path + (leaf,))} is None")
+            out.append(t)
+        return out
 
     def _run(self, symvals, args):
         captured, plan = self._kbench_captured, self._kbench_plan
-        tensors = captured.graph_inputs(self._kbench_orig, args)
+        params = self._params()
         device = args[0].device if args else self._kbench_device
-        for t in tensors:
-            if t.device != device:
-                raise Fallback(f"tensors on {device} and {t.device}")
-        nuser = len(args)
-        for t, (name, dtype, shape) in zip(tensors[nuser:], self._kbench_param_meta):
-            if t.dtype != dtype or tuple(t.shape) != shape:
-                raise Fallback(f"{name} is now {t.dtype}{list(t.shape)}; it was captured as {dtype}{list(shape)}")
+        for t, (name, dtype, shape) in zip(params, self._kbench_param_meta):
+            if t.dtype != dtype or t.shape != shape or t.device != device:
+                raise Fallback(f"{name} is now {t.dtype}{list(t.shape)} on {t.device}; it was captured as "
+                               f"{dtype}{list(shape)}, and the inputs are on {device}")
+        for x in args:
+            if x.device != device:
+                raise Fallback(f"tensors on {device} and {x.device}")
+        tensors = list(args) + params
         values = dict(zip(plan.graph.inputs, tensors))
         region_call = None
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

@@ -198,6 +198,8 @@ static void check_codegen(const char *name, const kb_partition *p, const int64_t
         char text[256];
         kb_genome_format(&gn, text, sizeof text);
         kb_genome back;
+        CHECK_MSG(kb_genome_legal(p, r, sv, &H100, &gn), "%s region %d: the default genome is illegal for the search: %s",
+                  name, r, text);
         CHECK_STATUS(ctx, kb_genome_parse(ctx, text, &back), KB_OK);
         CHECK_MSG(memcmp(&back, &gn, sizeof gn) == 0, "genome text does not round-trip: %s", text);
         gen_one(name, p, r, &gn, 1);
@@ -218,7 +220,10 @@ static void check_codegen(const char *name, const kb_partition *p, const int64_t
                 for (int si = 0; si < 4; si++)
                     for (int cache = 0; cache < 3; cache++) {
                         v.threads = shapes[si][0], v.rows = shapes[si][1], v.cache = cache, v.items = cache == 2 ? 4 : 1;
-                        gen_one(name, p, r, &v, 0);
+                        for (int tp = 0; tp <= 1; tp++) {
+                            v.two_pass = tp;
+                            gen_one(name, p, r, &v, 0);
+                        }
                     }
                 break;
             }
@@ -458,6 +463,88 @@ static void test_genome_text(void) {
     CHECK(strlen(tiny) == 7);
 }
 
+
+/* ---------------------------------------------------------------- failing allocations */
+
+typedef struct books {
+    long requests, fail_at, blocks;
+    long long bytes;
+    int bad_size;
+} books;
+
+static void *failing_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+    books *b = ud;
+    size_t *block = ptr ? (size_t *)ptr - 1 : NULL;
+    if (block && block[0] != osize) b->bad_size = 1;
+    if (nsize == 0) {
+        if (block) {
+            b->blocks--;
+            b->bytes -= (long long)block[0];
+            free(block);
+        }
+        return NULL;
+    }
+    if (++b->requests == b->fail_at) return NULL;
+    size_t *nb = realloc(block, sizeof(size_t) + nsize);
+    if (!nb) return NULL;
+    if (!block) b->blocks++;
+    b->bytes += (long long)nsize - (long long)(block ? nb[0] : 0);
+    nb[0] = nsize;
+    return nb + 1;
+}
+
+/* Partition, default genome, generation (dump too): the Nth allocation fails, for every N. */
+static kb_status alloc_run(books *b) {
+    kb_ctx *c = NULL;
+    kb_status st = kb_ctx_new(failing_alloc, b, &c);
+    if (st != KB_OK) return st;
+    kb_ctx *saved = ctx;
+    ctx = c;
+    tg t = new_graph();
+    kb_partition *p = NULL;
+    char *text = NULL;
+    int32_t s;
+    if (t.st == KB_OK) t.st = kb_graph_add_symbol(t.g, "s0", 6, &s);
+    int32_t x = tg_input(&t, "x", KB_BF16, "s0,64"), w = tg_input(&t, "w", KB_BF16, "64");
+    int32_t b2 = tg_input(&t, "b", KB_BF16, "64");
+    int32_t y = tg_layernorm(&t, KB_BF16, "s0", "64", x, w, b2, 1e-5);
+    tg_output(&t, tg_softmax(&t, KB_BF16, "s0", "64", y));
+    tg_output(&t, tg_reduce(&t, KB_OP_SUM, KB_BF16, "64", y, 1));
+    if ((st = t.st) != KB_OK) goto done;
+    if ((st = kb_partition_new(t.g, &p)) != KB_OK) goto done;
+    if ((st = kb_partition_dump(p, &text)) != KB_OK) goto done;
+    for (int32_t r = 0; r < p->nregions; r++) {
+        int64_t sv = 6;
+        kb_genome gn;
+        kb_kernel *k = NULL;
+        if ((st = kb_genome_default(p, r, &sv, &H100, &gn)) != KB_OK) goto done;
+        st = kb_kernel_generate(p, r, &gn, &H100, &k);
+        kb_kernel_free(c, k);
+        if (st != KB_OK) goto done;
+    }
+done:
+    kb_string_free(c, text);
+    kb_partition_free(p);
+    kb_graph_free(t.g);
+    ctx = saved;
+    kb_ctx_free(c);
+    return st;
+}
+
+static void test_failing_alloc(void) {
+    for (long n = 1;; n++) {
+        books b = {0, n, 0, 0, 0};
+        kb_status st = alloc_run(&b);
+        CHECK_MSG(st == KB_OK || st == KB_ERR_OOM, "allocation %ld failed: status %s", n, kb_status_name(st));
+        CHECK_MSG(b.blocks == 0 && b.bytes == 0 && !b.bad_size, "allocation %ld failed: %ld blocks, %lld bytes left%s", n,
+                  b.blocks, b.bytes, b.bad_size ? ", a wrong size freed" : "");
+        if (st == KB_OK || n > 100000) {
+            CHECK(st == KB_OK);
+            break;
+        }
+    }
+}
+
 int main(void) {
     if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK) return 1;
     outdir = getenv("KB_CODEGEN_OUT");
@@ -466,6 +553,7 @@ int main(void) {
     test_norms();
     test_softmax_family();
     test_columns();
+    test_failing_alloc();
     printf("kernels written: %d, genomes refused as illegal: %d\n", nwritten, ninvalid);
     kb_ctx_free(ctx);
     return check_report();

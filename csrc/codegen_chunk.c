@@ -1,0 +1,395 @@
+/* codegen_chunk.c — the per-chunk element loop (vector loads in front, the elements, vector
+ * stores after), per-row statistics and outputs, the row cache plan (what lives in registers or
+ * shared memory between passes), and the generator's setup and teardown. */
+#include "codegen.h"
+
+static const kb_node *NODE(const cg *c, int32_t v) { return kb_graph_node(c->g, v); }
+
+/* ---------------------------------------------------------------- chunks, statistics, stores */
+
+static void full_index(cg *c, idx *x) { cg_set_lin(x, c->full_lin, cg_all_bits(c)); }
+
+static void stat_index(cg *c, idx *x) { cg_set_lin(x, c->stat_lin, cg_all_bits(c) & ~c->red); }
+
+void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout) {
+    kb_region_kind kind = c->rg->kind;
+    int V = c->vec;
+    /* chunk scope: the anchor position of the chunk's first element */
+    if (kind == KB_REGION_POINTWISE && V > 1 && c->aligned) cg_decl_vars(c, c->base, cg_all_bits(c), 1);
+    if (kind == KB_REGION_ROW && V > 1) cg_decl_vars(c, "c0", c->red, 1);
+    kb_sb *outer = c->out, body;
+    kb_sb_init(&body, c->ctx);
+    int ind0 = c->ind;
+    c->out = &body;
+    c->ind = ind0 + 1;
+    c->nvr = 0;
+    cg_scope_push(c);
+    c->in_element = 1;
+    const char *pos = kind == KB_REGION_POINTWISE ? "i" : kind == KB_REGION_ROW ? "c" : "col";
+    if (V > 1) cg_line(c, "const long long %s = %s + k;", pos, c->base);
+    else cg_line(c, "const long long %s = %s;", pos, c->base);
+    if (V > 1 && c->aligned) cg_line(c, "const long long a%d = a%d_0 + k;", c->last, c->last);
+    else if (kind == KB_REGION_POINTWISE) cg_decl_vars(c, "i", cg_all_bits(c), 0);
+    else if (kind == KB_REGION_ROW) cg_decl_vars(c, "c", c->red, 0);
+    idx full;
+    full_index(c, &full);
+    char val[EXPR_LEN];
+    for (int j = 0; j < nred; j++) {
+        const kb_node *nd = NODE(c, reds[j]);
+        if (c->online_of[reds[j]] >= 0) continue; /* folded into its max */
+        cg_ev(c, nd->inputs[0], &full, val);
+        char acc[NAME_LEN], comb[EXPR_LEN * 2];
+        if (kind == KB_REGION_COL) snprintf(acc, sizeof acc, "acc%d[%s]", (int)reds[j], c->kvar);
+        else snprintf(acc, sizeof acc, "acc%d", (int)reds[j]);
+        if (c->partner[reds[j]] >= 0) {
+            char accs[NAME_LEN];
+            if (kind == KB_REGION_COL) snprintf(accs, sizeof accs, "acc%d[%s]", (int)c->partner[reds[j]], c->kvar);
+            else snprintf(accs, sizeof accs, "acc%d", (int)c->partner[reds[j]]);
+            cg_line(c, "kb_online_add(%s, %s, %s);", acc, accs, val);
+            continue;
+        }
+        const char *f = (nd->op == KB_OP_RMAX) ? "kb_maxf(%s, %s)" : (nd->op == KB_OP_RMIN) ? "kb_minf(%s, %s)" : "%s + %s";
+        cg_fmt(c, comb, sizeof comb, f, acc, val);
+        cg_line(c, "%s = %s;", acc, comb);
+    }
+    int vstore[256] = {0};
+    for (int j = 0; j < nout && j < 256; j++) {
+        const kb_node *nd = NODE(c, outs[j]);
+        cg_ev(c, outs[j], &full, val);
+        char st[EXPR_LEN * 2];
+        cg_fmt(c, st, sizeof st, cg_store_fmt(nd->dtype), val);
+        if (c->full_vec_ok) {
+            vstore[j] = 1;
+            cg_line(c, "y%d.v[k] = %s;", (int)outs[j], st);
+        } else {
+            cg_line(c, "p%d[%s] = %s;", (int)outs[j], c->full_lin, st);
+        }
+    }
+    c->in_element = 0;
+    cg_scope_pop(c);
+    c->out = outer;
+    c->ind = ind0;
+    /* the chunk: vector loads first (all in flight together), the elements, vector stores */
+    for (int i = 0; i < c->nvr; i++) {
+        const cg_vreq *r = &c->vr[i];
+        const char *T = cg_storage(NODE(c, r->v)->dtype);
+        if (r->smem) cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(sm%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
+        else cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(p%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
+        if (r->fill) cg_line(c, "kb_st<%s, %d>(sm%d + c0, %s);  // into the row cache", T, V, (int)r->v, r->name);
+    }
+    for (int j = 0; j < nout && j < 256; j++)
+        if (vstore[j]) cg_line(c, "kb_vec<%s, %d> y%d;", cg_storage(NODE(c, outs[j])->dtype), V, (int)outs[j]);
+    if (V > 1) {
+        cg_line(c, "#pragma unroll");
+        cg_line(c, "for (int k = 0; k < %d; ++k) {", V);
+    } else {
+        cg_line(c, "{");
+    }
+    if (!c->dry && body.buf) kb_sb_puts(c->out, body.buf);
+    if (body.oom) c->st = KB_FAIL(c->ctx, KB_ERR_OOM, "out of memory");
+    kb_sb_discard(&body);
+    cg_line(c, "}");
+    for (int j = 0; j < nout && j < 256; j++)
+        if (vstore[j]) {
+            const char *T = cg_storage(NODE(c, outs[j])->dtype);
+            cg_line(c, "kb_st<%s, %d>(p%d + %s, y%d);", T, V, (int)outs[j], c->full_lin0, (int)outs[j]);
+        }
+}
+
+void cg_bind_stat(cg *c, int32_t reduce) {
+    idx x;
+    stat_index(c, &x);
+    char var[NAME_LEN];
+    if (c->rg->kind == KB_REGION_COL) snprintf(var, sizeof var, "v%d[%s]", (int)reduce, c->kvar);
+    else snprintf(var, sizeof var, "v%d", (int)reduce);
+    cg_bind(c, reduce, &x, var);
+}
+
+/* Per-row values that follow from finished reductions alone (rstd = rsqrt(var + eps)):
+ * computed once per row rather than once per element. */
+void cg_eager_stats(cg *c, int pass) {
+    if (c->rg->kind != KB_REGION_ROW) return;
+    idx x;
+    stat_index(c, &x);
+    char val[EXPR_LEN];
+    for (int32_t k = 0; k < c->rg->nnodes; k++) {
+        int32_t v = c->rg->nodes[k];
+        const kb_node *nd = NODE(c, v);
+        kb_op_kind kind = kb_op_get(nd->op)->kind;
+        int keep;
+        if (!c->pure[v] || c->dp[v] < 0 || c->dp[v] > pass || nd->op == KB_OP_CONST) continue;
+        if (kind != KB_KIND_UNARY && kind != KB_KIND_BINARY && kind != KB_KIND_TERNARY) continue;
+        if (!cg_stat_shape(c, nd, &keep)) continue;
+        cg_ev(c, v, &x, val);
+    }
+}
+
+int cg_out_full(cg *c, int32_t v) {
+    if (c->rg->kind == KB_REGION_POINTWISE) return 1;
+    int full = cg_numel_is(c, v, 0), stat = cg_numel_is(c, v, 1);
+    if (full && stat) return c->dp[v] < 0 || kb_op_get(NODE(c, v)->op)->kind != KB_KIND_REDUCE;
+    return full;
+}
+
+void cg_stat_outputs(cg *c) {
+    int any = 0;
+    for (int32_t j = 0; j < c->rg->noutputs; j++) any |= !cg_out_full(c, c->rg->outputs[j]);
+    if (!any) return;
+    idx x;
+    char val[EXPR_LEN], st[EXPR_LEN * 2];
+    kb_sb_puts(c->out, c->dry ? "" : "\n");
+    if (c->rg->kind == KB_REGION_ROW) {
+        cg_line(c, "// per-row outputs");
+        cg_line(c, "if (lane == 0 && row < O) {");
+    } else {
+        cg_line(c, "// per-column outputs");
+        if (c->vec > 1) cg_line(c, "for (int k = 0; k < %d; ++k) {", c->vec);
+        else cg_line(c, "{");
+    }
+    c->ind++;
+    cg_scope_push(c);
+    if (c->rg->kind == KB_REGION_COL) {
+        cg_line(c, "const long long col = col0%s;", c->vec > 1 ? " + k" : "");
+        if (c->vec > 1 && c->aligned) cg_line(c, "const long long a%d = a%d_0 + k;", c->last, c->last);
+    }
+    stat_index(c, &x);
+    for (int32_t j = 0; j < c->rg->noutputs; j++) {
+        int32_t v = c->rg->outputs[j];
+        if (cg_out_full(c, v)) continue;
+        cg_ev(c, v, &x, val);
+        cg_fmt(c, st, sizeof st, cg_store_fmt(NODE(c, v)->dtype), val);
+        cg_line(c, "p%d[%s] = %s;", (int)v, c->stat_lin, st);
+    }
+    cg_scope_pop(c);
+    c->ind--;
+    cg_line(c, "}");
+}
+
+/* ---------------------------------------------------------------- the row cache */
+
+void cg_smem_pointers(cg *c) {
+    cg_line(c, "%s", c->rd->smem_decl);
+    for (int32_t i = 0; i < c->rg->ninputs; i++) {
+        int32_t v = c->rg->inputs[i];
+        if (!c->cached[v]) continue;
+        const char *T = cg_storage(NODE(c, v)->dtype);
+        cg_line(c, "%s *sm%d = reinterpret_cast<%s *>(kb_smem + %d) + (long long)grp * R;  // row cache of p%d", T, (int)v, T,
+                (int)c->smem_off[v], (int)v);
+    }
+}
+
+void cg_regs_arrays(cg *c) {
+    for (int32_t v = 0; v < c->n; v++)
+        if (c->cached[v])
+            cg_line(c, "%s rc%d[%d][%d];  // %%%d's share of the row, in registers", c->ct, (int)v, c->U, c->vec, (int)v);
+}
+
+/* Registers may hold any value a later pass reads again (softmax keeps exp(x - max), not x);
+ * shared memory holds inputs, in their storage type. A cache no later pass reads is dropped. */
+kb_status cg_plan_cache(cg *c, int stage) {
+    if (c->rg->kind != KB_REGION_ROW || c->gn.cache == KB_CACHE_REREAD) {
+        memset(c->cached, 0, (size_t)(c->n ? c->n : 1));
+        return KB_OK;
+    }
+    int regs = c->gn.cache == KB_CACHE_REGS;
+    if (stage == 0) {
+        for (int32_t v = 0; v < c->n; v++) {
+            int input = !c->member[v] && c->in_slot[v] >= 0;
+            c->cached[v] = kb_popcount32(c->uses[v]) >= 2 && ((regs && !c->inputs_only) || input);
+            c->fill_pass[v] = c->uses[v] ? (int8_t)__builtin_ctz(c->uses[v]) : 0;
+            c->reads[v] = 0;
+        }
+        return KB_OK;
+    }
+    int64_t R = 1;
+    for (int d = 0; d < c->arank; d++)
+        if (c->red & (1u << d)) R *= c->adims[d].coef;
+    int n = 0;
+    c->smem_bytes = 0;
+    for (int32_t v = 0; v < c->n; v++) {
+        if (c->cached[v] && !c->reads[v]) c->cached[v] = 0;
+        if (!c->cached[v]) continue;
+        n++;
+        if (!regs) {
+            c->smem_off[v] = c->smem_bytes;
+            int64_t bytes = (int64_t)c->gn.rows * R * (int64_t)kb_dtype_size(NODE(c, v)->dtype);
+            bytes = (bytes + 15) / 16 * 16;
+            if (c->smem_bytes + bytes > 0x7fffffff)
+                return KB_FAIL(c->ctx, KB_ERR_INVALID, "codegen: the row cache needs more than 2 GiB of shared memory");
+            c->smem_bytes += (int)bytes;
+        }
+    }
+    if (regs && !c->inputs_only) {
+        /* caches live from their first pass to their last read: if the peak does not fit the
+           register budget, keep inputs only and recompute the rest (exp is cheaper than a spill) */
+        int peak = 0;
+        for (int p = 0; p < 32; p++) {
+            int live = 0;
+            for (int32_t v = 0; v < c->n; v++)
+                if (c->cached[v] && c->fill_pass[v] <= p && p <= 31 - __builtin_clz(c->reads[v])) live++;
+            if (live > peak) peak = live;
+        }
+        if ((int64_t)peak * c->U * c->vec > (c->gn.threads >= 1024 ? 32 : 64) && peak > 1) {
+            c->replan = 1;
+            return KB_OK;
+        }
+    }
+    if (regs && (int64_t)n * c->U * c->vec > 256)
+        return KB_FAIL(c->ctx, KB_ERR_INVALID, "genome: cache=regs needs %d registers per thread for the row",
+                       n * c->U * c->vec);
+    return KB_OK;
+}
+
+/* ---------------------------------------------------------------- setup */
+
+static kb_status dims_product(cg *c, uint32_t mask, int64_t mul, kb_dim *out) {
+    kb_dim d = {mul, 0, {0}};
+    for (int i = 0; i < c->arank; i++) {
+        if (!(mask & (1u << i))) continue;
+        d.coef *= c->adims[i].coef;
+        for (int s = 0; s < c->adims[i].nsym; s++) {
+            if (d.nsym == KB_MAX_DIM_SYMS)
+                return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: the grid size multiplies more than %d symbols",
+                               KB_MAX_DIM_SYMS);
+            int j = d.nsym++;
+            while (j > 0 && d.sym[j - 1] > c->adims[i].sym[s]) {
+                d.sym[j] = d.sym[j - 1];
+                j--;
+            }
+            d.sym[j] = c->adims[i].sym[s];
+        }
+    }
+    *out = d;
+    return KB_OK;
+}
+
+kb_status cg_grid_units(cg *c, kb_dim *units, int64_t *per_block) {
+    uint32_t all = cg_all_bits(c);
+    switch (c->rg->kind) {
+    case KB_REGION_POINTWISE:
+        *per_block = (int64_t)c->gn.threads * c->gn.vec * c->gn.items;
+        return dims_product(c, all, 1, units);
+    case KB_REGION_ROW:
+        *per_block = c->gn.rows;
+        return dims_product(c, all & ~c->red, 1, units);
+    default:
+        *per_block = (int64_t)c->gn.threads * c->gn.vec;
+        return dims_product(c, all & ~c->red, c->col_split, units);
+    }
+}
+
+kb_status cg_status(cg *c) { return c->st; }
+
+void cg_reset(cg *c) {
+    c->nents = 0;
+    c->scope = 0;
+    c->counter = 0;
+    c->nvr = 0;
+    c->pass = 0;
+    c->in_element = 0;
+    c->ind = 1;
+}
+
+void cg_done(cg *c) {
+    if (!c->ctx) return;
+    size_t n = (size_t)(c->n ? c->n : 1);
+    kb_free(c->ctx, c->member, n);
+    kb_free(c->ctx, c->in_slot, sizeof(int32_t) * n);
+    kb_free(c->ctx, c->dp, n);
+    kb_free(c->ctx, c->pure, n);
+    kb_free(c->ctx, c->uses, sizeof(uint32_t) * n);
+    kb_free(c->ctx, c->reads, sizeof(uint32_t) * n);
+    kb_free(c->ctx, c->cached, n);
+    kb_free(c->ctx, c->fill_pass, n);
+    kb_free(c->ctx, c->smem_off, sizeof(int32_t) * n);
+    kb_free(c->ctx, c->partner, sizeof(int32_t) * n);
+    kb_free(c->ctx, c->online_of, sizeof(int32_t) * n);
+    kb_free(c->ctx, c->ents, sizeof(cg_ent) * (size_t)c->capents);
+    c->ctx = NULL;
+}
+
+kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
+                  const renderer *rd) {
+    (void)dev;
+    memset(c, 0, sizeof *c);
+    c->ctx = kb_graph_ctx(p->graph);
+    c->p = p;
+    c->g = p->graph;
+    c->rg = &p->regions[r];
+    c->r = r;
+    c->gn = *gn;
+    c->rd = rd;
+    c->n = kb_graph_nnodes(c->g);
+    size_t n = (size_t)(c->n ? c->n : 1);
+    c->member = kb_calloc(c->ctx, n, 1);
+    c->in_slot = kb_malloc(c->ctx, sizeof(int32_t) * n);
+    c->dp = kb_calloc(c->ctx, n, 1);
+    c->pure = kb_calloc(c->ctx, n, 1);
+    c->uses = kb_calloc(c->ctx, n, sizeof(uint32_t));
+    c->reads = kb_calloc(c->ctx, n, sizeof(uint32_t));
+    c->cached = kb_calloc(c->ctx, n, 1);
+    c->fill_pass = kb_calloc(c->ctx, n, 1);
+    c->smem_off = kb_calloc(c->ctx, n, sizeof(int32_t));
+    c->partner = kb_malloc(c->ctx, sizeof(int32_t) * n);
+    c->online_of = kb_malloc(c->ctx, sizeof(int32_t) * n);
+    if (!c->member || !c->in_slot || !c->dp || !c->pure || !c->uses || !c->reads || !c->cached || !c->fill_pass ||
+        !c->smem_off || !c->partner || !c->online_of)
+        return KB_ERR_OOM;
+    for (int32_t v = 0; v < c->n; v++) c->in_slot[v] = c->partner[v] = c->online_of[v] = -1;
+    for (int32_t i = 0; i < c->rg->ninputs; i++) c->in_slot[c->rg->inputs[i]] = i;
+    /* dtypes: compute in double when f64 is involved; headers only when used */
+    for (int32_t k = 0; k < c->rg->nnodes + c->rg->ninputs; k++) {
+        int32_t v = k < c->rg->nnodes ? c->rg->nodes[k] : c->rg->inputs[k - c->rg->nnodes];
+        if (k < c->rg->nnodes) c->member[v] = 1;
+        kb_dtype t = NODE(c, v)->dtype;
+        c->dbl |= t == KB_F64;
+        c->use_bf16 |= t == KB_BF16;
+        c->use_f16 |= t == KB_F16;
+    }
+    c->ct = c->dbl ? "double" : "float";
+    /* the space */
+    const kb_node *a = NODE(c, c->rg->anchor);
+    c->arank = a->rank;
+    c->last = a->rank - 1;
+    memcpy(c->adims, a->dims, sizeof(kb_dim) * (size_t)a->rank);
+    c->red = c->rg->kind == KB_REGION_POINTWISE ? 0 : c->rg->reduce_axes;
+    int nred = kb_popcount32(c->red);
+    uint32_t all = cg_all_bits(c);
+    uint32_t trail = nred ? (all & ~((1u << (c->arank - nred)) - 1)) : 0, lead = (1u << nred) - 1;
+    c->trailing = (c->rg->kind == KB_REGION_ROW && c->red == trail) || (c->rg->kind == KB_REGION_COL && c->red == lead);
+    c->red_pinned = 1;
+    int64_t R = 1;
+    for (int d = 0; d < c->arank; d++)
+        if (c->red & (1u << d)) {
+            if (c->adims[d].nsym) c->red_pinned = 0;
+            R *= c->adims[d].coef;
+        }
+    static const char *const kinds[] = {"pointwise", "row", "col", "extern"};
+    snprintf(c->name, sizeof c->name, "kb_r%d_%s", (int)r, kinds[c->rg->kind]);
+    c->col_split = c->rg->kind == KB_REGION_COL ? gn->col_split : 1;
+    c->G = c->rg->kind == KB_REGION_ROW ? gn->threads / (gn->rows > 0 ? gn->rows : 1) : gn->threads;
+    if (c->G < 1) c->G = 1;
+    c->vec = gn->vec;
+    c->U = (int)((R + (int64_t)c->G * c->vec - 1) / ((int64_t)c->G * c->vec));
+    if (c->U < 1) c->U = 1;
+    c->base = c->rg->kind == KB_REGION_POINTWISE ? "i0" : c->rg->kind == KB_REGION_ROW ? "c0" : "col0";
+    cg_set_space_vec(c);
+    /* values that are functions of reductions and constants alone */
+    for (int32_t k = 0; k < c->rg->nnodes; k++) {
+        int32_t v = c->rg->nodes[k];
+        const kb_node *nd = NODE(c, v);
+        kb_op_kind kind = kb_op_get(nd->op)->kind;
+        if (kind == KB_KIND_REDUCE) {
+            c->nred_total++;
+            c->pure[v] = 1;
+        } else if (nd->op == KB_OP_CONST) {
+            c->pure[v] = 1;
+        } else if (kind == KB_KIND_UNARY || kind == KB_KIND_BINARY || kind == KB_KIND_TERNARY || kind == KB_KIND_VIEW) {
+            int ok = 1;
+            for (int i = 0; i < nd->ninputs; i++) ok &= c->member[nd->inputs[i]] && c->pure[nd->inputs[i]];
+            c->pure[v] = (uint8_t)ok;
+        }
+    }
+    c->ind = 1;
+    return KB_OK;
+}
