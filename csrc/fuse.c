@@ -281,6 +281,15 @@ static void place(build *b, int32_t v, int32_t r, int lv) {
     b->lvl[v] = (int8_t)lv;
 }
 
+/* Is u a parameter or buffer, a constant, or something floating computed from those alone? */
+static int from_params(const build *b, int32_t u) {
+    const kb_node *nd = N(b, u);
+    if (nd->op == KB_OP_INPUT) return nd->input_kind != KB_INPUT_USER;
+    if (!b->floating[u]) return 0;
+    int32_t root = b->root[u];
+    return root < 0 || (N(b, root)->op == KB_OP_INPUT && N(b, root)->input_kind != KB_INPUT_USER);
+}
+
 static kb_status assign(build *b, int32_t v) {
     const kb_node *nd = N(b, v);
     enum node_class cls = classify(nd);
@@ -289,6 +298,19 @@ static kb_status assign(build *b, int32_t v) {
         b->floating[v] = 1;
         b->root[v] = -1;
         return KB_OK;
+    }
+    /* Pointwise work on parameters alone (a bf16 weight cast to f32, a scale made of weights)
+     * floats like a view: every region reading it recomputes it at its own index — a few
+     * flops on data already in L2 — instead of a parameter-sized region of its own whose
+     * result the big region would read back through an expand it could not fuse. */
+    if (cls == C_POINTWISE) {
+        int params_only = 1;
+        for (int i = 0; i < nd->ninputs && params_only; i++) params_only = from_params(b, nd->inputs[i]);
+        if (params_only) {
+            b->floating[v] = 1;
+            b->root[v] = -1;
+            return KB_OK;
+        }
     }
     /* Dependencies: soft (an operand computed in a region: join it or come after it) and hard
      * (a floating view of a region's value: that value must be materialized first). */
