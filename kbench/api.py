@@ -102,12 +102,46 @@ def optimize(model: torch.nn.Module, example_inputs, *, backend: str | None = No
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(f"backend 'cuda' needs example_inputs on a CUDA device, got {device}")
     captured = _capture(model, args)
+    if backend == "cuda":
+        captured = _pin_row_lengths(model, args, captured)
     if backend == "interp":
         executor = InterpExecutor()
     else:
         from .cuda_backend import CudaExecutor
         executor = CudaExecutor(budget=budget, seed=seed, verbose=verbose)
     return OptimizedModule(model, captured, executor, device)
+
+
+def row_length_dims(captured) -> set:
+    """(input, dim) of the user-input dims whose size is the length of a reduced row.
+
+    A ROW kernel keeps its row on chip and reads it with 16-byte vectors only when the row
+    length is known when it is generated; a row length that may vary means a kernel that
+    re-reads the row element by element. Batch-like dims are unaffected."""
+    g = captured.graph
+    part = g.partition()
+    syms = set()
+    for r in range(len(part)):
+        region = part.region(r)
+        if region["kind"] != "ROW":
+            continue
+        dims = g.node(region["anchor"])["dims"]
+        for d, dim in enumerate(dims):
+            if region["reduce_axes"] >> d & 1 and not isinstance(dim, int):
+                syms.update(dim[1])
+    return {(i, d) for i, per_input in enumerate(captured.input_syms) for d, s in enumerate(per_input or ())
+            if s is not None and s in syms}
+
+
+def _pin_row_lengths(model, args, captured):
+    """The cuda backend specializes row lengths, as torch.compile specializes shapes: the
+    kernel is generated for the example's row length; batch sizes still vary, and a call with
+    another row length runs in eager with a one-time reason."""
+    pin = row_length_dims(captured)
+    if not pin:
+        return captured
+    where = ", ".join(f"input {i} dim {d} = {args[i].shape[d]}" for i, d in sorted(pin))
+    return _capture(model, args, pin=sorted(pin), pin_reason=f"row lengths pinned for on-chip rows ({where})")
 
 
 @dataclass

@@ -481,10 +481,11 @@ def _make_functional(ep):
 # ---------------------------------------------------------------------------- capture
 
 
-def capture(model, example_inputs, *, dynamic: bool = True) -> Captured:
+def capture(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = "") -> Captured:
     """Captures model's forward on example_inputs as a kbench IR graph. Sizes of the user inputs
     may vary at run time (dynamic=True) unless the graph needs them fixed (static_reason says
-    why). Unsupported ops become EXTERN nodes; a model torch.export cannot capture raises
+    why) or `pin` lists them ((input, dim) pairs kept at their example size, for pin_reason).
+    Unsupported ops become EXTERN nodes; a model torch.export cannot capture raises
     CaptureError. The model is not modified."""
     from . import _lower
 
@@ -493,7 +494,7 @@ def capture(model, example_inputs, *, dynamic: bool = True) -> Captured:
     with _model_untouched(model):
         # A size the IR cannot write (x[:, 1:] gives s1 - 1, pooling s2 // 2) fixes the input
         # dims it comes from and the export is redone; the other dims stay free.
-        fixed, why = set(), None
+        fixed, why = set(pin), (pin_reason or None) if pin else None
         for attempt in range(4):
             ep, reason = _export_checked(model, inputs, dynamic, fixed)
             if attempt == 0:

@@ -45,7 +45,7 @@ class Report:
         if plan.nvrtc:
             rep.notes.append(f"NVRTC: {plan.nvrtc}")
         if plan.static_reason:
-            rep.notes.append(f"all sizes pinned: {plan.static_reason}")
+            rep.notes.append(f"sizes: {plan.static_reason}")
         for info in plan.regions:
             x = info.extra
             if x.get("candidates"):
