@@ -127,10 +127,13 @@ def row_length_dims(captured) -> set:
             continue
         dims = g.node(region["anchor"])["dims"]
         for d, dim in enumerate(dims):
-            if region["reduce_axes"] >> d & 1 and not isinstance(dim, int):
-                syms.update(dim[1])
-    return {(i, d) for i, per_input in enumerate(captured.input_syms) for d, s in enumerate(per_input or ())
-            if s is not None and s in syms}
+            # a row that is one varying size (a feature dim), not a product of them (a loss
+            # summed over the whole batch is a reduction of batch dims: those stay free)
+            if region["reduce_axes"] >> d & 1 and not isinstance(dim, int) and dim[0] == 1 and len(dim[1]) == 1:
+                syms.add(dim[1][0])
+    # only where that size is an input's innermost dim: the dim a row of that input runs along
+    return {(i, len(per_input) - 1) for i, per_input in enumerate(captured.input_syms)
+            if per_input and per_input[-1] is not None and per_input[-1] in syms}
 
 
 def _pin_row_lengths(model, args, captured):

@@ -35,11 +35,11 @@ class Budget:
 
 BUDGETS = {
     # fast is one generation: the default and 11 seeded random genomes, the same for a seed
-    "fast": Budget(12, 10.0, 12, 20.0, 10, 3, 10, generations=1),
+    "fast": Budget(12, 10.0, 12, 20.0, 10, 3, 20, generations=1),
     "default": Budget(48, 60.0, 12, 30.0, 20, 3, 20),
     "max": Budget(160, 300.0, 16, 60.0, 30, 4, 30),
 }
-KEEP_DEFAULT = 0.03      # a winner within 3% of the default is noise: the default stays
+KEEP_DEFAULT = 0.05      # a winner within 5% of the default is noise: the default stays
 GATE_TIMEOUT_S = 10.0    # a kernel still running after this long is taken as hung
 DUPLICATE_FACTOR = 4     # asks (kernels generated more than once included) per budgeted candidate
 

@@ -125,3 +125,12 @@ def discriminates(ref: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
             if float((xf - rf).abs().max()) <= tol * norm:  # the identity would pass
                 return False
     return True
+
+
+def varies(values: list) -> bool:
+    """Did a reference value move between test points (beyond the f32 tolerance)?"""
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < 2:
+        return False
+    scale = max(abs(v) for v in finite)
+    return scale > 0 and max(finite) - min(finite) > TOLERANCE[torch.float32] * 10 * scale
