@@ -611,7 +611,7 @@ static void mark_required(gradctx *gc, const uint8_t *wrt)
         if (nd->op == KB_OP_INPUT) r = wrt[nd->index] != 0;
         for (int i = 0; i < nd->ninputs && i < 3; i++)
             r |= gc->req[nd->inputs[i]] && kb_op_get(nd->op)->grad[i][0] != '\0';
-        gc->req[v] = r && kb_dtype_is_float(nd->dtype);
+        gc->req[v] = r && kb_dtype_is_float(nd->dtype) && !nd->nograd;
     }
 }
 

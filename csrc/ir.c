@@ -505,6 +505,7 @@ static void dump_attrs(kb_sb *sb, const kb_graph *g, const kb_node *nd) {
     default:
         break;
     }
+    if (nd->nograd) kb_sb_puts(sb, " nograd");
     if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE) {
         const kb_node *a = &g->nodes[nd->inputs[0]];
         kb_sb_puts(sb, " axes=[");

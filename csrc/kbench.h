@@ -121,6 +121,8 @@ typedef struct kb_node {
     int32_t axis;
     int64_t start, step;
     int32_t index;
+    int32_t nograd;         /* its gradient is zero by construction (the max a softmax subtracts
+                               for stability): autodiff sends none through it */
     kb_input_kind input_kind;
     char name[48];          /* source name (parameter path, FX node name); may be "" */
 } kb_node;

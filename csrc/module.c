@@ -232,15 +232,16 @@ static PyObject *graph_add_input(kb_py_graph *self, PyObject *args) {
 
 static PyObject *graph_add_node(kb_py_graph *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"op", "inputs", "dtype", "dims", "scalars", "axes", "perm", "axis",
-                             "start", "step", "index", "name", NULL};
+                             "start", "step", "index", "name", "nograd", NULL};
     const char *op, *dtype, *name = "";
     PyObject *inputs, *dims, *perm = Py_None;
     double s0 = 0, s1 = 0;
     unsigned long axes = 0;
-    int axis = 0, index = 0;
+    int axis = 0, index = 0, nograd = 0;
     long long start = 0, step = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sOsO|$(dd)kOiLLis:add_node", kwlist, &op, &inputs, &dtype,
-                                     &dims, &s0, &s1, &axes, &perm, &axis, &start, &step, &index, &name))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sOsO|$(dd)kOiLLisp:add_node", kwlist, &op, &inputs, &dtype,
+                                     &dims, &s0, &s1, &axes, &perm, &axis, &start, &step, &index, &name,
+                                     &nograd))
         return NULL;
     kb_node t;
     memset(&t, 0, sizeof t);
@@ -272,6 +273,7 @@ static PyObject *graph_add_node(kb_py_graph *self, PyObject *args, PyObject *kwd
     t.start = start;
     t.step = step;
     t.index = index;
+    t.nograd = nograd;
     snprintf(t.name, sizeof t.name, "%s", name);
     int32_t id;
     kb_status st = kb_graph_add(self->graph, &t, &id);
@@ -307,12 +309,13 @@ static PyObject *graph_node(kb_py_graph *self, PyObject *arg) {
         PyList_SET_ITEM(dims, d, dim);
     }
     for (Py_ssize_t d = 0; d < PyList_GET_SIZE(perm); d++) PyList_SET_ITEM(perm, d, PyLong_FromLong(nd->perm[d]));
-    return Py_BuildValue("{s:s,s:s,s:N,s:N,s:(dd),s:k,s:N,s:i,s:L,s:L,s:i,s:s,s:s}", "op", kb_op_get(nd->op)->name,
+    return Py_BuildValue("{s:s,s:s,s:N,s:N,s:(dd),s:k,s:N,s:i,s:L,s:L,s:i,s:s,s:s,s:O}", "op", kb_op_get(nd->op)->name,
                          "dtype", kb_dtype_name(nd->dtype), "dims", dims, "inputs",
                          ids_to_list(nd->inputs, nd->ninputs), "scalars", nd->scalar[0], nd->scalar[1], "axes",
                          (unsigned long)nd->axes, "perm", perm, "axis", nd->axis, "start", (long long)nd->start,
                          "step", (long long)nd->step, "index", nd->index, "name", nd->name, "input_kind",
-                         nd->op == KB_OP_INPUT ? kinds[nd->input_kind] : "");
+                         nd->op == KB_OP_INPUT ? kinds[nd->input_kind] : "", "nograd",
+                         nd->nograd ? Py_True : Py_False);
 fail:
     Py_XDECREF(dims);
     Py_XDECREF(perm);
@@ -396,7 +399,7 @@ static PyMethodDef graph_methods[] = {
     {"add_symbol", (PyCFunction)graph_add_symbol, METH_VARARGS, "add_symbol(name, example) -> symbol id"},
     {"add_input", (PyCFunction)graph_add_input, METH_VARARGS, "add_input(name, kind, dtype, dims) -> value id"},
     {"add_node", (PyCFunction)(void (*)(void))graph_add_node, METH_VARARGS | METH_KEYWORDS,
-     "add_node(op, inputs, dtype, dims, *, scalars, axes, perm, axis, start, step, index, name) -> value id"},
+     "add_node(op, inputs, dtype, dims, *, scalars, axes, perm, axis, start, step, index, name, nograd) -> value id"},
     {"add_output", (PyCFunction)graph_add_output, METH_O, "add_output(value id)"},
     {"node", (PyCFunction)graph_node, METH_O, "node(id) -> dict of the node's fields"},
     {"sizes", (PyCFunction)graph_sizes, METH_VARARGS, "sizes(value id, symvals) -> concrete sizes"},

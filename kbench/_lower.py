@@ -282,13 +282,17 @@ class Builder:
             return v
         return self.add("permute", [v], v.dtype, tuple(v.dims[p] for p in perm), perm=perm)
 
-    def reduce(self, op, v, axes, keepdim):
+    def reduce(self, op, v, axes, keepdim, nograd=False):
+        """nograd: the value is a shift the result does not depend on (softmax's max), so
+        autodiff sends no gradient through it."""
         axes = sorted({a % v.rank for a in axes}) if v.rank else []
         if not axes:
             return v
         mask = sum(1 << a for a in axes)
         dims = tuple(1 if i in axes else d for i, d in enumerate(v.dims)) if keepdim else \
             tuple(d for i, d in enumerate(v.dims) if i not in axes)
+        if nograd:
+            return self.add(op, [v], v.dtype, dims, axes=mask, nograd=True)
         return self.add(op, [v], v.dtype, dims, axes=mask)
 
     def unary(self, op, v, dtype=None, **attrs):

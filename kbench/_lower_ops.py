@@ -475,7 +475,7 @@ def _logsumexp(b, node, a):
     axes, keep = _axes(x.rank, a["dim"]), bool(a["keepdim"])
     if not axes:
         return b.cast(x, dt)
-    m = b.reduce("max", x, axes, True)
+    m = b.reduce("max", x, axes, True, nograd=True)  # a stability shift: no gradient
     # torch zeroes an infinite max so that all -inf rows give -inf, not nan
     m = b.where(b.arith("eq", b.unary("abs", m), math.inf), 0.0, m, m.dtype)
     s = b.reduce("sum", b.unary("exp", b.arith("sub", x, m)), axes, True)
@@ -670,7 +670,7 @@ def _softmax_common(b, node, a, log):
     if x.rank == 0:
         return b.const(0.0 if log else 1.0, dt, ())
     ax = [_num(a["dim"]) % x.rank]
-    m = b.reduce("max", x, ax, True)
+    m = b.reduce("max", x, ax, True, nograd=True)  # a stability shift: no gradient
     sh = b.arith("sub", x, m)
     e = b.unary("exp", sh)
     s = b.reduce("sum", e, ax, True)
@@ -732,7 +732,7 @@ def _cross_entropy(b, node, a):
     dt = _out(node)
     x = b.cast(x0, _opmath(x0.dtype))
     cdim = 1 if x.rank >= 2 else 0
-    m = b.reduce("max", x, [cdim], True)
+    m = b.reduce("max", x, [cdim], True, nograd=True)  # a stability shift: no gradient
     sh = b.arith("sub", x, m)
     lsm = b.arith("sub", sh, b.unary("log", b.reduce("sum", b.unary("exp", sh), [cdim], True)))
     loss, _ = _nll(b, lsm, _t(a["target"]), a.get("weight"), a["reduction"], a["ignore_index"])

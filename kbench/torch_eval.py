@@ -106,6 +106,8 @@ def evaluate(graph, captured, inputs_by_value: dict, symvals, *, nodes=None, dty
             raise NotImplementedError(f"torch_eval: op {op}")
         if isinstance(y, torch.Tensor) and y.dtype != want:
             y = y.to(want)
+        if n.get("nograd"):   # a stability shift (softmax's max): no gradient flows through it
+            y = y.detach()
         env[i] = y
     return env
 

@@ -322,3 +322,31 @@ def test_region_graph_runs_like_the_region():
             assert torch.equal(a, c)
         # and a region graph differentiates like any graph
         rg.grad([True] * rg.num_inputs)
+
+
+def test_nograd_cuts_the_stability_shift():
+    """x - max(x) with the max marked nograd: its gradient is g itself (the shift is a
+    constant to autodiff); without the mark, the max's gradient lands on the argmax."""
+    import torch
+    from kbench import _C
+
+    def build(nograd):
+        g = _C.Graph()
+        x = g.add_input("x", "user", "f64", [2, 5])
+        m = g.add_node("max", [x], "f64", [2, 1], axes=2, nograd=nograd)
+        e = g.add_node("expand", [m], "f64", [2, 5])
+        y = g.add_node("sub", [x, e], "f64", [2, 5])
+        g.add_output(y)
+        return g
+
+    x = torch.randn(2, 5, dtype=torch.float64)
+    up = torch.randn(2, 5, dtype=torch.float64)
+    for nograd in (True, False):
+        bwd = build(nograd).grad([True])
+        assert ("nograd" in str(build(nograd))) == nograd
+        out = torch.empty(2, 5, dtype=torch.float64)
+        _C.interp_graph(bwd, [], [x.data_ptr(), up.data_ptr()], [out.data_ptr()])
+        want = up.clone()
+        if not nograd:
+            want[torch.arange(2), x.argmax(1)] -= up.sum(1)
+        assert torch.allclose(out, want), (nograd, out, want)
