@@ -126,6 +126,8 @@ def row_length_dims(captured) -> set:
         if region["kind"] != "ROW":
             continue
         dims = g.node(region["anchor"])["dims"]
+        if all(region["reduce_axes"] >> d & 1 for d in range(len(dims))):
+            continue  # one row: a total (a loss over the batch), not rows of features
         for d, dim in enumerate(dims):
             # a row that is one varying size (a feature dim), not a product of them (a loss
             # summed over the whole batch is a reduction of batch dims: those stay free)
