@@ -753,6 +753,12 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
         literal(c, nd->scalar[0], out);
         return;
     }
+    if (nd->op == KB_OP_IOTA) { /* the index component along the axis, as a value */
+        idx y;
+        to_comps(c, nd, ix, &y);
+        cg_fmt(c, out, EXPR_LEN, "((%s)(%s))", c->ct, y.e[nd->axis]);
+        return;
+    }
     if (c->member[v] && info->kind == KB_KIND_VIEW) {
         idx u;
         view_map(c, nd, ix, &u);

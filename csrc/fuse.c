@@ -294,7 +294,7 @@ static kb_status assign(build *b, int32_t v) {
     const kb_node *nd = N(b, v);
     enum node_class cls = classify(nd);
     if (nd->op == KB_OP_INPUT) return KB_OK;
-    if (nd->op == KB_OP_CONST) {
+    if (nd->op == KB_OP_CONST || nd->op == KB_OP_IOTA) { /* recomputed where read */
         b->floating[v] = 1;
         b->root[v] = -1;
         return KB_OK;

@@ -38,7 +38,7 @@ static void canonicalize(kb_node *n)
     for (int k = 0; k < 2; k++)
         if (!uses_scalar(n->op, k)) n->scalar[k] = 0.0;
     if (kind != KB_KIND_REDUCE) n->axes = 0;
-    if (n->op != KB_OP_SLICE && n->op != KB_OP_GATHER) n->axis = 0;
+    if (n->op != KB_OP_SLICE && n->op != KB_OP_GATHER && n->op != KB_OP_IOTA) n->axis = 0;
     if (n->op != KB_OP_SLICE) n->start = 0, n->step = 1;
 }
 
@@ -494,14 +494,74 @@ static kb_status rule_sum_to(gradctx *gc, int32_t v, const kb_node *nd, const kb
     return emit_shaped(&gc->b, KB_OP_SUM, gadj, a->rank, a->dims, axes, NULL, out);
 }
 
-/* SLICE and GATHER adjoints write g into a zero tensor at computed positions: the IR has no
- * op that creates position-dependent values (no iota, pad or scatter), so they cannot be built. */
-static kb_status rule_unsupported(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
+static kb_status unsupported(gradctx *gc, int32_t v, const kb_node *nd, const char *why)
 {
-    (void)a, (void)gadj, (void)out;
-    return KB_FAIL(gc->b.ctx, KB_ERR_UNSUPPORTED,
-                   "grad: the gradient of %s (node %d) needs a scatter/pad op the IR does not have",
-                   kb_op_get(nd->op)->name, (int)v);
+    return KB_FAIL(gc->b.ctx, KB_ERR_UNSUPPORTED, "grad: the gradient of %s (node %d) %s",
+                   kb_op_get(nd->op)->name, (int)v, why);
+}
+
+static kb_status emit_iota(builder *b, kb_dtype dt, const kb_node *shape, int32_t axis, int32_t *id)
+{
+    kb_node n = tmpl_new(KB_OP_IOTA, dt, shape->rank, shape->dims);
+    n.axis = axis;
+    return emit(b, &n, id);
+}
+
+/* GATHER with one index per row along its axis (cross-entropy's pick of the target's logit):
+ * the adjoint puts g where the coordinate equals the index, where(iota == index, g, 0), a
+ * pointwise mask that fuses into the backward's row kernel. Other gathers need a scatter. */
+static kb_status rule_scatter_add(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
+{
+    kb_status st = KB_OK;
+    builder *b = &gc->b;
+    const kb_node *ix = kb_graph_node(gc->fg, nd->inputs[1]);
+    int one = ix->dims[nd->axis].nsym == 0 && ix->dims[nd->axis].coef == 1;
+    for (int d = 0; d < a->rank && one; d++) one = d == nd->axis || kb_dim_equal(ix->dims[d], a->dims[d]);
+    if (!one) return unsupported(gc, v, nd, "needs a scatter (more than one index per row)");
+    kb_dtype dt = node_of(b, gadj)->dtype;
+    int32_t ge, ie, io, mask, zero;
+    int32_t args[3];
+    KB_TRY(emit_shaped(b, KB_OP_EXPAND, gadj, a->rank, a->dims, 0, NULL, &ge));
+    KB_TRY(emit_shaped(b, KB_OP_EXPAND, gc->map[nd->inputs[1]], a->rank, a->dims, 0, NULL, &ie));
+    KB_TRY(emit_iota(b, ix->dtype, a, nd->axis, &io));
+    KB_TRY(emit_bin(b, KB_OP_EQ, ix->dtype, io, ie, &mask));
+    KB_TRY(emit_const(b, dt, a->rank, a->dims, 0.0, &zero));
+    args[0] = mask, args[1] = ge, args[2] = zero;
+    KB_TRY(emit_pw(b, KB_OP_WHERE, dt, args, 3, out));
+cleanup:
+    return st;
+}
+
+/* SLICE with step 1 and a pinned length (a chunk, a split half): the adjoint reads g at the
+ * coordinate minus start where that lands inside the slice, and is 0 elsewhere:
+ * where(start <= iota < start + len, gather(g, axis, clamp(iota - start, 0, len - 1)), 0). */
+static kb_status rule_pad_slice(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
+{
+    kb_status st = KB_OK;
+    builder *b = &gc->b;
+    kb_dim len = nd->dims[nd->axis];
+    if (nd->step != 1 || len.nsym != 0 || len.coef < 1)
+        return unsupported(gc, v, nd, "needs a scatter (a strided or varying-length slice)");
+    kb_dtype dt = node_of(b, gadj)->dtype;
+    int32_t io, c0, clen, cstart, rel, lo, hi, inside, idx, picked, zero, args[3];
+    KB_TRY(emit_iota(b, KB_I64, a, nd->axis, &io));
+    KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)nd->start, &cstart));
+    KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, 0.0, &c0));
+    KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)(len.coef - 1), &clen));
+    KB_TRY(emit_bin(b, KB_OP_SUB, KB_I64, io, cstart, &rel));
+    KB_TRY(emit_bin(b, KB_OP_GE, KB_I64, rel, c0, &lo));
+    KB_TRY(emit_bin(b, KB_OP_LE, KB_I64, rel, clen, &hi));
+    KB_TRY(emit_bin(b, KB_OP_AND, KB_I64, lo, hi, &inside));
+    KB_TRY(emit_bin(b, KB_OP_MAX, KB_I64, rel, c0, &idx));
+    KB_TRY(emit_bin(b, KB_OP_MIN, KB_I64, idx, clen, &idx));
+    kb_node gt = tmpl_new(KB_OP_GATHER, dt, a->rank, a->dims);
+    gt.inputs[0] = gadj, gt.inputs[1] = idx, gt.ninputs = 2, gt.axis = nd->axis;
+    KB_TRY(emit(b, &gt, &picked));
+    KB_TRY(emit_const(b, dt, a->rank, a->dims, 0.0, &zero));
+    args[0] = inside, args[1] = picked, args[2] = zero;
+    KB_TRY(emit_pw(b, KB_OP_WHERE, dt, args, 3, out));
+cleanup:
+    return st;
 }
 
 /* The non-pointwise rule names of ops.def, each with its builder. */
@@ -509,7 +569,7 @@ static const struct { const char *name; struct_rule fn; } struct_rules[] = {
     {"expand(g)", rule_expand},           {"expand_mean(g)", rule_expand_mean},
     {"expand_argext(g)", rule_expand_argext}, {"reshape(g)", rule_reshape},
     {"permute_inv(g)", rule_permute_inv}, {"sum_to(g)", rule_sum_to},
-    {"pad_slice(g)", rule_unsupported},   {"scatter_add(g)", rule_unsupported},
+    {"pad_slice(g)", rule_pad_slice},     {"scatter_add(g)", rule_scatter_add},
 };
 
 /* The contribution of node v's adjoint to its operand slot k, in the operand's dtype. */

@@ -495,6 +495,12 @@ static kb_status eval_node(interp *it, int32_t v)
             KB_CHECK(it->ctx, it->numel[nd->inputs[k]] == on, KB_ERR_INVALID,
                      "interp: %s node %d: operand %d has %lld elements, the output %lld", info->name,
                      (int)v, k, (long long)it->numel[nd->inputs[k]], (long long)on);
+        if (nd->op == KB_OP_IOTA) { /* coordinate along axis: (i / stride) % size */
+            int64_t inner = 1;
+            for (int d = nd->rank - 1; d > nd->axis; d--) inner *= osz[d];
+            for (int64_t i = 0; i < on; i++) out[i] = (double)((i / inner) % osz[nd->axis]);
+            break;
+        }
         pointwise(nd->op, on, out, opd[0], opd[1], opd[2], nd->scalar[0], nd->scalar[1]);
         if (nd->op == KB_OP_CAST)
             for (int64_t i = 0; i < on; i++) out[i] = round_to(nd->dtype, out[i]);

@@ -367,6 +367,8 @@ static const char *check_node(const kb_graph *g, const kb_node *t, char *msg, si
     const kb_node *a = t->ninputs > 0 ? &g->nodes[t->inputs[0]] : NULL;
     switch (info->kind) {
     case KB_KIND_LEAF:
+        if (t->op == KB_OP_IOTA && (t->axis < 0 || t->axis >= t->rank)) return "iota: axis out of range";
+        return NULL;
     case KB_KIND_EXTERN:
         return NULL;
     case KB_KIND_UNARY:
@@ -495,6 +497,7 @@ static void dump_attrs(kb_sb *sb, const kb_graph *g, const kb_node *nd) {
     case KB_OP_SLICE:
         kb_sb_printf(sb, " axis=%d start=%" PRId64 " step=%" PRId64, nd->axis, nd->start, nd->step);
         break;
+    case KB_OP_IOTA:
     case KB_OP_GATHER:
         kb_sb_printf(sb, " axis=%d", nd->axis);
         break;

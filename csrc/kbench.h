@@ -100,6 +100,7 @@ typedef enum kb_input_kind { KB_INPUT_USER = 0, KB_INPUT_PARAM, KB_INPUT_BUFFER 
 
 /* One node = one value (SSA). Attributes used per op:
  *   CONST               scalar[0] = the value (the node's shape is a broadcast of it)
+ *   IOTA                axis: each element's value is its coordinate along that axis
  *   LEAKY_RELU          scalar[0] = negative slope;  SOFTPLUS: scalar[0] = beta, scalar[1] = threshold
  *   SUM MEAN RMAX RMIN  axes = bitmask over the operand's dims; keepdim iff rank == operand rank
  *   PERMUTE             perm[i] = operand dim that output dim i reads

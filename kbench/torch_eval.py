@@ -62,6 +62,12 @@ def evaluate(graph, captured, inputs_by_value: dict, symvals, *, nodes=None, dty
         args = [env[j] for j in n["inputs"]]
         if op == "const":
             y = torch.full(tuple(graph.sizes(i, symvals)), n["scalars"][0], dtype=want, device=device)
+        elif op == "iota":
+            sizes = tuple(graph.sizes(i, symvals))
+            ax = n["axis"]
+            shape = [1] * len(sizes)
+            shape[ax] = sizes[ax]
+            y = torch.arange(sizes[ax], device=device).reshape(shape).expand(sizes).to(want)
         elif op == "extern":
             key = n["index"]
             if key not in extern_cache:
