@@ -349,6 +349,19 @@ def test_cli_scores_and_fails(tmp_path, capsys):
     good = ["--impl", "eager", "--tasks", "softmax", "--dtypes", "float32", "--budget", "quick",
             "--baselines", "eager", "--device", "cpu", "--out", str(tmp_path)]
     assert cli.main(good) == 0
+    # beside the JSON: CSV and markdown summaries, and PNG plots where matplotlib is installed
+    (js,) = tmp_path.glob("bench-eager-*.json")
+    base = str(js)[:-5]
+    rows = open(base + ".csv").read().splitlines()
+    assert rows[0].startswith("task,dtype,mode") and rows[1].startswith("softmax,float32,fwd")
+    assert "| softmax | float32 | fwd |" in open(base + ".md").read()
+    try:
+        import matplotlib  # noqa: F401
+        pngs = sorted(tmp_path.glob("bench-eager-*.png"))
+        assert [p.name.rsplit("-", 1)[1] for p in pngs] == ["roofline.png", "speedup.png"]
+        assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    except ImportError:
+        pass
     bad_file = tmp_path / "bad.py"
     bad_file.write_text("import torch\ndef forward(x):\n    return torch.zeros_like(x)\n")
     bad = ["--impl", str(bad_file), "--tasks", "softmax", "--dtypes", "float32", "--budget",

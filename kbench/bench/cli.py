@@ -4,6 +4,7 @@ fails (a wrong result, a flagged timing, a task that cannot discriminate)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -93,6 +94,44 @@ def run_filters(args) -> int:
     return 1 if filters_mod.failing(res) else 0
 
 
+SUMMARY_HEADER = ("task", "dtype", "mode", "eager ms", "compile ms", "{impl} ms", "vs eager", "vs compile",
+                  "roofline e/c/i", "correctness")
+
+
+def summary_data(rows: List[dict], impl_name: str):
+    """Per row: (label, eager ms, compile ms, impl ms, vs eager, vs compile, roofline by impl)."""
+    data = []
+    for r in rows:
+        ms, roof = {}, {}
+        for t in r["timings"]:
+            for name, e in t.get("impls", {}).items():
+                if e.get("median_ms") is not None and name not in ms:
+                    ms[name] = e["median_ms"]
+                    roof[name] = (e.get("roofline") or {}).get("fraction")
+        data.append((f"{r['task']} {r['dtype']} {r['mode']}", ms.get("eager"), ms.get("compile"), ms.get(impl_name),
+                     r.get("speedup_vs_eager"), r.get("speedup_vs_compile"), roof))
+    return data
+
+
+def write_outputs(path_json: str, rows: List[dict], impl_name: str) -> List[str]:
+    """Beside the JSON: the summary as CSV and markdown, and PNG plots (when matplotlib is there)."""
+    base = path_json[:-5] if path_json.endswith(".json") else path_json
+    header = [h.format(impl=impl_name) for h in SUMMARY_HEADER]
+    csv_rows = [(r["task"], r["dtype"], r["mode"], *d[1:6],
+                 " / ".join(str(d[6].get(k)) for k in ("eager", "compile", impl_name)), r["status"])
+                for r, d in zip(rows, summary_data(rows, impl_name))]
+    written = [results.write_csv(base + ".csv", header, csv_rows)]
+    with open(base + ".md", "w") as f:
+        f.write(summary_table(rows, impl_name) + "\n")
+    written.append(base + ".md")
+    data = summary_data(rows, impl_name)
+    labels = [d[0] for d in data]
+    series = {f"{impl_name} vs eager": [d[4] for d in data], f"{impl_name} vs compile": [d[5] for d in data]}
+    roofline = {k: [d[6].get(k) for d in data] for k in ("eager", "compile", impl_name)}
+    written += results.write_plots(base, labels, series, roofline)
+    return written
+
+
 def summary_table(rows: List[dict], impl_name: str) -> str:
     out = []
     for r in rows:
@@ -164,9 +203,11 @@ def run_bench(args) -> int:
            "budget": env.budget.name, "meta": meta, "env": env.describe(), "rows": rows}
     path = results.write_json(results.results_path(args.out, meta, prefix=f"bench-{impl_name}-"),
                               doc)
+    extra = write_outputs(path, rows, impl_name)
     print(summary_table(rows, impl_name))
     bad = [r for r in rows if r["status"] != "PASS"]
-    print(f"\n{len(rows) - len(bad)}/{len(rows)} rows pass; results in {path}")
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} rows pass; results in {path}"
+          + (f" (and {', '.join(os.path.basename(x) for x in extra)})" if extra else ""))
     return 1 if bad else 0
 
 

@@ -100,3 +100,48 @@ def markdown_table(header: Sequence[str], rows: List[Sequence]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(str(c) for c in r) + " |")
     return "\n".join(lines)
+
+
+def write_csv(path: str, header: Sequence[str], rows: List[Sequence]) -> str:
+    """The summary table as CSV (one row per task, dtype and mode)."""
+    import csv
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def write_plots(path_prefix: str, labels: List[str], series: dict, roofline: dict) -> List[str]:
+    """PNG bar charts: speedups per task (series: name -> values, e.g. "vs eager") and the
+    fraction of the memory roofline per implementation. Needs matplotlib (optional): without it
+    nothing is written and [] is returned."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    for name, data, ylabel, ref in (("speedup", series, "speedup (×)", 1.0),
+                                    ("roofline", roofline, "fraction of the copy roofline", None)):
+        if not labels or not data:
+            continue
+        fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(labels) * len(data)), 4))
+        width = 0.8 / len(data)
+        for k, (key, values) in enumerate(data.items()):
+            xs = [i + k * width for i in range(len(labels))]
+            ax.bar(xs, [v if v is not None else 0 for v in values], width, label=key)
+        if ref is not None:
+            ax.axhline(ref, color="black", linewidth=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = f"{path_prefix}-{name}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
