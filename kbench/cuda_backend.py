@@ -412,8 +412,8 @@ class CudaExecutor(Executor):
             kernel.launches[key] = lp
         return lp
 
-    def _launch(self, kernel, r, symvals, inputs, poison=False):
-        shapes, grid, ints, workspace_bytes, _ = self._launch_params(kernel, r, symvals)
+    def _launch(self, kernel, r, symvals, inputs, poison=False, lp=None):
+        shapes, grid, ints, workspace_bytes, _ = lp or self._launch_params(kernel, r, symvals)
         device = inputs[0].device if inputs else self.device
         if poison:
             outs = [verify.poison_like(s, d, device) for s, d in shapes]
@@ -442,9 +442,10 @@ class CudaExecutor(Executor):
                 raise RegionFallback(f"region {r}: input {i} is not contiguous")
             if kernel.vec > 1 and x.data_ptr() % 16:
                 raise RegionFallback(f"region {r}: input {i} is not 16-byte aligned (kernel uses vec={kernel.vec})")
-        if self._launch_params(kernel, r, symvals)[4] > INT32_LIMIT:
+        lp = self._launch_params(kernel, r, symvals)
+        if lp[4] > INT32_LIMIT:
             raise RegionFallback(f"region {r}: a tensor has more than 2^31 elements")
-        return self._launch(kernel, r, symvals, inputs)
+        return self._launch(kernel, r, symvals, inputs, lp=lp)
 
     # ------------------------------------------------------------------ timing for the report
 

@@ -320,6 +320,8 @@ class OptimizedModule(torch.nn.Module):
         captured, plan = self._kbench_captured, self._kbench_plan
         params = self._params()
         device = args[0].device if args else self._kbench_device
+        # checked every call: module.double() or .to() change a Parameter's dtype in place
+        # (param.data = ...), so the same tensor object can come back as something else
         for t, (name, dtype, shape) in zip(params, self._kbench_param_meta):
             if t.dtype != dtype or t.shape != shape or t.device != device:
                 raise Fallback(f"{name} is now {t.dtype}{list(t.shape)} on {t.device}; it was captured as "

@@ -137,3 +137,16 @@ def test_outside_envelope_falls_back_with_one_time_reason(caplog):
     y = torch.randn(3, 8)
     assert rel_err(fast(y), model(y)) <= 2e-5
     assert not fast._kbench_reasons
+
+
+def test_parameter_dtype_changed_in_place_falls_back():
+    """module.double() rewrites each Parameter's .data in place (same object, new dtype): the
+    optimized module must notice and run eager, not read f64 memory as f32."""
+    model = torch.nn.LayerNorm(16)
+    fast = kbench.optimize(model, (torch.randn(4, 16),), backend="interp")
+    weight = model.weight
+    model.double()
+    assert model.weight is weight and weight.dtype == torch.float64
+    x = torch.randn(4, 16, dtype=torch.float64)
+    assert torch.allclose(fast(x), model(x))
+    assert any("weight" in r for r in fast._kbench_reasons)
