@@ -142,11 +142,21 @@ def test_outside_envelope_falls_back_with_one_time_reason(caplog):
 def test_parameter_dtype_changed_in_place_falls_back():
     """module.double() rewrites each Parameter's .data in place (same object, new dtype): the
     optimized module must notice and run eager, not read f64 memory as f32."""
-    model = torch.nn.LayerNorm(16)
-    fast = kbench.optimize(model, (torch.randn(4, 16),), backend="interp")
-    weight = model.weight
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return torch.tanh(x * self.w)
+
+    model = Scale()
+    x = torch.randn(4, 16)
+    fast = kbench.optimize(model, (x,), backend="interp")
+    assert rel_err(fast(x), model(x)) <= 2e-5 and not fast._kbench_reasons
+    weight = model.w
     model.double()
-    assert model.weight is weight and weight.dtype == torch.float64
-    x = torch.randn(4, 16, dtype=torch.float64)
-    assert torch.allclose(fast(x), model(x))
-    assert any("weight" in r for r in fast._kbench_reasons)
+    assert model.w is weight and weight.dtype == torch.float64
+    out = fast(x)                       # an f32 input, now with an f64 parameter
+    assert out.dtype == torch.float64 and torch.allclose(out, model(x))
+    assert any("w is now torch.float64" in r for r in fast._kbench_reasons), fast._kbench_reasons
