@@ -9,36 +9,6 @@
 #include "check.h"
 #include "tgraph.h"
 
-typedef struct books {
-    long requests;     /* allocation requests so far (frees excluded) */
-    long fail_at;      /* the request that fails; 0 = none */
-    long blocks;       /* live blocks */
-    long long bytes;   /* live bytes, by the sizes the core reports */
-    int bad_size;      /* a free or realloc named a size other than the block's */
-} books;
-
-/* The size of each block rides in front of it, so a wrong osize is caught. */
-static void *failing_alloc(void *ud, void *ptr, size_t osize, size_t nsize)
-{
-    books *b = ud;
-    size_t *block = ptr ? (size_t *)ptr - 1 : NULL;
-    if (block && block[0] != osize) b->bad_size = 1;
-    if (nsize == 0) {
-        if (block) {
-            b->blocks--;
-            b->bytes -= (long long)block[0];
-            free(block);
-        }
-        return NULL;
-    }
-    if (++b->requests == b->fail_at) return NULL;
-    size_t *nb = realloc(block, sizeof(size_t) + nsize);
-    if (!nb) return NULL;
-    if (!block) b->blocks++;
-    b->bytes += (long long)nsize - (long long)(block ? nb[0] : 0);
-    nb[0] = nsize;
-    return nb + 1;
-}
 
 static int ok_or_oom(kb_status st) { return st == KB_OK || st == KB_ERR_OOM; }
 

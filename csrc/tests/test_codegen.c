@@ -466,32 +466,6 @@ static void test_genome_text(void) {
 
 /* ---------------------------------------------------------------- failing allocations */
 
-typedef struct books {
-    long requests, fail_at, blocks;
-    long long bytes;
-    int bad_size;
-} books;
-
-static void *failing_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
-    books *b = ud;
-    size_t *block = ptr ? (size_t *)ptr - 1 : NULL;
-    if (block && block[0] != osize) b->bad_size = 1;
-    if (nsize == 0) {
-        if (block) {
-            b->blocks--;
-            b->bytes -= (long long)block[0];
-            free(block);
-        }
-        return NULL;
-    }
-    if (++b->requests == b->fail_at) return NULL;
-    size_t *nb = realloc(block, sizeof(size_t) + nsize);
-    if (!nb) return NULL;
-    if (!block) b->blocks++;
-    b->bytes += (long long)nsize - (long long)(block ? nb[0] : 0);
-    nb[0] = nsize;
-    return nb + 1;
-}
 
 /* Partition, default genome, generation (dump too): the Nth allocation fails, for every N. */
 static kb_status alloc_run(books *b) {
