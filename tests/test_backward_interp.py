@@ -1,0 +1,101 @@
+"""The backward contract on the CPU (interp backend): torch.autograd.gradcheck on small f64
+cases; retain_graph and a second backward; no_grad; inputs that need no gradient; gradients
+accumulating into the original parameters' .grad; an input read by several regions; and the
+region backward running the generated backward program, not eager autograd."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kbench
+
+
+class Mixed(nn.Module):
+    """x feeds a LayerNorm region and a softmax region; a bias is shared by both branches."""
+
+    def __init__(self, h=6):
+        super().__init__()
+        self.ln = nn.LayerNorm(h)
+        self.b = nn.Parameter(torch.randn(h))
+
+    def forward(self, x):
+        return F.gelu(self.ln(x) + self.b) * torch.softmax(x + self.b, dim=-1)
+
+
+class CE(nn.Module):
+    def __init__(self, v=7):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(v))
+
+    def forward(self, x, t):
+        return F.cross_entropy(x * self.scale, t)
+
+
+class Swiglu(nn.Module):
+    def forward(self, x):
+        a, b = x.chunk(2, dim=-1)
+        return F.silu(a) * b
+
+
+CASES = [
+    ("mixed", Mixed, lambda: (torch.randn(3, 6, dtype=torch.float64, requires_grad=True),)),
+    ("cross_entropy", CE, lambda: (torch.randn(4, 7, dtype=torch.float64, requires_grad=True),
+                                   torch.randint(0, 7, (4,)))),
+    ("swiglu", Swiglu, lambda: (torch.randn(3, 8, dtype=torch.float64, requires_grad=True),)),
+]
+
+
+@pytest.mark.parametrize("name,factory,inputs", CASES, ids=[c[0] for c in CASES])
+def test_gradcheck(name, factory, inputs):
+    model = factory().double()
+    args = inputs()
+    fast = kbench.optimize(model, tuple(a.detach() for a in args), backend="interp")
+    assert torch.autograd.gradcheck(lambda *xs: fast(*xs), args, eps=1e-6, atol=1e-7)
+    # the regions' backward ran as generated backward programs (interp), not eager autograd
+    notes = [info.backward for info in fast._kbench_plan.regions if info.backward]
+    assert notes and all(n.startswith("interp") for n in notes), notes
+    assert not fast._kbench_reasons
+
+
+def test_retain_graph_second_backward_and_accumulation():
+    torch.manual_seed(0)
+    model = Mixed().double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    fast = kbench.optimize(model, (x,), backend="interp")
+    ref = Mixed().double()
+    ref.load_state_dict(model.state_dict())
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = fast(xa), ref(xb)
+    g = torch.randn_like(ya)
+    for _ in range(2):                         # twice through the same graph
+        ya.backward(g, retain_graph=True)
+        yb.backward(g, retain_graph=True)
+    for p, q in zip(model.parameters(), ref.parameters()):   # accumulated into the original's .grad
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(xa.grad, xb.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_no_grad_and_inputs_without_grad():
+    model = Mixed().double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    fast = kbench.optimize(model, (x,), backend="interp")
+    with torch.no_grad():
+        y = fast(x)
+    assert not y.requires_grad and y.grad_fn is None
+    # x needs no gradient, the parameters do: only they receive one
+    model.zero_grad()
+    fast(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    # nothing needs a gradient: no graph is built
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert fast(x).grad_fn is None
+
+
+def test_wrong_gradient_shape_raises_like_torch():
+    model = Mixed().double()
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    fast = kbench.optimize(model, (x.detach(),), backend="interp")
+    y = fast(x)
+    with pytest.raises(RuntimeError):
+        y.backward(torch.ones(3, 3, dtype=torch.float64))
