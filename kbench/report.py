@@ -46,6 +46,9 @@ class Report:
             rep.notes.append(f"NVRTC: {plan.nvrtc}")
         if plan.static_reason:
             rep.notes.append(f"sizes: {plan.static_reason}")
+        if any(info.backward for info in plan.regions):
+            rep.notes.append("saved for backward: each region's inputs only; its backward kernels recompute the "
+                             "forward values they need (fewer bytes kept than the intermediates)")
         for info in plan.regions:
             x = info.extra
             if x.get("candidates"):

@@ -54,6 +54,7 @@ def test_gradcheck(name, factory, inputs):
     # the regions' backward ran as generated backward programs (interp), not eager autograd
     notes = [info.backward for info in fast._kbench_plan.regions if info.backward]
     assert notes and all(n.startswith("interp") for n in notes), notes
+    assert "saved for backward: each region's inputs only" in str(fast.kbench_report)
     assert not fast._kbench_reasons
 
 
