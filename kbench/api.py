@@ -72,9 +72,43 @@ def capture(model: torch.nn.Module, example_inputs) -> Graph:
 BACKENDS = ("cuda", "interp")
 
 
-def optimize(model: torch.nn.Module, example_inputs, *, backend: str | None = None, budget: str = "default",
+class LazyOptimized(torch.nn.Module):
+    """optimize(model) without example inputs: the first call's inputs are the example. Shares
+    the model's parameters and buffers like the optimized module it becomes."""
+
+    def __init__(self, model: torch.nn.Module, options: dict):
+        super().__init__()
+        self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
+        self.training = model.training
+        self.__dict__.update(_kbench_orig=model, _kbench_options=options, _kbench_impl=None)
+
+    def forward(self, *args, **kwargs):
+        if self._kbench_impl is None:
+            if kwargs:
+                raise TypeError("the first call of a lazily optimized module captures its inputs: "
+                                "pass them positionally")
+            self.__dict__["_kbench_impl"] = optimize(self._kbench_orig, args, **self._kbench_options)
+        return self._kbench_impl(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self._kbench_orig.train(mode)
+        if self._kbench_impl is not None:
+            self._kbench_impl.train(mode)
+        return super().train(mode)
+
+    @property
+    def kbench_report(self):
+        if self._kbench_impl is None:
+            raise RuntimeError("not captured yet: call the module once (its inputs are the example)")
+        return self._kbench_impl.kbench_report
+
+
+def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None = None, budget: str = "default",
              seed: int = 0, verbose: bool = True) -> torch.nn.Module:
     """Return a module that computes what `model` computes, on kbench's regions.
+
+    example_inputs: a tensor or tuple of tensors to capture with; None captures at the first
+    call (`model = kbench.optimize(model)`).
 
     backend: "cuda" (generated kernels; the default for inputs on a GPU) or "interp" (the C
     interpreter on the CPU; the default for CPU inputs).
@@ -86,6 +120,10 @@ def optimize(model: torch.nn.Module, example_inputs, *, backend: str | None = No
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if example_inputs is None:   # capture on the first call, with its inputs as the example
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        return LazyOptimized(model, dict(backend=backend, budget=budget, seed=seed, verbose=verbose))
     args = _as_tuple(example_inputs)
     if backend is None:
         backend = "cuda" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "interp"

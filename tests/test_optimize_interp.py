@@ -160,3 +160,15 @@ def test_parameter_dtype_changed_in_place_falls_back():
     out = fast(x)                       # an f32 input, now with an f64 parameter
     assert out.dtype == torch.float64 and torch.allclose(out, model(x))
     assert any("w is now torch.float64" in r for r in fast._kbench_reasons), fast._kbench_reasons
+
+
+def test_optimize_without_example_inputs_captures_on_first_call():
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.GELU())
+    fast = kbench.optimize(model, backend="interp")
+    with pytest.raises(RuntimeError, match="not captured yet"):
+        fast.kbench_report
+    assert [p for p in fast.parameters()] == [p for p in model.parameters()]
+    x, y = torch.randn(3, 8), torch.randn(5, 8)
+    assert rel_err(fast(x), model(x)) <= 2e-5 and rel_err(fast(y), model(y)) <= 2e-5
+    assert "interp" in str(fast.kbench_report)
+    assert not fast._kbench_impl._kbench_reasons
