@@ -9,7 +9,6 @@ import hashlib
 import logging
 import math
 import re
-import time
 
 import torch
 
@@ -26,8 +25,7 @@ class Kernel:
     """A loaded, verified kernel and what a launch needs, precomputed."""
 
     __slots__ = ("fn", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks", "genome",
-                 "name", "vec", "workspace_per_unit", "source", "module", "regs", "spills", "finish_module",
-                 "launches")
+                 "name", "vec", "workspace_per_unit", "source", "module", "regs", "spills", "launches")
 
     def __init__(self):
         self.launches = {}   # sizes -> precomputed launch parameters (see CudaExecutor._launch_params)
@@ -96,7 +94,7 @@ class CudaExecutor(Executor):
     def _prepare_region(self, info, example_symvals):
         """Pick region r's kernel: the cache's winner, else the search's (budget fast/default/max),
         else the default genome — each verified before the runtime trusts it."""
-        plan, r = self.plan, info.index
+        r = info.index
         key = self._cache_key(r)
         memo = self._by_source.get(key)
         if memo is None:                       # identical regions (a repeated block) are tuned once
@@ -265,7 +263,6 @@ class CudaExecutor(Executor):
         kernel.max_blocks, kernel.genome = k["max_blocks"], k["genome"]
         kernel.vec = _genome_field(k["genome"], "vec", 1)
         kernel.workspace_per_unit = k["workspace_bytes_per_unit"]
-        kernel.finish_module = None
         return kernel
 
     def _build(self, k, r, example_symvals):
@@ -495,17 +492,3 @@ def _event_ms(fn, reps):
         times.append(a.elapsed_time(b))
     times.sort()
     return times[len(times) // 2]
-
-
-def host_overhead_us(module, args, calls=200) -> float:
-    """Host time per forward call (no sync inside the loop), for the report."""
-    with torch.no_grad():
-        for _ in range(10):
-            module(*args)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            module(*args)
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6

@@ -244,7 +244,6 @@ class OptimizedModule(torch.nn.Module):
         return self._kbench_orig(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        captured = self._kbench_captured
         if kwargs:
             return self._fallback("keyword arguments are not captured", args, kwargs)
         # the hot path: sizes bound once per input signature (shapes, dtypes, devices)
