@@ -9,18 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static int failures = 0, checks = 0;
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        checks++;                                                          \
-        if (!(cond)) {                                                     \
-            failures++;                                                    \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fputc('\n', stderr);                                           \
-        }                                                                  \
-    } while (0)
+#include "cuda_check.h"
 
 static const char *SAXPY =
     "extern \"C\" __global__ void saxpy(float *y, const float *x, float a, long long n) {\n"
