@@ -135,7 +135,7 @@ static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
         kb_sb_printf(sb, "%s%s *%s p%d", first ? "" : ", ", cg_storage(kb_graph_node(c->g, rg->outputs[j])->dtype),
                      c->rd->restrict_kw, rg->outputs[j]);
     for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++, first = 0) kb_sb_printf(sb, "%slong long s%d", first ? "" : ", ", s);
-    if (c->col_split > 1) kb_sb_printf(sb, "%svoid *%s kb_ws", first ? "" : ", ", c->rd->restrict_kw);
+    if (c->col_split > 1 || c->ncolsum) kb_sb_printf(sb, "%svoid *%s kb_ws", first ? "" : ", ", c->rd->restrict_kw);
     kb_sb_puts(sb, ")\n");
 }
 
@@ -168,7 +168,7 @@ static void plan_passes(cg *c) {
         int d = -1;
         for (int i = 0; i < nd->ninputs; i++)
             if (c->member[nd->inputs[i]] && c->dp[nd->inputs[i]] > d) d = c->dp[nd->inputs[i]];
-        if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE) {
+        if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE && !c->colsum[v]) {
             int32_t m = c->gn.two_pass == 0 ? online_max_of(c, v) : -1;
             if (m >= 0) {
                 c->partner[m] = v;
@@ -189,7 +189,7 @@ static int pass_of_output(cg *c, int32_t v) { return c->dp[v] + 1; }
 
 /* ROW: the loop over a row's chunks; each thread of the row's group takes every G-th chunk. */
 static void row_chunk_loop_open(cg *c) {
-    if (c->gn.cache == KB_CACHE_REGS) {
+    if (c->gn.cache == KB_CACHE_REGS || c->ncolsum) { /* unrolled: chunk u is a register index */
         cg_line(c, "#pragma unroll");
         cg_line(c, "for (int u = 0; u < %d; ++u) {", c->U);
         c->ind++;
@@ -205,7 +205,7 @@ static void row_chunk_loop_open(cg *c) {
 static void row_chunk_loop_close(cg *c) {
     c->ind--;
     cg_line(c, "}");
-    if (c->gn.cache == KB_CACHE_REGS) {
+    if (c->gn.cache == KB_CACHE_REGS || c->ncolsum) {
         c->ind--;
         cg_line(c, "}");
     }
@@ -254,18 +254,20 @@ static void row_group_reduce(cg *c, const int32_t *reds, int nred) {
 
 /* The reductions and FULL outputs of one pass, and the statistics it finishes. */
 static void row_pass(cg *c, int pass) {
-    int32_t reds[64], outs[64];
-    int nred = 0, nout = 0;
+    int32_t reds[64], outs[64], csums[16];
+    int nred = 0, nout = 0, ncs = 0;
     for (int32_t k = 0; k < c->rg->nnodes; k++) {
         int32_t v = c->rg->nodes[k];
-        if (kb_op_get(kb_graph_node(c->g, v)->op)->kind == KB_KIND_REDUCE && c->dp[v] == pass && nred < 64)
+        if (kb_op_get(kb_graph_node(c->g, v)->op)->kind == KB_KIND_REDUCE && !c->colsum[v] && c->dp[v] == pass && nred < 64)
             reds[nred++] = v;
     }
+    for (int j = 0; j < c->ncolsum; j++) /* added up where its operand is ready, like an output */
+        if (pass_of_output(c, c->colsums[j]) == pass) csums[ncs++] = c->colsums[j];
     for (int32_t j = 0; j < c->rg->noutputs; j++) {
         int32_t v = c->rg->outputs[j];
         if (cg_out_full(c, v) && pass_of_output(c, v) == pass && nout < 64) outs[nout++] = v;
     }
-    if (nred == 0 && nout == 0) return;
+    if (nred == 0 && nout == 0 && ncs == 0) return;
     if (nred > c->maxred) c->maxred = nred;
     c->pass = pass;
     kb_sb_printf(c->out, "\n");
@@ -278,11 +280,13 @@ static void row_pass(cg *c, int pass) {
         else
             cg_line(c, "//   %s of %%%d", kb_op_get(nd->op)->name, nd->inputs[0]);
     }
+    for (int j = 0; j < ncs; j++)
+        cg_line(c, "//   add %%%d to the column sum %%%d", kb_graph_node(c->g, csums[j])->inputs[0], csums[j]);
     for (int j = 0; j < nout; j++) cg_line(c, "//   write %%%d", outs[j]);
     for (int j = 0; j < nred; j++)
         cg_line(c, "%s acc%d = %s;", c->ct, reds[j], red_of(kb_graph_node(c->g, reds[j])->op)->init);
     row_chunk_loop_open(c);
-    cg_chunk(c, reds, nred, outs, nout);
+    cg_chunk(c, reds, nred, outs, nout, csums, ncs);
     row_chunk_loop_close(c);
     row_group_reduce(c, reds, nred);
     for (int j = 0; j < nred; j++) {
@@ -311,6 +315,7 @@ static void emit_row_body(cg *c) {
     }
     if (c->G > 32) cg_line(c, "__shared__ %s kb_red[KB_NRED][%d];", c->ct, c->gn.threads / 32);
     if (c->gn.cache == KB_CACHE_SMEM) cg_smem_pointers(c);
+    cg_colsum_decl(c);
     cg_line(c, "for (long long rowbase = (long long)blockIdx.x * %d; rowbase < O; rowbase += (long long)gridDim.x * %d) {",
             c->gn.rows, c->gn.rows);
     c->ind++;
@@ -326,6 +331,7 @@ static void emit_row_body(cg *c) {
     cg_scope_pop(c);
     c->ind--;
     cg_line(c, "}");
+    cg_colsum_store(c);
 }
 
 /* ---------------------------------------------------------------- COL */
@@ -363,7 +369,7 @@ static void col_pass(cg *c, int pass, int partial) {
     cg_scope_push(c);
     cg_decl_vars(c, "o", c->red, 0);
     if (c->trailing) cg_line(c, "const long long ob = o * C;");
-    cg_chunk(c, reds, nred, outs, nout);
+    cg_chunk(c, reds, nred, outs, nout, NULL, 0);
     cg_scope_pop(c);
     c->ind--;
     cg_line(c, "}");
@@ -482,7 +488,7 @@ static void emit_pointwise_body(cg *c) {
         cg_line(c, "if (i0 + %d <= n) {", V);
         c->ind++;
         cg_scope_push(c);
-        cg_chunk(c, NULL, 0, outs, nout);
+        cg_chunk(c, NULL, 0, outs, nout, NULL, 0);
         cg_scope_pop(c);
         c->ind--;
         cg_line(c, "} else {");
@@ -494,7 +500,7 @@ static void emit_pointwise_body(cg *c) {
         c->base = "i1";
         cg_scope_push(c);
         cg_set_space_vec(c);
-        cg_chunk(c, NULL, 0, outs, nout);
+        cg_chunk(c, NULL, 0, outs, nout, NULL, 0);
         cg_scope_pop(c);
         c->vec = saved;
         c->base = "i0";
@@ -507,7 +513,7 @@ static void emit_pointwise_body(cg *c) {
         cg_line(c, "if (i0 < n) {");
         c->ind++;
         cg_scope_push(c);
-        cg_chunk(c, NULL, 0, outs, nout);
+        cg_chunk(c, NULL, 0, outs, nout, NULL, 0);
         cg_scope_pop(c);
         c->ind--;
         cg_line(c, "}");
@@ -600,6 +606,10 @@ static kb_status check_genome(cg *c) {
         if (G & (G - 1)) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: threads/rows=%d must be a power of two", G);
         if (gn->cache != KB_CACHE_REREAD && !c->red_pinned)
             return KB_FAIL(ctx, KB_ERR_INVALID, "genome: cache=%s needs a pinned row length", gn->cache == KB_CACHE_REGS ? "regs" : "smem");
+        if (c->ncolsum && !c->red_pinned) return KB_FAIL(ctx, KB_ERR_INVALID, "column sums need a pinned row length");
+        if ((int64_t)c->ncolsum * c->U * c->vec > 128)
+            return KB_FAIL(ctx, KB_ERR_INVALID, "genome: %d column sums need %d registers per thread (more threads per row)",
+                           c->ncolsum, c->ncolsum * c->U * c->vec);
     } else if (gn->rows != 1) {
         return KB_FAIL(ctx, KB_ERR_INVALID, "genome: rows=%d applies to ROW regions only", gn->rows);
     }
@@ -662,12 +672,13 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     c.dry = 0;
     c.out = &body;
     emit_body(&c);
-    if (c.col_split > 1) {
+    if (c.col_split > 1 || c.ncolsum) {
         kb_sb_puts(&body, "}\n\n");
         emit_signature(&c, &body, "_finish");
         kb_sb_puts(&body, "{\n");
         cg_reset(&c);
-        emit_col_finish(&c);
+        if (c.ncolsum) cg_colsum_finish(&c);
+        else emit_col_finish(&c);
     }
     KB_TRY(cg_status(&c));
     KB_CHECK(ctx, !body.oom, KB_ERR_OOM, "out of memory");
@@ -687,9 +698,16 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     k->block = gn->threads;
     k->smem_bytes = c.smem_bytes;
     k->genome = *gn;
-    k->nkernels = c.col_split > 1 ? 2 : 1;
+    k->nkernels = c.col_split > 1 || c.ncolsum ? 2 : 1;
     /* grid_units of a split COL region count (column, split) pairs: one partial per reduction */
     k->workspace_bytes_per_unit = c.col_split > 1 ? (int64_t)c.nred_total * (c.dbl ? 8 : 4) : 0;
+    if (c.ncolsum) { /* a partial row per column sum and row slot of each block: few blocks, ~1024 threads per SM */
+        int64_t R = 1;
+        for (int d = 0; d < c.arank; d++)
+            if (c.red & (1u << d)) R *= c.adims[d].coef;
+        k->workspace_bytes_per_block = (int64_t)gn->rows * c.ncolsum * R * (c.dbl ? 8 : 4);
+        k->max_blocks_per_sm = gn->threads >= 1024 ? 1 : 1024 / gn->threads;
+    }
     KB_TRY(cg_grid_units(&c, &k->grid_units, &k->units_per_block));
     KB_CHECK(ctx, dev == NULL || dev->max_smem_per_block <= 0 || k->smem_bytes <= dev->max_smem_per_block, KB_ERR_INVALID,
              "genome: %d bytes of shared memory, the device allows %d", k->smem_bytes, dev ? dev->max_smem_per_block : 0);
@@ -709,8 +727,8 @@ void kb_kernel_grid(const kb_kernel *k, const int64_t *symvals, const kb_device_
     int64_t upb = k->units_per_block > 0 ? k->units_per_block : 1;
     int64_t g = (units + upb - 1) / upb;
     if (g < 1) g = 1;
-    if (k->genome.persistent && dev && dev->num_sms > 0) {
-        int64_t per_sm = 2048 / (k->block > 0 ? k->block : 1);
+    if ((k->genome.persistent || k->max_blocks_per_sm) && dev && dev->num_sms > 0) {
+        int64_t per_sm = k->max_blocks_per_sm ? k->max_blocks_per_sm : 2048 / (k->block > 0 ? k->block : 1);
         if (k->smem_bytes > 0 && dev->max_smem_per_block > 0) {
             int64_t by_smem = dev->max_smem_per_block / k->smem_bytes;
             if (by_smem < per_sm) per_sm = by_smem;

@@ -90,6 +90,10 @@ typedef struct cg {
     int32_t *partner;   /* M -> S, else -1 */
     int32_t *online_of; /* S -> M, else -1 */
     int has_online;
+    /* ROW: column sums (sums over the rows, COLSUM in fuse.c) kept as per-thread partials */
+    uint8_t *colsum;    /* 1: a column sum; 2: a reshape of one (same elements) */
+    int32_t colsums[16];
+    int ncolsum;
     int smem_bytes;
     /* emission */
     kb_sb *out;
@@ -125,7 +129,11 @@ int cg_numel_is(cg *c, int32_t v, int stat);
 void cg_decl_vars(cg *c, const char *src, uint32_t mask, int chunk_base);
 void cg_set_space_vec(cg *c);
 /* one chunk: vector loads, the element loop (reductions, FULL outputs), vector stores */
-void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout);
+void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout, const int32_t *csums, int ncs);
+/* ROW column sums: the register partials, the per-block write-out, the finishing kernel */
+void cg_colsum_decl(cg *c);
+void cg_colsum_store(cg *c);
+void cg_colsum_finish(cg *c);
 void cg_bind_stat(cg *c, int32_t reduce);
 void cg_eager_stats(cg *c, int pass);
 void cg_stat_outputs(cg *c);

@@ -11,7 +11,7 @@ static void full_index(cg *c, idx *x) { cg_set_lin(x, c->full_lin, cg_all_bits(c
 
 static void stat_index(cg *c, idx *x) { cg_set_lin(x, c->stat_lin, cg_all_bits(c) & ~c->red); }
 
-void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout) {
+void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout, const int32_t *csums, int ncs) {
     kb_region_kind kind = c->rg->kind;
     int V = c->vec;
     /* chunk scope: the anchor position of the chunk's first element */
@@ -51,6 +51,10 @@ void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nou
         const char *f = (nd->op == KB_OP_RMAX) ? "kb_maxf(%s, %s)" : (nd->op == KB_OP_RMIN) ? "kb_minf(%s, %s)" : "%s + %s";
         cg_fmt(c, comb, sizeof comb, f, acc, val);
         cg_line(c, "%s = %s;", acc, comb);
+    }
+    for (int j = 0; j < ncs; j++) { /* column sums: this thread's columns, summed over its rows */
+        cg_ev(c, NODE(c, csums[j])->inputs[0], &full, val);
+        cg_line(c, "cs%d[u][%s] += %s;", (int)csums[j], c->kvar, val);
     }
     int vstore[256] = {0};
     for (int j = 0; j < nout && j < 256; j++) {
@@ -126,6 +130,7 @@ void cg_eager_stats(cg *c, int pass) {
 
 int cg_out_full(cg *c, int32_t v) {
     if (c->rg->kind == KB_REGION_POINTWISE) return 1;
+    if (c->colsum[v]) return 0;
     int full = cg_numel_is(c, v, 0), stat = cg_numel_is(c, v, 1);
     if (full && stat) return c->dp[v] < 0 || kb_op_get(NODE(c, v)->op)->kind != KB_KIND_REDUCE;
     return full;
@@ -133,7 +138,7 @@ int cg_out_full(cg *c, int32_t v) {
 
 void cg_stat_outputs(cg *c) {
     int any = 0;
-    for (int32_t j = 0; j < c->rg->noutputs; j++) any |= !cg_out_full(c, c->rg->outputs[j]);
+    for (int32_t j = 0; j < c->rg->noutputs; j++) any |= !cg_out_full(c, c->rg->outputs[j]) && !c->colsum[c->rg->outputs[j]];
     if (!any) return;
     idx x;
     char val[EXPR_LEN], st[EXPR_LEN * 2];
@@ -155,7 +160,7 @@ void cg_stat_outputs(cg *c) {
     stat_index(c, &x);
     for (int32_t j = 0; j < c->rg->noutputs; j++) {
         int32_t v = c->rg->outputs[j];
-        if (cg_out_full(c, v)) continue;
+        if (cg_out_full(c, v) || c->colsum[v]) continue;
         cg_ev(c, v, &x, val);
         cg_fmt(c, st, sizeof st, cg_store_fmt(NODE(c, v)->dtype), val);
         cg_line(c, "p%d[%s] = %s;", (int)v, c->stat_lin, st);
@@ -229,7 +234,8 @@ kb_status cg_plan_cache(cg *c, int stage) {
                 if (c->cached[v] && c->fill_pass[v] <= p && p <= 31 - __builtin_clz(c->reads[v])) live++;
             if (live > peak) peak = live;
         }
-        if ((int64_t)peak * c->U * c->vec > (c->gn.threads >= 1024 ? 32 : 64) && peak > 1) {
+        int budget = (c->gn.threads >= 1024 ? 32 : 64) - c->ncolsum * c->U * c->vec / 2; /* column sums hold registers too */
+        if ((int64_t)peak * c->U * c->vec > budget && peak > 1) {
             c->replan = 1;
             return KB_OK;
         }
@@ -304,8 +310,15 @@ void cg_done(cg *c) {
     kb_free(c->ctx, c->smem_off, sizeof(int32_t) * n);
     kb_free(c->ctx, c->partner, sizeof(int32_t) * n);
     kb_free(c->ctx, c->online_of, sizeof(int32_t) * n);
+    kb_free(c->ctx, c->colsum, n);
     kb_free(c->ctx, c->ents, sizeof(cg_ent) * (size_t)c->capents);
     c->ctx = NULL;
+}
+
+static int reads_colsum(const cg *c, const kb_node *nd) {
+    for (int i = 0; i < nd->ninputs; i++)
+        if (c->member[nd->inputs[i]] && c->colsum[nd->inputs[i]]) return 1;
+    return 0;
 }
 
 kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
@@ -332,7 +345,8 @@ kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, 
     c->smem_off = kb_calloc(c->ctx, n, sizeof(int32_t));
     c->partner = kb_malloc(c->ctx, sizeof(int32_t) * n);
     c->online_of = kb_malloc(c->ctx, sizeof(int32_t) * n);
-    if (!c->member || !c->in_slot || !c->dp || !c->pure || !c->uses || !c->reads || !c->cached || !c->fill_pass ||
+    c->colsum = kb_calloc(c->ctx, n, 1);
+    if (!c->colsum || !c->member || !c->in_slot || !c->dp || !c->pure || !c->uses || !c->reads || !c->cached || !c->fill_pass ||
         !c->smem_off || !c->partner || !c->online_of)
         return KB_ERR_OOM;
     for (int32_t v = 0; v < c->n; v++) c->in_slot[v] = c->partner[v] = c->online_of[v] = -1;
@@ -379,7 +393,14 @@ kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, 
         int32_t v = c->rg->nodes[k];
         const kb_node *nd = NODE(c, v);
         kb_op_kind kind = kb_op_get(nd->op)->kind;
-        if (kind == KB_KIND_REDUCE) {
+        if (kind == KB_KIND_REDUCE && c->rg->kind == KB_REGION_ROW && nd->axes != c->red) {
+            if (c->ncolsum == (int)(sizeof c->colsums / sizeof c->colsums[0]))
+                return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: more than 16 column sums in one region");
+            c->colsum[v] = 1;
+            c->colsums[c->ncolsum++] = v;
+        } else if (kind != KB_KIND_REDUCE && kind != KB_KIND_GATHER && reads_colsum(c, nd)) {
+            c->colsum[v] = 2; /* pointwise work on column sums: the finishing kernel's */
+        } else if (kind == KB_KIND_REDUCE) {
             c->nred_total++;
             c->pure[v] = 1;
         } else if (nd->op == KB_OP_CONST) {
@@ -392,4 +413,91 @@ kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, 
     }
     c->ind = 1;
     return KB_OK;
+}
+
+/* ---------------------------------------------------------------- ROW column sums */
+
+/* A column sum of a ROW region (dweight = sum over rows of dy * xhat) never leaves the chip
+ * per row: each thread adds its columns of every row it visits into registers cs<v>[u][k],
+ * the block writes them once as its partial (workspace slot blockIdx.x * rows + grp), and a
+ * finishing kernel adds the partials in slot order (deterministic, no atomics). */
+void cg_colsum_decl(cg *c) {
+    if (!c->ncolsum) return;
+    cg_line(c, "// column sums: this thread's columns (u * %d + lane) * %d + k, over every row the block visits", c->G,
+            c->vec);
+    for (int j = 0; j < c->ncolsum; j++) cg_line(c, "%s cs%d[%d][%d] = {};", c->ct, (int)c->colsums[j], c->U, c->vec);
+}
+
+void cg_colsum_store(cg *c) {
+    if (!c->ncolsum) return;
+    cg_line(c, "{  // this block's partial column sums, added up by %s_finish", c->name);
+    c->ind++;
+    cg_line(c, "%s *ws = static_cast<%s *>(kb_ws) + ((long long)blockIdx.x * %d + grp) * %d * R;", c->ct, c->ct, c->gn.rows,
+            c->ncolsum);
+    cg_line(c, "#pragma unroll");
+    cg_line(c, "for (int u = 0; u < %d; ++u) {", c->U);
+    cg_line(c, "    const long long c0 = ((long long)u * %d + lane) * %d;", c->G, c->vec);
+    cg_line(c, "    if (c0 < R) {");
+    cg_line(c, "#pragma unroll");
+    cg_line(c, "        for (int k = 0; k < %d; ++k) {", c->vec);
+    for (int j = 0; j < c->ncolsum; j++) cg_line(c, "            ws[%d * R + c0 + k] = cs%d[u][k];", j, (int)c->colsums[j]);
+    cg_line(c, "        }");
+    cg_line(c, "    }");
+    cg_line(c, "}");
+    c->ind--;
+    cg_line(c, "}");
+}
+
+/* The finishing kernel: per column, the partials of all slots, split over the block's warps
+ * (slot s to warp s mod W, then the warps in order), written to every output that is the
+ * column sum or a reshape of it. Runs on the main kernel's grid, so the slot count is known. */
+void cg_colsum_finish(cg *c) {
+    char Oexpr[EXPR_LEN], Rexpr[EXPR_LEN];
+    cg_extent(c, 0, Oexpr);
+    cg_extent(c, 1, Rexpr);
+    int W = c->gn.threads / 32;
+    cg_line(c, "const long long O = %s;  // rows", Oexpr);
+    cg_line(c, "const long long R = %s;  // row length = columns summed", Rexpr);
+    cg_line(c, "const long long P = (long long)gridDim.x * %d;  // partial slots the main kernel wrote", c->gn.rows);
+    cg_line(c, "const %s *ws = static_cast<const %s *>(kb_ws);", c->ct, c->ct);
+    cg_line(c, "__shared__ %s kb_fin[%d][%d][32];", c->ct, c->ncolsum, W);
+    cg_line(c, "const int lane = threadIdx.x & 31, w0 = threadIdx.x >> 5;");
+    cg_line(c, "for (long long cb = blockIdx.x; cb * 32 < R; cb += gridDim.x) {");
+    c->ind++;
+    cg_line(c, "const long long col = cb * 32 + lane;");
+    for (int j = 0; j < c->ncolsum; j++) cg_line(c, "%s t%d = 0;", c->ct, j);
+    cg_line(c, "if (col < R)");
+    cg_line(c, "    for (long long s = w0; s < P; s += %d) {", W);
+    for (int j = 0; j < c->ncolsum; j++) cg_line(c, "        t%d += ws[(s * %d + %d) * R + col];", j, c->ncolsum, j);
+    cg_line(c, "    }");
+    for (int j = 0; j < c->ncolsum; j++) cg_line(c, "kb_fin[%d][w0][lane] = t%d;", j, j);
+    cg_line(c, "%s;", c->rd->barrier);
+    cg_line(c, "if (w0 == 0 && col < R) {");
+    c->ind++;
+    for (int j = 0; j < c->ncolsum; j++) {
+        int32_t v = c->colsums[j];
+        cg_line(c, "%s v%d = kb_fin[%d][0][lane];", c->ct, (int)v, j);
+        cg_line(c, "for (int w = 1; w < %d; ++w) v%d += kb_fin[%d][w][lane];", W, (int)v, j);
+        if (NODE(c, v)->op == KB_OP_MEAN) cg_line(c, "v%d = v%d / (%s)O;", (int)v, (int)v, c->ct);
+    }
+    idx x; /* the column sums' own index: the position in the row */
+    cg_set_lin(&x, "col", c->red);
+    for (int j = 0; j < c->ncolsum; j++) {
+        char var[NAME_LEN];
+        snprintf(var, sizeof var, "v%d", (int)c->colsums[j]);
+        cg_bind(c, c->colsums[j], &x, var);
+    }
+    for (int32_t j = 0; j < c->rg->noutputs; j++) {
+        int32_t w = c->rg->outputs[j];
+        if (!c->colsum[w]) continue;
+        char val[EXPR_LEN], st[EXPR_LEN * 2];
+        cg_ev(c, w, &x, val);
+        cg_fmt(c, st, sizeof st, cg_store_fmt(NODE(c, w)->dtype), val);
+        cg_line(c, "p%d[col] = %s;", (int)w, st);
+    }
+    c->ind--;
+    cg_line(c, "}");
+    cg_line(c, "%s;", c->rd->barrier);
+    c->ind--;
+    cg_line(c, "}");
 }

@@ -5,7 +5,9 @@
  *
  * Vocabulary. A value computed in a region has a *level*: FULL (one per element of the
  * anchor, the iteration space) or STAT (one per row of a ROW region / column of a COL region,
- * i.e. the kept dims of the reduction). Views and constants that codegen can fold into load
+ * i.e. the kept dims of the reduction) or, in a ROW region, COLSUM (a sum over the rows, one per
+ * element of a row: the region's kernel keeps per-block partials, a finishing kernel adds them;
+ * nothing in the region can read it). Views and constants that codegen can fold into load
  * addressing are *floating*: they belong to no region of their own and are copied into every
  * region that reads them; their root (an INPUT or another region's output) is what the region
  * actually reads. Regions only ever read regions with a smaller index, so the list is an
@@ -14,7 +16,11 @@
 
 #include <inttypes.h>
 
-enum { LV_NONE = 0, LV_FULL, LV_STAT };
+enum { LV_NONE = 0, LV_FULL, LV_STAT, LV_COLSUM };
+
+/* ROW regions carry column sums (a parameter's gradient summed over the rows) as per-block
+ * partials while the rows stream by; their registers bound the row length. */
+#define COLSUM_MAX_ROW 16384
 
 enum node_class { C_POINTWISE, C_RESHAPE, C_EXPAND, C_VIEW, C_REDUCE, C_GATHER, C_EXTERN, C_LEAF };
 
@@ -78,13 +84,16 @@ static int same_dims(const kb_node *a, const kb_node *c) {
 
 static int is_one(kb_dim d) { return d.coef == 1 && d.nsym == 0; }
 
-/* numel of v equals the number of elements (lv FULL) or rows/columns (lv STAT) of region r */
+/* numel of v equals the number of elements (lv FULL), rows/columns (lv STAT) or elements of a
+ * row (lv COLSUM) of region r */
 static int numel_matches(const build *b, int32_t v, int32_t r, int lv) {
     const kb_node *a = N(b, b->regs[r].anchor), *x = N(b, v);
     kb_dim kept[KB_MAX_RANK];
     int nk = 0;
-    for (int d = 0; d < a->rank; d++)
-        if (lv == LV_FULL || !(b->regs[r].red & (1u << d))) kept[nk++] = a->dims[d];
+    for (int d = 0; d < a->rank; d++) {
+        int in_row = (b->regs[r].red >> d) & 1;
+        if (lv == LV_FULL || (lv == LV_STAT && !in_row) || (lv == LV_COLSUM && in_row)) kept[nk++] = a->dims[d];
+    }
     mono ma, mx;
     mono_of(kept, nk, &ma);
     mono_of(x->dims, x->rank, &mx);
@@ -139,6 +148,10 @@ static int pw_join(const build *b, int32_t v, int32_t r, int *lv) {
 /* A reshape keeps the row-major order, so FULL stays FULL and STAT stays STAT. */
 static int reshape_join(const build *b, int32_t v, int32_t r, int *lv) {
     int l = level_in(b, N(b, v)->inputs[0], r);
+    if (l == LV_COLSUM) { /* the same row-major elements, written by the finishing kernel */
+        *lv = LV_COLSUM;
+        return 1;
+    }
     if (l == LV_NONE || !numel_matches(b, v, r, l)) return 0;
     *lv = l;
     return 1;
@@ -172,6 +185,28 @@ static int reduce_same(const build *b, int32_t v, int32_t r, int *lv) {
     if (l == LV_NONE && !b->floating[u] && N(b, u)->op != KB_OP_INPUT) return 0;
     if (!same_dims(N(b, u), N(b, b->regs[r].anchor)) || nd->axes != b->regs[r].red) return 0;
     *lv = LV_STAT;
+    return 1;
+}
+
+/* A sum over all the rows of a ROW region (LayerNorm's dweight = sum over rows of dy * xhat)
+ * joins it as a column sum when its operand is a full element of the region (or an input of
+ * the anchor's shape) and the row length is a constant small enough for per-thread partials. */
+static int reduce_cols(const build *b, int32_t v, int32_t r, int *lv) {
+    const kb_node *nd = N(b, v), *a = N(b, b->regs[r].anchor);
+    int32_t u = nd->inputs[0];
+    uint32_t red = b->regs[r].red, all = (uint32_t)((1ull << a->rank) - 1);
+    if (nd->op != KB_OP_SUM && nd->op != KB_OP_MEAN) return 0;
+    int l = level_in(b, u, r);
+    if (l != LV_FULL && (l != LV_NONE || (!b->floating[u] && N(b, u)->op != KB_OP_INPUT))) return 0;
+    if (!same_dims(N(b, u), a) || nd->axes != (all & ~red) || nd->axes == 0) return 0;
+    int64_t row = 1;
+    for (int d = 0; d < a->rank; d++)
+        if (red & (1u << d)) {
+            if (a->dims[d].nsym) return 0;
+            row *= a->dims[d].coef;
+        }
+    if (row > COLSUM_MAX_ROW) return 0;
+    *lv = LV_COLSUM;
     return 1;
 }
 
@@ -219,6 +254,7 @@ static const struct join_rule {
     {C_EXPAND, KB_REGION_COL, expand_stat_join, 0},
     {C_REDUCE, KB_REGION_POINTWISE, reduce_upgrade, 1},
     {C_REDUCE, KB_REGION_ROW, reduce_same, 0},
+    {C_REDUCE, KB_REGION_ROW, reduce_cols, 0},
     {C_REDUCE, KB_REGION_COL, reduce_same, 0},
     {C_GATHER, KB_REGION_POINTWISE, gather_pw, 0},
     {C_GATHER, KB_REGION_ROW, gather_row, 0},
@@ -243,6 +279,10 @@ static enum node_class classify(const kb_node *nd) {
 /* The first rule of the table that lets v join r; -1 if none. */
 static int find_rule(const build *b, int32_t v, int32_t r, int *lv) {
     enum node_class cls = classify(N(b, v));
+    /* a column sum is complete only after every row: in r, only pointwise work on column sums
+       (the finishing kernel's: dweight's cast to bf16) and reshapes read it */
+    for (int i = 0; i < N(b, v)->ninputs && cls != C_RESHAPE && cls != C_POINTWISE; i++)
+        if (level_in(b, N(b, v)->inputs[i], r) == LV_COLSUM) return -1;
     for (size_t i = 0; i < sizeof RULES / sizeof RULES[0]; i++) {
         if (RULES[i].cls != cls) continue;
         if (RULES[i].kind != ANY_KIND && RULES[i].kind != (int)b->regs[r].kind) continue;

@@ -35,6 +35,7 @@ typedef struct shape_facts {
     int nbulk_in;        /* full-size inputs: what a row cache would hold */
     int bulk_in_bytes;   /* their element sizes summed */
     int multipass;       /* a reduction or a full-size output reads another reduction */
+    int ncolsum;         /* ROW: sums over the rows (per-thread partials in registers) */
 } shape_facts;
 
 static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symvals, shape_facts *f) {
@@ -83,7 +84,9 @@ static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symva
         const kb_node *nd = kb_graph_node(g, v);
         int d = 0;
         for (int i = 0; i < nd->ninputs; i++) d |= dep[nd->inputs[i]];
-        if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE) {
+        if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE && rg->kind == KB_REGION_ROW && nd->axes != rg->reduce_axes) {
+            f->ncolsum++; /* a column sum: no pass of its own */
+        } else if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE) {
             if (d) f->multipass = 1;
             d = 1;
         }
@@ -134,8 +137,9 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
             if (rows * group < 32) rows = 32 / group;
             gn.rows = (int32_t)rows;
             gn.threads = (int32_t)(rows * group);
-        } else { /* a block per row, ~4 vectors per thread (never more threads than vectors) */
-            group = clamp64(pow2_floor(chunks / 4), 128, 1024);
+        } else { /* a block per row, ~4 vectors per thread (never more threads than vectors); with
+                    column sums ~8 elements per thread, whose partials also live in registers */
+            group = clamp64(pow2_floor(f.ncolsum ? f.red / 8 : chunks / 4), 128, 1024);
             if (group > pow2_ceil(chunks)) group = pow2_ceil(chunks);
             gn.threads = (int32_t)group;
             gn.rows = 1;

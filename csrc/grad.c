@@ -776,7 +776,8 @@ kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out)
                  "region %d: input %d is a bad or repeated value (%d)", (int)r, (int)k, (int)v);
         const kb_node *src = kb_graph_node(g, v);
         kb_node t = tmpl_new(KB_OP_INPUT, src->dtype, src->rank, src->dims);
-        t.input_kind = KB_INPUT_USER;
+        /* a parameter stays one: fusion floats parameter-only work (a weight's cast) into readers */
+        t.input_kind = src->op == KB_OP_INPUT ? src->input_kind : KB_INPUT_USER;
         if (src->op == KB_OP_INPUT && src->name[0]) memcpy(t.name, src->name, sizeof t.name);
         else snprintf(t.name, sizeof t.name, "in%d", (int)k);
         KB_TRY(kb_graph_add(rg, &t, &map[v]));

@@ -194,8 +194,9 @@ kb_status kb_partition_dump(const kb_partition *p, char **out);
 
 /* ---------------------------------------------------------------- subgraphs and autodiff (grad.c) */
 
-/* Region r of p as a standalone graph: its inputs become INPUT nodes (kind user, in
- * region->inputs order), its outputs the graph's outputs (region->outputs order); symbols are
+/* Region r of p as a standalone graph: its inputs become INPUT nodes in region->inputs order
+ * (a graph input keeps its kind, anything else is kind user), its outputs the graph's outputs
+ * (region->outputs order); symbols are
  * copied so sizes keep their meaning. The caller owns *out (kb_graph_free); same ctx as p's graph. */
 kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out);
 
@@ -262,6 +263,8 @@ typedef struct kb_kernel {
     int32_t block;          /* threads per block */
     int32_t smem_bytes;     /* dynamic shared memory */
     int64_t workspace_bytes_per_unit; /* COL split: bytes of workspace per column (0 if none) */
+    int64_t workspace_bytes_per_block; /* ROW column sums: partials per block of the grid */
+    int32_t max_blocks_per_sm; /* grid cap (with the device's SM count); 0: none unless persistent */
     int32_t nkernels;       /* 1, or 2 when a finishing kernel follows (name + "_finish") */
     kb_genome genome;
     kb_dim grid_units;      /* work items: grid.x = ceil(units / units_per_block) (or capped) */

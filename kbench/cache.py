@@ -25,7 +25,8 @@ BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another process's (short) 
 
 KEY_FIELDS = ("region_sig", "dtypes", "shape_class", "gpu_name", "gpu_arch", "driver", "nvrtc",
               "torch_version", "kbench_version")
-LAUNCH_FIELDS = ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels", "workspace")
+LAUNCH_FIELDS = ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels", "workspace",
+                 "workspace_per_block")
 WINNER_FIELDS = ("genome", "source_hash", "cubin", "entries", "launch", "envelope", "best_ms", "search_s",
                  "ncandidates", "created")
 CANDIDATE_FIELDS = ("genome", "compile_status", "compile_log", "regs", "spills", "time_ms", "verify",

@@ -25,7 +25,7 @@ class Kernel:
     """A loaded, verified kernel and what a launch needs, precomputed."""
 
     __slots__ = ("fn", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks", "genome",
-                 "name", "vec", "workspace_per_unit", "source", "module", "regs", "spills", "launches")
+                 "name", "vec", "workspace_per_unit", "workspace_per_block", "source", "module", "regs", "spills", "launches")
 
     def __init__(self):
         self.launches = {}   # sizes -> precomputed launch parameters (see CudaExecutor._launch_params)
@@ -147,6 +147,7 @@ class CudaExecutor(Executor):
         try:
             k = dict(w.launch, name=w.entries[0], genome=w.genome, source="")
             k["workspace_bytes_per_unit"] = k.pop("workspace", 0)
+            k["workspace_bytes_per_block"] = k.pop("workspace_per_block", 0)
             kernel = self._load(k, cubin=w.cubin)
         except Exception as e:  # noqa: BLE001 - a stale entry is recompiled, not trusted
             log.warning("kbench: cached kernel for region %d unusable (%s); tuning again", r, e)
@@ -193,6 +194,7 @@ class CudaExecutor(Executor):
             cubin = nvrtc.compile(k["source"], self.arch)  # the CUBIN cache makes this a file read
             launch = {f: k[f] for f in ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels")}
             launch["workspace"] = k["workspace_bytes_per_unit"]
+            launch["workspace_per_block"] = k["workspace_bytes_per_block"]
             entries = [k["name"]] + ([k["name"] + "_finish"] if k["nkernels"] > 1 else [])
             db = self._store()
             db.store(key, cache.Winner(genome=k["genome"], source_hash=hashlib.sha256(k["source"].encode()).hexdigest(),
@@ -263,6 +265,7 @@ class CudaExecutor(Executor):
         kernel.max_blocks, kernel.genome = k["max_blocks"], k["genome"]
         kernel.vec = _genome_field(k["genome"], "vec", 1)
         kernel.workspace_per_unit = k["workspace_bytes_per_unit"]
+        kernel.workspace_per_block = k.get("workspace_bytes_per_block", 0)
         return kernel
 
     def _build(self, k, r, example_symvals):
@@ -412,7 +415,9 @@ class CudaExecutor(Executor):
                 kernel.grid_units[0] * math.prod(key[s] for s in kernel.grid_units[1])
             numel = max([math.prod(plan.graph.sizes(v, key)) for v in plan.regions[r].inputs + plan.regions[r].outputs]
                         or [0])
-            lp = (shapes, (kernel.grid(key), 1, 1), key, kernel.workspace_per_unit * units, numel)
+            grid = kernel.grid(key)
+            workspace = kernel.workspace_per_unit * units + kernel.workspace_per_block * grid
+            lp = (shapes, (grid, 1, 1), key, workspace, numel)
             if len(kernel.launches) > 256:
                 kernel.launches.clear()
             kernel.launches[key] = lp

@@ -86,7 +86,7 @@ def kernel_key(k: dict) -> str:
     launch. Genomes that differ only in genes codegen ignores give the same key."""
     src = "\n".join(line for line in k["source"].splitlines() if not line.startswith("// genome:"))
     launch = (k.get("block"), k.get("smem"), repr(k.get("grid_units")), k.get("units_per_block"), k.get("nkernels"),
-              k.get("workspace_bytes_per_unit"), k.get("max_blocks"))
+              k.get("workspace_bytes_per_unit"), k.get("workspace_bytes_per_block"), k.get("max_blocks"))
     return hashlib.sha256((src + "\n" + repr(launch)).encode()).hexdigest()
 
 

@@ -16,7 +16,7 @@ from kbench import cache as kc
 
 REGION = "region 0 ROW\n  %3 = sub %1 %2 : f32[B, 768]\n  %4 = sum %3 axes=1 : f32[B, 1]\n"
 LAUNCH = {"block": 256, "smem": 3072, "grid_units": [1, [0]], "units_per_block": 1, "max_blocks": 0,
-          "nkernels": 1, "workspace": 0}
+          "nkernels": 1, "workspace": 0, "workspace_per_block": 0}
 
 
 def key(**over) -> kc.CacheKey:

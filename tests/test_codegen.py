@@ -126,9 +126,35 @@ def g_cross_entropy(dt):
     return b, ["ROW", "ROW"], 1000
 
 
+def g_layernorm_bwd(dt):
+    """LayerNorm's backward: dx, and dweight / dbias as column sums of the one ROW region."""
+    b = Builder(s0=6)
+    x, w, bias = b.input("x", dt, ["s0", 1024]), b.input("w", dt, [1024], "param"), b.input("b", dt, [1024], "param")
+    y, _, _ = layernorm(b, dt, "s0", 1024, x, w, bias)
+    b.g.add_output(y)
+    b.g = b.g.grad([True, True, True])
+    return b, ["ROW"], 1
+
+
+def g_row_colsum(dt):
+    """A ROW region with column sums beside its row statistics: a sum, a mean finished by a
+    cast and a reshape, and a full-size output."""
+    b = Builder(s0=37)
+    x, w = b.input("x", dt, ["s0", 256]), b.input("w", dt, [256], "param")
+    full, keep = ["s0", 256], ["s0", 1]
+    xf = b.op("cast", [x], "f32", full)
+    xc = b.op("sub", [xf, b.op("expand", [b.op("mean", [xf], "f32", keep, axes=2)], "f32", full)], "f32", full)
+    wf = b.op("expand", [b.op("reshape", [b.op("cast", [w], "f32", [256])], "f32", [1, 256])], "f32", full)
+    b.g.add_output(b.op("cast", [b.op("mul", [xc, wf], "f32", full)], dt, full))
+    sq = b.op("mean", [b.op("mul", [xc, xc], "f32", full)], "f32", [1, 256], axes=1)
+    b.g.add_output(b.op("cast", [b.op("reshape", [sq], "f32", [256])], dt, [256]))
+    b.g.add_output(b.op("sum", [x], dt, [1, 256], axes=1))
+    return b, ["ROW"], 1
+
+
 GRAPHS = {"layernorm": g_layernorm, "res_layernorm": g_res_layernorm, "softmax": g_softmax,
           "softmax_dyn": g_softmax_dyn, "bias_gelu": g_bias_gelu, "swiglu": g_swiglu, "col_sum": g_col_sum,
-          "cross_entropy": g_cross_entropy}
+          "cross_entropy": g_cross_entropy, "layernorm_bwd": g_layernorm_bwd, "row_colsum": g_row_colsum}
 CASES = [(name, dt) for name in GRAPHS for dt in ("f32", "bf16", "f16")]
 
 
@@ -332,8 +358,9 @@ def launch(cuda, k, fn, finish, symvals, ins, outs):
         grid = min(grid, k["max_blocks"])
     ints = list(symvals)
     ws = None
-    if k["workspace_bytes_per_unit"]:
-        ws = torch.empty(max(1, k["workspace_bytes_per_unit"] * units), dtype=torch.uint8, device="cuda")
+    ws_bytes = k["workspace_bytes_per_unit"] * units + k["workspace_bytes_per_block"] * grid
+    if ws_bytes:
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
         ints.append(ws.data_ptr())
     ptrs = tuple(t.data_ptr() for t in ins) + tuple(t.data_ptr() for t in outs)
     stream = torch.cuda.current_stream().cuda_stream

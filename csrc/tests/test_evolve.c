@@ -586,7 +586,8 @@ static void test_codegen_accepts_asks(void) {
     printf("codegen generated %d asked genomes, rejected %d\n", generated, rejected);
 }
 
-/* Regions from the real partitioner (layer_norm then softmax then gelu): a few generations each. */
+/* Regions from the real partitioner (layer_norm, softmax, then gelu of a column sum: one ROW
+ * region whose column sum the genomes must keep in registers): a few generations each. */
 static void test_real_partition(void) {
     fixture f;
     CHECK_STATUS(f.ctx, fx_begin(&f, NULL, NULL, 512), KB_OK);
@@ -620,7 +621,8 @@ static void test_real_partition(void) {
         free(seen.text);
         searched++;
     }
-    CHECK(searched >= 2);
+    CHECK(searched >= 1);
+    CHECK(p && p->nregions == 1 && p->regions[0].kind == KB_REGION_ROW);
     kb_partition_free(p);
     fx_end(&f);
 }
