@@ -701,12 +701,14 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     k->nkernels = c.col_split > 1 || c.ncolsum ? 2 : 1;
     /* grid_units of a split COL region count (column, split) pairs: one partial per reduction */
     k->workspace_bytes_per_unit = c.col_split > 1 ? (int64_t)c.nred_total * (c.dbl ? 8 : 4) : 0;
-    if (c.ncolsum) { /* a partial row per column sum and row slot of each block: few blocks, ~1024 threads per SM */
+    if (c.ncolsum) { /* a partial row per column sum and row slot of each block: few blocks, about 1024
+                        threads per SM (persistent=1: 2048, twice the partials) */
         int64_t R = 1;
         for (int d = 0; d < c.arank; d++)
             if (c.red & (1u << d)) R *= c.adims[d].coef;
         k->workspace_bytes_per_block = (int64_t)gn->rows * c.ncolsum * R * (c.dbl ? 8 : 4);
-        k->max_blocks_per_sm = gn->threads >= 1024 ? 1 : 1024 / gn->threads;
+        int per_sm = (gn->persistent ? 2048 : 1024) / gn->threads;
+        k->max_blocks_per_sm = per_sm > 1 ? per_sm : 1;
     }
     KB_TRY(cg_grid_units(&c, &k->grid_units, &k->units_per_block));
     KB_CHECK(ctx, dev == NULL || dev->max_smem_per_block <= 0 || k->smem_bytes <= dev->max_smem_per_block, KB_ERR_INVALID,

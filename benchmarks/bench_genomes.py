@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Schedules of one task's kernels side by side (GPU): every forward and backward region of a
+benchmark task at its timed size, the default genome and a sweep of variants, each gated
+against the float64 reference, then timed (CUDA events, L2 flushed, median). Prints registers,
+spills, grid, time and the bandwidth of the region's own inputs and outputs, so a default
+genome can be checked against its neighbours in one call.
+
+    python benchmarks/bench_genomes.py layer_norm --dtype bfloat16
+    python benchmarks/bench_genomes.py layer_norm --genome "threads=256 vec=8 rows=1 cache=reread"
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import kbench  # noqa: E402
+from kbench import _C, search  # noqa: E402
+from kbench._dtypes import torch_dtype  # noqa: E402
+from kbench.bench.tasks import TASKS, parse_dtype  # noqa: E402
+
+from bench_ops import OPS  # noqa: E402
+
+SWEEP = {
+    "ROW": [dict(threads=t, rows=rw, cache=c) for t, rw in ((128, 1), (256, 1), (512, 1), (1024, 1), (256, 8))
+            for c in ("regs", "smem", "reread")] + [dict(persistent=1), dict(persistent=1, threads=256)],
+    "COL": [dict(col_split=s, threads=t) for s in (1, 4, 16, 64) for t in (128, 256)],
+    "POINTWISE": [dict(items=i, threads=t) for i in (1, 2, 4) for t in (128, 256, 512)],
+}
+
+
+def variants(p, r, symvals, extra):
+    base = dict(kv.split("=") for kv in _C.genome_default(p, r, symvals).split())
+    out = [" ".join(f"{k}={v}" for k, v in base.items())]
+    for s in SWEEP.get(p.region(r)["kind"], []) + extra:
+        text = " ".join(f"{k}={v}" for k, v in {**base, **{k: str(v) for k, v in s.items()}}.items())
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def region_bytes(plan, r, symvals):
+    g = plan.graph
+    vals = plan.regions[r].inputs + plan.regions[r].outputs
+    return sum(math.prod(g.sizes(v, symvals)) * torch_dtype(plan.nodes[v]["dtype"]).itemsize for v in vals)
+
+
+def sweep(label, executor, plan, symvals, extra, reps):
+    p = plan.partition
+    for r, info in enumerate(plan.regions):
+        if info.kind == "EXTERN":
+            continue
+        nbytes = region_bytes(plan, r, symvals)
+        print(f"\n{label} region {r} {info.kind}: {info.ops}  ({nbytes / 1e6:.1f} MB moved)")
+        bench = search.CudaRegionBench(executor, r, symvals)
+        rows = []
+        for text in variants(p, r, symvals, extra):
+            try:
+                k = bench.generate(text)
+                bench.compile(k)
+                kernel = bench.load(k)
+            except Exception as e:  # noqa: BLE001 - a refused genome is a row, not a stop
+                print(f"  {text:<95} refused: {str(e).splitlines()[0][:80]}")
+                continue
+            why = bench.gate(kernel)
+            if why:
+                print(f"  {text:<95} WRONG: {why[:80]}")
+                continue
+            ms = statistics.median(bench.time(kernel, reps))
+            grid = kernel.grid(symvals)
+            rows.append((ms, text))
+            print(f"  {text:<95} regs {kernel.regs:>3} spills {kernel.spills:>3} grid {grid:>6}  "
+                  f"{ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s")
+        if rows:
+            best = min(rows)
+            print(f"  best: {best[1]} ({best[0] * 1e3:.1f} us; default {rows[0][0] * 1e3:.1f} us)")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("task", choices=sorted(OPS))
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--genome", action="append", default=[], help="extra variant: 'key=value ...' over the default")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-backward", action="store_true")
+    a = ap.parse_args(argv)
+    task_name, cfg, _, _ = OPS[a.task]
+    task = TASKS[task_name]
+    dtype = parse_dtype(a.dtype)
+    mod = task.module
+    model = (mod.Model(**mod.model_args(cfg)) if hasattr(mod, "model_args") else mod.Model()).to(dtype).cuda()
+    inputs = mod.make_inputs(cfg, dtype, "cuda", torch.Generator().manual_seed(0))
+    extra = [dict(kv.split("=") for kv in g.split()) for g in a.genome]
+    opt = kbench.optimize(model, tuple(inputs), backend="cuda", budget="none", verbose=False)
+    plan, executor = opt._kbench_plan, opt._kbench_executor
+    symvals = list(plan.example_symvals)
+    with torch.cuda.device(inputs[0].device):
+        sweep("forward", executor, plan, symvals, extra, a.reps)
+        if a.no_backward:
+            return
+        for r, info in enumerate(plan.regions):
+            if info.kind == "EXTERN":
+                continue
+            # as in training: every floating input of the region needs its gradient
+            need = tuple(torch_dtype(plan.nodes[v]["dtype"]).is_floating_point for v in info.inputs)
+            prog = opt._backward_program(r, need)
+            if prog is None:
+                print(f"\nbackward of region {r}: eager")
+                continue
+            sweep(f"backward of {r}:", prog.executor, prog.plan, symvals, extra, a.reps)
+
+
+if __name__ == "__main__":
+    main()
