@@ -97,7 +97,7 @@ def main(argv=None):
     dtype = parse_dtype(a.dtype)
     mod = task.module
     model = (mod.Model(**mod.model_args(cfg)) if hasattr(mod, "model_args") else mod.Model()).to(dtype).cuda()
-    inputs = mod.make_inputs(cfg, dtype, "cuda", torch.Generator().manual_seed(0))
+    inputs = mod.make_inputs(cfg, dtype, "cuda", torch.Generator(device="cuda").manual_seed(0))
     extra = [dict(kv.split("=") for kv in g.split()) for g in a.genome]
     opt = kbench.optimize(model, tuple(inputs), backend="cuda", budget="none", verbose=False)
     plan, executor = opt._kbench_plan, opt._kbench_executor

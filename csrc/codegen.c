@@ -313,7 +313,7 @@ static void emit_row_body(cg *c) {
     } else {
         cg_line(c, "const int lane = threadIdx.x, grp = 0;  // one row per block");
     }
-    if (c->G > 32) cg_line(c, "__shared__ %s kb_red[KB_NRED][%d];", c->ct, c->gn.threads / 32);
+    if (c->G > 32 && c->npasses > 0) cg_line(c, "__shared__ %s kb_red[KB_NRED][%d];", c->ct, c->gn.threads / 32);
     if (c->gn.cache == KB_CACHE_SMEM) cg_smem_pointers(c);
     cg_colsum_decl(c);
     cg_line(c, "for (long long rowbase = (long long)blockIdx.x * %d; rowbase < O; rowbase += (long long)gridDim.x * %d) {",

@@ -137,28 +137,30 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
             if (rows * group < 32) rows = 32 / group;
             gn.rows = (int32_t)rows;
             gn.threads = (int32_t)(rows * group);
-        } else { /* a block per row, ~4 vectors per thread (never more threads than vectors); with
-                    column sums ~8 elements per thread, whose partials also live in registers */
-            group = clamp64(pow2_floor(f.ncolsum ? f.red / 8 : chunks / 4), 128, 1024);
+        } else { /* a block per row, ~16 elements per thread (never more threads than vectors); with
+                    column sums ~8, whose partials also live in registers */
+            group = clamp64(pow2_floor(f.red / (f.ncolsum ? 8 : 16)), 128, 1024);
             if (group > pow2_ceil(chunks)) group = pow2_ceil(chunks);
             gn.threads = (int32_t)group;
             gn.rows = 1;
         }
-        /* where the row lives between passes: registers, else shared memory, else re-read */
+        /* where the row lives between passes: registers, else shared memory, else re-read.
+           Measured on H100 (benchmarks/bench_genomes.py, rows of 4096): registers win while a
+           thread holds at most 16 values (inputs and column-sum partials); past that, the
+           registers cost more in occupancy than shared memory costs in traffic (bf16 softmax
+           backward 156 -> 119 us, LayerNorm backward 410 -> 162 us). Short rows keep the older
+           budget of 64 (warp per row; tuned on GPT-2's 768). */
         int64_t nbulk = f.nbulk_in ? f.nbulk_in : 1;
-        int64_t per_thread = (chunks + group - 1) / group * gn.vec * nbulk;
-        int64_t reg_budget = gn.threads >= 1024 ? 32 : 64;
+        int64_t per_thread = (chunks + group - 1) / group * gn.vec * (nbulk + f.ncolsum);
+        int64_t reg_budget = gn.rows > 1 || f.red <= 1024 ? (gn.threads >= 1024 ? 32 : 64) : 16;
         int64_t smem = (int64_t)gn.rows * f.red * f.bulk_in_bytes;
-        /* registers when a thread's share fits (measured on H100: the fastest by far), else
-           shared memory in the inputs' own type when two blocks fit, else re-read. Loops that
-           stream get 4 loads in flight per thread, on 256 (smem) or 512 (re-read) threads. */
         if (f.red_pinned && per_thread <= reg_budget) {
             gn.cache = KB_CACHE_REGS;
             gn.items = 1;
         } else if (f.red_pinned && f.multipass && smem <= smem_cap / 2) {
             gn.cache = KB_CACHE_SMEM;
             gn.items = 4;
-            if (gn.rows == 1 && gn.threads > 256) gn.threads = 256;
+            if (gn.rows == 1 && gn.threads > 256 && !f.ncolsum) gn.threads = 256;
         } else {
             gn.cache = KB_CACHE_REREAD;
             gn.items = 4;
@@ -167,6 +169,8 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
         /* re-reading the row: fold max and sum(exp) into one pass where the region has them
            (codegen's online normalizer; no effect elsewhere). Variance keeps two passes. */
         gn.two_pass = gn.cache == KB_CACHE_REREAD && f.multipass ? 0 : 1;
+        /* column sums of a single pass (a bias gradient): a streaming kernel, twice the blocks */
+        if (f.ncolsum && !f.multipass) gn.persistent = 1;
     } else { /* COL: threads across columns, a loop down them; split the height to fill the GPU.
                 H100: many small blocks (~8 column blocks x up to 64 splits, 8-byte vectors, 8 rows
                 in flight per thread) beat few wide ones by 1.3x. */

@@ -107,6 +107,18 @@ def g_col_sum(dt):
     gf = b.op("cast", [gy], "f32", ["s0", "s1", 256])
     b.g.add_output(b.op("cast", [b.op("sum", [gf], "f32", [256], axes=3)], dt, [256]))
     b.g.add_output(b.op("sum", [b.op("mul", [gf, gf], "f32", ["s0", "s1", 256])], "f32", [256], axes=3))
+    return b, ["ROW"], 1  # one pass of sums over the leading dims: ROW with column sums
+
+
+def g_col_var(dt):
+    """Batch statistics over the rows: the variance reads the mean, so the region stays COL."""
+    b = Builder(s0=9)
+    x = b.input("x", dt, ["s0", 384])
+    xf = b.op("cast", [x], "f32", ["s0", 384])
+    m = b.op("mean", [xf], "f32", [1, 384], axes=1)
+    xc = b.op("sub", [xf, b.op("expand", [m], "f32", ["s0", 384])], "f32", ["s0", 384])
+    b.g.add_output(b.op("mean", [b.op("mul", [xc, xc], "f32", ["s0", 384])], "f32", [1, 384], axes=1))
+    b.g.add_output(m)
     return b, ["COL"], 1
 
 
@@ -154,7 +166,7 @@ def g_row_colsum(dt):
 
 GRAPHS = {"layernorm": g_layernorm, "res_layernorm": g_res_layernorm, "softmax": g_softmax,
           "softmax_dyn": g_softmax_dyn, "bias_gelu": g_bias_gelu, "swiglu": g_swiglu, "col_sum": g_col_sum,
-          "cross_entropy": g_cross_entropy, "layernorm_bwd": g_layernorm_bwd, "row_colsum": g_row_colsum}
+          "cross_entropy": g_cross_entropy, "layernorm_bwd": g_layernorm_bwd, "col_var": g_col_var, "row_colsum": g_row_colsum}
 CASES = [(name, dt) for name in GRAPHS for dt in ("f32", "bf16", "f16")]
 
 
