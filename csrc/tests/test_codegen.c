@@ -422,13 +422,14 @@ static void test_columns(void) {
         int32_t s;
         kb_graph_add_symbol(t.g, "s0", 3, &s);
         kb_graph_add_symbol(t.g, "s1", 11, &s);
-        /* bias gradient: sum over the batch dims; and the sum of squares beside it */
+        /* bias gradient: sum over the batch dims; and the sum of squares beside it (one pass of
+           sums over the leading dims: a ROW region whose column sums stream the rows) */
         int32_t gy = tg_input(&t, "gy", dt, "s0,s1,256");
         int32_t gf = tg_op(&t, KB_OP_CAST, KB_F32, "s0,s1,256", gy, -1, -1);
         tg_output(&t, tg_op(&t, KB_OP_CAST, dt, "256", tg_reduce(&t, KB_OP_SUM, KB_F32, "256", gf, 3), -1, -1));
         tg_output(&t, tg_reduce(&t, KB_OP_SUM, KB_F32, "256", tg_op(&t, KB_OP_MUL, KB_F32, "s0,s1,256", gf, gf, -1), 3));
         snprintf(name, sizeof name, "col_sum_%s", DTN[di]);
-        check_graph(name, &t, sv, 1, "COL");
+        check_graph(name, &t, sv, 1, "ROW");
         kb_graph_free(t.g);
 
         /* a reduction over a middle axis (a COL whose columns are strided) and over axes 0 and 2
