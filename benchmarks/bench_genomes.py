@@ -84,6 +84,25 @@ def sweep(label, executor, plan, symvals, extra, reps):
             print(f"  best: {best[1]} ({best[0] * 1e3:.1f} us; default {rows[0][0] * 1e3:.1f} us)")
 
 
+def status(model, inputs, budget):
+    opt = kbench.optimize(model, tuple(inputs), backend="cuda", budget=budget, verbose=False)
+    xs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = opt(*xs)
+    out = out if isinstance(out, (tuple, list)) else (out,)
+    torch.autograd.backward([o for o in out if o.requires_grad],
+                            [torch.randn_like(o) for o in out if o.requires_grad])
+    torch.cuda.synchronize()
+    print(opt.kbench_report)
+    for key, prog in opt._kbench_backward.items():
+        if prog is None:
+            print(f"backward {key}: eager")
+            continue
+        for info in prog.plan.regions:
+            print(f"backward {key} region {info.index} {info.kind}: {info.status} | {info.genome} | "
+                  f"kernel {info.kernel_ms} ms eager {info.eager_ms} ms | {info.extra}")
+    print("fallback reasons:", sorted(opt._kbench_reasons))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("task", choices=sorted(OPS))
@@ -91,6 +110,8 @@ def main(argv=None):
     ap.add_argument("--genome", action="append", default=[], help="extra variant: 'key=value ...' over the default")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--status", default=None, metavar="BUDGET",
+                    help="no sweep: optimize with BUDGET, run forward+backward once, print what runs each region")
     a = ap.parse_args(argv)
     task_name, cfg, _, _ = OPS[a.task]
     task = TASKS[task_name]
@@ -99,6 +120,8 @@ def main(argv=None):
     model = (mod.Model(**mod.model_args(cfg)) if hasattr(mod, "model_args") else mod.Model()).to(dtype).cuda()
     inputs = mod.make_inputs(cfg, dtype, "cuda", torch.Generator(device="cuda").manual_seed(0))
     extra = [dict(kv.split("=") for kv in g.split()) for g in a.genome]
+    if a.status:
+        return status(model, inputs, a.status)
     opt = kbench.optimize(model, tuple(inputs), backend="cuda", budget="none", verbose=False)
     plan, executor = opt._kbench_plan, opt._kbench_executor
     symvals = list(plan.example_symvals)
