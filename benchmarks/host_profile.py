@@ -65,6 +65,12 @@ def main(argv=None):
             ("kbench forward+backward", per_call_us(fwdbwd))]
     for name, us in rows:
         print(f"{name:<26} {us:8.1f} us per call (host-bound at {a.shape})")
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        for _ in range(20):
+            fwdbwd()
+        torch.cuda.synchronize()
+    print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(200):
