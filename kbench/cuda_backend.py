@@ -291,39 +291,6 @@ class CudaExecutor(Executor):
 
     # ------------------------------------------------------------------ verification
 
-    def _region_inputs(self, r, symvals, dist, gen):
-        if gen.device.type != self.device.type:  # inputs are drawn where they live
-            gen = torch.Generator(device=self.device).manual_seed(gen.initial_seed())
-        plan = self.plan
-        info = plan.regions[r]
-        inputs = []
-        for v in info.inputs:
-            nd = plan.nodes[v]
-            t = torch.empty(plan.graph.sizes(v, symvals), dtype=torch_dtype(nd["dtype"]), device=self.device)
-            inputs.append(verify.fill(t, dist, gen, high=self._index_bound(r, v, symvals)))
-        return inputs
-
-    def _index_bound(self, r, v, symvals):
-        """For an integer input used as a gather index: the size of the gathered axis."""
-        plan = self.plan
-        for n in plan.regions[r].nodes:
-            nd = plan.nodes[n]
-            if nd["op"] == "gather" and self._reaches(v, nd["inputs"][1], plan.regions[r].nodes):
-                return plan.graph.sizes(nd["inputs"][0], symvals)[nd["axis"]]
-        return None
-
-    def _reaches(self, src, dst, region_nodes):
-        seen, stack = set(), [dst]
-        while stack:
-            n = stack.pop()
-            if n == src:
-                return True
-            if n in seen or n not in region_nodes:
-                continue
-            seen.add(n)
-            stack.extend(self.plan.nodes[n]["inputs"])
-        return False
-
     def _reference(self, r, symvals, inputs):
         """The region in float64 through torch (integer inputs stay integers)."""
         plan = self.plan

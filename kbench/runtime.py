@@ -111,6 +111,43 @@ class Executor:
     def run(self, r: int, symvals: list, inputs) -> list:
         raise NotImplementedError
 
+    def _region_inputs(self, r, symvals, dist, gen):
+        """Random inputs of region r at these sizes (gather indices in range), for checks."""
+        from . import verify
+
+        device = getattr(self, "device", torch.device("cpu"))
+        if gen.device.type != device.type:  # inputs are drawn where they live
+            gen = torch.Generator(device=device).manual_seed(gen.initial_seed())
+        plan = self.plan
+        info = plan.regions[r]
+        inputs = []
+        for v in info.inputs:
+            nd = plan.nodes[v]
+            t = torch.empty(plan.graph.sizes(v, symvals), dtype=torch_dtype(nd["dtype"]), device=device)
+            inputs.append(verify.fill(t, dist, gen, high=self._index_bound(r, v, symvals)))
+        return inputs
+
+    def _index_bound(self, r, v, symvals):
+        """For an integer input used as a gather index: the size of the gathered axis."""
+        plan = self.plan
+        for n in plan.regions[r].nodes:
+            nd = plan.nodes[n]
+            if nd["op"] == "gather" and self._reaches(v, nd["inputs"][1], plan.regions[r].nodes):
+                return plan.graph.sizes(nd["inputs"][0], symvals)[nd["axis"]]
+        return None
+
+    def _reaches(self, src, dst, region_nodes):
+        seen, stack = set(), [dst]
+        while stack:
+            n = stack.pop()
+            if n == src:
+                return True
+            if n in seen or n not in region_nodes:
+                continue
+            seen.add(n)
+            stack.extend(self.plan.nodes[n]["inputs"])
+        return False
+
 
 class InterpExecutor(Executor):
     """Every region through the C interpreter on the CPU (double accumulation)."""
@@ -215,6 +252,7 @@ class OptimizedModule(torch.nn.Module):
         self.__dict__.update(_kbench_orig=module, _kbench_captured=captured, _kbench_plan=plan,
                              _kbench_executor=executor, _kbench_reasons=set(), _kbench_device=device,
                              _kbench_program=Program(plan, executor, self._note), _kbench_backward={},
+                             _kbench_unused_grads={},
                              _kbench_captured_training=module.training)
         # parameters and buffers as captured: a later .double() or resize sends calls to eager
         nuser = len(captured.input_names)
@@ -362,7 +400,62 @@ class OptimizedModule(torch.nn.Module):
         except NotImplementedError as e:
             info.backward = f"eager (autodiff: {str(e).splitlines()[0][:80]})"
         self._kbench_backward[key] = prog
+        if prog is not None:
+            why, checked = self._check_backward(r, need)
+            if why:
+                self._kbench_backward[key] = prog = None
+                info.backward = f"eager (gradient check failed: {why})"
+                self._note(f"region {r}: backward runs in eager PyTorch (gradient check failed: {why})")
+            else:
+                info.backward += f", gradients match torch.autograd at {checked} size(s)"
         return prog
+
+    def _check_backward(self, r, need, seed=0):
+        """Before a generated backward is trusted: at the forward's sweep sizes that are no larger
+        than the example, with random inputs and a random upstream gradient, every gradient it
+        gives must match torch.autograd of the region's float64 recomputation, and the same
+        inputs must get gradients (an input autograd leaves at None gets None). Returns
+        (why not or "", sizes checked)."""
+        from . import verify
+
+        plan, info = self._kbench_plan, self._kbench_plan.regions[r]
+        example = plan.example_symvals
+        points = [sv for sv in verify.sweep_symvals(example)
+                  if all(a <= b for a, b in zip(sv, example)) and plan.admits(sv)]
+        unused = None
+        for n, sv in enumerate(points):
+            gen = torch.Generator().manual_seed(seed + 7919 * (r + 1) + n)
+            ins = self._kbench_executor._region_inputs(r, sv, "normal", gen)
+            device = ins[0].device if ins else self._kbench_device
+            metas = [(torch.Size(plan.graph.sizes(v, sv)), torch_dtype(plan.nodes[v]["dtype"])) for v in info.outputs]
+            grads = [torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dt)
+                     if dt.is_floating_point else None for shape, dt in metas]
+            with torch.enable_grad():
+                xs = [x.detach().double().requires_grad_(bool(k)) if x.is_floating_point() else x
+                      for x, k in zip(ins, need)]
+                outs = torch_eval.evaluate(plan.graph, plan, dict(zip(info.inputs, xs)), sv, nodes=info.nodes,
+                                           dtype=torch.float64)
+                pairs = [(outs[v], g.double()) for v, g in zip(info.outputs, grads)
+                         if g is not None and outs[v].requires_grad]
+                wrt = [x for x, k in zip(xs, need) if k]
+                ref = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                       if pairs else [None] * len(wrt))
+            prog = self._kbench_backward[(r, need)]
+            got = self._run_backward(prog, sv, ins, grads, need, metas)
+            got = [g for g, k in zip(got, need) if k]
+            point_unused = set()
+            for i, (mine, theirs) in enumerate(zip(got, ref)):
+                if theirs is None:
+                    if mine is not None and bool(mine.ne(0).any()):
+                        return f"input {i} gets a gradient where torch.autograd gives none", n
+                    point_unused.add(i)
+                    continue
+                ok, _, why = verify.compare(mine, theirs)
+                if not ok:
+                    return f"gradient of input {i} at sizes {sv}: {why}", n
+            unused = point_unused if unused is None else unused & point_unused
+        self._kbench_unused_grads[(r, need)] = unused or set()
+        return "", len(points)
 
     def _region_backward(self, r, symvals, inputs, grads, need, out_meta):
         if not any(need):
@@ -370,6 +463,17 @@ class OptimizedModule(torch.nn.Module):
         prog = self._backward_program(r, need)
         if prog is None:
             return self._eager_backward(r, symvals, inputs, grads, need)
+        got = self._run_backward(prog, symvals, inputs, grads, need, out_meta)
+        unused = self._kbench_unused_grads.get((r, need), ())
+        if unused:  # as torch.autograd: an input the outputs do not depend on gets no gradient
+            k = -1
+            for i, n in enumerate(need):
+                k += bool(n)
+                if n and k in unused:
+                    got[i] = None
+        return got
+
+    def _run_backward(self, prog, symvals, inputs, grads, need, out_meta):
         grads = [g if g is not None else torch.zeros(s, dtype=d, device=inputs[0].device)
                  for g, (s, d) in zip(grads, out_meta)]
         graph = prog.plan.graph

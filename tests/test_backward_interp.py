@@ -100,3 +100,37 @@ def test_wrong_gradient_shape_raises_like_torch():
     y = fast(x)
     with pytest.raises(RuntimeError):
         y.backward(torch.ones(3, 3, dtype=torch.float64))
+
+
+def test_backward_checked_against_autograd_before_use():
+    torch.manual_seed(0)
+    model = Mixed()
+    x = torch.randn(5, 6, requires_grad=True)
+    opt = kbench.optimize(model, (x,), backend="interp")
+    opt(x).sum().backward()
+    report = str(opt.kbench_report)
+    assert "gradients match torch.autograd at" in report, report
+    assert not opt._kbench_reasons
+
+
+def test_backward_failing_its_check_runs_eager(monkeypatch):
+    """A generated backward that gives a wrong gradient is never used: the region's backward is
+    eager autograd (with a one-time reason) and the gradients are still right."""
+    torch.manual_seed(0)
+    model = CE()
+    x, t = torch.randn(4, 7, requires_grad=True), torch.randint(0, 7, (4,))
+    ref_model = CE()
+    ref_model.load_state_dict(model.state_dict())
+    opt = kbench.optimize(model, (x, t), backend="interp")
+    real = type(opt)._run_backward
+
+    def wrong(self, *args):
+        return [None if g is None else g * 1.5 for g in real(self, *args)]
+
+    monkeypatch.setattr(type(opt), "_run_backward", wrong)
+    opt(x, t).backward()
+    assert any("gradient check failed" in r for r in opt._kbench_reasons), opt._kbench_reasons
+    x2 = x.detach().clone().requires_grad_(True)
+    ref_model(x2, t).backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(model.scale.grad, ref_model.scale.grad)

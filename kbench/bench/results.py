@@ -14,8 +14,11 @@ from typing import List, Optional, Sequence
 
 
 def git_commit(cwd: Optional[str] = None) -> str:
-    """`git rev-parse HEAD` of the repository holding this file (or cwd), else $KBENCH_COMMIT,
-    else 'unknown'."""
+    """$KBENCH_COMMIT when set (a copy of the tree, as on the GPU machine, may carry a stale
+    .git), else `git rev-parse HEAD` of the repository holding this file (or cwd), else
+    'unknown'."""
+    if os.environ.get("KBENCH_COMMIT"):
+        return os.environ["KBENCH_COMMIT"]
     here = cwd or os.path.dirname(os.path.abspath(__file__))
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
@@ -24,7 +27,7 @@ def git_commit(cwd: Optional[str] = None) -> str:
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("KBENCH_COMMIT", "unknown")
+    return "unknown"
 
 
 def kbench_version() -> dict:
