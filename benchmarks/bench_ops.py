@@ -155,6 +155,19 @@ def run_once(fn, xs, params, gouts, backward):
     return [o.detach() for o in outs], list(grads)
 
 
+def peak_mb(fn, xs, dev):
+    """Memory one call allocates at its peak beyond what was allocated before it (activations
+    saved for backward, workspaces, the gradients it returns), in MB."""
+    timing.sync(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    out = fn(*xs)
+    timing.sync(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    del out
+    return peak / 1e6
+
+
 def timed_fn(fn, params, gouts, backward):
     if not backward:
         def fwd(*xs):
@@ -268,6 +281,8 @@ def bench_task(op, dtype, args, env):
                 t = timing.time_fn(timed_fn(fn, params, gouts, backward), arg_sets,
                                    device=dev, reps=args.reps, warmup=args.warmup)
                 cell.update(t.as_dict())
+                if backward and torch.device(dev).type == "cuda":
+                    cell["peak_mb"] = peak_mb(timed_fn(fn, params, gouts, backward), arg_sets[0], dev)
                 for a, p in zip(arg_sets, pristine):
                     if any(isinstance(x, torch.Tensor) and not torch.equal(x.detach(), y)
                            for x, y in zip(a, p)):
@@ -360,13 +375,17 @@ def table(rows, impls):
             corr += ")"
         if r["status"] == "FAIL":
             corr += " " + "; ".join(r["notes"])[:80]
+        def peak(n):
+            return results.fmt(c.get(n, {}).get("peak_mb"), ".0f")
+
+        peaks = f"{peak('eager')} / {peak('compile')} / {peak('kbench')}" if r["mode"] == "fwdbwd" else ""
         out.append((r["task"], r["dtype"], r["mode"], ms("eager"), ms("compile"), ms("kbench"),
                     results.fmt(r.get("speedup_kbench_vs_eager"), ".2f") + "×",
                     results.fmt(r.get("speedup_kbench_vs_compile"), ".2f") + "×",
-                    f"{roof('eager')} / {roof('compile')} / {roof('kbench')}", corr))
+                    f"{roof('eager')} / {roof('compile')} / {roof('kbench')}", peaks, corr))
     return results.markdown_table(
         ("task", "dtype", "mode", "eager ms", "compile ms", "kbench ms", "kbench vs eager",
-         "kbench vs compile", "roofline eager / compile / kbench", "correctness"), out)
+         "kbench vs compile", "roofline eager / compile / kbench", "peak MB e / c / k", "correctness"), out)
 
 
 def main(argv=None) -> int:
