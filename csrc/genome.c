@@ -148,7 +148,7 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
            Measured on H100 (benchmarks/bench_genomes.py, rows of 4096): registers win while a
            thread holds at most 16 values (inputs and column-sum partials); past that, the
            registers cost more in occupancy than shared memory costs in traffic (bf16 softmax
-           backward 156 -> 119 us, LayerNorm backward 410 -> 162 us). Short rows keep the older
+           backward 156 -> 123 us, LayerNorm backward 410 -> 162 us). Short rows keep the older
            budget of 64 (warp per row; tuned on GPT-2's 768). */
         int64_t nbulk = f.nbulk_in ? f.nbulk_in : 1;
         int64_t per_thread = (chunks + group - 1) / group * gn.vec * (nbulk + f.ncolsum);

@@ -86,9 +86,10 @@ class Plan:
         out = torch_eval.evaluate(self.graph, self, values, symvals, nodes=sorted(missing))
         values.update({n: out[n] for n in missing if n in out})
 
-    def eager_region(self, r, symvals, inputs):
+    def eager_region(self, r, symvals, inputs, dtype=None):
         info = self.regions[r]
-        out = torch_eval.evaluate(self.graph, self, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes)
+        out = torch_eval.evaluate(self.graph, self, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes,
+                                  dtype=dtype)
         return [out[v] for v in info.outputs]
 
 
@@ -430,19 +431,9 @@ class OptimizedModule(torch.nn.Module):
             metas = [(torch.Size(plan.graph.sizes(v, sv)), torch_dtype(plan.nodes[v]["dtype"])) for v in info.outputs]
             grads = [torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dt)
                      if dt.is_floating_point else None for shape, dt in metas]
-            with torch.enable_grad():
-                xs = [x.detach().double().requires_grad_(bool(k)) if x.is_floating_point() else x
-                      for x, k in zip(ins, need)]
-                outs = torch_eval.evaluate(plan.graph, plan, dict(zip(info.inputs, xs)), sv, nodes=info.nodes,
-                                           dtype=torch.float64)
-                pairs = [(outs[v], g.double()) for v, g in zip(info.outputs, grads)
-                         if g is not None and outs[v].requires_grad]
-                wrt = [x for x, k in zip(xs, need) if k]
-                ref = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                       if pairs else [None] * len(wrt))
-            prog = self._kbench_backward[(r, need)]
-            got = self._run_backward(prog, sv, ins, grads, need, metas)
-            got = [g for g, k in zip(got, need) if k]
+            ref = self._eager_backward(r, sv, ins, grads, need, dtype=torch.float64)
+            got = self._run_backward(self._kbench_backward[(r, need)], sv, ins, grads, need, metas)
+            ref, got = [g for g, k in zip(ref, need) if k], [g for g, k in zip(got, need) if k]
             point_unused = set()
             for i, (mine, theirs) in enumerate(zip(got, ref)):
                 if theirs is None:
@@ -484,11 +475,15 @@ class OptimizedModule(torch.nn.Module):
             result.append(next(outs) if n else None)
         return result
 
-    def _eager_backward(self, r, symvals, inputs, grads, need):
+    def _eager_backward(self, r, symvals, inputs, grads, need, dtype=None):
+        """torch.autograd through the region's torch recomputation (dtype=torch.float64: the
+        reference the generated backward is checked against): a gradient or None per input."""
         with torch.enable_grad():
-            xs = [x.detach().requires_grad_(n) for x, n in zip(inputs, need)]
-            outs = self._kbench_plan.eager_region(r, symvals, xs)
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            xs = [(x.detach().to(dtype) if dtype is not None and x.is_floating_point() else x.detach())
+                  .requires_grad_(bool(n)) for x, n in zip(inputs, need)]
+            outs = self._kbench_plan.eager_region(r, symvals, xs, dtype=dtype)
+            pairs = [(o, g if dtype is None else g.to(dtype)) for o, g in zip(outs, grads)
+                     if g is not None and o.requires_grad]
             wrt = [x for x in xs if x.requires_grad]
             if not pairs or not wrt:
                 return [None] * len(inputs)
