@@ -275,6 +275,7 @@ def bench_task(op, dtype, args, env):
                 cell["correct"] = ok
                 if name == "kbench":
                     cell["max_abs_vs_eager"] = max_abs_diff(got_out, e_out)
+                    cell["schedules"] = schedules(fn)
                     if backward:
                         cell["grad_max_abs_vs_eager"] = max_abs_diff(got_gr, e_gr)
                 del got_out, got_gr
@@ -300,8 +301,8 @@ def bench_task(op, dtype, args, env):
             except Exception as e:  # noqa: BLE001
                 cell["error"] = f"{type(e).__name__}: {e}"
                 cell["traceback"] = traceback.format_exc(limit=4)
-        if not backward and "kbench" in built and built["kbench"][0] is not None:
-            host_overhead(task, cfg, dtype, dev, built["kbench"][0], model, row)
+        if "kbench" in built and built["kbench"][0] is not None:
+            host_overhead(task, cfg, dtype, dev, built["kbench"][0], model, row, params, backward)
         finish_row(row)
         rows.append(row)
         del refs, eager_all, r_out, r_gr, e_out, e_gr
@@ -312,8 +313,19 @@ def bench_task(op, dtype, args, env):
     return rows
 
 
-def host_overhead(task, cfg, dtype, dev, kfn, model, row):
-    """Host time per kbench call on a small input (no sync), per region if the report says."""
+def schedules(fn):
+    """What ran: each region's genome (or why it stayed eager), and each backward program's
+    regions and genomes, from the optimized module (the JSON says which kernels were timed)."""
+    plan = getattr(getattr(fn, "_kbench_impl", None) or fn, "_kbench_plan", None)
+    if plan is None:
+        return None
+    return [{"region": i.index, "kind": i.kind, "genome": i.genome or i.status, "backward": i.backward,
+             "backward_genomes": i.extra.get("backward_genomes")} for i in plan.regions]
+
+
+def host_overhead(task, cfg, dtype, dev, kfn, model, row, params, backward):
+    """Host time per kbench call on a small input (no sync), per region if the report says;
+    with backward, of one forward+backward (the launch path of both, no device work to wait on)."""
     small = dict(cfg)
     if "shape" in small:
         small["shape"] = (8,) + tuple(small["shape"][1:])
@@ -322,6 +334,16 @@ def host_overhead(task, cfg, dtype, dev, kfn, model, row):
     xs = task.inputs(small, dtype, dev, seed=5)
     cell = row["impls"]["kbench"]
     try:
+        if backward:
+            for x in leaves_of(xs):
+                x.requires_grad_()
+            with torch.no_grad():
+                outs = flatten(model(*xs))
+            gouts = [torch.randn_like(o) if o.is_floating_point() else None for o in outs]
+            cell["host_overhead_us"] = timing.host_overhead_us(timed_fn(kfn, params, gouts, True), xs, device=dev)
+            cell["eager_host_overhead_us"] = timing.host_overhead_us(timed_fn(model, params, gouts, True), xs,
+                                                                     device=dev)
+            return
         with torch.no_grad():
             cell["host_overhead_us"] = timing.host_overhead_us(kfn, xs, device=dev)
             cell["eager_host_overhead_us"] = timing.host_overhead_us(model, xs, device=dev)
@@ -379,13 +401,16 @@ def table(rows, impls):
             return results.fmt(c.get(n, {}).get("peak_mb"), ".0f")
 
         peaks = f"{peak('eager')} / {peak('compile')} / {peak('kbench')}" if r["mode"] == "fwdbwd" else ""
+        host = (f"{results.fmt(k.get('eager_host_overhead_us'), '.0f')} / {results.fmt(k.get('host_overhead_us'), '.0f')}"
+                if k.get("host_overhead_us") is not None else "")
         out.append((r["task"], r["dtype"], r["mode"], ms("eager"), ms("compile"), ms("kbench"),
                     results.fmt(r.get("speedup_kbench_vs_eager"), ".2f") + "×",
                     results.fmt(r.get("speedup_kbench_vs_compile"), ".2f") + "×",
-                    f"{roof('eager')} / {roof('compile')} / {roof('kbench')}", peaks, corr))
+                    f"{roof('eager')} / {roof('compile')} / {roof('kbench')}", peaks, host, corr))
     return results.markdown_table(
         ("task", "dtype", "mode", "eager ms", "compile ms", "kbench ms", "kbench vs eager",
-         "kbench vs compile", "roofline eager / compile / kbench", "peak MB e / c / k", "correctness"), out)
+         "kbench vs compile", "roofline eager / compile / kbench", "peak MB e / c / k", "host µs e / k",
+         "correctness"), out)
 
 
 def main(argv=None) -> int:

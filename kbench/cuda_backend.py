@@ -25,10 +25,12 @@ class Kernel:
     """A loaded, verified kernel and what a launch needs, precomputed."""
 
     __slots__ = ("fn", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks", "genome",
-                 "name", "vec", "workspace_per_unit", "workspace_per_block", "source", "module", "regs", "spills", "launches")
+                 "name", "vec", "workspace_per_unit", "workspace_per_block", "source", "module", "regs", "spills", "launches",
+                 "workspaces")
 
     def __init__(self):
         self.launches = {}   # sizes -> precomputed launch parameters (see CudaExecutor._launch_params)
+        self.workspaces = {}  # stream -> workspace reused by every launch on that stream (launcher)
 
     def grid(self, symvals) -> int:
         units = self.grid_units if isinstance(self.grid_units, int) else \
@@ -425,6 +427,55 @@ class CudaExecutor(Executor):
             raise RegionFallback(f"region {r}: a tensor has more than 2^31 elements")
         return self._launch(kernel, r, symvals, inputs, lp=lp)
 
+    def launcher(self, r, symvals, trusted=()):
+        """The hot path of region r at these sizes (see Executor.launcher): grid, arguments,
+        output shapes and the stream lookup resolved once; per call only the checks on inputs
+        that do not come from an earlier kernel, one allocation per output (and workspace), and
+        the launch."""
+        kernel = self.kernels.get(r)
+        if kernel is None:
+            return None
+        shapes, grid, ints, workspace_bytes, numel = self._launch_params(kernel, r, symvals)
+        if numel > INT32_LIMIT:
+            return None   # run() refuses every call, with the reason
+        check = [j for j in range(len(self.plan.regions[r].inputs)) if not (j < len(trusted) and trusted[j])]
+        device, align = self.device, kernel.vec > 1
+        launch, cuda, fn, finish, block, smem = _C.launch, self.cuda, kernel.fn, kernel.finish_fn, kernel.block, kernel.smem
+        empty, u8 = torch.empty, torch.uint8
+        stream_of = _stream_getter(device)
+        workspaces = kernel.workspaces
+        capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+
+        def run(inputs):
+            if check and inputs[check[0]].device != device:
+                raise Fallback(f"the model was optimized for {device}; got a tensor on {inputs[check[0]].device}")
+            for j in check:
+                x = inputs[j]
+                if not x.is_contiguous():
+                    raise RegionFallback(f"region {r}: input {j} is not contiguous")
+                if align and x.data_ptr() % 16:
+                    raise RegionFallback(f"region {r}: input {j} is not 16-byte aligned (kernel uses vec={kernel.vec})")
+            outs = [empty(s, dtype=d, device=device) for s, d in shapes]
+            args = ints
+            stream = stream_of()
+            if workspace_bytes:
+                # One workspace per kernel and stream, kept: launches on one stream run in
+                # order, so the next launch cannot overwrite partial sums the finishing kernel
+                # has yet to read. Under CUDA-graph capture each launch gets its own (from the
+                # graph's pool), as a replay may overlap work outside the graph.
+                workspace = workspaces.get(stream)
+                if workspace is None or workspace.numel() < workspace_bytes or capturing():
+                    workspace = empty(workspace_bytes, dtype=u8, device=device)
+                    if not capturing():
+                        workspaces[stream] = workspace
+                args = ints + (workspace.data_ptr(),)
+            ptrs = tuple([x.data_ptr() for x in inputs] + [o.data_ptr() for o in outs])
+            launch(cuda, fn, grid, block, smem, stream, ptrs, args)
+            if finish is not None:
+                launch(cuda, finish, grid, block, 0, stream, ptrs, args)
+            return outs
+        return run
+
     # ------------------------------------------------------------------ timing for the report
 
     def _time_region(self, r, symvals, reps=20):
@@ -449,6 +500,16 @@ def _current_stream(device) -> int:
     if get is not None:
         return get(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def _stream_getter(device):
+    """A callable returning the raw handle of torch's current stream on device, bound once."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if get is not None:
+        return lambda: get(index)
+    dev = torch.device("cuda", index)
+    return lambda: torch.cuda.current_stream(dev).cuda_stream
 
 
 def _event_ms(fn, reps):

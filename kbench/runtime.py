@@ -112,6 +112,16 @@ class Executor:
     def run(self, r: int, symvals: list, inputs) -> list:
         raise NotImplementedError
 
+    def launcher(self, r: int, symvals, trusted=()):
+        """A callable(inputs) -> outputs that runs region r at these sizes with everything that
+        does not depend on the tensors precomputed (the hot path), or None where run() must
+        decide per call. trusted[j]: input j is a fresh output of an earlier region (contiguous,
+        aligned), so its checks can be skipped."""
+        if not self.can_run(r):
+            return None
+        run, symvals = self.run, list(symvals)
+        return lambda inputs: run(r, symvals, inputs)
+
     def _region_inputs(self, r, symvals, dist, gen):
         """Random inputs of region r at these sizes (gather indices in range), for checks."""
         from . import verify
@@ -192,6 +202,68 @@ class Program:
             self.note(str(e))
             return self.plan.eager_region(r, symvals, inputs)
 
+    def bind(self, symvals) -> Bound:
+        """The steps of a call at these sizes: the same order and the same values as run(), with
+        every dict lookup and launch parameter resolved once."""
+        plan, graph = self.plan, self.plan.graph
+        symvals = tuple(symvals)
+        slot = {v: i for i, v in enumerate(graph.inputs)}
+        fresh = set()           # slots written by a kernel of ours: contiguous and aligned
+        steps = []
+
+        def ensure(v):
+            if v in slot:
+                return
+            missing, stack = [], [v]
+            while stack:
+                n = stack.pop()
+                if n in slot or n in missing:
+                    continue
+                missing.append(n)
+                stack.extend(plan.nodes[n]["inputs"])
+            nodes = sorted(missing)
+            deps = sorted({u for n in nodes for u in plan.nodes[n]["inputs"] if u not in missing})
+            step = Step()
+            step.kind, step.r, step.ins, step.nodes = MATERIALIZE, -1, [slot[u] for u in deps], nodes
+            step.produces = nodes
+            step.launch = self._materializer(deps, nodes, symvals)
+            for n in nodes:
+                slot[n] = len(slot)
+            steps.append(step)
+
+        for info in plan.regions:
+            for v in info.inputs:
+                ensure(v)
+            step = Step()
+            step.r, step.symvals, step.program, step.backward = info.index, symvals, self, {}
+            step.ins = [slot[v] for v in info.inputs]
+            step.produces = list(info.outputs)
+            step.float_in = tuple(torch_dtype(plan.nodes[v]["dtype"]).is_floating_point for v in info.inputs)
+            step.out_meta = [(torch.Size(graph.sizes(v, symvals)), torch_dtype(plan.nodes[v]["dtype"]))
+                             for v in info.outputs]
+            step.int_outs = not all(d.is_floating_point for _, d in step.out_meta)
+            if info.kind == "EXTERN":
+                step.kind, step.launch = EAGER, None
+            else:
+                step.kind = KERNEL
+                step.launch = self.executor.launcher(info.index, symvals, [i in fresh for i in step.ins])
+            for v in info.outputs:
+                slot[v] = len(slot)
+                if step.launch is not None and info.kind != "EXTERN":
+                    fresh.add(slot[v])
+            steps.append(step)
+        for v in graph.outputs:
+            ensure(v)
+        return Bound(symvals, steps, [slot[v] for v in graph.outputs])
+
+    def _materializer(self, deps, nodes, symvals):
+        plan = self.plan
+
+        def materialize(inputs):
+            out = torch_eval.evaluate(plan.graph, plan, dict(zip(deps, inputs)), symvals, nodes=nodes)
+            return [out.get(n) for n in nodes]
+        return materialize
+
     def run(self, symvals, values: dict, region_call=None) -> list:
         """values: graph input id -> tensor; returns the graph outputs. region_call(r, ins) may
         wrap compute regions (the forward wraps them in autograd Functions)."""
@@ -214,25 +286,84 @@ class Program:
         return [values[v] for v in plan.graph.outputs]
 
 
+KERNEL, EAGER, MATERIALIZE = 0, 1, 2
+
+
+class Step:
+    """One region (or one materialization of in-between values) bound to sizes: which slots it
+    reads, and how to run it, decided once per input signature instead of once per call."""
+
+    __slots__ = ("kind", "r", "ins", "launch", "program", "symvals", "nodes", "produces", "float_in",
+                 "int_outs", "out_meta", "owner", "backward")
+
+    def run(self, inputs):
+        """The region's outputs (kernel, or eager where the backend declines this call)."""
+        if self.launch is not None:
+            try:
+                return self.launch(inputs)
+            except RegionFallback as e:
+                self.program.note(str(e))
+                # later kernels trust this step's outputs to be contiguous and 16-byte aligned
+                return [o if o.is_contiguous() and o.data_ptr() % 16 == 0
+                        else torch.empty_like(o, memory_format=torch.contiguous_format).copy_(o)
+                        for o in self.program.plan.eager_region(self.r, self.symvals, inputs)]
+        return self.program.plan.eager_region(self.r, self.symvals, inputs)
+
+
+class Bound:
+    """A program bound to one set of sizes: its steps over a flat list of value slots (graph
+    inputs first, then each step's outputs in order) and which slots are the graph outputs."""
+
+    __slots__ = ("symvals", "steps", "outputs")
+
+    def __init__(self, symvals, steps, outputs):
+        self.symvals, self.steps, self.outputs = symvals, steps, outputs
+
+    def run(self, slots: list) -> list:
+        """Run every step without autograd wrapping (backward programs, checks)."""
+        for step in self.steps:
+            ins = [slots[i] for i in step.ins]
+            if step.kind == MATERIALIZE:
+                slots.extend(step.launch(ins))
+            else:
+                slots.extend(step.run(ins))
+        return [slots[i] for i in self.outputs]
+
+
 class RegionFunction(torch.autograd.Function):
     """One compute region as an autograd node: forward through the backend; backward through the
     region's generated backward program (or, where there is none, torch's recomputation)."""
 
     @staticmethod
-    def forward(ctx, model, r, symvals, *inputs):
-        outs = model._kbench_program.run_region(r, symvals, inputs)
-        ctx.model, ctx.r, ctx.symvals = model, r, symvals
+    def forward(ctx, step, *inputs):
+        outs = step.run(inputs)
+        ctx.step = step
         ctx.save_for_backward(*inputs)
-        ctx.out_meta = [(o.shape, o.dtype) for o in outs]
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        if step.int_outs:
+            ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = ctx.saved_tensors
-        need = tuple(bool(n) and x.is_floating_point() for n, x in zip(ctx.needs_input_grad[3:], inputs))
-        got = ctx.model._region_backward(ctx.r, ctx.symvals, inputs, grads, need, ctx.out_meta)
-        return (None, None, None) + tuple(got)
+        step = ctx.step
+        need = tuple(a and b for a, b in zip(ctx.needs_input_grad[1:], step.float_in))
+        return (None,) + tuple(step.owner._region_backward(step, ctx.saved_tensors, grads, need))
+
+
+def _fast_apply():
+    """RegionFunction.apply without the Python wrapper's per-call work (binding default
+    arguments, unwrapping dead functorch wrappers), which only matters under functorch
+    transforms: those take the full path."""
+    raw = getattr(torch._C, "_FunctionBase", None)
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if raw is None or active is None or "apply" not in vars(raw):
+        return RegionFunction.apply
+    direct = vars(raw)["apply"].__get__(None, RegionFunction)
+    full = RegionFunction.apply
+    return lambda *args: full(*args) if active() else direct(*args)
+
+
+apply_region = _fast_apply()
 
 
 class OptimizedModule(torch.nn.Module):
@@ -290,20 +421,21 @@ class OptimizedModule(torch.nn.Module):
             sig = tuple((x.shape, x.dtype, x.device) for x in args)
         except AttributeError:
             sig = None
-        symvals = self._kbench_sigs.get(sig) if sig is not None else None
-        if symvals is None:
-            symvals = self._bind(args, sig)
-            if isinstance(symvals, str):
-                return self._fallback(symvals, args, kwargs)
+        bound = self._kbench_sigs.get(sig) if sig is not None else None
+        if bound is None:
+            bound = self._bind(args, sig)
+            if isinstance(bound, str):
+                return self._fallback(bound, args, kwargs)
         if self.training != self._kbench_captured_training:
             return self._fallback("the module's train/eval mode differs from the captured one", args, kwargs)
         try:
-            return self._run(symvals, args)
+            return self._run(bound, args)
         except Fallback as e:
             return self._fallback(str(e), args, kwargs)
 
     def _bind(self, args, sig):
-        """Symbol values for a new input signature, or the reason the call must go to eager."""
+        """The program bound to a new input signature's sizes, or the reason the call must go to
+        eager."""
         captured = self._kbench_captured
         if len(args) != len(captured.input_names):
             raise TypeError(f"{type(self._kbench_orig).__name__} was captured with {len(captured.input_names)} "
@@ -315,10 +447,14 @@ class OptimizedModule(torch.nn.Module):
             symvals = tuple(captured.bind(args))
         except ValueError as e:
             return str(e)
-        if len(self._kbench_sigs) > 256:   # many shapes: keep the table bounded
-            self._kbench_sigs.clear()
-        self._kbench_sigs[sig] = symvals
-        return symvals
+        bound = self._kbench_program.bind(symvals)
+        for step in bound.steps:
+            step.owner = self
+        if sig is not None:
+            if len(self._kbench_sigs) > 256:   # many shapes: keep the table bounded
+                self._kbench_sigs.clear()
+            self._kbench_sigs[sig] = bound
+        return bound
 
     def _param_chains(self):
         """(module path, table, name) per parameter/buffer input: read through the live modules'
@@ -354,8 +490,8 @@ class OptimizedModule(torch.nn.Module):
             out.append(t)
         return out
 
-    def _run(self, symvals, args):
-        captured, plan = self._kbench_captured, self._kbench_plan
+    def _run(self, bound, args):
+        captured = self._kbench_captured
         params = self._params()
         device = args[0].device if args else self._kbench_device
         # checked every call: module.double() or .to() change a Parameter's dtype in place
@@ -367,18 +503,23 @@ class OptimizedModule(torch.nn.Module):
         for x in args:
             if x.device != device:
                 raise Fallback(f"tensors on {device} and {x.device}")
-        tensors = list(args) + params
-        values = dict(zip(plan.graph.inputs, tensors))
-        region_call = None
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            def region_call(r, ins):
-                if any(x.requires_grad for x in ins):
-                    return RegionFunction.apply(self, r, symvals, *ins)
-                return self._kbench_program.run_region(r, symvals, ins)
-        outs = self._kbench_program.run(symvals, values, region_call)
+        slots = [*args, *params]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in slots)
+        for step in bound.steps:
+            ins = [slots[i] for i in step.ins]
+            if step.kind == KERNEL:
+                if grad and any(x.requires_grad for x in ins):
+                    slots.extend(apply_region(step, *ins))
+                else:
+                    slots.extend(step.run(ins))
+            elif step.kind == MATERIALIZE:
+                slots.extend(step.launch(ins))
+            else:
+                slots.extend(self._kbench_plan.eager_region(step.r, bound.symvals, ins))
+        outs = [slots[i] for i in bound.outputs]
         if captured.mutations:
             captured.apply_mutations(self._kbench_orig, args, outs)
-        return captured.build_outputs(outs, symvals)
+        return captured.build_outputs(outs, bound.symvals)
 
     # ------------------------------------------------------------------ backward
 
@@ -398,6 +539,8 @@ class OptimizedModule(torch.nn.Module):
             prog = Program(bplan, executor, self._note)
             kinds = sorted({x.kind for x in bplan.regions})
             info.backward = f"{executor.name}: {len(bplan.regions)} region(s) {'/'.join(kinds)}"
+            info.extra.setdefault("backward_genomes", {})["".join("1" if n else "0" for n in need)] = \
+                [f"{x.kind} {x.genome or x.status}" for x in bplan.regions]
         except NotImplementedError as e:
             info.backward = f"eager (autodiff: {str(e).splitlines()[0][:80]})"
         self._kbench_backward[key] = prog
@@ -448,13 +591,24 @@ class OptimizedModule(torch.nn.Module):
         self._kbench_unused_grads[(r, need)] = unused or set()
         return "", len(points)
 
-    def _region_backward(self, r, symvals, inputs, grads, need, out_meta):
+    def _region_backward(self, step, inputs, grads, need):
         if not any(need):
             return [None] * len(inputs)
-        prog = self._backward_program(r, need)
-        if prog is None:
+        r, symvals = step.r, step.symvals
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+            return self._eager_backward(r, symvals, inputs, grads, need, create_graph=True)
+        bwd = step.backward.get(need)
+        if bwd is None:
+            prog = self._backward_program(r, need)
+            bwd = step.backward[need] = prog.bind(symvals) if prog is not None else False
+        if bwd is False:
             return self._eager_backward(r, symvals, inputs, grads, need)
-        got = self._run_backward(prog, symvals, inputs, grads, need, out_meta)
+        slots = list(inputs)
+        for g, (shape, dtype) in zip(grads, step.out_meta):
+            slots.append(torch.zeros(shape, dtype=dtype, device=inputs[0].device) if g is None
+                         else g if g.is_contiguous() else g.contiguous())
+        outs = iter(bwd.run(slots))
+        got = [next(outs) if n else None for n in need]
         unused = self._kbench_unused_grads.get((r, need), ())
         if unused:  # as torch.autograd: an input the outputs do not depend on gets no gradient
             k = -1
@@ -475,19 +629,24 @@ class OptimizedModule(torch.nn.Module):
             result.append(next(outs) if n else None)
         return result
 
-    def _eager_backward(self, r, symvals, inputs, grads, need, dtype=None):
+    def _eager_backward(self, r, symvals, inputs, grads, need, dtype=None, create_graph=False):
         """torch.autograd through the region's torch recomputation (dtype=torch.float64: the
-        reference the generated backward is checked against): a gradient or None per input."""
+        reference the generated backward is checked against): a gradient or None per input.
+        create_graph: the gradients stay attached to the inputs (double backward)."""
         with torch.enable_grad():
-            xs = [(x.detach().to(dtype) if dtype is not None and x.is_floating_point() else x.detach())
-                  .requires_grad_(bool(n)) for x, n in zip(inputs, need)]
+            if create_graph:
+                xs = [x if n else x.detach() for x, n in zip(inputs, need)]
+            else:
+                xs = [(x.detach().to(dtype) if dtype is not None and x.is_floating_point() else x.detach())
+                      .requires_grad_(bool(n)) for x, n in zip(inputs, need)]
             outs = self._kbench_plan.eager_region(r, symvals, xs, dtype=dtype)
             pairs = [(o, g if dtype is None else g.to(dtype)) for o, g in zip(outs, grads)
                      if g is not None and o.requires_grad]
             wrt = [x for x in xs if x.requires_grad]
             if not pairs or not wrt:
                 return [None] * len(inputs)
-            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
+                                      create_graph=create_graph)
         it = iter(got)
         return [next(it) if x.requires_grad else None for x in xs]
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build kbench on the GPU machine, run the GPU tests and the benchmark, and leave
-# logs and results under $OUT. Phases: PHASES="build tests bench" (default all); BENCH_ARGS, TESTS
-# (paths), TESTS_K (a pytest -k expression).
+# logs and results under $OUT. Phases: PHASES="build tests bench probe" (default: all but probe);
+# BENCH_ARGS, TESTS (paths), TESTS_K (a pytest -k expression); PROBE: commands for the probe
+# phase (e.g. benchmarks/host_profile.py, bench_genomes.py), run last, output in probe.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kbench-out}
 mkdir -p "$OUT"
@@ -23,5 +24,9 @@ fi
 if [[ $PHASES == *bench* ]]; then
     timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_ops.py --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1 || status=1
     tail -45 "$OUT/bench.log"
+fi
+if [[ $PHASES == *probe* ]]; then
+    timeout ${PROBE_TIMEOUT:-300} bash -c "$PROBE" > "$OUT/probe.log" 2>&1 || status=1
+    tail -${PROBE_TAIL:-60} "$OUT/probe.log"
 fi
 exit $status

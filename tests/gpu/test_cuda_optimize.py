@@ -115,3 +115,49 @@ def test_autograd_through_kernels_matches_eager():
     got = torch.autograd.grad(fast(x), [x, *fast.parameters()], g)
     for w, h in zip(want, got):
         assert rel_err(h, w) <= 1e-4
+
+
+def test_column_sum_workspace_reused_safely():
+    """LayerNorm's backward adds its weight and bias gradients through a workspace kept per
+    kernel and stream: repeated calls, a side stream and a captured CUDA graph of forward and
+    backward all give eager's gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.LayerNorm(1024).cuda()
+    fast = kbench.optimize(model, (torch.randn(256, 1024, device="cuda"),), budget="none", verbose=False)
+
+    def grads(m, x, g):
+        return torch.autograd.grad(m(x), [x, model.weight, model.bias], g)
+
+    def check(x, g, got):
+        want = grads(model, x, g)
+        for w, h in zip(want, got):
+            assert rel_err(h, w) <= 1e-4
+
+    for _ in range(3):
+        x = torch.randn(256, 1024, device="cuda", requires_grad=True)
+        g = torch.randn(256, 1024, device="cuda")
+        check(x, g, grads(fast, x, g))
+    assert all(i.backward.startswith("cuda") for i in fast._kbench_plan.regions), \
+        [i.backward for i in fast._kbench_plan.regions]   # generated kernels, not eager
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = grads(fast, x, g)
+    torch.cuda.current_stream().wait_stream(side)
+    check(x, g, got)
+
+    static_x = torch.randn(256, 1024, device="cuda", requires_grad=True)
+    static_g = torch.randn(256, 1024, device="cuda")
+    with torch.cuda.stream(side):   # warm-up off the default stream, as torch's docs ask
+        grads(fast, static_x, static_g)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grads(fast, static_x, static_g)
+    for _ in range(2):
+        with torch.no_grad():
+            static_x.copy_(torch.randn_like(static_x))
+            static_g.copy_(torch.randn_like(static_g))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(static_x, static_g, [o.clone() for o in out])
