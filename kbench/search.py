@@ -4,13 +4,29 @@ reference with NaN-poisoned outputs, timed (CUDA events, median, L2 flushed betw
 and told. The fastest few, the default genome among them, are re-timed interleaved (A B C A B C)
 and the winner goes through full verification. Every candidate is recorded.
 
+The same seed must pick the same winner (issue 5), yet two kernels a few percent apart swap places
+from run to run on a real GPU. So the winner is never decided by "whichever measured faster" where
+the measurements cannot tell:
+- finalists: all candidates within FINALIST_BAND (twice the tie band) of the generation's fastest,
+  in asked order (fixed by the seed), up to a cap; one near a later decision is in every run,
+  however the noisy generation timing ordered it;
+- each decision (is X within KEEP_DEFAULT of every finalist? is the default beaten by more than
+  KEEP_DEFAULT? does X beat the default?) looks at the per-round ratios of the two (rounds are
+  paired: interleaved, so drift hits both alike) and a distribution-free interval of their median.
+  Clear when the interval is on one side of the threshold; otherwise more interleaved rounds, for
+  the finalists in the decisions that pick the winner only, up to MAX_ROUNDS_FACTOR x the budget's
+  rounds and RETIME_EXTRA_S. Still unclear then: a near-tie, resolved the deterministic way (the
+  default stays, the earliest asked wins), never toward the one measured faster.
+
 Everything that touches a device is in a bench object (CudaRegionBench), so the driver (ask/tell
 loop, budgets, finalists, the default-kept rule, the record) runs on the CPU with a fake one."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import hashlib
 import logging
+import math
 import os
 import statistics
 import time
@@ -42,6 +58,11 @@ BUDGETS = {
 KEEP_DEFAULT = 0.05      # a winner within 5% of the default is noise: the default stays
 GATE_TIMEOUT_S = 10.0    # a kernel still running after this long is taken as hung
 DUPLICATE_FACTOR = 4     # asks (kernels generated more than once included) per budgeted candidate
+FINALIST_BAND = 2 * KEEP_DEFAULT   # re-timed: every candidate within this of the fastest, but
+FINALIST_CAP_FACTOR = 2  # at most this many times the budget's finalists
+MAX_ROUNDS_FACTOR = 4    # unclear decisions: more interleaved rounds, up to this many times the budget's
+RETIME_EXTRA_S = 2.0     # and this many seconds of extra rounds
+ALPHA = 1e-4             # a decision is clear when the two-sided 1 - ALPHA interval is on one side
 
 # driver errors after which the context is unusable (a trap poisons it for every later call)
 _STICKY = ("illegal_address", "illegal memory access", "launch_failed", "unspecified launch failure",
@@ -88,6 +109,27 @@ def kernel_key(k: dict) -> str:
     launch = (k.get("block"), k.get("smem"), repr(k.get("grid_units")), k.get("units_per_block"), k.get("nkernels"),
               k.get("workspace_bytes_per_unit"), k.get("workspace_bytes_per_block"), k.get("max_blocks"))
     return hashlib.sha256((src + "\n" + repr(launch)).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _trim(n: int) -> int:
+    """Order statistics to drop at each end of n samples for a two-sided 1 - ALPHA interval of their
+    median: the largest k with 2 P(Binomial(n, 1/2) <= k - 1) <= ALPHA (0: too few to say anything)."""
+    k, tail = 0, 0.0
+    while True:
+        tail += math.comb(n, k) / 2 ** n     # P(Binomial(n, 1/2) <= k)
+        if 2 * tail > ALPHA:
+            return k
+        k += 1
+
+
+def _ratio_interval(a: dict, b: dict) -> tuple[float, float]:
+    """An interval for the median of a[i] / b[i] over the rounds i both were timed in (times by round).
+    Distribution-free (order statistics) and without randomness: the same samples, the same decision.
+    (0, inf) when there are too few paired rounds to say anything."""
+    r = sorted(a[i] / b[i] for i in a.keys() & b.keys() if b[i] > 0)
+    k = _trim(len(r))
+    return (r[k - 1], r[len(r) - k]) if k else (0.0, math.inf)
 
 
 # ---------------------------------------------------------------------------------------- the GPU side
@@ -349,47 +391,90 @@ class _Search:
     # ------------------------------------------------------------------ finalists
 
     def finalists(self) -> list[str]:
-        """The fastest few; those within KEEP_DEFAULT of the fastest are near-ties and go in the
-        order they were asked (fixed by the seed), so noise does not change who gets in."""
+        """Every candidate within FINALIST_BAND of the fastest, those within KEEP_DEFAULT first, each
+        in the order asked (fixed by the seed), at most FINALIST_CAP_FACTOR x the budget's finalists;
+        then the fastest of the rest up to the budget's finalists; the default joins them. The band
+        is twice the tie band, so one near a later decision gets in every run however the noisy
+        generation timing ordered it: only far slower ones sit at its edge. Where the cap bites,
+        those in the tie band go first, so the generation's fastest (or a near-tie of it) is in."""
         ok = [rec for rec in self.records if rec.get("_ok") and "same_kernel_as" not in rec]
-        ok.sort(key=lambda rec: rec["time_ms"])
+        names = []
         if ok:
-            top = ok[0]["time_ms"]
-            ties = [rec for rec in self.records if rec in ok and rec["time_ms"] <= top * (1 + KEEP_DEFAULT)]
-            ok = ties + [rec for rec in ok if rec not in ties]
-        names = [rec["genome"] for rec in ok[:self.b.finalists]]
+            top = min(rec["time_ms"] for rec in ok)
+            near = [rec for rec in ok if rec["time_ms"] <= top * (1 + FINALIST_BAND)]
+            near.sort(key=lambda rec: rec["time_ms"] > top * (1 + KEEP_DEFAULT))   # stable: asked order kept
+            names = [rec["genome"] for rec in near][:FINALIST_CAP_FACTOR * self.b.finalists]
+            rest = sorted((rec for rec in ok if rec["genome"] not in names), key=lambda rec: rec["time_ms"])
+            names += [rec["genome"] for rec in rest[:max(0, self.b.finalists - len(names))]]
         if self.default_genome in self.kernels and self.default_genome not in names:
             names.append(self.default_genome)
         return names
 
-    def retime(self, names) -> dict:
-        """Interleaved: one repetition of each finalist per round, so drift hits all alike."""
+    def retime(self, names) -> dict[str, dict[int, float]]:
+        """Interleaved: one repetition of each finalist per round, so drift hits all alike; the
+        budget's rounds, then batches of as many again for the finalists of the unclear decisions
+        that pick the winner (standings), until clear or the cap. Each finalist's times by round."""
+        samples: dict[str, dict[int, float]] = {g: {} for g in names}
         if len(names) < 2:
-            return {g: self.by_genome[g]["time_ms"] for g in names}
-        samples = {g: [] for g in names}
+            return samples
         for g in names:
             self.bench.time(self.kernels[g], 0)   # warm-up only
-        for _ in range(self.b.rounds):
-            for g in names:
-                samples[g] += self.bench.time(self.kernels[g], 1, warmup=0)
-        return {g: statistics.median(s) for g, s in samples.items()}
+        b, n = self.b, 0
+        cap, timing, deadline = MAX_ROUNDS_FACTOR * b.rounds, list(names), None
+        while timing:
+            for _ in range(min(b.rounds, cap - n)):
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return samples
+                for g in timing:
+                    samples[g][n] = self.bench.time(self.kernels[g], 1, warmup=0)[0]
+                n += 1
+            if n >= cap:
+                break
+            deadline = deadline or time.perf_counter() + RETIME_EXTRA_S
+            unclear = self.standings(names, samples)[1]
+            timing = [g for g in names if g in unclear]
+        return samples
 
-    def order(self, final: dict) -> list[str]:
-        """Verification order: fastest first; the default first when the fastest is within
-        KEEP_DEFAULT of it; among near-ties (within KEEP_DEFAULT of the fastest) the earliest
-        asked first, so noise does not flip the winner between runs."""
+    def standings(self, names, samples) -> tuple[dict[str, str], set[str]]:
+        """Each finalist's standing, from the paired intervals of its time over the others':
+          "out":  another is clearly more than KEEP_DEFAULT faster (for the default: its time
+                  clearly more than KEEP_DEFAULT over another's; the default-kept rule);
+          "in":   none can be;
+          "tie":  not out, but a comparison is unclear: taken as a near-tie, so it may win;
+          "not faster than the default": the default is out, and this one is not clearly faster
+                  than it (an unclear one does not replace the default: the default stays).
+        The winner is the first "in" or "tie" in asked order (the default is asked first). Also
+        returns the finalists of the unclear decisions up to the winner: more rounds may settle them."""
+        d = self.default_genome if self.default_genome in names else None
         asked = {rec["genome"]: i for i, rec in enumerate(self.records)}
-        ranked = sorted(final, key=lambda g: (final[g], asked[g]))
-        if not ranked:
-            return []
-        top = final[ranked[0]]
-        ties = sorted((g for g in ranked if final[g] <= top * (1 + KEEP_DEFAULT)), key=lambda g: asked[g])
-        ranked = ties + [g for g in ranked if g not in ties]
+        stand: dict[str, str] = {}
+        unclear: set[str] = set()
+        decided = False
+        for g in sorted(names, key=lambda g: (g != d, asked[g])):
+            limit = 1 / (1 - KEEP_DEFAULT) if g == d else 1 + KEEP_DEFAULT
+            ivals = {t: _ratio_interval(samples[g], samples[t]) for t in names if t != g}
+            unsure = {t for t, (lo, hi) in ivals.items() if lo <= limit < hi}
+            if any(lo > limit for lo, _ in ivals.values()):
+                stand[g], unsure = "out", set()
+            else:
+                stand[g] = "tie" if unsure else "in"
+                if d is not None and g != d and stand[d] == "out":
+                    lo, hi = ivals[d]
+                    if hi >= 1:
+                        stand[g] = "not faster than the default"
+                        unsure = (unsure | {d}) if lo < 1 else set()   # unclear: more rounds may tell
+            if not decided and unsure:
+                unclear |= unsure | {g}
+            decided = decided or stand[g] in ("in", "tie")
+        return stand, unclear
+
+    def order(self, names, stand: dict, final: dict) -> list[str]:
+        """Verification order: those that may win ("in", "tie") in asked order, the default first;
+        then the others, fastest first."""
+        asked = {rec["genome"]: i for i, rec in enumerate(self.records)}
         d = self.default_genome
-        if d in final and top >= final[d] * (1 - KEEP_DEFAULT):
-            ranked.remove(d)
-            ranked.insert(0, d)
-        return ranked
+        first = sorted((g for g in names if stand[g] in ("in", "tie")), key=lambda g: (g != d, asked[g]))
+        return first + sorted((g for g in names if g not in first), key=lambda g: (final[g], asked[g]))
 
     def finish(self) -> SearchResult:
         res = SearchResult(None, None, None, self.records, 0.0, default_genome=self.default_genome,
@@ -404,17 +489,21 @@ class _Search:
             return self._done(res)
         names = self.finalists()
         try:
-            final = self.retime(names)
+            samples = self.retime(names)
         except Exception as e:
             if not is_fatal(e):
                 raise
             self.fatal = _first_lines(e, 1)
             return self.finish()
-        for g, ms in final.items():
-            self.by_genome[g]["final_ms"] = ms
+        stand = self.standings(names, samples)[0]
+        final = {g: statistics.median(list(samples[g].values())) if samples[g] else self.by_genome[g]["time_ms"]
+                 for g in names}
+        for g in names:
+            rec = self.by_genome[g]
+            rec["final_ms"], rec["final_rounds"], rec["tie"] = final[g], len(samples[g]), stand[g]
         if d is not None and self.default_genome in final:
             res.default_ms = final[self.default_genome]
-        for g in self.order(final):
+        for g in self.order(names, stand, final):
             rec = self.by_genome[g]
             try:
                 verdict = self.bench.verify(self.kernels[g])

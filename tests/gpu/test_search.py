@@ -50,6 +50,12 @@ def test_search_fast(name, factory, shape, dtype):
                 assert set(cache.CANDIDATE_FIELDS) <= set(c)
                 # every legal genome compiles; codegen may still refuse a corner it cannot do
                 assert c["compile_status"] in ("ok", "codegen rejected"), c
+            # the finalists' re-timing: the budget's rounds, more only where a decision was unclear
+            b = search.BUDGETS["fast"]
+            for c in res.candidates:
+                if "final_ms" in c:
+                    assert c["final_rounds"] <= search.MAX_ROUNDS_FACTOR * b.rounds, c
+                    assert c["tie"] in ("in", "tie", "out", "not faster than the default"), c
             ok = [c for c in res.candidates if c["time_ms"] is not None]
             assert len(ok) >= len(res.candidates) // 2, res.candidates
             # the winner computes what eager does on a fresh input
@@ -57,6 +63,11 @@ def test_search_fast(name, factory, shape, dtype):
                                                                        torch.Generator().manual_seed(1)))
             assert all(torch.isfinite(o.float()).all() for o in out if o.is_floating_point())
             again = search.search_region(ex, r, symvals, budget="fast", seed=0)
-            assert again.best_genome == res.best_genome, (res.candidates, again.candidates)
+            assert again.best_genome == res.best_genome, (_finals(res), _finals(again))
             assert [c["genome"] for c in again.candidates] == [c["genome"] for c in res.candidates]
     assert seen and all(s[1] == 0 for s in seen)   # fast: one generation
+
+
+def _finals(res):
+    return [(c["genome"], c["time_ms"], c["final_ms"], c["final_rounds"], c["tie"], c["verify"])
+            for c in res.candidates if "final_ms" in c]
