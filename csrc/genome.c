@@ -36,7 +36,16 @@ typedef struct shape_facts {
     int bulk_in_bytes;   /* their element sizes summed */
     int multipass;       /* a reduction or a full-size output reads another reduction */
     int ncolsum;         /* ROW: sums over the rows (per-thread partials in registers) */
+    int fast_exp_log;    /* fast math changes only exp/log here, and every float output is 16-bit */
 } shape_facts;
+
+/* Does the op's CUDA spelling contain any of marks? (the FAST table of codegen_expr.c) */
+static int spelled_with(const kb_op_info *info, const char *const *marks, size_t n) {
+    if (info->kind != KB_KIND_UNARY && info->kind != KB_KIND_BINARY) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (strstr(info->cuda, marks[i])) return 1;
+    return 0;
+}
 
 static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symvals, shape_facts *f) {
     const kb_graph *g = p->graph;
@@ -56,6 +65,24 @@ static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symva
             f->kept *= s;
         }
     }
+    /* Fast math by default where it cannot show: __expf/__logf are within ~1e-6 relative of
+     * expf/logf over softmax's range, 1000x below a 16-bit output's rounding (bf16 2^-9), and
+     * on H100 the precise expf is what keeps bf16 softmax from the memory roofline
+     * (benchmarks/bench_genomes.py: 67 -> 60 us). __sinf/__cosf/__powf lose accuracy with the
+     * argument's size, so a region with them keeps precise math. */
+    static const char *const exp_log[] = {"expf(", "logf("}, *const trig_pow[] = {"sinf(", "cosf(", "powf("};
+    int has_exp_log = 0, has_trig_pow = 0, all16 = 1;
+    for (int32_t k = 0; k < rg->nnodes; k++) {
+        const kb_node *nd = kb_graph_node(g, rg->nodes[k]);
+        if (nd->dtype == KB_F64) all16 = 0;
+        has_exp_log |= spelled_with(kb_op_get(nd->op), exp_log, 2);
+        has_trig_pow |= spelled_with(kb_op_get(nd->op), trig_pow, 3);
+    }
+    for (int32_t j = 0; j < rg->noutputs; j++) {
+        kb_dtype t = kb_graph_node(g, rg->outputs[j])->dtype;
+        if (kb_dtype_is_float(t) && t != KB_BF16 && t != KB_F16) all16 = 0;
+    }
+    f->fast_exp_log = has_exp_log && !has_trig_pow && all16;
     f->last = (a->rank > 0 && a->dims[a->rank - 1].nsym == 0) ? a->dims[a->rank - 1].coef : 0;
     if (a->rank == 0) f->last = 1;
     int64_t sizes[KB_MAX_RANK];
@@ -120,6 +147,7 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
     int num_sms = dev && dev->num_sms > 0 ? dev->num_sms : 132;
     int64_t smem_cap = dev && dev->max_smem_per_block > 0 ? dev->max_smem_per_block : 48 * 1024;
     kb_genome gn = BASE;
+    gn.fast_math = f.fast_exp_log;
 
     if (rg->kind == KB_REGION_POINTWISE) {
         /* 16-byte accesses; more elements per thread once the grid has many waves */

@@ -439,9 +439,14 @@ class CudaExecutor(Executor):
         if numel > INT32_LIMIT:
             return None   # run() refuses every call, with the reason
         check = [j for j in range(len(self.plan.regions[r].inputs)) if not (j < len(trusted) and trusted[j])]
+        # an output shaped like an input is allocated with empty_like(input): no size or dtype to
+        # parse (a few us per output on a slow host); every input is contiguous by the checks
+        in_meta = [(torch.Size(self.plan.graph.sizes(v, symvals)), torch_dtype(self.plan.nodes[v]["dtype"]))
+                   for v in self.plan.regions[r].inputs]
+        like = [in_meta.index(m) if m in in_meta else -1 for m in shapes]
         device, align = self.device, kernel.vec > 1
         launch, cuda, fn, finish, block, smem = _C.launch, self.cuda, kernel.fn, kernel.finish_fn, kernel.block, kernel.smem
-        empty, u8 = torch.empty, torch.uint8
+        empty, empty_like, u8 = torch.empty, torch.empty_like, torch.uint8
         stream_of = _stream_getter(device)
         workspaces = kernel.workspaces
         capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
@@ -455,7 +460,8 @@ class CudaExecutor(Executor):
                     raise RegionFallback(f"region {r}: input {j} is not contiguous")
                 if align and x.data_ptr() % 16:
                     raise RegionFallback(f"region {r}: input {j} is not 16-byte aligned (kernel uses vec={kernel.vec})")
-            outs = [empty(s, dtype=d, device=device) for s, d in shapes]
+            outs = [empty_like(inputs[j]) if j >= 0 else empty(s, dtype=d, device=device)
+                    for j, (s, d) in zip(like, shapes)]
             args = ints
             stream = stream_of()
             if workspace_bytes:

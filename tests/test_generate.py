@@ -60,3 +60,24 @@ def test_info_command_runs():
     proc = subprocess.run([sys.executable, "-m", "kbench", "info"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "kbench" in proc.stdout and "NVRTC" in proc.stdout
+
+
+class _Act(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("fn,dtype,fast", [
+    (lambda x: torch.softmax(x, -1), torch.bfloat16, 1),       # exp, 16-bit output: fast math
+    (lambda x: torch.log_softmax(x, -1), torch.float16, 1),
+    (lambda x: torch.softmax(x, -1), torch.float32, 0),        # an f32 output would see it
+    (lambda x: torch.sin(x) * torch.exp(x), torch.bfloat16, 0),  # __sinf degrades with |x|
+    (lambda x: x * 2 + 1, torch.bfloat16, 0),                  # nothing for it to change
+], ids=["softmax-bf16", "log_softmax-f16", "softmax-f32", "sin-exp-bf16", "affine-bf16"])
+def test_default_fast_math_only_where_it_cannot_show(fn, dtype, fast):
+    ks = kbench.generate(_Act(fn), (torch.randn(64, 256).to(dtype),), arch="sm_90", compile=False)
+    assert ks and all(f"fast_math={fast}" in k.genome for k in ks), [k.genome for k in ks]

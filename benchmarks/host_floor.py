@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""The floor under kbench's per-call host time (GPU machine): what the pieces a region call is
+made of cost on this host, timed without a profiler (perf_counter loops, no sync inside), next to
+eager LayerNorm and kbench's LayerNorm at a size where the GPU work is negligible.
+
+    python benchmarks/host_floor.py --shape 64,4096 --dtype bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import kbench  # noqa: E402
+from kbench.bench.tasks import parse_dtype  # noqa: E402
+
+
+def per_call_us(fn, n=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+class Nop(torch.autograd.Function):
+    """The least a Python autograd node doing a region's allocations can cost: one output in the
+    forward, three gradients in the backward, no kernels."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w, b)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, b = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="64,4096")
+    ap.add_argument("--dtype", default="bfloat16")
+    a = ap.parse_args(argv)
+    shape = tuple(int(s) for s in a.shape.split(","))
+    dtype, dev = parse_dtype(a.dtype), "cuda"
+    model = torch.nn.LayerNorm(shape[-1]).to(dtype).to(dev)
+    x = torch.randn(shape, dtype=dtype, device=dev)
+    opt = kbench.optimize(model, (x,), backend="cuda", budget="none", verbose=False)
+    xg = x.clone().requires_grad_()
+    gy = torch.randn_like(x)
+    w, b = model.weight, model.bias
+
+    def nograd(f):
+        def run():
+            with torch.no_grad():
+                f(x)
+        return run
+
+    rows = [
+        ("torch.empty(shape, dtype, device)", lambda: torch.empty(shape, dtype=dtype, device=dev)),
+        ("torch.empty_like(x)", lambda: torch.empty_like(x)),
+        ("x.add_(0) (one tiny kernel)", lambda: x.add_(0)),
+        ("eager LayerNorm forward, no grad", nograd(model)),
+        ("kbench LayerNorm forward, no grad", nograd(opt)),
+        ("eager LayerNorm forward with grad", lambda: model(xg)),
+        ("kbench LayerNorm forward with grad", lambda: opt(xg)),
+        ("Nop Function forward+backward", lambda: Nop.apply(xg, w, b).backward(gy)),
+        ("eager LayerNorm forward+backward", lambda: model(xg).backward(gy)),
+        ("kbench LayerNorm forward+backward", lambda: opt(xg).backward(gy)),
+        ("Nop autograd.grad", lambda: torch.autograd.grad(Nop.apply(xg, w, b), [xg, w, b], gy)),
+        ("eager autograd.grad", lambda: torch.autograd.grad(model(xg), [xg, w, b], gy)),
+        ("kbench autograd.grad", lambda: torch.autograd.grad(opt(xg), [xg, w, b], gy)),
+    ]
+    for name, fn in rows:
+        on = per_call_us(fn)
+        gc.disable()
+        off = per_call_us(fn)
+        gc.enable()
+        print(f"{name:<40} {on:8.1f} us   (gc off {off:8.1f} us)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
