@@ -9,14 +9,20 @@
  * element of a row: the region's kernel keeps per-block partials, a finishing kernel adds them;
  * nothing in the region can read it). Views and constants that codegen can fold into load
  * addressing are *floating*: they belong to no region of their own and are copied into every
- * region that reads them; their root (an INPUT or another region's output) is what the region
- * actually reads. Regions only ever read regions with a smaller index, so the list is an
- * execution order. */
+ * region that reads them; the INPUTs and other regions' outputs they read are what the region
+ * actually reads. Pointwise work floats too where recomputing it in each reader is cheaper
+ * than a full write and read (FLOAT_RULES). Regions only ever read regions with a smaller
+ * index, so the list is an execution order. */
 #include "internal.h"
 
 #include <inttypes.h>
 
 enum { LV_NONE = 0, LV_FULL, LV_STAT, LV_COLSUM };
+
+/* What a floating value reads: FL_PARAMS, parameters, buffers and constants alone; FL_SMALL,
+ * fewer elements than it has (constants, iotas, broadcasts of per-row values and work on
+ * those), so recomputing it costs less than reading it back. */
+enum { FL_PARAMS = 1, FL_SMALL = 2 };
 
 /* ROW regions carry column sums (a parameter's gradient summed over the rows) as per-block
  * partials while the rows stream by; their registers bound the row length. */
@@ -39,8 +45,10 @@ typedef struct build {
     int32_t n;
     int32_t *reg;      /* region of each computed node, -1 */
     int8_t *lvl;       /* its level there */
-    int8_t *floating;  /* 1: folded view / const, copied into the regions that read it */
-    int32_t *root;     /* floating: the materialized value it reads (-1 for constants) */
+    int8_t *floating;  /* 1: folded view / const / recomputed work, copied into its readers */
+    int32_t *dep;      /* floating: the latest region whose output it reads (-1: inputs only) */
+    uint8_t *fl;       /* floating: FL_* facts about what it reads */
+    uint8_t *index_read; /* read only through static index maps (mark_index_reads) */
     breg *regs;
     int32_t nreg, capreg;
 } build;
@@ -325,9 +333,103 @@ static void place(build *b, int32_t v, int32_t r, int lv) {
 static int from_params(const build *b, int32_t u) {
     const kb_node *nd = N(b, u);
     if (nd->op == KB_OP_INPUT) return nd->input_kind != KB_INPUT_USER;
-    if (!b->floating[u]) return 0;
-    int32_t root = b->root[u];
-    return root < 0 || (N(b, root)->op == KB_OP_INPUT && N(b, root)->input_kind != KB_INPUT_USER);
+    return b->floating[u] && (b->fl[u] & FL_PARAMS);
+}
+
+/* Does u read fewer elements than it has (a floating broadcast, iota or constant)? */
+static int is_small(const build *b, int32_t u) { return b->floating[u] && (b->fl[u] & FL_SMALL); }
+
+/* v floats: copied into each region that reads it. dep and fl follow from its operands. */
+static void make_floating(build *b, int32_t v) {
+    const kb_node *nd = N(b, v);
+    int32_t dep = -1;
+    uint8_t fl = FL_PARAMS | FL_SMALL;
+    for (int i = 0; i < nd->ninputs; i++) {
+        int32_t u = nd->inputs[i], d = b->floating[u] ? b->dep[u] : b->reg[u];
+        if (d > dep) dep = d;
+        if (!from_params(b, u)) fl &= (uint8_t)~FL_PARAMS;
+        if (!is_small(b, u)) fl &= (uint8_t)~FL_SMALL;
+    }
+    if (nd->op == KB_OP_EXPAND) { /* a broadcast reads fewer elements than it has */
+        const kb_node *a = N(b, nd->inputs[0]);
+        for (int d = 0; d < nd->rank; d++)
+            if (!kb_dim_equal(a->dims[d], nd->dims[d])) fl |= FL_SMALL;
+    }
+    b->floating[v] = 1;
+    b->dep[v] = dep;
+    b->fl[v] = fl;
+}
+
+/* ---------------------------------------------------------------- float rules */
+
+/* Pointwise work that floats instead of joining a region: recomputed by every region that
+ * reads it, at the index it reads it at. A table (DESIGN §10): the first rule that holds. */
+typedef int (*float_fn)(const build *b, int32_t v);
+
+/* On parameters alone (a bf16 weight cast to f32, a scale made of weights): a few flops on
+ * data already in L2, instead of a parameter-sized region of its own whose result the big
+ * region would read back through an expand it could not fuse. */
+static int float_params(const build *b, int32_t v) {
+    const kb_node *nd = N(b, v);
+    for (int i = 0; i < nd->ninputs; i++)
+        if (!from_params(b, nd->inputs[i])) return 0;
+    return 1;
+}
+
+/* On iotas, constants and broadcasts alone (the one-hot mask iota == target of a gather's
+ * adjoint): what it reads is smaller than it is, so a reader recomputes it from a few values
+ * per row instead of reading back a materialized full-size mask. */
+static int float_broadcast(const build *b, int32_t v) {
+    const kb_node *nd = N(b, v);
+    for (int i = 0; i < nd->ninputs; i++)
+        if (!is_small(b, nd->inputs[i])) return 0;
+    return 1;
+}
+
+/* Read only through static index maps (mark_index_reads). */
+static int float_index_read(const build *b, int32_t v) { return b->index_read[v]; }
+
+static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_index_read};
+
+/* The pre-pass behind float_index_read: pointwise values computed from graph inputs by
+ * pointwise work and views alone, and read only as the table of gathers whose index is
+ * arithmetic on iotas and constants (a slice's adjoint read back at coordinate - start) or by
+ * other such values. Materialized, one costs a full write and read; recomputed at the index the
+ * gather reads, it costs what computing it costs. So the two half gradients of x.chunk(2)
+ * (swiglu) are computed inside the one kernel that writes dx. */
+static kb_status mark_index_reads(build *b) {
+    enum { PURE_INDEX = 1, FROM_INPUTS = 2, USED = 4, NEEDED = 8 };
+    size_t n1 = (size_t)(b->n ? b->n : 1);
+    uint8_t *f = kb_calloc(b->ctx, n1, 1);
+    if (!f) return KB_ERR_OOM;
+    for (int32_t v = 0; v < b->n; v++) {
+        const kb_node *nd = N(b, v);
+        enum node_class cls = classify(nd);
+        if (nd->op == KB_OP_INPUT) {
+            f[v] = FROM_INPUTS;
+        } else if (nd->op == KB_OP_CONST || nd->op == KB_OP_IOTA) {
+            f[v] = PURE_INDEX | FROM_INPUTS;
+        } else if (cls == C_POINTWISE || cls == C_RESHAPE || cls == C_EXPAND || cls == C_VIEW) {
+            uint8_t all = PURE_INDEX | FROM_INPUTS;
+            for (int i = 0; i < nd->ninputs; i++) all &= f[nd->inputs[i]];
+            f[v] = all;
+        }
+    }
+    for (int32_t i = 0; i < kb_graph_noutputs(b->g); i++) f[kb_graph_output(b->g, i)] |= NEEDED;
+    for (int32_t w = b->n - 1; w >= 0; w--) { /* every consumer of w is settled before w */
+        const kb_node *nd = N(b, w);
+        enum node_class cls = classify(nd);
+        b->index_read[w] = (cls == C_POINTWISE || cls == C_RESHAPE || cls == C_EXPAND || cls == C_VIEW) &&
+                           (f[w] & (FROM_INPUTS | USED | NEEDED)) == (FROM_INPUTS | USED);
+        for (int i = 0; i < nd->ninputs; i++) {
+            int32_t u = nd->inputs[i];
+            int by_index = nd->op == KB_OP_GATHER && i == 0 && (f[nd->inputs[1]] & PURE_INDEX);
+            f[u] |= USED;
+            if (!b->index_read[w] && !by_index) f[u] |= NEEDED;
+        }
+    }
+    kb_free(b->ctx, f, n1);
+    return KB_OK;
 }
 
 static kb_status assign(build *b, int32_t v) {
@@ -335,30 +437,22 @@ static kb_status assign(build *b, int32_t v) {
     enum node_class cls = classify(nd);
     if (nd->op == KB_OP_INPUT) return KB_OK;
     if (nd->op == KB_OP_CONST || nd->op == KB_OP_IOTA) { /* recomputed where read */
-        b->floating[v] = 1;
-        b->root[v] = -1;
+        make_floating(b, v);
         return KB_OK;
     }
-    /* Pointwise work on parameters alone (a bf16 weight cast to f32, a scale made of weights)
-     * floats like a view: every region reading it recomputes it at its own index — a few
-     * flops on data already in L2 — instead of a parameter-sized region of its own whose
-     * result the big region would read back through an expand it could not fuse. */
-    if (cls == C_POINTWISE) {
-        int params_only = 1;
-        for (int i = 0; i < nd->ninputs && params_only; i++) params_only = from_params(b, nd->inputs[i]);
-        if (params_only) {
-            b->floating[v] = 1;
-            b->root[v] = -1;
-            return KB_OK;
-        }
-    }
+    if (cls == C_POINTWISE)
+        for (size_t i = 0; i < sizeof FLOAT_RULES / sizeof FLOAT_RULES[0]; i++)
+            if (FLOAT_RULES[i](b, v)) {
+                make_floating(b, v);
+                return KB_OK;
+            }
     /* Dependencies: soft (an operand computed in a region: join it or come after it) and hard
-     * (a floating view of a region's value: that value must be materialized first). */
+     * (a floating value reading a region's output: that region must run first). */
     int32_t soft = -1, hard = -1;
     for (int i = 0; i < nd->ninputs; i++) {
         int32_t u = nd->inputs[i];
         if (b->floating[u]) {
-            if (b->root[u] >= 0 && b->reg[b->root[u]] > hard) hard = b->reg[b->root[u]];
+            if (b->dep[u] > hard) hard = b->dep[u];
         } else if (b->reg[u] > soft) {
             soft = b->reg[u];
         }
@@ -374,8 +468,7 @@ static kb_status assign(build *b, int32_t v) {
             return KB_OK;
         }
         /* folded into the load addressing of its readers */
-        b->floating[v] = 1;
-        b->root[v] = b->floating[u] ? b->root[u] : u;
+        make_floating(b, v);
         return KB_OK;
     }
     if (r >= 0 && r == soft && r > hard && b->regs[r].kind != KB_REGION_EXTERN &&
@@ -388,8 +481,10 @@ static kb_status assign(build *b, int32_t v) {
         place(b, v, r, lv);
         return KB_OK;
     }
-    if (r < 0 && cls != C_EXTERN) { /* no dependency: join the latest region that fits */
-        for (int32_t q = b->nreg - 1; q >= 0; q--) {
+    /* Nothing computed in a region (operands are inputs or floating): join the latest region that
+     * fits and runs after every region the floating operands read. */
+    if (soft < 0 && cls != C_EXTERN) {
+        for (int32_t q = b->nreg - 1; q > hard; q--) {
             if (b->regs[q].kind == KB_REGION_EXTERN || (rule = find_rule(b, v, q, &lv)) < 0) continue;
             if (RULES[rule].upgrades) {
                 b->regs[q].kind = reduce_kind(b, v);
@@ -505,16 +600,20 @@ kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
     kb_partition *p = NULL;
 
     b.reg = kb_malloc(ctx, sizeof(int32_t) * n1);
-    b.root = kb_malloc(ctx, sizeof(int32_t) * n1);
+    b.dep = kb_malloc(ctx, sizeof(int32_t) * n1);
     b.lvl = kb_calloc(ctx, n1, 1);
     b.floating = kb_calloc(ctx, n1, 1);
+    b.fl = kb_calloc(ctx, n1, 1);
+    b.index_read = kb_calloc(ctx, n1, 1);
     mark = kb_calloc(ctx, n1, 1);
     is_out = kb_calloc(ctx, n1, 1);
     tmp = kb_malloc(ctx, sizeof(int32_t) * n1);
     tmp2 = kb_malloc(ctx, sizeof(int32_t) * n1);
-    KB_CHECK(ctx, b.reg && b.root && b.lvl && b.floating && mark && is_out && tmp && tmp2, KB_ERR_OOM, "out of memory");
-    for (int32_t v = 0; v < b.n; v++) b.reg[v] = b.root[v] = -1;
+    KB_CHECK(ctx, b.reg && b.dep && b.lvl && b.floating && b.fl && b.index_read && mark && is_out && tmp && tmp2,
+             KB_ERR_OOM, "out of memory");
+    for (int32_t v = 0; v < b.n; v++) b.reg[v] = b.dep[v] = -1;
 
+    KB_TRY(mark_index_reads(&b));
     for (int32_t v = 0; v < b.n; v++) KB_TRY(assign(&b, v));
     for (int32_t r = 0; r < b.nreg; r++) col_to_row_colsum(&b, r);
     /* a graph output that is a constant or a folded view still needs a kernel to write it */
@@ -536,21 +635,10 @@ kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
     KB_CHECK(ctx, p->regions && p->region_of, KB_ERR_OOM, "out of memory");
     for (int32_t v = 0; v < b.n; v++) p->region_of[v] = b.floating[v] ? -1 : b.reg[v];
 
-    /* outputs: graph outputs, and values read by nodes of other regions (directly or as the
-     * root of a floating view) */
+    /* nodes: each region's own, and the floating values they read (copied into every region
+     * that reads them); outputs: graph outputs, and values a node of another region reads,
+     * directly or through floating values */
     for (int32_t i = 0; i < kb_graph_noutputs(g); i++) is_out[kb_graph_output(g, i)] = 1;
-    for (int32_t v = 0; v < b.n; v++) {
-        const kb_node *nd = N(&b, v);
-        for (int i = 0; i < nd->ninputs; i++) {
-            int32_t u = nd->inputs[i];
-            if (b.floating[u]) {
-                if (b.root[u] >= 0 && !b.floating[v] && b.reg[v] != b.reg[b.root[u]]) is_out[b.root[u]] = 1;
-            } else if (!b.floating[v] && b.reg[v] != b.reg[u]) {
-                is_out[u] = 1;
-            }
-        }
-    }
-
     for (int32_t r = 0; r < b.nreg; r++) {
         kb_region *rg = &p->regions[r];
         rg->kind = b.regs[r].kind;
@@ -563,13 +651,26 @@ kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
                 mark_floating(&b, mark, v);
             }
         if (b.floating[rg->anchor]) mark[rg->anchor] = 1, mark_floating(&b, mark, rg->anchor);
-        int32_t nn = 0, ni = 0, no = 0;
+        int32_t nn = 0;
         for (int32_t v = 0; v < b.n; v++)
             if (mark[v]) tmp[nn++] = v;
         KB_TRY(fill_list(ctx, &rg->nodes, &rg->nnodes, tmp, nn));
-        /* inputs: operands outside the region, in id order */
         for (int32_t k = 0; k < nn; k++) {
             const kb_node *nd = N(&b, tmp[k]);
+            for (int i = 0; i < nd->ninputs; i++) {
+                int32_t u = nd->inputs[i];
+                if (!b.floating[u] && b.reg[u] >= 0 && b.reg[u] != r) is_out[u] = 1;
+            }
+        }
+    }
+    for (int32_t r = 0; r < b.nreg; r++) {
+        kb_region *rg = &p->regions[r];
+        int32_t nn = rg->nnodes, ni = 0, no = 0;
+        memset(mark, 0, n1);
+        for (int32_t k = 0; k < nn; k++) mark[rg->nodes[k]] = 1;
+        /* inputs: operands outside the region, in id order */
+        for (int32_t k = 0; k < nn; k++) {
+            const kb_node *nd = N(&b, rg->nodes[k]);
             for (int i = 0; i < nd->ninputs; i++) {
                 int32_t u = nd->inputs[i];
                 if (!mark[u]) mark[u] = 2;
@@ -580,22 +681,24 @@ kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
             if (mark[v] == 2) tmp2[ni++] = v;
         KB_TRY(fill_list(ctx, &rg->inputs, &rg->ninputs, tmp2, ni));
         for (int32_t k = 0; k < nn; k++) {
-            int32_t v = tmp[k];
+            int32_t v = rg->nodes[k];
             if (is_out[v] && b.reg[v] == r) tmp2[no++] = v;
         }
         KB_TRY(fill_list(ctx, &rg->outputs, &rg->noutputs, tmp2, no));
         /* a floating node lives in several regions; region_of names the first one */
         for (int32_t k = 0; k < nn; k++)
-            if (p->region_of[tmp[k]] < 0) p->region_of[tmp[k]] = r;
+            if (p->region_of[rg->nodes[k]] < 0) p->region_of[rg->nodes[k]] = r;
     }
     *out = p;
     p = NULL;
 cleanup:
     kb_partition_free(p);
     kb_free(ctx, b.reg, sizeof(int32_t) * n1);
-    kb_free(ctx, b.root, sizeof(int32_t) * n1);
+    kb_free(ctx, b.dep, sizeof(int32_t) * n1);
     kb_free(ctx, b.lvl, n1);
     kb_free(ctx, b.floating, n1);
+    kb_free(ctx, b.fl, n1);
+    kb_free(ctx, b.index_read, n1);
     kb_free(ctx, b.regs, sizeof(breg) * (size_t)b.capreg);
     kb_free(ctx, mark, n1);
     kb_free(ctx, is_out, n1);

@@ -372,7 +372,21 @@ typedef struct gradctx {
     int32_t *map;         /* forward id -> work id */
     int32_t *adj;         /* forward id -> work id of its accumulated adjoint, -1 = none yet */
     uint8_t *req;         /* forward id -> a wrt input reaches it through differentiable edges */
+    /* slice adjoints not yet added to their operand's adjoint (see rule_pad_slice) */
+    struct pending_slice *pend;
+    int32_t npend, cappend;
+    int32_t *pend_head;   /* forward id -> its first pending slice adjoint, -1 = none */
 } gradctx;
+
+/* The adjoint g of a slice (step 1, pinned length) of a value, kept until every adjoint of the
+ * value is in: then slices that tile an axis (a chunk, a split) become one select on the
+ * coordinate instead of a sum of zero-padded copies of each g. */
+typedef struct pending_slice {
+    int32_t next;         /* the value's next pending slice adjoint, -1 */
+    int32_t g;            /* the slice's adjoint (work id) */
+    int32_t axis;
+    int64_t start, len;
+} pending_slice;
 
 /* The operand's dims with the reduced axes set to 1: a reduction's keepdim shape. */
 static void keepdim_dims(const kb_node *a, uint32_t axes, kb_dim *out)
@@ -532,36 +546,109 @@ cleanup:
     return st;
 }
 
-/* SLICE with step 1 and a pinned length (a chunk, a split half): the adjoint reads g at the
- * coordinate minus start where that lands inside the slice, and is 0 elsewhere:
- * where(start <= iota < start + len, gather(g, axis, clamp(iota - start, 0, len - 1)), 0). */
-static kb_status rule_pad_slice(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
+/* The slice [start, start + len) of a's axis, read back at a's coordinates: g at the coordinate
+ * minus start, clamped into the slice so that every read is in range wherever the coordinate
+ * lies (a select picks the positions where it is meant). end_is_edge: the slice ends at the
+ * axis' end, so no coordinate lies past it. */
+static kb_status emit_slice_read(builder *b, const kb_node *a, const pending_slice *s, int32_t io, int end_is_edge,
+                                 int32_t *out)
 {
     kb_status st = KB_OK;
-    builder *b = &gc->b;
-    kb_dim len = nd->dims[nd->axis];
-    if (nd->step != 1 || len.nsym != 0 || len.coef < 1)
-        return unsupported(gc, v, nd, "needs a scatter (a strided or varying-length slice)");
-    kb_dtype dt = node_of(b, gadj)->dtype;
-    int32_t io, c0, clen, cstart, rel, lo, hi, inside, idx, picked, zero, args[3];
-    KB_TRY(emit_iota(b, KB_I64, a, nd->axis, &io));
-    KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)nd->start, &cstart));
-    KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, 0.0, &c0));
-    KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)(len.coef - 1), &clen));
-    KB_TRY(emit_bin(b, KB_OP_SUB, KB_I64, io, cstart, &rel));
-    KB_TRY(emit_bin(b, KB_OP_GE, KB_I64, rel, c0, &lo));
-    KB_TRY(emit_bin(b, KB_OP_LE, KB_I64, rel, clen, &hi));
-    KB_TRY(emit_bin(b, KB_OP_AND, KB_I64, lo, hi, &inside));
-    KB_TRY(emit_bin(b, KB_OP_MAX, KB_I64, rel, c0, &idx));
-    KB_TRY(emit_bin(b, KB_OP_MIN, KB_I64, idx, clen, &idx));
-    kb_node gt = tmpl_new(KB_OP_GATHER, dt, a->rank, a->dims);
-    gt.inputs[0] = gadj, gt.inputs[1] = idx, gt.ninputs = 2, gt.axis = nd->axis;
-    KB_TRY(emit(b, &gt, &picked));
-    KB_TRY(emit_const(b, dt, a->rank, a->dims, 0.0, &zero));
-    args[0] = inside, args[1] = picked, args[2] = zero;
-    KB_TRY(emit_pw(b, KB_OP_WHERE, dt, args, 3, out));
+    int32_t idx = io, c, g;
+    if (s->start > 0) {
+        KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)s->start, &c));
+        KB_TRY(emit_bin(b, KB_OP_SUB, KB_I64, idx, c, &idx));
+        KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, 0.0, &c));
+        KB_TRY(emit_bin(b, KB_OP_MAX, KB_I64, idx, c, &idx));
+    }
+    if (!end_is_edge) {
+        KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)(s->len - 1), &c));
+        KB_TRY(emit_bin(b, KB_OP_MIN, KB_I64, idx, c, &idx));
+    }
+    KB_TRY(emit_cast(b, s->g, a->dtype, &g));
+    kb_node gt = tmpl_new(KB_OP_GATHER, a->dtype, a->rank, a->dims);
+    gt.inputs[0] = g, gt.inputs[1] = idx, gt.ninputs = 2, gt.axis = s->axis;
+    KB_TRY(emit(b, &gt, out));
 cleanup:
     return st;
+}
+
+/* The adjoint of a from n disjoint slices along one axis, sorted by start: one select on the
+ * coordinate, where(in_0, g_0[..], where(in_1, g_1[..], ... 0)), so that a pointwise kernel
+ * computes each element of a's adjoint from the one slice covering it. A test is left out where
+ * the earlier branches settle it: slices tiling [0, end) need only "iota < end", and when they
+ * tile the whole axis the last one needs no test and no zero (x.chunk(2) gives
+ * where(iota < H, g_0[iota], g_1[iota - H])). */
+static kb_status emit_select(builder *b, const kb_node *a, const pending_slice *s, int n, int32_t *out)
+{
+    kb_status st = KB_OK;
+    int32_t axis = s[0].axis, io, acc = -1;
+    kb_dim size = a->dims[axis];
+    int64_t tiled_to = 0;  /* [0, tiled_to) is covered by the slices before the current one */
+    int covered[KB_MAX_INPUTS];
+    KB_CHECK(b->ctx, n >= 1 && n <= KB_MAX_INPUTS, KB_ERR_INVALID, "grad: select over %d slices", n);
+    for (int i = 0; i < n; i++) {
+        covered[i] = tiled_to == s[i].start;
+        if (covered[i]) tiled_to = s[i].start + s[i].len;
+    }
+    KB_TRY(emit_iota(b, KB_I64, a, axis, &io));
+    for (int i = n - 1; i >= 0; i--) {
+        int64_t end = s[i].start + s[i].len;
+        int at_edge = size.nsym == 0 && end == size.coef;
+        int32_t gi, cond = -1, c, args[3];
+        KB_TRY(emit_slice_read(b, a, &s[i], io, at_edge, &gi));
+        if (acc < 0) {
+            if (covered[i] && at_edge) { /* the slices tile the axis: the rest is this one */
+                acc = gi;
+                continue;
+            }
+            KB_TRY(emit_const(b, a->dtype, a->rank, a->dims, 0.0, &acc));
+        }
+        if (!covered[i]) {
+            KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)s[i].start, &c));
+            KB_TRY(emit_bin(b, KB_OP_GE, KB_I64, io, c, &cond));
+        }
+        if (!at_edge) {
+            int32_t hi;
+            KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)end, &c));
+            KB_TRY(emit_bin(b, KB_OP_LT, KB_I64, io, c, &hi));
+            if (cond < 0) cond = hi;
+            else KB_TRY(emit_bin(b, KB_OP_AND, KB_I64, cond, hi, &cond));
+        }
+        if (cond < 0) { /* a slice that is the whole axis */
+            acc = gi;
+            continue;
+        }
+        args[0] = cond, args[1] = gi, args[2] = acc;
+        KB_TRY(emit_pw(b, KB_OP_WHERE, a->dtype, args, 3, &acc));
+    }
+    *out = acc;
+cleanup:
+    return st;
+}
+
+/* SLICE with step 1 and a pinned length (a chunk, a split half): the adjoint is g at the
+ * coordinate minus start inside the slice and 0 elsewhere. It is deferred (*out = -1): the
+ * operand's other slices may tile the axis with it, and flush_slices() then emits one select
+ * for all of them. */
+static kb_status rule_pad_slice(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
+{
+    kb_dim len = nd->dims[nd->axis];
+    (void)a;
+    if (nd->step != 1 || len.nsym != 0 || len.coef < 1)
+        return unsupported(gc, v, nd, "needs a scatter (a strided or varying-length slice)");
+    if (gc->npend == gc->cappend) {
+        int32_t ncap = gc->cappend ? gc->cappend * 2 : 16;
+        pending_slice *p = kb_realloc(gc->b.ctx, gc->pend, sizeof *p * (size_t)gc->cappend, sizeof *p * (size_t)ncap);
+        if (!p) return KB_FAIL(gc->b.ctx, KB_ERR_OOM, "grad: out of memory for slice adjoints");
+        gc->pend = p;
+        gc->cappend = ncap;
+    }
+    int32_t u = nd->inputs[0], k = gc->npend++;
+    gc->pend[k] = (pending_slice){gc->pend_head[u], gadj, nd->axis, nd->start, len.coef};
+    gc->pend_head[u] = k;
+    *out = -1;
+    return KB_OK;
 }
 
 /* The non-pointwise rule names of ops.def, each with its builder. */
@@ -594,6 +681,10 @@ static kb_status contribution(gradctx *gc, int32_t v, int k, int32_t *out)
         while (r < nr && strcmp(struct_rules[r].name, rule) != 0) r++;
         KB_CHECK(gc->b.ctx, r < nr, KB_ERR_INVALID, "grad: no builder for rule \"%s\" of %s", rule, info->name);
         KB_TRY(struct_rules[r].fn(gc, v, nd, a, gc->adj[v], &c));
+        if (c < 0) { /* deferred: the rule keeps it until the operand's adjoints are all in */
+            *out = -1;
+            return KB_OK;
+        }
     }
     KB_TRY(emit_cast(&gc->b, c, a->dtype, out));
 cleanup:
@@ -607,6 +698,51 @@ static kb_status accumulate(gradctx *gc, int32_t u, int32_t c)
         return KB_OK;
     }
     return emit_bin(&gc->b, KB_OP_ADD, node_of(&gc->b, c)->dtype, gc->adj[u], c, &gc->adj[u]);
+}
+
+static int slice_before(const pending_slice *x, const pending_slice *y)
+{
+    return x->axis != y->axis ? x->axis < y->axis : x->start < y->start;
+}
+
+/* Adds the pending slice adjoints of forward value u to its adjoint: per axis, slices that do
+ * not overlap become one select (emit_select); overlapping ones are each a select of one slice
+ * (zero elsewhere), summed. Called once u's consumers have all been differentiated. */
+static kb_status flush_slices(gradctx *gc, int32_t u)
+{
+    kb_status st = KB_OK;
+    kb_ctx *ctx = gc->b.ctx;
+    const kb_node *a = kb_graph_node(gc->fg, u);
+    int32_t n = 0, r;
+    pending_slice *s = NULL;
+    for (int32_t k = gc->pend_head[u]; k >= 0; k = gc->pend[k].next) n++;
+    if (n == 0) return KB_OK;
+    s = kb_malloc(ctx, sizeof *s * (size_t)n);
+    KB_CHECK(ctx, s != NULL, KB_ERR_OOM, "grad: out of memory for %d slice adjoints", (int)n);
+    n = 0;
+    for (int32_t k = gc->pend_head[u]; k >= 0; k = gc->pend[k].next) { /* insertion sort: few */
+        int32_t j = n++;
+        while (j > 0 && slice_before(&gc->pend[k], &s[j - 1])) s[j] = s[j - 1], j--;
+        s[j] = gc->pend[k];
+    }
+    gc->pend_head[u] = -1;
+    for (int32_t i = 0, j; i < n; i = j) {
+        int disjoint = 1;
+        for (j = i + 1; j < n && s[j].axis == s[i].axis; j++)
+            disjoint &= s[j].start >= s[j - 1].start + s[j - 1].len;
+        if (disjoint && j - i <= KB_MAX_INPUTS) {
+            KB_TRY(emit_select(&gc->b, a, &s[i], (int)(j - i), &r));
+            KB_TRY(accumulate(gc, u, r));
+        } else {
+            for (int32_t k = i; k < j; k++) {
+                KB_TRY(emit_select(&gc->b, a, &s[k], 1, &r));
+                KB_TRY(accumulate(gc, u, r));
+            }
+        }
+    }
+cleanup:
+    kb_free(ctx, s, sizeof *s * (size_t)n);
+    return st;
 }
 
 static kb_status copy_symbols(const kb_graph *from, kb_graph *to)
@@ -700,8 +836,9 @@ kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out)
     gc.map = kb_malloc(ctx, cnt * sizeof(int32_t));
     gc.adj = kb_malloc(ctx, cnt * sizeof(int32_t));
     gc.req = kb_calloc(ctx, cnt, 1);
-    KB_CHECK(ctx, gc.map && gc.adj && gc.req, KB_ERR_OOM, "grad: out of memory for %d nodes", (int)n);
-    for (int32_t v = 0; v < n; v++) gc.adj[v] = -1;
+    gc.pend_head = kb_malloc(ctx, cnt * sizeof(int32_t));
+    KB_CHECK(ctx, gc.map && gc.adj && gc.req && gc.pend_head, KB_ERR_OOM, "grad: out of memory for %d nodes", (int)n);
+    for (int32_t v = 0; v < n; v++) gc.adj[v] = gc.pend_head[v] = -1;
     KB_TRY(kb_graph_new(ctx, &gc.b.g));
     KB_TRY(copy_symbols(g, gc.b.g));
 
@@ -724,13 +861,14 @@ kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out)
     }
     /* reverse topological order: ids are topological by construction */
     for (int32_t v = n - 1; v >= 0; v--) {
+        KB_TRY(flush_slices(&gc, v)); /* every consumer of v is done: its slices' adjoints are in */
         if (gc.adj[v] < 0) continue;
         const kb_node *nd = kb_graph_node(g, v);
         for (int k = 0; k < nd->ninputs && k < 3; k++) {
             int32_t u = nd->inputs[k], c;
             if (!gc.req[u] || kb_op_get(nd->op)->grad[k][0] == '\0') continue;
             KB_TRY(contribution(&gc, v, k, &c));
-            KB_TRY(accumulate(&gc, u, c));
+            if (c >= 0) KB_TRY(accumulate(&gc, u, c));
         }
     }
     for (int32_t i = 0; i < kb_graph_ninputs(g); i++) {
@@ -746,6 +884,8 @@ cleanup:
     kb_free(ctx, gc.map, cnt * sizeof(int32_t));
     kb_free(ctx, gc.adj, cnt * sizeof(int32_t));
     kb_free(ctx, gc.req, cnt);
+    kb_free(ctx, gc.pend_head, cnt * sizeof(int32_t));
+    kb_free(ctx, gc.pend, sizeof(pending_slice) * (size_t)gc.cappend);
     return st;
 }
 

@@ -164,9 +164,60 @@ def g_row_colsum(dt):
     return b, ["ROW"], 1
 
 
+def g_swiglu_bwd(dt):
+    """x.chunk(2)'s backward: dx is a select on the column index between the two halves'
+    gradients, recomputed where dx reads them: one POINTWISE region over dx's shape."""
+    b, _, _ = g_swiglu(dt)
+    b.g = b.g.grad([True])
+    return b, ["POINTWISE"], 1
+
+
+def g_ce_bwd_index_first(dt, v=1000):
+    """Cross-entropy's backward with its nodes in an order where the targets' index work comes
+    first and the softmax statistics before the one-hot mask iota == target: the mask (and the
+    work on it) is recomputed in the row kernel, which then also takes the mask's row sum, so
+    nothing of the logits' size but dlogits is written."""
+    b = Builder(s0=5)
+    x, t, go = b.input("logits", dt, ["s0", v]), b.input("target", "i64", ["s0"]), b.input("grad_out", "f32", ["s0"])
+    full, keep, rows = ["s0", v], ["s0", 1], ["s0"]
+    valid = b.op("ne", [t, b.op("const", [], "i64", rows, scalars=(-100.0, 0.0))], "bool", rows)
+    tt = b.op("where", [valid, t, b.op("const", [], "i64", rows, scalars=(0.0, 0.0))], "i64", rows)
+    gg = b.op("neg", [b.op("where", [valid, go, b.op("const", [], "f32", rows, scalars=(0.0, 0.0))], "f32", rows)],
+              "f32", rows)
+    xf = b.op("cast", [x], "f32", full)
+    m = b.op("max", [xf], "f32", keep, axes=2, nograd=True)
+    e = b.op("exp", [b.op("sub", [xf, b.op("expand", [m], "f32", full)], "f32", full)], "f32", full)
+    s = b.op("sum", [e], "f32", keep, axes=2)
+    mask = b.op("eq", [b.op("iota", [], "i64", full, axis=1),
+                       b.op("expand", [b.op("reshape", [tt], "i64", keep)], "i64", full)], "bool", full)
+    d = b.op("where", [mask, b.op("expand", [b.op("reshape", [gg], "f32", keep)], "f32", full),
+                       b.op("const", [], "f32", full, scalars=(0.0, 0.0))], "f32", full)
+    ds = b.op("sum", [b.op("neg", [d], "f32", full)], "f32", keep, axes=2)
+    dx = b.op("add", [d, b.op("mul", [b.op("expand", [b.op("div", [ds, s], "f32", keep)], "f32", full), e], "f32", full)],
+              "f32", full)
+    b.g.add_output(b.op("cast", [dx], dt, full))
+    return b, ["POINTWISE", "ROW"], v
+
+
+def g_onehot(dt):
+    """A one-hot mask of a per-row index as a graph output, and its row sums: the mask floats
+    (an iota and a broadcast are all it reads), so the row kernel recomputes it and a kernel of
+    its own writes the output; neither reads a materialized mask."""
+    b = Builder(s0=6)
+    t = b.input("target", "i64", ["s0"])
+    full, keep = ["s0", 96], ["s0", 1]
+    mask = b.op("eq", [b.op("iota", [], "i64", full, axis=1),
+                       b.op("expand", [b.op("reshape", [t], "i64", keep)], "i64", full)], "bool", full)
+    hot = b.op("cast", [mask], dt, full)
+    b.g.add_output(hot)
+    b.g.add_output(b.op("sum", [b.op("cast", [mask], "f32", full)], "f32", keep, axes=2))
+    return b, ["ROW", "POINTWISE"], 96
+
+
 GRAPHS = {"layernorm": g_layernorm, "res_layernorm": g_res_layernorm, "softmax": g_softmax,
           "softmax_dyn": g_softmax_dyn, "bias_gelu": g_bias_gelu, "swiglu": g_swiglu, "col_sum": g_col_sum,
-          "cross_entropy": g_cross_entropy, "layernorm_bwd": g_layernorm_bwd, "col_var": g_col_var, "row_colsum": g_row_colsum}
+          "cross_entropy": g_cross_entropy, "layernorm_bwd": g_layernorm_bwd, "col_var": g_col_var, "row_colsum": g_row_colsum,
+          "swiglu_bwd": g_swiglu_bwd, "ce_bwd_index_first": g_ce_bwd_index_first, "onehot": g_onehot}
 CASES = [(name, dt) for name in GRAPHS for dt in ("f32", "bf16", "f16")]
 
 
@@ -252,6 +303,40 @@ def test_views_of_intermediates_end_the_region():
     p = b.g.partition()
     assert [p.region(r)["kind"] for r in range(len(p))] == ["POINTWISE", "POINTWISE"]
     assert p.region(1)["inputs"] == [e]  # the second kernel reads the materialized exp, transposed
+
+
+def _full_size_outputs(g, p, dims):
+    return [(r, v) for r in range(len(p)) for v in p.region(r)["outputs"] if g.node(v)["dims"] == dims]
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_swiglu_backward_materializes_nothing(dt):
+    """One kernel over dx's shape: it reads x and the upstream gradient once each and writes dx;
+    no half-size gradient and no zero-padded copy is a region output."""
+    g, _, _, _ = build("swiglu_bwd", dt)
+    p = g.partition()
+    reg = p.region(0)
+    assert len(p) == 1 and reg["kind"] == "POINTWISE", str(p)
+    assert reg["inputs"] == list(g.inputs) and reg["outputs"] == list(g.outputs)
+    assert g.node(reg["anchor"])["dims"] == g.node(g.outputs[0])["dims"]
+    full = [(g.node(v)["op"], g.node(v)["dims"]) for v in reg["nodes"]]
+    full = [op for op, dims in full if dims == g.node(reg["anchor"])["dims"]]
+    assert full.count("gather") == 2 and full.count("where") == 1 and "add" not in full  # a select, no pads summed
+
+
+def test_cross_entropy_backward_recomputes_the_mask():
+    """Whatever the node order, the one-hot mask iota == target and the work on it stay inside
+    the row kernel: the only region output of the logits' size is dlogits."""
+    g, _, _, _ = build("ce_bwd_index_first", "f32")
+    p = g.partition()
+    full = g.node(g.inputs[0])["dims"]
+    assert _full_size_outputs(g, p, full) == [(1, g.outputs[0])], str(p)
+    row = p.region(1)
+    assert row["kind"] == "ROW" and any(g.node(v)["op"] == "eq" for v in row["nodes"])
+    # the real cross-entropy backward (forward nodes first): one row kernel, dlogits its only output
+    bwd = build("cross_entropy", "f32")[0]
+    p = bwd.partition()
+    assert [p.region(r)["kind"] for r in range(len(p))] == ["ROW", "ROW"]
 
 
 def test_extern_is_a_boundary():

@@ -390,3 +390,72 @@ def test_gather_and_slice_adjoints_match_autograd():
         _C.interp_graph(bwd, cap.example_symvals, [t.contiguous().data_ptr() for t in ins], [o.data_ptr() for o in outs])
         for o, w in zip(outs, want):
             assert torch.allclose(o, w, atol=1e-12, rtol=1e-9), (type(model).__name__, o, w)
+
+
+# ---------------------------------------------------------------- slices that tile an axis
+
+def _slice(gb, x, axis, start, length):
+    dims = list(gb.dims[x])
+    dims[axis] = length
+    return gb.view("slice", x, dims, axis=axis, start=start, step=1)
+
+
+def _ops(g):
+    """(op, dims) of every node of g."""
+    return [(g.node(v)["op"], g.node(v)["dims"]) for v in range(g.num_nodes)]
+
+
+def test_chunk_adjoint_is_one_select_in_one_pointwise_region():
+    """x.chunk(3): the slices tile the axis, so dx is one select on the column index (two
+    `where`s, no sum of zero-padded copies), and the backward is one POINTWISE region over dx's
+    shape that reads x and the upstream gradient and writes dx alone: the chunks' gradients are
+    recomputed where dx reads them, never materialized."""
+    gb = GB()
+    x = gb.input("x", [S0, 12])
+    a, b, c = (_slice(gb, x, 1, 4 * k, 4) for k in range(3))
+    gb.out(gb.op("add", gb.op("mul", gb.op("silu", a), b), gb.op("sin", c)))
+    check_vjp(gb, lambda t: F.silu(t[:, :4]) * t[:, 4:8] + torch.sin(t[:, 8:]),
+              lambda shape: [torch.randn(shape(x), dtype=torch.float64)])
+    bwd = gb.g.grad([True])
+    ops = _ops(bwd)
+    full = [S0, 12]
+    assert [o for o, d in ops if d == full and o in ("add", "where")] == ["where", "where"], str(bwd)
+    assert sum(o == "gather" for o, _ in ops) == 3
+    p = bwd.partition()
+    assert len(p) == 1, str(p)
+    reg = p.region(0)
+    assert reg["kind"] == "POINTWISE" and bwd.node(reg["anchor"])["dims"] == full
+    assert reg["inputs"] == list(bwd.inputs) and reg["outputs"] == list(bwd.outputs)
+
+
+def test_slice_adjoints_with_gaps_overlaps_and_two_axes():
+    """Slices of x that leave gaps (zeros there: one select with a zero default) and cut another
+    axis, slices of y that overlap (each zero-padded, summed): the adjoints still match
+    autograd."""
+    gb = GB()
+    x, y = gb.input("x", [6, 10]), gb.input("y", [S0, 10])
+    xa, xb, xr = _slice(gb, x, 1, 1, 2), _slice(gb, x, 1, 6, 3), _slice(gb, x, 0, 1, 2)
+    ya, yb, yc = _slice(gb, y, 1, 0, 4), _slice(gb, y, 1, 2, 5), _slice(gb, y, 1, 7, 3)
+    sx = gb.op("add", gb.reduce("sum", gb.op("exp", xa), (1,), True),
+               gb.reduce("sum", gb.op("mul", xb, xb), (1,), True))
+    sy = gb.op("add", gb.op("add", gb.reduce("sum", gb.op("sin", ya), (1,), True),
+                              gb.reduce("sum", gb.op("cos", yb), (1,), True)),
+               gb.reduce("sum", gb.op("exp", yc), (1,), True))
+    gb.out(sx, gb.op("tanh", xr), sy)
+
+    def fn(a, b):
+        sx = a[:, 1:3].exp().sum(1, keepdim=True) + (a[:, 6:9] ** 2).sum(1, keepdim=True)
+        sy = b[:, :4].sin().sum(1, keepdim=True) + b[:, 2:7].cos().sum(1, keepdim=True) + b[:, 7:].exp().sum(1, keepdim=True)
+        return sx, torch.tanh(a[1:3]), sy
+
+    check_vjp(gb, fn, lambda shape: [torch.randn(shape(x), dtype=torch.float64),
+                                     torch.randn(shape(y), dtype=torch.float64)])
+
+
+def test_whole_axis_slice_and_single_chunk_half():
+    """A slice that is the whole axis reads g at the coordinate itself; one half of a chunk
+    alone leaves zeros in the other half."""
+    gb = GB()
+    x = gb.input("x", [S0, 8])
+    gb.out(gb.op("exp", _slice(gb, x, 1, 0, 8)), gb.op("sin", _slice(gb, x, 1, 4, 4)))
+    check_vjp(gb, lambda t: (t.exp(), t[:, 4:].sin()), lambda shape: [torch.randn(shape(x), dtype=torch.float64)])

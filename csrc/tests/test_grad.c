@@ -721,6 +721,92 @@ static void test_oom(void)
     kb_ctx_free(c2);
 }
 
+/* ---------------------------------------------------------------- slices of one value */
+
+/* x.chunk(3) along the last dim: silu(a) * b + sin(c) */
+static tg build_chunks(void)
+{
+    tg t = new_graph(1);
+    int32_t x = tg_input(&t, "x", KB_F64, "s0,6");
+    int32_t a = tg_slice(&t, KB_F64, "s0,2", x, 1, 0, 1), b = tg_slice(&t, KB_F64, "s0,2", x, 1, 2, 1);
+    int32_t c = tg_slice(&t, KB_F64, "s0,2", x, 1, 4, 1);
+    int32_t ab = tg_op(&t, KB_OP_MUL, KB_F64, "s0,2", tg_op(&t, KB_OP_SILU, KB_F64, "s0,2", a, -1, -1), b, -1);
+    tg_output(&t, tg_op(&t, KB_OP_ADD, KB_F64, "s0,2", ab, tg_op(&t, KB_OP_SIN, KB_F64, "s0,2", c, -1, -1), -1));
+    return t;
+}
+
+/* Slices that tile an axis differentiate into one select (dx = where(iota < 2, .., where(iota <
+ * 4, .., ..))), one POINTWISE region when partitioned; slices with a gap or an overlap, or on
+ * two axes, still match finite differences. */
+static void test_slices(void)
+{
+    tg t = build_chunks();
+    if (built("chunks", &t)) {
+        check_grad("chunks", t.g, NULL, &DEF);
+        uint8_t wrt[1] = {1};
+        kb_graph *gg = NULL;
+        kb_partition *p = NULL;
+        CHECK_STATUS(ctx, kb_graph_grad(t.g, wrt, &gg), KB_OK);
+        if (gg) {
+            const kb_node *dx = kb_graph_node(gg, kb_graph_output(gg, 0));
+            CHECK(dx->op == KB_OP_WHERE && kb_graph_node(gg, dx->inputs[2])->op == KB_OP_WHERE);
+            CHECK_STATUS(ctx, kb_partition_new(gg, &p), KB_OK);
+            CHECK(p && p->nregions == 1 && p->regions[0].kind == KB_REGION_POINTWISE &&
+                  p->regions[0].noutputs == 1 && p->regions[0].ninputs == 2);
+        }
+        kb_partition_free(p);
+        kb_graph_free(gg);
+    }
+    kb_graph_free(t.g);
+
+    /* x: [0,2) and [4,7) leave a gap (one select, zero there) and rows 1..2 cut axis 0;
+     * y: [1,5) overlaps a slice like x's first (zero-padded each, summed) */
+    t = new_graph(1);
+    int32_t x = tg_input(&t, "x", KB_F64, "4,s0,7"), y = tg_input(&t, "y", KB_F64, "4,s0,7");
+    int32_t a = tg_slice(&t, KB_F64, "4,s0,2", x, 2, 0, 1), b = tg_slice(&t, KB_F64, "4,s0,3", x, 2, 4, 1);
+    int32_t d = tg_slice(&t, KB_F64, "2,s0,7", x, 0, 1, 1), ya = tg_slice(&t, KB_F64, "4,s0,2", y, 2, 0, 1);
+    int32_t c = tg_slice(&t, KB_F64, "4,s0,4", y, 2, 1, 1);
+    tg_output(&t, tg_op(&t, KB_OP_COS, KB_F64, "4,s0,2", ya, -1, -1));
+    tg_output(&t, tg_reduce(&t, KB_OP_SUM, KB_F64, "4,s0,1", tg_op(&t, KB_OP_EXP, KB_F64, "4,s0,2", a, -1, -1), 4));
+    tg_output(&t, tg_reduce(&t, KB_OP_SUM, KB_F64, "4,s0,1", tg_op(&t, KB_OP_MUL, KB_F64, "4,s0,3", b, b, -1), 4));
+    tg_output(&t, tg_op(&t, KB_OP_SIN, KB_F64, "4,s0,4", c, -1, -1));
+    tg_output(&t, tg_op(&t, KB_OP_TANH, KB_F64, "2,s0,7", d, -1, -1));
+    if (built("gap, overlap, two axes", &t)) check_grad("gap, overlap, two axes", t.g, NULL, &DEF);
+    kb_graph_free(t.g);
+}
+
+/* The chunks' backward, built and partitioned with every allocation failed in turn. */
+static void test_slices_oom(void)
+{
+    kb_ctx *c2;
+    if (kb_ctx_new(test_alloc, NULL, &c2) != KB_OK) return;
+    kb_ctx *saved = ctx;
+    ctx = c2;
+    tg t = build_chunks();
+    uint8_t wrt[1] = {1};
+    int ok = 0, fails = 0;
+    for (long k = 0; t.st == KB_OK && k < 100000 && !ok; k++) {
+        kb_graph *gg = NULL;
+        kb_partition *p = NULL;
+        long long before = alloc_bytes;
+        alloc_count = 0;
+        alloc_fail_at = k;
+        kb_status st = kb_graph_grad(t.g, wrt, &gg);
+        if (st == KB_OK) st = kb_partition_new(gg, &p);
+        alloc_fail_at = -1;
+        if (st == KB_OK) ok = 1;
+        else fails++;
+        CHECK_MSG(st == KB_OK || st == KB_ERR_OOM, "fail at %ld: %s", k, kb_status_name(st));
+        kb_partition_free(p);
+        kb_graph_free(gg);
+        CHECK_MSG(alloc_bytes == before, "fail at %ld: %lld bytes leaked", k, alloc_bytes - before);
+    }
+    CHECK(ok && fails > 5);
+    kb_graph_free(t.g);
+    ctx = saved;
+    kb_ctx_free(c2);
+}
+
 /* ---------------------------------------------------------------- kb_region_graph */
 
 static void test_region_graph(void)
@@ -796,6 +882,8 @@ int main(void)
     test_golden();
     test_errors();
     test_oom();
+    test_slices();
+    test_slices_oom();
     test_region_graph();
     kb_ctx_free(ctx);
     return check_report();
