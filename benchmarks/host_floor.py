@@ -92,6 +92,47 @@ def main(argv=None):
         off = per_call_us(fn)
         gc.enable()
         print(f"{name:<40} {on:8.1f} us   (gc off {off:8.1f} us)", flush=True)
+    where_time(opt, lambda: opt(xg).backward(gy))
+
+
+def where_time(opt, fn, n=2000):
+    """Where a kbench forward+backward's host time goes: inside RegionFunction.forward and
+    .backward (kbench's Python and what it calls) versus outside them (autograd's engine,
+    handing the backward to its device thread and back)."""
+    from kbench import runtime
+
+    spent = {"forward": 0.0, "backward": 0.0, "launch (backward)": 0.0}
+    fwd, bwd = runtime.RegionFunction.forward, runtime.RegionFunction.backward
+
+    def timed(key, f):
+        def run(*a):
+            t = time.perf_counter()
+            try:
+                return f(*a)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return run
+
+    runtime.RegionFunction.forward = staticmethod(timed("forward", fwd))
+    runtime.RegionFunction.backward = staticmethod(timed("backward", bwd))
+    steps = [st for b in opt._kbench_sigs.values() for s in b.steps for st in s.backward.values() if st]
+    for bound in steps:
+        for st in bound.steps:
+            st.launch = timed("launch (backward)", st.launch)
+    try:
+        total = per_call_us(fn, n) * 1e-6
+        for k in spent:
+            spent[k] = 0.0
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        total = (time.perf_counter() - t) / n
+    finally:
+        runtime.RegionFunction.forward, runtime.RegionFunction.backward = staticmethod(fwd), staticmethod(bwd)
+    print(f"kbench forward+backward {total * 1e6:.1f} us per call: " +
+          ", ".join(f"in {k} {v / n * 1e6:.1f} us" for k, v in spent.items()) +
+          f", elsewhere {(total - (spent['forward'] + spent['backward']) / n) * 1e6:.1f} us")
 
 
 if __name__ == "__main__":

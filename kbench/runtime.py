@@ -115,8 +115,8 @@ class Executor:
     def launcher(self, r: int, symvals, trusted=()):
         """A callable(inputs) -> outputs that runs region r at these sizes with everything that
         does not depend on the tensors precomputed (the hot path), or None where run() must
-        decide per call. trusted[j]: input j is a fresh output of an earlier region (contiguous,
-        aligned), so its checks can be skipped."""
+        decide per call. trusted[j]: input j is known contiguous (an earlier kernel's output, or
+        a backward input the forward's kernel already checked), so that check can be skipped."""
         if not self.can_run(r):
             return None
         run, symvals = self.run, list(symvals)
@@ -202,13 +202,14 @@ class Program:
             self.note(str(e))
             return self.plan.eager_region(r, symvals, inputs)
 
-    def bind(self, symvals) -> Bound:
+    def bind(self, symvals, trusted=()) -> Bound:
         """The steps of a call at these sizes: the same order and the same values as run(), with
-        every dict lookup and launch parameter resolved once."""
+        every dict lookup and launch parameter resolved once. trusted: graph input positions
+        the caller guarantees contiguous."""
         plan, graph = self.plan, self.plan.graph
         symvals = tuple(symvals)
         slot = {v: i for i, v in enumerate(graph.inputs)}
-        fresh = set()           # slots written by a kernel of ours: contiguous and aligned
+        fresh = set(trusted)    # slots known contiguous: trusted inputs, outputs of our kernels
         steps = []
 
         def ensure(v):
@@ -298,16 +299,21 @@ class Step:
 
     def run(self, inputs):
         """The region's outputs (kernel, or eager where the backend declines this call)."""
+        return self.run_kernel(inputs)[0]
+
+    def run_kernel(self, inputs):
+        """(outputs, whether the backend's kernel ran): a kernel ran only on inputs it checked,
+        so the region's backward may take them as contiguous."""
         if self.launch is not None:
             try:
-                return self.launch(inputs)
+                return self.launch(inputs), True
             except RegionFallback as e:
                 self.program.note(str(e))
                 # later kernels trust this step's outputs to be contiguous and 16-byte aligned
                 return [o if o.is_contiguous() and o.data_ptr() % 16 == 0
                         else torch.empty_like(o, memory_format=torch.contiguous_format).copy_(o)
-                        for o in self.program.plan.eager_region(self.r, self.symvals, inputs)]
-        return self.program.plan.eager_region(self.r, self.symvals, inputs)
+                        for o in self.program.plan.eager_region(self.r, self.symvals, inputs)], False
+        return self.program.plan.eager_region(self.r, self.symvals, inputs), False
 
 
 class Bound:
@@ -336,7 +342,7 @@ class RegionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step, *inputs):
-        outs = step.run(inputs)
+        outs, ctx.checked = step.run_kernel(inputs)
         ctx.step = step
         ctx.save_for_backward(*inputs)
         if step.int_outs:
@@ -347,7 +353,7 @@ class RegionFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         step = ctx.step
         need = tuple(a and b for a, b in zip(ctx.needs_input_grad[1:], step.float_in))
-        return (None,) + tuple(step.owner._region_backward(step, ctx.saved_tensors, grads, need))
+        return (None,) + tuple(step.owner._region_backward(step, ctx.saved_tensors, grads, need, ctx.checked))
 
 
 def _fast_apply():
@@ -591,16 +597,19 @@ class OptimizedModule(torch.nn.Module):
         self._kbench_unused_grads[(r, need)] = unused or set()
         return "", len(points)
 
-    def _region_backward(self, step, inputs, grads, need):
+    def _region_backward(self, step, inputs, grads, need, checked=False):
+        """checked: the forward's kernel ran on these inputs, so they are contiguous (and the
+        upstream gradients are made so here): the backward's kernels need not check again."""
         if not any(need):
             return [None] * len(inputs)
         r, symvals = step.r, step.symvals
         if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
             return self._eager_backward(r, symvals, inputs, grads, need, create_graph=True)
-        bwd = step.backward.get(need)
+        bwd = step.backward.get((need, checked))
         if bwd is None:
             prog = self._backward_program(r, need)
-            bwd = step.backward[need] = prog.bind(symvals) if prog is not None else False
+            trusted = range(len(inputs) + len(grads)) if checked else ()
+            bwd = step.backward[(need, checked)] = prog.bind(symvals, trusted) if prog is not None else False
         if bwd is False:
             return self._eager_backward(r, symvals, inputs, grads, need)
         slots = list(inputs)

@@ -85,6 +85,14 @@ def test_noncontiguous_and_misaligned_inputs_stay_correct():
     buf = torch.randn(64 * 256 + 1, device="cuda")
     xm = buf[1:].view(64, 256)                             # 4-byte offset: misaligned for 16-byte vectors
     assert rel_err(fast(xm), model(xm)) <= 1e-4
+    # and their gradients: the forward fell back, so the backward's kernels check for themselves
+    for x in (xt, xm):
+        x = x.detach().requires_grad_(True)
+        g = torch.randn(64, 256, device="cuda")
+        want = torch.autograd.grad(model(x), [x, model.weight, model.bias], g)
+        got = torch.autograd.grad(fast(x), [x, model.weight, model.bias], g)
+        for w, h in zip(want, got):
+            assert rel_err(h, w) <= 1e-4
 
 
 def test_cuda_graph_capture():
