@@ -601,11 +601,12 @@ _INPUT_KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
                InputKind.CONSTANT_TENSOR: "const"}
 
 
-def lower(ep, inputs, static_reason, model=None):
+def lower(ep, inputs, static_reason, model=None, pin=()):
     """The ExportedProgram as a Captured graph; NeedStatic (with .dims set) when some size
-    cannot be written."""
+    cannot be written. pin: user-input dims (input, dim) to hold at their example sizes, as if
+    the export had made them static (the same program lowered again, without re-exporting)."""
     try:
-        return _lower(ep, inputs, static_reason, model)
+        return _lower(ep, inputs, static_reason, model, pin)
     except NeedStatic as e:
         for i, n in enumerate(n for n in ep.graph.nodes if n.op == "placeholder"
                               and n.name in {s.arg.name for s in ep.graph_signature.input_specs
@@ -616,7 +617,7 @@ def lower(ep, inputs, static_reason, model=None):
         raise
 
 
-def _lower(ep, inputs, static_reason, model):
+def _lower(ep, inputs, static_reason, model, pin=()):
     from .capture import Captured, OutputTree, SymExpr
 
     sig = ep.graph_signature
@@ -634,6 +635,9 @@ def _lower(ep, inputs, static_reason, model):
     shape_env = _shape_env(ep)
     guards = list(getattr(shape_env, "guards", None) or []) if shape_env is not None else []
     subst = _unify(guards, example, order)
+    pinned = set()
+    if pin:
+        subst, pinned = _pin_symbols(subst, user_nodes, inputs, pin)
     sym_of, examples, sources, input_syms = {}, [], [], []
     for t, n in zip(inputs, user_nodes):
         row = []
@@ -717,9 +721,12 @@ def _lower(ep, inputs, static_reason, model):
                                   list(zip(names, examples)))
     kept_guards = []
     for g in guards:
-        e = getattr(g, "expr", g).xreplace(subst)
+        e0 = getattr(g, "expr", g)
+        e = e0.xreplace(subst)
         if e in (sympy.true, True) or not e.free_symbols or any(x not in sym_of for x in e.free_symbols):
             continue
+        if pinned and e0.free_symbols & pinned and _holds_for_sizes(e, shape_env):
+            continue   # Min(5, 5*s1) == 5: an export with the pinned dims static never makes it
         kept_guards.append(SymExpr(e, sym_of))
     try:
         out_spec = ep.call_spec.out_spec
@@ -746,6 +753,43 @@ def _lower(ep, inputs, static_reason, model):
         notes=b.notes,
         value_names={idmap[i]: nm for i, nm in b.value_names.items() if i in idmap},
     )
+
+
+def _pin_symbols(subst, user_nodes, inputs, pin):
+    """subst extended so that the symbols of the pinned user-input dims (and every symbol unified
+    with one) are their example sizes: what an export with those dims static gives, where the
+    sizes derived from them become numbers and the guards on them hold trivially."""
+    values = {}
+    for i, d in pin:
+        s = user_nodes[i].meta["val"].shape[d]
+        if isinstance(s, torch.SymInt):
+            e = s.node.expr.xreplace(subst) if subst else s.node.expr
+            if e.is_Symbol:
+                values[e] = sympy.Integer(int(inputs[i].shape[d]))
+    if not values:
+        return subst, set()
+    out = {k: v.xreplace(values) for k, v in subst.items()}
+    for k, v in values.items():
+        out.setdefault(k, v)
+    return out, {k for k, v in out.items() if v.is_number}
+
+
+def _holds_for_sizes(e, shape_env) -> bool:
+    """Is the size relation e true whatever sizes its symbols take in torch's ranges for them (as
+    torch decides before recording a guard)? False when that cannot be shown."""
+    evaluate = getattr(shape_env, "_maybe_evaluate_static", None)
+    if evaluate is not None:
+        try:
+            r = evaluate(e)
+            if r is not None:
+                return r in (sympy.true, True)
+        except Exception:  # noqa: BLE001 - a private torch helper: keeping the guard is safe
+            pass
+    pos = {x: sympy.Symbol(f"_size{i}", integer=True, positive=True) for i, x in enumerate(e.free_symbols)}
+    try:
+        return e.xreplace(pos) in (sympy.true, True)
+    except TypeError:
+        return False
 
 
 def _check_sizes(b, ep):

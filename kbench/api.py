@@ -8,6 +8,8 @@ import torch
 
 from . import _C
 from .capture import capture as _capture
+from .capture import capture_exported as _capture_exported
+from .capture import repin as _repin
 
 
 class Graph:
@@ -139,9 +141,12 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
         raise ValueError(f"backend 'interp' runs on the CPU; example_inputs are on {device}")
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(f"backend 'cuda' needs example_inputs on a CUDA device, got {device}")
-    captured = _capture(model, args)
-    if backend == "cuda":
-        captured = _pin_row_lengths(model, args, captured)
+    if backend == "cuda":   # the row lengths pinned on the same export: torch.export runs once
+        captured, exported = _capture_exported(model, args)
+        captured = _pin_row_lengths(model, args, captured, exported)
+        del exported          # torch's ExportedProgram (fake tensors, shape environment): not kept
+    else:
+        captured = _capture(model, args)
     if backend == "interp":
         executor = InterpExecutor()
     else:
@@ -176,15 +181,20 @@ def row_length_dims(captured) -> set:
             if per_input and per_input[-1] is not None and per_input[-1] in syms}
 
 
-def _pin_row_lengths(model, args, captured):
+def _pin_row_lengths(model, args, captured, exported=None):
     """The cuda backend specializes row lengths, as torch.compile specializes shapes: the
     kernel is generated for the example's row length; batch sizes still vary, and a call with
-    another row length runs in eager with a one-time reason."""
+    another row length runs in eager with a one-time reason. exported (from
+    capture.capture_exported, the export behind `captured`) is lowered again with those dims
+    pinned instead of exporting the model a second time."""
     pin = row_length_dims(captured)
     if not pin:
         return captured
     where = ", ".join(f"input {i} dim {d} = {args[i].shape[d]}" for i, d in sorted(pin))
-    return _capture(model, args, pin=sorted(pin), pin_reason=f"row lengths pinned for on-chip rows ({where})")
+    reason = f"row lengths pinned for on-chip rows ({where})"
+    if exported is not None:
+        return _repin(exported, sorted(pin), reason)
+    return _capture(model, args, pin=sorted(pin), pin_reason=reason)
 
 
 @dataclass

@@ -28,7 +28,10 @@ KEY_FIELDS = ("region_sig", "dtypes", "shape_class", "gpu_name", "gpu_arch", "dr
 LAUNCH_FIELDS = ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels", "workspace",
                  "workspace_per_block")
 WINNER_FIELDS = ("genome", "source_hash", "cubin", "entries", "launch", "envelope", "best_ms", "search_s",
-                 "ncandidates", "created")
+                 "ncandidates", "created", "eager_ms", "kernel_ms")
+# Winner columns added after schema version 1 was released: a file without them gets them on open
+# (NULL in old rows), so an older cache keeps its entries; older kbench versions ignore them.
+ADDED_WINNER_COLUMNS = {"eager_ms": "REAL", "kernel_ms": "REAL"}
 CANDIDATE_FIELDS = ("genome", "compile_status", "compile_log", "regs", "spills", "time_ms", "verify",
                     "generation", "seed")
 
@@ -39,7 +42,7 @@ CREATE TABLE winners (
     id INTEGER PRIMARY KEY, {_KEY_COLS},
     genome TEXT NOT NULL, source_hash TEXT NOT NULL, cubin BLOB, entries TEXT NOT NULL,
     launch TEXT NOT NULL, envelope TEXT NOT NULL, best_ms REAL, search_s REAL, ncandidates INTEGER,
-    created REAL NOT NULL,
+    created REAL NOT NULL, eager_ms REAL, kernel_ms REAL,
     UNIQUE ({", ".join(KEY_FIELDS)}));
 CREATE TABLE candidates (
     id INTEGER PRIMARY KEY, {_KEY_COLS},
@@ -150,6 +153,8 @@ class Winner:
     search_s: float | None = None
     ncandidates: int = 0
     created: float = field(default_factory=time.time)
+    eager_ms: float | None = None      # the region in eager torch and as this kernel, timed when it was
+    kernel_ms: float | None = None     # tuned (the report's columns; a hit need not time them again)
 
 
 class Cache:
@@ -216,10 +221,19 @@ class Cache:
         cubin = None if winner.cubin is None else sqlite3.Binary(bytes(winner.cubin))
         row = (*key.as_dict().values(), _scrub(winner.genome), winner.source_hash, cubin,
                json.dumps(list(winner.entries)), _scrub(json.dumps(winner.launch, sort_keys=True)),
-               _scrub(winner.envelope), winner.best_ms, winner.search_s, winner.ncandidates, winner.created)
+               _scrub(winner.envelope), winner.best_ms, winner.search_s, winner.ncandidates, winner.created,
+               winner.eager_ms, winner.kernel_ms)
         cols = KEY_FIELDS + WINNER_FIELDS
         sql = f"INSERT OR REPLACE INTO winners ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
         self._run(lambda c: c.execute(sql, row), write=True)
+
+    def set_times(self, key: CacheKey, eager_ms: float | None, kernel_ms: float | None) -> bool:
+        """Record the eager and kernel times of the winner stored under key (measured after it was
+        stored); False when there is no such winner."""
+        where = " AND ".join(f"{f} = ?" for f in KEY_FIELDS)
+        cur = self._run(lambda c: c.execute(f"UPDATE winners SET eager_ms = ?, kernel_ms = ? WHERE {where}",
+                                            (eager_ms, kernel_ms, *key.as_dict().values())), write=True)
+        return cur.rowcount > 0
 
     def explain_miss(self, key: CacheKey) -> str:
         """Why lookup(key) misses: the fields in which the nearest entry for the same region
@@ -347,12 +361,22 @@ def _check(conn) -> str:
             magic, version = meta.get("magic"), meta.get("schema_version")
             why = (f"bad magic {magic!r}" if magic != MAGIC else "" if version == str(SCHEMA_VERSION)
                    else f"schema version {version!r}, this kbench reads {SCHEMA_VERSION}")
+            if not why:
+                _add_columns(conn)
         conn.execute("COMMIT")
         return why
     except BaseException:
         if conn.in_transaction:  # SQLite may already have rolled back (e.g. "not a database")
             conn.execute("ROLLBACK")
         raise
+
+
+def _add_columns(conn) -> None:
+    """Give a cache written by an earlier kbench the winner columns added since (no data lost)."""
+    have = {r[1] for r in conn.execute("PRAGMA table_info(winners)")}
+    for name, decl in ADDED_WINNER_COLUMNS.items():
+        if name not in have:
+            conn.execute(f"ALTER TABLE winners ADD COLUMN {name} {decl}")
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import logging
 import operator
@@ -34,8 +35,8 @@ import torch.utils._pytree as pytree
 from ._dtypes import TORCH_TO_IR
 from .errors import CaptureError
 
-__all__ = ["capture", "Captured", "Extern", "SymExpr", "TensorSlot", "StepRef", "DeviceSlot",
-           "CaptureError"]
+__all__ = ["capture", "capture_exported", "repin", "Exported", "Captured", "Extern", "SymExpr", "TensorSlot",
+           "StepRef", "DeviceSlot", "CaptureError"]
 
 _log = logging.getLogger("kbench.capture")
 
@@ -329,6 +330,21 @@ def _model_untouched(model):
             p.requires_grad_(rg)
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """No cyclic garbage collection while capturing: torch.export allocates hundreds of thousands
+    of objects, and the full collections that triggers walk all of them (about a quarter of a
+    second each, ~0.8 s of a 12-block transformer's capture). Everything is collected as usual
+    afterwards; reference counting frees most of it at once."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _first_line(e: BaseException) -> str:
     for line in str(e).splitlines():
         if line.strip():
@@ -487,11 +503,31 @@ def capture(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: 
     why) or `pin` lists them ((input, dim) pairs kept at their example size, for pin_reason).
     Unsupported ops become EXTERN nodes; a model torch.export cannot capture raises
     CaptureError. The model is not modified."""
+    return capture_exported(model, example_inputs, dynamic=dynamic, pin=pin, pin_reason=pin_reason)[0]
+
+
+@dataclasses.dataclass
+class Exported:
+    """The export behind a Captured, kept so that the same program can be lowered again with more
+    user-input dims pinned (capture.repin) without running torch.export again. `fixed` lists the
+    input dims the export itself kept static (with `why`); `dynamic` is False when the export is
+    wholly static (then nothing is left to pin)."""
+    ep: Any
+    model: Any
+    inputs: tuple
+    fixed: frozenset
+    why: Optional[str]
+    dynamic: bool
+
+
+def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = ""):
+    """capture(), returning (Captured, Exported): the export it lowered, for repin. The Exported
+    holds torch's whole ExportedProgram (fake tensors, shape environment): drop it when done."""
     from . import _lower
 
     inputs = _validate(model, example_inputs)
     name = type(model).__name__
-    with _model_untouched(model):
+    with _model_untouched(model), _gc_paused():
         # A size the IR cannot write (x[:, 1:] gives s1 - 1, pooling s2 // 2) fixes the input
         # dims it comes from and the export is redone; the other dims stay free.
         fixed, why = set(pin), (pin_reason or None) if pin else None
@@ -499,11 +535,12 @@ def capture(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: 
             ep, reason = _export_checked(model, inputs, dynamic, fixed)
             if attempt == 0:
                 _check_integer_inputs(ep, inputs)
+            exported = Exported(ep, model, inputs, frozenset(fixed), why, reason is None)
             if reason is None and fixed:
                 reason = (f"input dims {sorted(fixed)} fixed at their example sizes ({why}); "
                           "the others may vary")
             try:
-                return _lower.lower(ep, inputs, reason, model)
+                return _lower.lower(ep, inputs, reason, model), exported
             except _lower.NeedStatic as e:
                 if reason is not None and not fixed:    # already static: a genuine limitation
                     raise CaptureError(f"cannot capture {name}: {e}") from None
@@ -513,9 +550,32 @@ def capture(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: 
                 fixed |= set(e.dims)
         ep = _export_checked(model, inputs, False, ())[0]
         try:
-            return _lower.lower(ep, inputs, why, model)
+            return _lower.lower(ep, inputs, why, model), Exported(ep, model, inputs, frozenset(), why, False)
         except _lower.NeedStatic as e:
             raise CaptureError(f"cannot capture {name}: {e}") from None
+
+
+def repin(exported: Exported, pin, pin_reason: str = "") -> Captured:
+    """What capture(model, inputs, pin=pin, pin_reason=pin_reason) gives, from the export a first
+    capture made: the program is lowered again with the pinned dims' symbols replaced by their
+    example sizes (as a static export of those dims would have them), so torch.export runs once.
+    Falls back to a fresh capture where the export cannot be reused."""
+    from . import _lower
+
+    pin = set(pin)
+    if not pin:
+        raise ValueError("repin needs at least one (input, dim) to pin")
+    fixed = exported.fixed | pin
+    if exported.dynamic and not exported.fixed & pin:
+        # the reason capture(pin=...) gives: the pins' own, unless the export already had to fix
+        # dims for a size the IR cannot write (that capture re-exports for the same size)
+        why = exported.why if exported.fixed else (pin_reason or None)
+        reason = f"input dims {sorted(fixed)} fixed at their example sizes ({why}); the others may vary"
+        try:
+            return _lower.lower(exported.ep, exported.inputs, reason, exported.model, pin=sorted(pin))
+        except _lower.NeedStatic:
+            pass
+    return capture(exported.model, exported.inputs, pin=sorted(pin), pin_reason=pin_reason)
 
 
 def _export_checked(model, inputs, dynamic, fixed):

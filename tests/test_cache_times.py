@@ -1,0 +1,167 @@
+"""Issue 5: a cache hit reuses the eager and kernel times measured when the kernel was tuned (no
+timing launches), while still gating the kernel; a cache file from before those columns existed
+keeps its entries. The cuda backend's bookkeeping is checked on the CPU with the GPU parts stubbed."""
+import dataclasses
+import os
+import sqlite3
+
+import torch
+
+from kbench import cache as kc
+from kbench.cuda_backend import CudaExecutor
+from kbench.runtime import RegionInfo
+
+LAUNCH = {"block": 256, "smem": 0, "grid_units": [1, [0]], "units_per_block": 1, "max_blocks": 0,
+          "nkernels": 1, "workspace": 0, "workspace_per_block": 0}
+
+
+def key(**over):
+    k = kc.make_key("region 0 ROW\n  %3 = sum %1 axes=1 : f32[B, 1]\n", "-", kc.shape_class({}, {"s0": 300}),
+                    driver=12040, nvrtc=12040, gpu_name="NVIDIA H100 80GB HBM3", gpu_arch="sm_90",
+                    torch_version="2.11.0", kbench_version="0.1.0")
+    return dataclasses.replace(k, **over)
+
+
+def winner(**over):
+    w = kc.Winner(genome="threads=256 vec=4", source_hash="ab" * 32, cubin=b"\x7fELF" * 10, entries=["kb_region0"],
+                  launch=dict(LAUNCH), envelope="24 checks", best_ms=0.01, search_s=1.0, ncandidates=3)
+    return dataclasses.replace(w, **over)
+
+
+# ------------------------------------------------------------------------------------ the store
+
+
+def test_times_round_trip_and_set_times(tmp_path):
+    c = kc.open_cache(tmp_path / "kbench.sqlite")
+    c.store(key(), winner(eager_ms=0.5, kernel_ms=0.1))
+    got = c.lookup(key())
+    assert (got.eager_ms, got.kernel_ms) == (0.5, 0.1)
+    c.store(key(driver="12.2"), winner())
+    assert c.lookup(key(driver="12.2")).eager_ms is None
+    assert c.set_times(key(driver="12.2"), 0.25, 0.05)
+    again = kc.open_cache(c.path)             # another process sees them
+    assert (again.lookup(key(driver="12.2")).eager_ms, again.lookup(key(driver="12.2")).kernel_ms) == (0.25, 0.05)
+    assert not again.set_times(key(driver="11.8"), 1.0, 1.0)     # no such winner: nothing written
+    assert again.lookup(key(driver="11.8")) is None
+    again.close()
+    c.close()
+
+
+OLD_SCHEMA = """
+CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE winners (
+    id INTEGER PRIMARY KEY, {keys},
+    genome TEXT NOT NULL, source_hash TEXT NOT NULL, cubin BLOB, entries TEXT NOT NULL,
+    launch TEXT NOT NULL, envelope TEXT NOT NULL, best_ms REAL, search_s REAL, ncandidates INTEGER,
+    created REAL NOT NULL,
+    UNIQUE ({unique}));
+CREATE TABLE candidates (
+    id INTEGER PRIMARY KEY, {keys},
+    genome TEXT NOT NULL, compile_status TEXT, compile_log TEXT, regs INTEGER, spills INTEGER,
+    time_ms REAL, verify TEXT, generation INTEGER, seed INTEGER, extra TEXT, created REAL NOT NULL);
+"""
+
+
+def test_cache_written_before_the_time_columns_keeps_its_entries(tmp_path):
+    path = tmp_path / "kbench.sqlite"
+    con = sqlite3.connect(path)
+    con.executescript(OLD_SCHEMA.format(keys=", ".join(f"{f} TEXT NOT NULL" for f in kc.KEY_FIELDS),
+                                        unique=", ".join(kc.KEY_FIELDS)))
+    con.executemany("INSERT INTO meta VALUES (?, ?)", [("magic", kc.MAGIC), ("schema_version", "1")])
+    old_fields = [f for f in kc.WINNER_FIELDS if f not in kc.ADDED_WINNER_COLUMNS]
+    w = winner()
+    row = (*key().as_dict().values(), w.genome, w.source_hash, w.cubin, '["kb_region0"]',
+           __import__("json").dumps(LAUNCH), w.envelope, w.best_ms, w.search_s, w.ncandidates, w.created)
+    con.execute(f"INSERT INTO winners ({', '.join(kc.KEY_FIELDS + tuple(old_fields))}) "
+                f"VALUES ({', '.join('?' * len(row))})", row)
+    con.commit()
+    con.close()
+    c = kc.open_cache(path)
+    assert not c.in_memory and not [p for p in os.listdir(tmp_path) if ".corrupt-" in p]   # not set aside
+    got = c.lookup(key())
+    assert got == w and got.eager_ms is None and got.kernel_ms is None
+    assert c.set_times(key(), 0.3, 0.2)
+    assert (c.lookup(key()).eager_ms, c.lookup(key()).kernel_ms) == (0.3, 0.2)
+    c.close()
+    # a reader that knows only the old columns (an older kbench) still reads the entry
+    with sqlite3.connect(path) as con:
+        assert con.execute(f"SELECT {', '.join(old_fields)} FROM winners").fetchone()[0] == w.genome
+
+
+# ------------------------------------------------------------------------------------ the backend
+
+
+class FakeKernel:
+    genome, regs, spills = "threads=256 vec=4", 20, 0
+
+
+def executor(db, timings, gates):
+    ex = CudaExecutor(budget="fast", verbose=False)
+    ex._cache_db = db
+    ex.device = torch.device("cpu")
+    ex._cache_key = lambda r: key()
+    ex._load = lambda k, cubin=None: FakeKernel()
+    ex._gate = lambda r, kernel, symvals: gates.append(r) or ""
+
+    def time_region(r, symvals, reps=20):
+        timings.append(r)
+        return 0.5, 0.125
+    ex._time_region = time_region
+
+    def tune(r, key_, symvals, info):   # what a search that finds a kernel leaves: a stored winner
+        db.store(key_, winner())
+        return FakeKernel(), "kernel", "24 checks", {"cache": "miss", "candidates": 3}
+    ex._tune = tune
+    return ex
+
+
+def regions(n):
+    return [RegionInfo(i, "ROW", [], [], [], "sum") for i in range(n)]
+
+
+def test_a_hit_reuses_the_tuning_times_and_still_gates(tmp_path):
+    db = kc.open_cache(tmp_path / "kbench.sqlite")
+    timings, gates = [], []
+    first = executor(db, timings, gates)
+    for info in regions(3):                      # three identical regions: tuned and timed once
+        first._prepare_region(info, [300])
+    assert timings == [0] and gates == []
+    stored = db.lookup(key())
+    assert (stored.eager_ms, stored.kernel_ms) == (0.5, 0.125)
+
+    timings.clear()
+    second = executor(db, timings, gates)        # a new process, in effect
+    infos = regions(3)
+    for info in infos:
+        second._prepare_region(info, [300])
+    assert timings == []                         # nothing timed
+    assert gates == [0]                          # the correctness gate still runs, once per distinct region
+    assert all(i.status == "kernel (cached)" for i in infos)
+    assert all((i.eager_ms, i.kernel_ms) == (0.5, 0.125) for i in infos)
+    assert infos[0].extra["cache"] == "hit" and infos[0].extra["times"] == "from cache"
+    db.close()
+
+
+def test_a_hit_without_stored_times_times_once_and_stores_them(tmp_path):
+    db = kc.open_cache(tmp_path / "kbench.sqlite")
+    db.store(key(), winner())                    # an entry from before the times were stored
+    timings, gates = [], []
+    ex = executor(db, timings, gates)
+    info = regions(1)[0]
+    ex._prepare_region(info, [300])
+    assert timings == [0] and gates == [0] and "times" not in info.extra
+    assert (db.lookup(key()).eager_ms, db.lookup(key()).kernel_ms) == (0.5, 0.125)
+    timings.clear()
+    executor(db, timings, gates)._prepare_region(regions(1)[0], [300])
+    assert timings == []
+    db.close()
+
+
+def test_budget_none_touches_no_cache(tmp_path):
+    db = kc.open_cache(tmp_path / "kbench.sqlite")
+    timings, gates = [], []
+    ex = executor(db, timings, gates)
+    ex.budget = "none"                           # (the fake search stores a winner even so: its times stay unset)
+    ex._prepare_region(regions(1)[0], [300])
+    assert timings == [0] and db.lookup(key()) is not None and db.lookup(key()).eager_ms is None
+    db.close()
