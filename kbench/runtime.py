@@ -74,16 +74,21 @@ class Plan:
     def captured(self):
         return self
 
-    def materialize(self, v, values, symvals):
-        """A value no region produces (a view or constant between regions): torch computes it."""
-        missing, stack = [], [v]
+    def missing(self, v, have) -> list:
+        """The nodes torch must compute for value v, given the values in `have`, in id order."""
+        missing, stack = set(), [v]
         while stack:
             n = stack.pop()
-            if n in values or n in missing:
+            if n in have or n in missing:
                 continue
-            missing.append(n)
+            missing.add(n)
             stack.extend(self.nodes[n]["inputs"])
-        out = torch_eval.evaluate(self.graph, self, values, symvals, nodes=sorted(missing))
+        return sorted(missing)
+
+    def materialize(self, v, values, symvals):
+        """A value no region produces (a view or constant between regions): torch computes it."""
+        missing = self.missing(v, values)
+        out = torch_eval.evaluate(self.graph, self, values, symvals, nodes=missing)
         values.update({n: out[n] for n in missing if n in out})
 
     def eager_region(self, r, symvals, inputs, dtype=None):
@@ -215,15 +220,8 @@ class Program:
         def ensure(v):
             if v in slot:
                 return
-            missing, stack = [], [v]
-            while stack:
-                n = stack.pop()
-                if n in slot or n in missing:
-                    continue
-                missing.append(n)
-                stack.extend(plan.nodes[n]["inputs"])
-            nodes = sorted(missing)
-            deps = sorted({u for n in nodes for u in plan.nodes[n]["inputs"] if u not in missing})
+            nodes = plan.missing(v, slot)
+            deps = sorted({u for n in nodes for u in plan.nodes[n]["inputs"] if u not in nodes})
             step = Step()
             step.kind, step.r, step.ins, step.nodes = MATERIALIZE, -1, [slot[u] for u in deps], nodes
             step.produces = nodes
