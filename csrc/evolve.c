@@ -62,10 +62,7 @@ typedef struct facts {
  * sinf, cosf, powf become intrinsics; a region computed in double has none). */
 static int op_has_fast_form(const kb_op_info *info) {
     static const char *const marks[] = {"expf(", "logf(", "sinf(", "cosf(", "powf("};
-    if (info->kind != KB_KIND_UNARY && info->kind != KB_KIND_BINARY) return 0;
-    for (size_t i = 0; i < sizeof marks / sizeof marks[0]; i++)
-        if (strstr(info->cuda, marks[i])) return 1;
-    return 0;
+    return kb_op_spelled_with(info, marks, sizeof marks / sizeof marks[0]);
 }
 
 enum { DEP_REDUCE = 1, DEP_MEMBER = 2 };

@@ -39,14 +39,6 @@ typedef struct shape_facts {
     int fast_exp_log;    /* fast math changes only exp/log here, and every float output is 16-bit */
 } shape_facts;
 
-/* Does the op's CUDA spelling contain any of marks? (the FAST table of codegen_expr.c) */
-static int spelled_with(const kb_op_info *info, const char *const *marks, size_t n) {
-    if (info->kind != KB_KIND_UNARY && info->kind != KB_KIND_BINARY) return 0;
-    for (size_t i = 0; i < n; i++)
-        if (strstr(info->cuda, marks[i])) return 1;
-    return 0;
-}
-
 static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symvals, shape_facts *f) {
     const kb_graph *g = p->graph;
     kb_ctx *ctx = kb_graph_ctx(g);
@@ -75,8 +67,8 @@ static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symva
     for (int32_t k = 0; k < rg->nnodes; k++) {
         const kb_node *nd = kb_graph_node(g, rg->nodes[k]);
         if (nd->dtype == KB_F64) all16 = 0;
-        has_exp_log |= spelled_with(kb_op_get(nd->op), exp_log, 2);
-        has_trig_pow |= spelled_with(kb_op_get(nd->op), trig_pow, 3);
+        has_exp_log |= kb_op_spelled_with(kb_op_get(nd->op), exp_log, 2);
+        has_trig_pow |= kb_op_spelled_with(kb_op_get(nd->op), trig_pow, 3);
     }
     for (int32_t j = 0; j < rg->noutputs; j++) {
         kb_dtype t = kb_graph_node(g, rg->outputs[j])->dtype;

@@ -426,19 +426,12 @@ class CudaExecutor(Executor):
         return r in self.kernels
 
     def run(self, r, symvals, inputs):
-        kernel = self.kernels[r]
-        device = self.device
-        for i, x in enumerate(inputs):
-            if x.device != device:
-                raise Fallback(f"the model was optimized for {device}; got a tensor on {x.device}")
-            if not x.is_contiguous():
-                raise RegionFallback(f"region {r}: input {i} is not contiguous")
-            if kernel.vec > 1 and x.data_ptr() % 16:
-                raise RegionFallback(f"region {r}: input {i} is not 16-byte aligned (kernel uses vec={kernel.vec})")
-        lp = self._launch_params(kernel, r, symvals)
-        if lp[4] > INT32_LIMIT:
+        """One call off the hot path (gradient checks, Program.run): through a launcher made
+        for it, so both paths check and launch the same way."""
+        launch = self.launcher(r, symvals)
+        if launch is None:
             raise RegionFallback(f"region {r}: a tensor has more than 2^31 elements")
-        return self._launch(kernel, r, symvals, inputs, lp=lp)
+        return launch(inputs)
 
     def launcher(self, r, symvals, trusted=()):
         """The hot path of region r at these sizes (see Executor.launcher): grid, arguments,
@@ -485,9 +478,10 @@ class CudaExecutor(Executor):
                 # has yet to read. Under CUDA-graph capture each launch gets its own (from the
                 # graph's pool), as a replay may overlap work outside the graph.
                 workspace = workspaces.get(stream)
-                if workspace is None or workspace.numel() < workspace_bytes or capturing():
+                capture = capturing()
+                if capture or workspace is None or workspace.numel() < workspace_bytes:
                     workspace = empty(workspace_bytes, dtype=u8, device=device)
-                    if not capturing():
+                    if not capture:
                         workspaces[stream] = workspace
                 args = ints + (workspace.data_ptr(),)
             ptrs = tuple(in_ptrs + [o.data_ptr() for o in outs])

@@ -223,8 +223,7 @@ class Program:
             nodes = plan.missing(v, slot)
             deps = sorted({u for n in nodes for u in plan.nodes[n]["inputs"] if u not in nodes})
             step = Step()
-            step.kind, step.r, step.ins, step.nodes = MATERIALIZE, -1, [slot[u] for u in deps], nodes
-            step.produces = nodes
+            step.kind, step.r, step.ins = MATERIALIZE, -1, [slot[u] for u in deps]
             step.launch = self._materializer(deps, nodes, symvals)
             for n in nodes:
                 slot[n] = len(slot)
@@ -236,7 +235,6 @@ class Program:
             step = Step()
             step.r, step.symvals, step.program, step.backward = info.index, symvals, self, {}
             step.ins = [slot[v] for v in info.inputs]
-            step.produces = list(info.outputs)
             step.float_in = tuple(torch_dtype(plan.nodes[v]["dtype"]).is_floating_point for v in info.inputs)
             step.out_meta = [(torch.Size(graph.sizes(v, symvals)), torch_dtype(plan.nodes[v]["dtype"]))
                              for v in info.outputs]
@@ -292,8 +290,8 @@ class Step:
     """One region (or one materialization of in-between values) bound to sizes: which slots it
     reads, and how to run it, decided once per input signature instead of once per call."""
 
-    __slots__ = ("kind", "r", "ins", "launch", "program", "symvals", "nodes", "produces", "float_in",
-                 "int_outs", "out_meta", "owner", "backward")
+    __slots__ = ("kind", "r", "ins", "launch", "program", "symvals", "float_in", "int_outs", "out_meta",
+                 "owner", "backward")
 
     def run(self, inputs):
         """The region's outputs (kernel, or eager where the backend declines this call)."""
