@@ -54,9 +54,23 @@ def one_run(args) -> dict:
     model = build(args.blocks).cuda()
     x = torch.randn(args.batch, args.ctx, 768, device="cuda")
     torch.cuda.synchronize()
+    profiler = None
+    if args.profile:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     fast = kbench.optimize(model, (x,), budget=args.budget, verbose=False)
     t1 = time.perf_counter()
+    if profiler is not None:
+        import io
+        import pstats
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(45)
+        stats.sort_stats("tottime").print_stats(30)
+        Path(args.profile).write_text(text.getvalue())
     xg = x.clone().requires_grad_(True)
     fast(xg).square().mean().backward()       # builds (searches, compiles) the backward kernels
     torch.cuda.synchronize()
@@ -94,6 +108,9 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--budget", default="fast")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--profile-warm", default=None, metavar="FILE",
+                   help="profile the warm process's optimize() (cProfile, top entries written to FILE)")
+    p.add_argument("--profile", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -108,7 +125,8 @@ def main(argv=None) -> int:
              "--ctx", str(args.ctx), "--budget", args.budget]
     runs = []
     for label in ("cold", "warm"):
-        proc = subprocess.run(child, env=env, capture_output=True, text=True, timeout=1200)
+        extra = ["--profile", args.profile_warm] if label == "warm" and args.profile_warm else []
+        proc = subprocess.run(child + extra, env=env, capture_output=True, text=True, timeout=1200)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)
             return 1
