@@ -10,6 +10,7 @@ default times and writes benchmarks/results/tune-<gpu>-<date>-<commit>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -46,6 +47,37 @@ def build(blocks, dim=768, heads=12):
     return nn.Sequential(*[Block() for _ in range(blocks)])
 
 
+class _Profile:
+    """cProfile of named sections of one run, written as text to `path` (no-op without a path)."""
+
+    def __init__(self, path):
+        self.path, self.parts = path, []
+
+    @contextlib.contextmanager
+    def section(self, name):
+        if not self.path:
+            yield
+            return
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            yield
+        finally:
+            prof.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats("cumulative").print_stats(45)
+            stats.sort_stats("tottime").print_stats(25)
+            self.parts.append(f"===== {name}\n{text.getvalue()}")
+
+    def write(self):
+        if self.path:
+            Path(self.path).write_text("\n".join(self.parts))
+
+
 def one_run(args) -> dict:
     """Optimize (and take one training step) in this process; what it cost and what it chose."""
     import torch
@@ -54,27 +86,17 @@ def one_run(args) -> dict:
     model = build(args.blocks).cuda()
     x = torch.randn(args.batch, args.ctx, 768, device="cuda")
     torch.cuda.synchronize()
-    profiler = None
-    if args.profile:
-        import cProfile
-        profiler = cProfile.Profile()
-        profiler.enable()
+    profiler = _Profile(args.profile)
     t0 = time.perf_counter()
-    fast = kbench.optimize(model, (x,), budget=args.budget, verbose=False)
+    with profiler.section("optimize()"):
+        fast = kbench.optimize(model, (x,), budget=args.budget, verbose=False)
     t1 = time.perf_counter()
-    if profiler is not None:
-        import io
-        import pstats
-        profiler.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("cumulative").print_stats(45)
-        stats.sort_stats("tottime").print_stats(30)
-        Path(args.profile).write_text(text.getvalue())
     xg = x.clone().requires_grad_(True)
-    fast(xg).square().mean().backward()       # builds (searches, compiles) the backward kernels
-    torch.cuda.synchronize()
+    with profiler.section("first forward+backward"):
+        fast(xg).square().mean().backward()       # builds (searches, compiles) the backward kernels
+        torch.cuda.synchronize()
     t2 = time.perf_counter()
+    profiler.write()
     with torch.no_grad():
         err = ((fast(x) - model(x)).abs().max() / model(x).abs().max()).item()
     plan = fast._kbench_plan
