@@ -5,6 +5,12 @@ stream, warm-up, median of >= 50 reps, L2 flushed and inputs rotated between rep
 cross-check) and reported against the memory roofline (a device-to-device copy measured in the
 same run). Every result is checked against a float64 reference; kbench against eager too.
 
+Each cell is timed two ways (TIMING_METHODS, also in the JSON): "per-call", CUDA events around
+each call, which counts the host overhead wherever the GPU waits on the host (the autograd
+engine and a Python autograd.Function bound forward+backward of small ops), and "device", the
+same calls replayed from a CUDA graph, which leaves the kernels alone. For kbench, each region's
+search result (the default genome's kernel time against the winner's) is reported beside them.
+
     python benchmarks/bench_ops.py                      # forward, f32 and bf16, on the GPU
     python benchmarks/bench_ops.py --backward           # also forward+backward
     python benchmarks/bench_ops.py --quick --device cpu # smoke test (small sizes, few reps)
@@ -61,6 +67,18 @@ OPS = {
                       ("float32",)),
 }
 IMPLS = ("eager", "compile", "kbench")
+TIMING_METHODS = {
+    "per-call": "timing.time_fn: CUDA events around each call on the current stream, L2 flushed "
+                "between calls; host overhead included wherever the GPU waits on the host "
+                "(autograd engine, Python autograd.Function). Fields median_ms, "
+                "roofline_fraction; table columns '<impl> ms' and 'roofline'.",
+    "device": "timing.time_graph: one CUDA graph of graph_calls calls, each after an L2 flush, "
+              "minus a graph of the flushes alone, per call, median of graph_replays replays; "
+              "host overhead removed. Fields graph_ms, graph_roofline_fraction (or graph_error "
+              "when the call cannot be captured); table column 'device-time roofline'.",
+}
+# a "searched vs default" gain at or above this counts as the search paying off
+SEARCH_GAIN_GOOD = 1.10
 
 
 def parse_args(argv=None):
@@ -86,6 +104,9 @@ def parse_args(argv=None):
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.reps = a.reps or (20 if a.quick else 100)
     a.warmup = 2 if a.quick else 10
+    # a few replays of a short graph: the device time is stable, and the run stays ~as fast
+    a.graph_calls = 4 if a.quick else 16
+    a.graph_replays = 3 if a.quick else 5
     return a
 
 
@@ -276,14 +297,18 @@ def bench_task(op, dtype, args, env):
                 if name == "kbench":
                     cell["max_abs_vs_eager"] = max_abs_diff(got_out, e_out)
                     cell["schedules"] = schedules(fn)
+                    cell.update(search_summary(fn, backward))  # after run_once built the backward
                     if backward:
                         cell["grad_max_abs_vs_eager"] = max_abs_diff(got_gr, e_gr)
                 del got_out, got_gr
-                t = timing.time_fn(timed_fn(fn, params, gouts, backward), arg_sets,
-                                   device=dev, reps=args.reps, warmup=args.warmup)
+                tfn = timed_fn(fn, params, gouts, backward)
+                t = timing.time_fn(tfn, arg_sets, device=dev, reps=args.reps, warmup=args.warmup)
                 cell.update(t.as_dict())
                 if backward and torch.device(dev).type == "cuda":
-                    cell["peak_mb"] = peak_mb(timed_fn(fn, params, gouts, backward), arg_sets[0], dev)
+                    cell["peak_mb"] = peak_mb(tfn, arg_sets[0], dev)
+                # after peak_mb, which its graphs' memory must not reach; before the input check,
+                # which then covers the replays too
+                device_time(cell, tfn, arg_sets, nbytes, env, args)
                 for a, p in zip(arg_sets, pristine):
                     if any(isinstance(x, torch.Tensor) and not torch.equal(x.detach(), y)
                            for x, y in zip(a, p)):
@@ -313,6 +338,25 @@ def bench_task(op, dtype, args, env):
     return rows
 
 
+def device_time(cell, tfn, arg_sets, nbytes, env, args):
+    """The call's device time from CUDA-graph replay, host overhead removed: graph_ms and
+    graph_roofline_fraction (the per-call roofline's formula), or graph_error when it cannot be
+    captured (it syncs, reads a value on the host...), which leaves the rest of the cell as it
+    was. Nothing on the CPU, where host time is device time."""
+    try:
+        t = timing.time_graph(tfn, arg_sets, device=args.device, calls=args.graph_calls,
+                              reps=args.graph_replays)
+    except Exception as e:  # noqa: BLE001 - a failed capture is this cell's note, not the run's end
+        cell["graph_error"] = f"{type(e).__name__}: {e}"
+        return
+    if t is None:
+        return
+    cell["graph_ms"] = t.median_ms
+    cell["graph_timing"] = t.as_dict()
+    cell["graph_roofline_fraction"] = timing.roofline(nbytes, t.median_ms,
+                                                      env["copy"]["bytes_per_s"])["fraction"]
+
+
 def schedules(fn):
     """What ran: each region's genome (or why it stayed eager), and each backward program's
     regions and genomes, from the optimized module (the JSON says which kernels were timed)."""
@@ -321,6 +365,76 @@ def schedules(fn):
         return None
     return [{"region": i.index, "kind": i.kind, "genome": i.genome or i.status, "backward": i.backward,
              "backward_genomes": i.extra.get("backward_genomes")} for i in plan.regions]
+
+
+def search_regions(fn, directions=("fwd", "bwd")):
+    """Each generated region's search result, forward regions first, then each backward
+    program's in the order they were built: the default genome's and the winner's kernel time
+    (ms), candidates tried, and what the cache said ("hit", "miss", "same as region N"). Only
+    regions searched in this process carry both times."""
+    mod = getattr(fn, "_kbench_impl", None) or fn  # kbench_factory may wrap the module
+    plan = getattr(mod, "_kbench_plan", None)
+    out = []
+    if plan is not None and "fwd" in directions:
+        out += [_search_entry(i, "fwd") for i in plan.regions if i.kind != "EXTERN"]
+    if "bwd" in directions:
+        for (r, need), prog in (getattr(mod, "_kbench_backward", None) or {}).items():
+            if prog is None:  # this region's backward runs in torch
+                continue
+            flags = "".join("1" if n else "0" for n in need)
+            out += [dict(_search_entry(i, "bwd"), forward_region=r, need=flags)
+                    for i in prog.plan.regions if i.kind != "EXTERN"]
+    return out
+
+
+def _search_entry(info, direction):
+    x = info.extra or {}
+    return {"region": info.index, "direction": direction, "kind": info.kind,
+            "default_ms": x.get("default_ms"), "best_ms": x.get("best_ms"),
+            "candidates": x.get("candidates"), "cache": x.get("cache")}
+
+
+def search_gain(entries):
+    """(sum of default_ms / sum of best_ms, regions counted) over the entries where both are
+    known; (None, 0) when none are. Above 1 the search beat the default genome."""
+    known = [e for e in entries if e.get("default_ms") and e.get("best_ms")]
+    if not known:
+        return None, 0
+    return sum(e["default_ms"] for e in known) / sum(e["best_ms"] for e in known), len(known)
+
+
+def search_summary(fn, backward):
+    """The kbench cell's search fields for a row: forward regions, and backward ones too for a
+    forward+backward row."""
+    try:
+        entries = search_regions(fn, ("fwd", "bwd") if backward else ("fwd",))
+    except Exception as e:  # noqa: BLE001 - the plan's shape may change; the timings still count
+        return {"search_error": f"{type(e).__name__}: {e}"}
+    gain, n = search_gain(entries)
+    return {"search": entries, "search_gain": gain, "search_regions": n,
+            "search_cache_hits": sum(1 for e in entries if e.get("cache") == "hit")}
+
+
+def search_label(cell):
+    """The table's "searched vs default": "1.12× (3 regions)" (", 2 cached" when some regions
+    came from the cache), "cached" when none was searched because the cache answered, "—" when
+    nothing was searched (the interpreter, budget "none", no kbench)."""
+    gain, n, hits = cell.get("search_gain"), cell.get("search_regions"), cell.get("search_cache_hits")
+    if gain is None:
+        return "cached" if hits else "—"
+    label = f"{gain:.2f}× ({n} region{'' if n == 1 else 's'}"
+    return label + (f", {hits} cached)" if hits else ")")
+
+
+def search_line(rows):
+    """One line under the table: in how many rows the search paid off, or lost to the default."""
+    gains = [r["impls"]["kbench"].get("search_gain") for r in rows
+             if "kbench" in r.get("impls", {})]
+    known = [g for g in gains if g is not None]
+    return (f"searched vs default genome: {sum(g >= SEARCH_GAIN_GOOD for g in known)} of "
+            f"{len(gains)} kbench rows (task, dtype, mode) gain >= {SEARCH_GAIN_GOOD:.2f}×; "
+            f"{sum(g < 1.0 for g in known)} searched slower than the default (< 1.00×); "
+            f"{len(gains) - len(known)} with no searched region")
 
 
 def host_overhead(task, cfg, dtype, dev, kfn, model, row, params, backward):
@@ -386,6 +500,11 @@ def table(rows, impls):
         def roof(n):
             return results.fmt(c.get(n, {}).get("roofline_fraction"), ".0%")
 
+        def droof(n):
+            cell = c.get(n, {})
+            return "err" if cell.get("graph_error") else results.fmt(
+                cell.get("graph_roofline_fraction"), ".0%")
+
         corr = r["status"]
         k = c.get("kbench", {})
         if k.get("error"):
@@ -406,11 +525,13 @@ def table(rows, impls):
         out.append((r["task"], r["dtype"], r["mode"], ms("eager"), ms("compile"), ms("kbench"),
                     results.fmt(r.get("speedup_kbench_vs_eager"), ".2f") + "×",
                     results.fmt(r.get("speedup_kbench_vs_compile"), ".2f") + "×",
-                    f"{roof('eager')} / {roof('compile')} / {roof('kbench')}", peaks, host, corr))
+                    f"{roof('eager')} / {roof('compile')} / {roof('kbench')}",
+                    f"{droof('eager')} / {droof('compile')} / {droof('kbench')}", peaks, host,
+                    search_label(k), corr))
     return results.markdown_table(
         ("task", "dtype", "mode", "eager ms", "compile ms", "kbench ms", "kbench vs eager",
-         "kbench vs compile", "roofline eager / compile / kbench", "peak MB e / c / k", "host µs e / k",
-         "correctness"), out)
+         "kbench vs compile", "roofline eager / compile / kbench", "device-time roofline e / c / k",
+         "peak MB e / c / k", "host µs e / k", "searched vs default", "correctness"), out)
 
 
 def main(argv=None) -> int:
@@ -434,7 +555,12 @@ def main(argv=None) -> int:
                "options": {"tasks": args.tasks, "dtypes": args.dtypes, "backward": args.backward,
                            "quick": args.quick, "reps": args.reps, "warmup": args.warmup,
                            "impls": args.impls, "kbench_budget": args.kbench_budget,
-                           "l2_flush_bytes": 2 * env["l2_bytes"], "input_sets_rotated": 2},
+                           "l2_flush_bytes": 2 * env["l2_bytes"], "input_sets_rotated": 2,
+                           "timing_methods": TIMING_METHODS, "graph_calls": args.graph_calls,
+                           "graph_replays": args.graph_replays,
+                           "search_gain": "kbench cells: sum(default_ms) / sum(best_ms) over the "
+                                          "row's regions searched in this run (forward; and "
+                                          "backward for fwdbwd); none for cache hits"},
                "copy": env["copy"], "l2_bytes": env["l2_bytes"],
                "total_s": time.perf_counter() - t_start, "rows": rows}
         results.write_json(path, doc)
@@ -459,6 +585,8 @@ def main(argv=None) -> int:
     doc = save()
     print(f"wrote {path} in {doc['total_s']:.0f}s", file=sys.stderr)
     print(table(rows, args.impls))
+    if "kbench" in args.impls:
+        print(search_line(rows))
     return 1 if any(r["status"] == "FAIL" for r in rows) else 0
 
 

@@ -143,6 +143,10 @@ def main(argv=None) -> int:
     from kbench.bench import results
     cache = tempfile.mkdtemp(prefix="kbench-tune-")
     env = dict(os.environ, KBENCH_CACHE_DIR=cache)
+    # where site-packages is read-only (the GPU host's), Python recompiles torch's modules from
+    # source in every process (~5 s of torch.export's imports); a writable bytecode cache makes
+    # the warm process see what it sees on an ordinary install
+    env.setdefault("PYTHONPYCACHEPREFIX", os.path.join(cache, "pycache"))
     child = [sys.executable, __file__, "--child", "--blocks", str(args.blocks), "--batch", str(args.batch),
              "--ctx", str(args.ctx), "--budget", args.budget]
     runs = []

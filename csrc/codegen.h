@@ -144,6 +144,7 @@ void cg_regs_arrays(cg *c);
 
 /* codegen_expr.c, for codegen_chunk.c: a value at an index, and the pieces around it */
 void cg_ev(cg *c, int32_t v, const idx *ix, char *out);
+void cg_ev_store(cg *c, int32_t v, const idx *ix, char *out);
 void cg_bind(cg *c, int32_t v, const idx *x, const char *var);
 void cg_set_lin(idx *x, const char *e, uint32_t mask);
 uint32_t cg_all_bits(const cg *c);

@@ -59,7 +59,7 @@ void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nou
     int vstore[256] = {0};
     for (int j = 0; j < nout && j < 256; j++) {
         const kb_node *nd = NODE(c, outs[j]);
-        cg_ev(c, outs[j], &full, val);
+        cg_ev_store(c, outs[j], &full, val);
         char st[EXPR_LEN * 2];
         cg_fmt(c, st, sizeof st, cg_store_fmt(nd->dtype), val);
         if (c->full_vec_ok) {
@@ -161,7 +161,7 @@ void cg_stat_outputs(cg *c) {
     for (int32_t j = 0; j < c->rg->noutputs; j++) {
         int32_t v = c->rg->outputs[j];
         if (cg_out_full(c, v) || c->colsum[v]) continue;
-        cg_ev(c, v, &x, val);
+        cg_ev_store(c, v, &x, val);
         cg_fmt(c, st, sizeof st, cg_store_fmt(NODE(c, v)->dtype), val);
         cg_line(c, "p%d[%s] = %s;", (int)v, c->stat_lin, st);
     }

@@ -840,6 +840,17 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
 /* ---------------------------------------------------------------- for codegen_chunk.c */
 
 void cg_ev(cg *c, int32_t v, const idx *ix, char *out) { ev(c, v, ix, out); }
+
+/* The value an output stores, before the store's own conversion: a cast to the 16-bit type
+ * being stored is that conversion already, so its operand is stored (the same bits, without a
+ * round trip through f32 per element). */
+void cg_ev_store(cg *c, int32_t v, const idx *ix, char *out) {
+    const kb_node *nd = NODE(c, v);
+    if (nd->op == KB_OP_CAST && (nd->dtype == KB_F16 || nd->dtype == KB_BF16) &&
+        kb_dtype_is_float(NODE(c, nd->inputs[0])->dtype))
+        v = nd->inputs[0];
+    ev(c, v, ix, out);
+}
 void cg_set_lin(idx *x, const char *e, uint32_t mask) { set_lin(x, e, mask); }
 uint32_t cg_all_bits(const cg *c) { return all_bits(c); }
 int cg_stat_shape(const cg *c, const kb_node *nd, int *keep) { return stat_shape(c, nd, keep); }

@@ -49,6 +49,7 @@ typedef struct build {
     int32_t *dep;      /* floating: the latest region whose output it reads (-1: inputs only) */
     uint8_t *fl;       /* floating: FL_* facts about what it reads */
     uint8_t *index_read; /* read only through static index maps (mark_index_reads) */
+    uint8_t *lone_read;  /* from graph inputs alone, with one reader (mark_lone_reads) */
     breg *regs;
     int32_t nreg, capreg;
 } build;
@@ -389,7 +390,55 @@ static int float_broadcast(const build *b, int32_t v) {
 /* Read only through static index maps (mark_index_reads). */
 static int float_index_read(const build *b, int32_t v) { return b->index_read[v]; }
 
-static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_index_read};
+/* From graph inputs alone, with a single reader (mark_lone_reads). */
+static int float_lone_read(const build *b, int32_t v) { return b->lone_read[v]; }
+
+static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_index_read, float_lone_read};
+
+/* The pre-pass behind float_lone_read: a value computed from graph inputs by pointwise work and
+ * views alone, not a graph output, whose one reader is pointwise work on another region's
+ * result. The one region that reads it recomputes it from inputs it reads in its place;
+ * materialized, it would cost a full write and read (a backward's exp(x - saved max) in a
+ * kernel of its own, read back by the row kernel that scales it by a row sum). */
+static kb_status mark_lone_reads(build *b) {
+    size_t n1 = (size_t)(b->n ? b->n : 1);
+    uint8_t *from = kb_calloc(b->ctx, n1, 1), *readers = kb_calloc(b->ctx, n1, 1);
+    int32_t *reader = kb_malloc(b->ctx, sizeof(int32_t) * n1);
+    if (!from || !readers || !reader) {
+        kb_free(b->ctx, from, n1);
+        kb_free(b->ctx, readers, n1);
+        kb_free(b->ctx, reader, sizeof(int32_t) * n1);
+        return KB_ERR_OOM;
+    }
+    for (int32_t v = 0; v < b->n; v++) reader[v] = -1;
+    for (int32_t v = 0; v < b->n; v++) {
+        const kb_node *nd = N(b, v);
+        enum node_class cls = classify(nd);
+        if (nd->op == KB_OP_INPUT || nd->op == KB_OP_CONST || nd->op == KB_OP_IOTA) {
+            from[v] = 1;
+        } else if (cls == C_POINTWISE || cls == C_RESHAPE || cls == C_EXPAND || cls == C_VIEW) {
+            from[v] = 1;
+            for (int i = 0; i < nd->ninputs; i++) from[v] &= from[nd->inputs[i]];
+        }
+        for (int i = 0; i < nd->ninputs; i++) { /* 2: more than one reader, or one needing it whole */
+            int32_t u = nd->inputs[i];
+            readers[u] = cls == C_POINTWISE && readers[u] == 0 ? 1 : 2;
+            reader[u] = v;
+        }
+    }
+    for (int32_t i = 0; i < kb_graph_noutputs(b->g); i++) readers[kb_graph_output(b->g, i)] = 2;
+    /* readers before the values they read: a chain floats link by link into the region whose
+     * result its last link reads (not into work on inputs alone: that chain fuses as it is) */
+    for (int32_t v = b->n - 1; v >= 0; v--) {
+        int32_t w = reader[v];
+        b->lone_read[v] = classify(N(b, v)) == C_POINTWISE && from[v] && readers[v] == 1 &&
+                          (!from[w] || b->lone_read[w]);
+    }
+    kb_free(b->ctx, from, n1);
+    kb_free(b->ctx, readers, n1);
+    kb_free(b->ctx, reader, sizeof(int32_t) * n1);
+    return KB_OK;
+}
 
 /* The pre-pass behind float_index_read: pointwise values computed from graph inputs by
  * pointwise work and views alone, and read only as the table of gathers whose index is
@@ -605,15 +654,18 @@ kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
     b.floating = kb_calloc(ctx, n1, 1);
     b.fl = kb_calloc(ctx, n1, 1);
     b.index_read = kb_calloc(ctx, n1, 1);
+    b.lone_read = kb_calloc(ctx, n1, 1);
     mark = kb_calloc(ctx, n1, 1);
     is_out = kb_calloc(ctx, n1, 1);
     tmp = kb_malloc(ctx, sizeof(int32_t) * n1);
     tmp2 = kb_malloc(ctx, sizeof(int32_t) * n1);
-    KB_CHECK(ctx, b.reg && b.dep && b.lvl && b.floating && b.fl && b.index_read && mark && is_out && tmp && tmp2,
+    KB_CHECK(ctx, b.reg && b.dep && b.lvl && b.floating && b.fl && b.index_read && b.lone_read && mark && is_out &&
+             tmp && tmp2,
              KB_ERR_OOM, "out of memory");
     for (int32_t v = 0; v < b.n; v++) b.reg[v] = b.dep[v] = -1;
 
     KB_TRY(mark_index_reads(&b));
+    KB_TRY(mark_lone_reads(&b));
     for (int32_t v = 0; v < b.n; v++) KB_TRY(assign(&b, v));
     for (int32_t r = 0; r < b.nreg; r++) col_to_row_colsum(&b, r);
     /* a graph output that is a constant or a folded view still needs a kernel to write it */
@@ -699,11 +751,60 @@ cleanup:
     kb_free(ctx, b.floating, n1);
     kb_free(ctx, b.fl, n1);
     kb_free(ctx, b.index_read, n1);
+    kb_free(ctx, b.lone_read, n1);
     kb_free(ctx, b.regs, sizeof(breg) * (size_t)b.capreg);
     kb_free(ctx, mark, n1);
     kb_free(ctx, is_out, n1);
     kb_free(ctx, tmp, sizeof(int32_t) * n1);
     kb_free(ctx, tmp2, sizeof(int32_t) * n1);
+    return st;
+}
+
+/* ---------------------------------------------------------------- row statistics */
+
+enum { KB_MAX_SAVED = 4 };
+
+/* A row's bytes at the graph's example sizes, 4 per element (the kernels reduce in f32). */
+static int64_t row_bytes(const kb_graph *g, const kb_node *red)
+{
+    int64_t symvals[KB_MAX_SYMS] = {0}, n = 4;
+    for (int32_t s = 0; s < kb_graph_nsymbols(g) && s < KB_MAX_SYMS; s++) symvals[s] = kb_graph_symbol_example(g, s);
+    const kb_node *in = kb_graph_node(g, red->inputs[0]);
+    for (int32_t d = 0; d < in->rank; d++)
+        if (red->axes & (1u << d)) n *= kb_dim_eval(in->dims[d], symvals);
+    return n;
+}
+
+kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
+{
+    if (!p || !p->graph) return KB_ERR_INVALID;
+    kb_ctx *ctx = kb_graph_ctx(p->graph);
+    kb_status st = KB_OK;
+    for (int32_t r = 0; r < p->nregions; r++) {
+        kb_region *rg = &p->regions[r];
+        if (rg->kind != KB_REGION_ROW || rg->nsaved > 0) continue;
+        int32_t stats[KB_MAX_SAVED], ns = 0;
+        for (int32_t k = 0; k < rg->nnodes && ns < KB_MAX_SAVED; k++) {
+            int32_t v = rg->nodes[k], is_out = 0;
+            const kb_node *nd = kb_graph_node(p->graph, v);
+            /* a row's own reduction (not a column sum folded into the row kernel), in float */
+            if (kb_op_get(nd->op)->kind != KB_KIND_REDUCE || !kb_dtype_is_float(nd->dtype) ||
+                p->region_of[v] != r || nd->axes != rg->reduce_axes || row_bytes(p->graph, nd) < min_row_bytes)
+                continue;
+            for (int32_t j = 0; j < rg->noutputs; j++) is_out |= rg->outputs[j] == v;
+            if (!is_out) stats[ns++] = v;
+        }
+        if (ns == 0) continue;
+        int32_t *outs = kb_malloc(ctx, sizeof(int32_t) * (size_t)(rg->noutputs + ns));
+        KB_CHECK(ctx, outs != NULL, KB_ERR_OOM, "save_stats: out of memory");
+        if (rg->noutputs) memcpy(outs, rg->outputs, sizeof(int32_t) * (size_t)rg->noutputs);
+        memcpy(outs + rg->noutputs, stats, sizeof(int32_t) * (size_t)ns);
+        kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)(rg->noutputs ? rg->noutputs : 1));
+        rg->outputs = outs;
+        rg->noutputs += ns;
+        rg->nsaved = ns;
+    }
+cleanup:
     return st;
 }
 
@@ -739,6 +840,7 @@ kb_status kb_partition_dump(const kb_partition *p, char **out) {
         id_list(&sb, rg->inputs, rg->ninputs);
         kb_sb_puts(&sb, " out=");
         id_list(&sb, rg->outputs, rg->noutputs);
+        if (rg->nsaved) kb_sb_printf(&sb, " saved=%d", (int)rg->nsaved);
         kb_sb_puts(&sb, "\n");
         for (int32_t k = 0; k < rg->nnodes; k++) {
             kb_sb_puts(&sb, "  ");

@@ -813,9 +813,14 @@ static void mark_required(gradctx *gc, const uint8_t *wrt)
 
 kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out)
 {
+    return kb_graph_grad_saved(g, wrt, 0, out);
+}
+
+kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, kb_graph **out)
+{
     if (!out) return KB_ERR_INVALID;
     *out = NULL;
-    if (!g) return KB_ERR_INVALID;
+    if (!g || nsaved < 0 || nsaved > kb_graph_noutputs(g)) return KB_ERR_INVALID;
     kb_status st = KB_OK;
     kb_ctx *ctx = kb_graph_ctx(g);
     int32_t n = kb_graph_nnodes(g);
@@ -842,15 +847,34 @@ kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out)
     KB_TRY(kb_graph_new(ctx, &gc.b.g));
     KB_TRY(copy_symbols(g, gc.b.g));
 
-    /* the forward, re-emitted: the backward reads its values (prune drops what it does not) */
+    /* the forward, re-emitted: the backward reads its values (prune drops what it does not);
+     * g's inputs first, then the saved statistics as inputs in their place */
+    for (int32_t i = 0; i < kb_graph_ninputs(g); i++) {
+        int32_t v = kb_graph_input(g, i);
+        KB_TRY(emit(&gc.b, kb_graph_node(g, v), &gc.map[v]));
+    }
+    int32_t nreal = kb_graph_noutputs(g) - nsaved;
+    for (int32_t k = nreal; k < kb_graph_noutputs(g); k++) {
+        int32_t o = kb_graph_output(g, k);
+        const kb_node *on = kb_graph_node(g, o);
+        KB_CHECK(ctx, on->op != KB_OP_INPUT, KB_ERR_INVALID, "grad: saved output %d is an input", (int)k);
+        kb_node t = tmpl_new(KB_OP_INPUT, on->dtype, on->rank, on->dims);
+        t.input_kind = KB_INPUT_USER;
+        snprintf(t.name, sizeof t.name, "saved%d", (int)(k - nreal));
+        KB_TRY(emit(&gc.b, &t, &gc.map[o]));
+    }
     for (int32_t v = 0; v < n; v++) {
         kb_node t = *kb_graph_node(g, v);
+        if (t.op == KB_OP_INPUT) continue;
+        int saved = 0;
+        for (int32_t k = nreal; k < kb_graph_noutputs(g); k++) saved |= kb_graph_output(g, k) == v;
+        if (saved) continue;
         for (int i = 0; i < t.ninputs; i++) t.inputs[i] = gc.map[t.inputs[i]];
         KB_TRY(emit(&gc.b, &t, &gc.map[v]));
     }
     mark_required(&gc, wrt);
     /* one upstream gradient per output; seeds only where a gradient can flow */
-    for (int32_t k = 0; k < kb_graph_noutputs(g); k++) {
+    for (int32_t k = 0; k < nreal; k++) {
         int32_t o = kb_graph_output(g, k), gid;
         const kb_node *on = kb_graph_node(g, o);
         kb_node t = tmpl_new(KB_OP_INPUT, on->dtype, on->rank, on->dims);
@@ -891,6 +915,13 @@ cleanup:
 
 /* ---------------------------------------------------------------- a region as a graph */
 
+static int in_region(const kb_region *reg, int32_t v)
+{
+    for (int32_t k = 0; k < reg->nnodes; k++)
+        if (reg->nodes[k] == v) return 1;
+    return 0;
+}
+
 kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out)
 {
     if (!out) return KB_ERR_INVALID;
@@ -922,20 +953,31 @@ kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out)
         else snprintf(t.name, sizeof t.name, "in%d", (int)k);
         KB_TRY(kb_graph_add(rg, &t, &map[v]));
     }
-    for (int32_t k = 0; k < reg->nnodes; k++) {
-        int32_t v = reg->nodes[k];
-        KB_CHECK(ctx, v >= 0 && v < n, KB_ERR_INVALID, "region %d: node %d is a bad value (%d)", (int)r, (int)k, (int)v);
-        if (map[v] >= 0) continue; /* one of the region's inputs */
-        kb_node t = *kb_graph_node(g, v);
-        KB_CHECK(ctx, t.op != KB_OP_INPUT, KB_ERR_INVALID,
-                 "region %d holds graph input %d without listing it among its inputs", (int)r, (int)v);
-        for (int i = 0; i < t.ninputs; i++) {
-            KB_CHECK(ctx, map[t.inputs[i]] >= 0, KB_ERR_INVALID,
-                     "region %d: node %d reads %d, which is neither in the region (before it) nor an input",
-                     (int)r, (int)v, (int)t.inputs[i]);
-            t.inputs[i] = map[t.inputs[i]];
+    /* Nodes in id order, except that a node with no operands (a constant, an iota) comes just
+     * before its first reader: one that repeated blocks share sits before the first block only,
+     * and the same region of every block must read the same (cache keys, gradient checks). */
+    for (int32_t pass = 0; pass < 2; pass++) {
+        for (int32_t k = 0; k < reg->nnodes; k++) {
+            int32_t v = reg->nodes[k];
+            KB_CHECK(ctx, v >= 0 && v < n, KB_ERR_INVALID, "region %d: node %d is a bad value (%d)", (int)r, (int)k, (int)v);
+            if (map[v] >= 0) continue; /* one of the region's inputs, or emitted */
+            const kb_node *src = kb_graph_node(g, v);
+            KB_CHECK(ctx, src->op != KB_OP_INPUT, KB_ERR_INVALID,
+                     "region %d holds graph input %d without listing it among its inputs", (int)r, (int)v);
+            if (src->ninputs == 0 && pass == 0) continue; /* placed by its first reader (or pass 1) */
+            kb_node t = *src;
+            for (int i = 0; i < t.ninputs; i++) {
+                int32_t u = t.inputs[i];
+                if (map[u] < 0 && kb_graph_node(g, u)->ninputs == 0 && kb_graph_node(g, u)->op != KB_OP_INPUT &&
+                    in_region(reg, u))
+                    KB_TRY(kb_graph_add(rg, kb_graph_node(g, u), &map[u]));
+                KB_CHECK(ctx, map[u] >= 0, KB_ERR_INVALID,
+                         "region %d: node %d reads %d, which is neither in the region (before it) nor an input",
+                         (int)r, (int)v, (int)u);
+                t.inputs[i] = map[u];
+            }
+            KB_TRY(kb_graph_add(rg, &t, &map[v]));
         }
-        KB_TRY(kb_graph_add(rg, &t, &map[v]));
     }
     for (int32_t j = 0; j < reg->noutputs; j++) {
         int32_t v = reg->outputs[j];

@@ -179,6 +179,7 @@ typedef struct kb_region {
     int32_t noutputs; int32_t *outputs;   /* values read outside it or returned by the graph */
     int32_t anchor;
     uint32_t reduce_axes;
+    int32_t nsaved;   /* the last nsaved outputs are row statistics kept for the backward only */
 } kb_region;
 
 typedef struct kb_partition {
@@ -191,6 +192,14 @@ typedef struct kb_partition {
 kb_status kb_partition_new(const kb_graph *g, kb_partition **out);
 void kb_partition_free(kb_partition *p);
 kb_status kb_partition_dump(const kb_partition *p, char **out);
+/* Row statistics for the backward (a forward partition's choice; a backward's is not differentiated
+ * again): in each ROW region whose rows hold at least min_row_bytes (4 per element at the example
+ * sizes), the row reductions no other region reads (a softmax's max and sum) become extra outputs
+ * after its own, counted by nsaved. The forward writes one value per row; the backward reads them
+ * rather than reducing the row again, which for a row too long to keep on chip (a 32k-vocabulary
+ * cross-entropy) is a second read of the whole input. A shorter row stays on chip in the backward,
+ * so recomputing its statistics moves no extra bytes and keeps that kernel whole. */
+kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes);
 
 /* ---------------------------------------------------------------- subgraphs and autodiff (grad.c) */
 
@@ -201,13 +210,16 @@ kb_status kb_partition_dump(const kb_partition *p, char **out);
 kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out);
 
 /* Reverse mode: a graph computing the vector-Jacobian product of g. Its inputs are g's inputs
- * (same order, kinds, names), then one upstream gradient per output of g (same dtype and
- * shape, kind user, named "grad_out<k>"). Its outputs are the gradients of the inputs i with
- * wrt[i] != 0, in input order (same dtype and shape as the input). The forward values the
- * backward needs are recomputed inside it from g's inputs (saved-tensor policy: keep the
- * region inputs, recompute the rest — the partitioner fuses recomputation into the backward
- * kernels). Integer and bool inputs get no gradient (wrt must be 0 for them). The caller owns
- * *out (kb_graph_free). KB_ERR_UNSUPPORTED for a graph with EXTERN nodes. */
+ * (same order, kinds, names), then the values of g's last nsaved outputs (kind user, named
+ * "saved<k>": statistics the forward kept, see kb_partition_save_stats), then one upstream
+ * gradient per other output of g (same dtype and shape, kind user, named "grad_out<k>"). Its
+ * outputs are the gradients of the inputs i with wrt[i] != 0, in input order (same dtype and
+ * shape as the input). The other forward values the backward needs are recomputed inside it
+ * from g's inputs (saved-tensor policy: keep the region inputs and row statistics, recompute the
+ * rest — the partitioner fuses recomputation into the backward kernels). Integer and bool
+ * inputs get no gradient (wrt must be 0 for them). The caller owns *out (kb_graph_free).
+ * KB_ERR_UNSUPPORTED for a graph with EXTERN nodes. kb_graph_grad is nsaved = 0. */
+kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, kb_graph **out);
 kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out);
 
 /* ---------------------------------------------------------------- CPU interpreter (interp.c) */

@@ -172,7 +172,14 @@ static PyObject *graph_wrap_derived(kb_py_graph *owner, kb_graph *g) {
     return (PyObject *)self;
 }
 
-static PyObject *graph_grad(kb_py_graph *self, PyObject *arg) {
+static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"wrt", "saved", NULL};
+    PyObject *arg;
+    int saved = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$i:grad", kwlist, &arg, &saved)) return NULL;
+    if (saved < 0 || saved > kb_graph_noutputs(self->graph))
+        return PyErr_Format(PyExc_ValueError, "grad: saved=%d, but the graph has %d outputs", saved,
+                            (int)kb_graph_noutputs(self->graph));
     int32_t n = kb_graph_ninputs(self->graph);
     PyObject *fast = PySequence_Fast(arg, "grad(wrt): wrt must be a sequence of bools, one per input");
     if (!fast) return NULL;
@@ -195,7 +202,7 @@ static PyObject *graph_grad(kb_py_graph *self, PyObject *arg) {
     }
     Py_DECREF(fast);
     kb_graph *out = NULL;
-    kb_status st = kb_graph_grad(self->graph, wrt, &out);
+    kb_status st = kb_graph_grad_saved(self->graph, wrt, (int32_t)saved, &out);
     if (st != KB_OK) return graph_raise(self, st);
     return graph_wrap_derived(self, out);
 }
@@ -404,9 +411,10 @@ static PyMethodDef graph_methods[] = {
     {"node", (PyCFunction)graph_node, METH_O, "node(id) -> dict of the node's fields"},
     {"sizes", (PyCFunction)graph_sizes, METH_VARARGS, "sizes(value id, symvals) -> concrete sizes"},
     {"partition", (PyCFunction)graph_partition, METH_NOARGS, "partition() -> Partition (the fused regions)"},
-    {"grad", (PyCFunction)graph_grad, METH_O,
-     "grad(wrt) -> Graph: inputs = this graph's inputs + one upstream gradient per output; outputs = the "
-     "gradients of the inputs flagged in wrt"},
+    {"grad", (PyCFunction)(void (*)(void))graph_grad, METH_VARARGS | METH_KEYWORDS,
+     "grad(wrt, *, saved=0) -> Graph: inputs = this graph's inputs + the values of its last `saved` outputs "
+     "(statistics the forward kept) + one upstream gradient per other output; outputs = the gradients of "
+     "the inputs flagged in wrt"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -448,10 +456,20 @@ static PyObject *partition_region(kb_py_partition *self, PyObject *arg) {
     if (r == -1 && PyErr_Occurred()) return NULL;
     if (r < 0 || r >= self->part->nregions) return PyErr_Format(PyExc_IndexError, "region %ld out of range", r);
     const kb_region *rg = &self->part->regions[r];
-    return Py_BuildValue("{s:s,s:N,s:N,s:N,s:i,s:k}", "kind", kb_region_kind_name(rg->kind), "nodes",
+    return Py_BuildValue("{s:s,s:N,s:N,s:N,s:i,s:i,s:k}", "kind", kb_region_kind_name(rg->kind), "nodes",
                          ids_to_list(rg->nodes, rg->nnodes), "inputs", ids_to_list(rg->inputs, rg->ninputs),
-                         "outputs", ids_to_list(rg->outputs, rg->noutputs), "anchor", rg->anchor,
-                         "reduce_axes", (unsigned long)rg->reduce_axes);
+                         "outputs", ids_to_list(rg->outputs, rg->noutputs), "saved", rg->nsaved,
+                         "anchor", rg->anchor, "reduce_axes", (unsigned long)rg->reduce_axes);
+}
+
+static PyObject *partition_save_stats(kb_py_partition *self, PyObject *arg) {
+    long long min_row_bytes = PyLong_AsLongLong(arg);
+    if (min_row_bytes == -1 && PyErr_Occurred()) return NULL;
+    kb_status st = kb_partition_save_stats(self->part, (int64_t)min_row_bytes);
+    if (st != KB_OK) return kb_py_raise(PyType_GetModule(Py_TYPE(self)), self->graph->ctx, st, NULL);
+    long total = 0;
+    for (int32_t r = 0; r < self->part->nregions; r++) total += self->part->regions[r].nsaved;
+    return PyLong_FromLong(total);
 }
 
 static PyObject *partition_region_graph(kb_py_partition *self, PyObject *arg) {
@@ -478,7 +496,12 @@ static PyObject *partition_get_graph(kb_py_partition *self, void *Py_UNUSED(c)) 
 }
 
 static PyMethodDef partition_methods[] = {
-    {"region", (PyCFunction)partition_region, METH_O, "region(i) -> dict(kind, nodes, inputs, outputs, anchor, reduce_axes)"},
+    {"region", (PyCFunction)partition_region, METH_O,
+     "region(i) -> dict(kind, nodes, inputs, outputs, saved, anchor, reduce_axes); the last `saved` outputs "
+     "are row statistics kept for the backward"},
+    {"save_stats", (PyCFunction)partition_save_stats, METH_O,
+     "save_stats(min_row_bytes) -> int: each ROW region whose rows hold at least min_row_bytes also outputs "
+     "its row reductions (for its backward); how many in all"},
     {"region_graph", (PyCFunction)partition_region_graph, METH_O,
      "region_graph(i) -> Graph: region i alone, its inputs as graph inputs, its outputs as graph outputs"},
     {NULL, NULL, 0, NULL},

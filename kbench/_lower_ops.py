@@ -674,7 +674,9 @@ def _softmax_common(b, node, a, log):
     sh = b.arith("sub", x, m)
     e = b.unary("exp", sh)
     s = b.reduce("sum", e, ax, True)
-    y = b.arith("sub", sh, b.unary("log", s)) if log else b.arith("div", e, s)
+    # softmax scales by one reciprocal per row: a division per element is most of the
+    # arithmetic of a bf16 softmax at memory speed (within 1 ulp of e / s in f32)
+    y = b.arith("sub", sh, b.unary("log", s)) if log else b.arith("mul", e, b.unary("recip", s))
     if node.target._schema.name == "aten::_safe_softmax":
         y = b.where(b.arith("eq", m, -math.inf), 0.0, y, y.dtype)   # all -inf rows give 0
     return b.cast(y, dt)

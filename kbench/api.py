@@ -10,6 +10,7 @@ from . import _C
 from .capture import capture as _capture
 from .capture import capture_exported as _capture_exported
 from .capture import repin as _repin
+from .runtime import SAVE_STATS_MIN_ROW_BYTES
 
 
 class Graph:
@@ -223,6 +224,7 @@ def generate(model: torch.nn.Module, example_inputs, *, arch: str = "sm_90", com
     sm = int(arch[3:].rstrip("a"))
     graph = capture(model, example_inputs)
     part = graph.ir.partition()
+    part.save_stats(SAVE_STATS_MIN_ROW_BYTES)   # as optimize()'s forward kernels: long rows' statistics too
     kernels = []
     for r in range(len(part)):
         region = part.region(r)

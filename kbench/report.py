@@ -47,8 +47,11 @@ class Report:
         if plan.static_reason:
             rep.notes.append(f"sizes: {plan.static_reason}")
         if any(info.backward for info in plan.regions):
-            rep.notes.append("saved for backward: each region's inputs only; its backward kernels recompute the "
-                             "forward values they need (fewer bytes kept than the intermediates)")
+            saving = [f"region {info.index}: {info.saved}" for info in plan.regions if info.saved]
+            rep.notes.append("saved for backward: each region's inputs, and the row statistics (max, sum, mean) of "
+                             "rows too long to stay on chip (" + (", ".join(saving) or "none here") + "); the "
+                             "backward kernels recompute the other forward values they need (fewer bytes than "
+                             "keeping intermediates or re-reading long rows)")
         for info in plan.regions:
             x = info.extra
             if x.get("candidates"):

@@ -10,6 +10,7 @@ backward differentiates the region's torch recomputation instead, and the report
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -43,12 +44,22 @@ class RegionInfo:
     kernel_ms: float | None = None
     backward: str = ""      # how its backward runs
     extra: dict = field(default_factory=dict)
+    saved: int = 0          # its last `saved` outputs are row statistics kept for the backward
+
+
+# Saved-tensor policy: a region's backward recomputes what it needs from the region's inputs,
+# except the row statistics (max, sum, mean) of rows of at least this many bytes (f32), which the
+# forward writes (a value per row) and the backward reads. A shorter row is held on chip by the
+# backward kernel, so recomputing its statistics moves no extra bytes; a longer one would be
+# read twice. 64 KB: more than a block keeps on chip with several blocks per SM.
+SAVE_STATS_MIN_ROW_BYTES = 64 * 1024
 
 
 class Plan:
     """A graph and its regions: everything about it that does not change between calls."""
 
-    def __init__(self, graph, externs=(), example_symvals=None, static_reason=None, guards=()):
+    def __init__(self, graph, externs=(), example_symvals=None, static_reason=None, guards=(),
+                 save_stats=False):
         self.graph = graph
         self.guards = list(guards)     # size relations the capture relies on (callables of symvals)
         self.externs = list(externs)   # torch_eval reads .externs of its `captured` argument
@@ -57,12 +68,15 @@ class Plan:
         self.static_reason = static_reason
         self.nodes = [graph.node(i) for i in range(graph.num_nodes)]
         self.partition = graph.partition()
+        if save_stats:  # a forward: its long-row regions also write the statistics their backward reads
+            self.partition.save_stats(SAVE_STATS_MIN_ROW_BYTES)
         self.regions: list[RegionInfo] = []
         for r in range(len(self.partition)):
             d = self.partition.region(r)
             ops = " ".join(self.nodes[n]["op"] for n in d["nodes"]
                            if self.nodes[n]["op"] not in ("const", "input"))
-            self.regions.append(RegionInfo(r, d["kind"], d["nodes"], d["inputs"], d["outputs"], ops))
+            self.regions.append(RegionInfo(r, d["kind"], d["nodes"], d["inputs"], d["outputs"], ops,
+                                           saved=d["saved"]))
         self.nvrtc = None
 
     def admits(self, symvals) -> bool:
@@ -239,6 +253,7 @@ class Program:
             step.out_meta = [(torch.Size(graph.sizes(v, symvals)), torch_dtype(plan.nodes[v]["dtype"]))
                              for v in info.outputs]
             step.int_outs = not all(d.is_floating_point for _, d in step.out_meta)
+            step.nsaved = info.saved
             if info.kind == "EXTERN":
                 step.kind, step.launch = EAGER, None
             else:
@@ -291,7 +306,7 @@ class Step:
     reads, and how to run it, decided once per input signature instead of once per call."""
 
     __slots__ = ("kind", "r", "ins", "launch", "program", "symvals", "float_in", "int_outs", "out_meta",
-                 "owner", "backward")
+                 "nsaved", "owner", "backward")
 
     def run(self, inputs):
         """The region's outputs (kernel, or eager where the backend declines this call)."""
@@ -340,9 +355,13 @@ class RegionFunction(torch.autograd.Function):
     def forward(ctx, step, *inputs):
         outs, ctx.checked = step.run_kernel(inputs)
         ctx.step = step
-        ctx.save_for_backward(*inputs)
-        if step.int_outs:
-            ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        ns = step.nsaved
+        # the row statistics ride along as outputs no one differentiates (the next region's
+        # slots expect every output); the backward reads them instead of re-reducing the rows
+        ctx.save_for_backward(*inputs, *outs[len(outs) - ns:])
+        if step.int_outs or ns:
+            ctx.mark_non_differentiable(*[o for o in outs[:len(outs) - ns] if not o.is_floating_point()],
+                                        *outs[len(outs) - ns:])
         return tuple(outs)
 
     @staticmethod
@@ -381,12 +400,12 @@ class OptimizedModule(torch.nn.Module):
         self._modules = module._modules
         self.training = module.training
         plan = Plan(captured.graph, captured.externs, captured.example_symvals, captured.static_reason,
-                    captured.guards)
+                    captured.guards, save_stats=True)
         executor.prepare(plan, device)
         self.__dict__.update(_kbench_orig=module, _kbench_captured=captured, _kbench_plan=plan,
                              _kbench_executor=executor, _kbench_reasons=set(), _kbench_device=device,
                              _kbench_program=Program(plan, executor, self._note), _kbench_backward={},
-                             _kbench_unused_grads={},
+                             _kbench_unused_grads={}, _kbench_grad_checks={}, _kbench_region_texts={},
                              _kbench_captured_training=module.training)
         # parameters and buffers as captured: a later .double() or resize sends calls to eager
         nuser = len(captured.input_names)
@@ -534,7 +553,7 @@ class OptimizedModule(torch.nn.Module):
         plan, info = self._kbench_plan, self._kbench_plan.regions[r]
         prog = None
         try:
-            graph = plan.partition.region_graph(r).grad(list(need))
+            graph = plan.partition.region_graph(r).grad(list(need), saved=info.saved)
             bplan = Plan(graph, (), plan.example_symvals, None, plan.guards)
             executor = self._kbench_executor.fresh()
             executor.prepare(bplan, self._kbench_device)
@@ -547,7 +566,14 @@ class OptimizedModule(torch.nn.Module):
             info.backward = f"eager (autodiff: {str(e).splitlines()[0][:80]})"
         self._kbench_backward[key] = prog
         if prog is not None:
-            why, checked = self._check_backward(r, need)
+            # identical regions (a repeated block) with the same backward kernels check the same
+            memo_key = (self._region_text(r), need, tuple(x.genome or x.status for x in prog.plan.regions))
+            memo = self._kbench_grad_checks.get(memo_key)
+            if memo is None:
+                memo = self._kbench_grad_checks[memo_key] = self._check_backward(r, need)
+            elif memo[2] is not None:
+                self._kbench_unused_grads[(r, need)] = self._kbench_unused_grads[memo[2]]
+            why, checked = memo[:2]
             if why:
                 self._kbench_backward[key] = prog = None
                 info.backward = f"eager (gradient check failed: {why})"
@@ -556,12 +582,19 @@ class OptimizedModule(torch.nn.Module):
                 info.backward += f", gradients match torch.autograd at {checked} size(s)"
         return prog
 
+    def _region_text(self, r):
+        """Region r's IR with value names stripped: equal for the same region in repeated blocks."""
+        text = self._kbench_region_texts.get(r)
+        if text is None:
+            text = self._kbench_region_texts[r] = re.sub(r'"[^"]*"', '""', str(self._kbench_plan.partition.region_graph(r)))
+        return text
+
     def _check_backward(self, r, need, seed=0):
         """Before a generated backward is trusted: at the forward's sweep sizes that are no larger
         than the example, with random inputs and a random upstream gradient, every gradient it
         gives must match torch.autograd of the region's float64 recomputation, and the same
         inputs must get gradients (an input autograd leaves at None gets None). Returns
-        (why not or "", sizes checked)."""
+        (why not or "", sizes checked, the (r, need) whose unused-gradient set applies or None)."""
         from . import verify
 
         plan, info = self._kbench_plan, self._kbench_plan.regions[r]
@@ -573,29 +606,38 @@ class OptimizedModule(torch.nn.Module):
             gen = torch.Generator().manual_seed(seed + 7919 * (r + 1) + n)
             ins = self._kbench_executor._region_inputs(r, sv, "normal", gen)
             device = ins[0].device if ins else self._kbench_device
-            metas = [(torch.Size(plan.graph.sizes(v, sv)), torch_dtype(plan.nodes[v]["dtype"])) for v in info.outputs]
-            grads = [torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dt)
+            real = info.outputs[:len(info.outputs) - info.saved]
+            metas = [(torch.Size(plan.graph.sizes(v, sv)), torch_dtype(plan.nodes[v]["dtype"])) for v in real]
+            # the statistics as the forward (its kernel, where it runs) writes them
+            stats = self._kbench_program.run_region(r, sv, ins)[len(real):] if info.saved else []
+            # drawn where they are used: a CPU float64 draw of a large gradient costs seconds
+            dgen = torch.Generator(device=device).manual_seed(gen.initial_seed())
+            grads = [torch.randn(shape, generator=dgen, dtype=torch.float64, device=device).to(dt)
                      if dt.is_floating_point else None for shape, dt in metas]
             ref = self._eager_backward(r, sv, ins, grads, need, dtype=torch.float64)
-            got = self._run_backward(self._kbench_backward[(r, need)], sv, ins, grads, need, metas)
+            got = self._run_backward(self._kbench_backward[(r, need)], sv, ins, grads, need, metas, stats)
             ref, got = [g for g, k in zip(ref, need) if k], [g for g, k in zip(got, need) if k]
             point_unused = set()
             for i, (mine, theirs) in enumerate(zip(got, ref)):
                 if theirs is None:
                     if mine is not None and bool(mine.ne(0).any()):
-                        return f"input {i} gets a gradient where torch.autograd gives none", n
+                        return f"input {i} gets a gradient where torch.autograd gives none", n, None
                     point_unused.add(i)
                     continue
                 ok, _, why = verify.compare(mine, theirs)
                 if not ok:
-                    return f"gradient of input {i} at sizes {sv}: {why}", n
+                    return f"gradient of input {i} at sizes {sv}: {why}", n, None
             unused = point_unused if unused is None else unused & point_unused
         self._kbench_unused_grads[(r, need)] = unused or set()
-        return "", len(points)
+        return "", len(points), (r, need)
 
-    def _region_backward(self, step, inputs, grads, need, checked=False):
-        """checked: the forward's kernel ran on these inputs, so they are contiguous (and the
-        upstream gradients are made so here): the backward's kernels need not check again."""
+    def _region_backward(self, step, saved, grads, need, checked=False):
+        """saved: the region's inputs, then its row statistics (step.nsaved). checked: the
+        forward's kernel ran on these inputs, so they are contiguous (and the upstream gradients
+        are made so here): the backward's kernels need not check again."""
+        inputs, stats = saved[:len(step.ins)], saved[len(step.ins):]
+        nreal = len(step.out_meta) - step.nsaved
+        grads = grads[:nreal]
         if not any(need):
             return [None] * len(inputs)
         r, symvals = step.r, step.symvals
@@ -604,11 +646,11 @@ class OptimizedModule(torch.nn.Module):
         bwd = step.backward.get((need, checked))
         if bwd is None:
             prog = self._backward_program(r, need)
-            trusted = range(len(inputs) + len(grads)) if checked else ()
+            trusted = range(len(inputs) + len(stats) + len(grads)) if checked else ()
             bwd = step.backward[(need, checked)] = prog.bind(symvals, trusted) if prog is not None else False
         if bwd is False:
             return self._eager_backward(r, symvals, inputs, grads, need)
-        slots = list(inputs)
+        slots = [*inputs, *stats]
         for g, (shape, dtype) in zip(grads, step.out_meta):
             slots.append(torch.zeros(shape, dtype=dtype, device=inputs[0].device) if g is None
                          else g if g.is_contiguous() else g.contiguous())
@@ -623,11 +665,11 @@ class OptimizedModule(torch.nn.Module):
                     got[i] = None
         return got
 
-    def _run_backward(self, prog, symvals, inputs, grads, need, out_meta):
+    def _run_backward(self, prog, symvals, inputs, grads, need, out_meta, stats=()):
         grads = [g if g is not None else torch.zeros(s, dtype=d, device=inputs[0].device)
                  for g, (s, d) in zip(grads, out_meta)]
         graph = prog.plan.graph
-        values = dict(zip(graph.inputs, list(inputs) + [g.contiguous() for g in grads]))
+        values = dict(zip(graph.inputs, [*inputs, *stats, *[g.contiguous() for g in grads]]))
         outs = iter(prog.run(symvals, values))
         result = []
         for x, n in zip(inputs, need):

@@ -54,7 +54,7 @@ def test_gradcheck(name, factory, inputs):
     # the regions' backward ran as generated backward programs (interp), not eager autograd
     notes = [info.backward for info in fast._kbench_plan.regions if info.backward]
     assert notes and all(n.startswith("interp") for n in notes), notes
-    assert "saved for backward: each region's inputs only" in str(fast.kbench_report)
+    assert "saved for backward: each region's inputs, and the row statistics" in str(fast.kbench_report)
     assert not fast._kbench_reasons
 
 
@@ -182,3 +182,66 @@ def test_chunked_input_backward_is_one_pointwise_kernel(factory, width):
     notes = [info.backward for info in fast._kbench_plan.regions]
     assert notes == [notes[0]] and notes[0].startswith("interp: 1 region(s) POINTWISE"), notes
     assert not fast._kbench_reasons
+
+
+def test_repeated_blocks_check_their_backward_once(monkeypatch):
+    """Identical regions of a repeated block share one gradient check (the check draws random
+    inputs and a float64 reference at several sizes: seconds per region on a large model), and
+    every block's gradients still match eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU())
+                            for _ in range(3)]).double()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    opt = kbench.optimize(model, (x,), backend="interp")
+    calls = []
+    real = type(opt)._check_backward
+
+    def counted(self, r, need, seed=0):
+        calls.append(r)
+        return real(self, r, need, seed)
+
+    monkeypatch.setattr(type(opt), "_check_backward", counted)
+    xs = x.clone().requires_grad_(True)
+    opt(xs).square().sum().backward()
+    ref = x.clone().requires_grad_(True)
+    model(ref).square().sum().backward()
+    regions = [i for i in opt._kbench_plan.regions if i.kind != "EXTERN"]
+    assert len(regions) == 3 and len(calls) == 1, (len(regions), calls)
+    assert all(", gradients match torch.autograd" in i.backward for i in regions)
+    torch.testing.assert_close(xs.grad, ref.grad)
+    for p, q in zip(opt.parameters(), model.parameters()):
+        assert p is q and p.grad is not None
+
+
+@pytest.mark.parametrize("vocab,saved", [(20000, 2), (1000, 0)])
+def test_long_rows_save_their_statistics(vocab, saved):
+    """Saved-tensor policy: a row too long to keep on chip (>= 64 KB) has its max and sum written
+    by the forward and read by the backward, which then has no reduction over the row's values
+    left (the logits are read once); a short row recomputes them. Gradients match eager either
+    way, also through retain_graph and a second backward, and the statistics never reach the
+    caller."""
+    torch.manual_seed(1)
+    x = torch.randn(5, vocab)
+    t = torch.randint(0, vocab, (5,))
+    model = CE(vocab)
+    opt = kbench.optimize(model, (x, t), backend="interp")
+    region = opt._kbench_plan.regions[0]
+    assert region.kind == "ROW" and region.saved == saved
+    out = opt(x, t)
+    assert out.shape == () and torch.allclose(out, model(x, t), rtol=1e-5, atol=1e-6)
+
+    xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    loss = opt(xs, t)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ref = model(xr, t)
+    ref.backward(retain_graph=True)
+    ref.backward()
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(opt.scale.grad, model.scale.grad, rtol=1e-5, atol=1e-6)
+
+    prog = next(p for (r, _), p in opt._kbench_backward.items() if r == 0)
+    names = [prog.plan.nodes[v]["name"] for v in prog.plan.graph.inputs]
+    assert sum(n.startswith("saved") for n in names) == saved, names
+    ops = " ".join(i.ops for i in prog.plan.regions)
+    assert ("max" in ops) == (saved == 0), ops   # the statistics are read, not recomputed

@@ -292,6 +292,10 @@ def test_errors():
     # one index per row differentiates (an iota mask); two per row would need a scatter
     assert gb.g.grad([True, False]).num_outputs == 1
     assert gb.g.grad([False, False]).num_outputs == 0
+    with pytest.raises(ValueError):
+        gb.g.grad([True, False], saved=2)   # more saved statistics than outputs
+    with pytest.raises(ValueError):
+        gb.g.grad([True, False], saved=-1)
     gb2 = GB()
     x2, k2 = gb2.input("x", [S0, 4]), gb2.input("k", [S0, 2], dtype="i64")
     gb2.out(gb2.op("gather", x2, k2, dims=[S0, 2], axis=1))
@@ -459,3 +463,31 @@ def test_whole_axis_slice_and_single_chunk_half():
     x = gb.input("x", [S0, 8])
     gb.out(gb.op("exp", _slice(gb, x, 1, 0, 8)), gb.op("sin", _slice(gb, x, 1, 4, 4)))
     check_vjp(gb, lambda t: (t.exp(), t[:, 4:].sin()), lambda shape: [torch.randn(shape(x), dtype=torch.float64)])
+
+
+def test_saved_outputs_become_inputs():
+    """grad(wrt, saved=k): the last k outputs (statistics the forward kept) are read, not
+    recomputed, and take no upstream gradient; the gradient is the same as without."""
+    gb = GB()
+    x = gb.input("x", [S0, 6])
+    m = gb.reduce("max", x, (1,), True)
+    e = gb.op("exp", gb.op("sub", x, gb.view("expand", m, gb.dims[x])))
+    s = gb.reduce("sum", e, (1,), True)
+    gb.out(gb.op("div", e, gb.view("expand", s, gb.dims[x])))
+    gb.out(m)
+    gb.out(s)
+    full, saved = gb.g.grad([True]), gb.g.grad([True], saved=2)
+    assert [full.node(v)["name"] for v in full.inputs] == ["x", "grad_out0", "grad_out1", "grad_out2"]
+    assert [saved.node(v)["name"] for v in saved.inputs] == ["x", "saved0", "saved1", "grad_out0"]
+    assert "max" not in {saved.node(v)["op"] for v in range(saved.num_nodes)}   # read, not recomputed
+    sv = [3]
+    x_ = torch.randn(3, 6, dtype=torch.float64)
+    m_, s_ = x_.amax(1, keepdim=True), (x_ - x_.amax(1, keepdim=True)).exp().sum(1, keepdim=True)
+    g_ = torch.randn(3, 6, dtype=torch.float64)
+    zeros = torch.zeros(3, 1, dtype=torch.float64)
+    want = run(full, sv, [x_, g_, zeros, zeros])[0]
+    got = run(saved, sv, [x_, m_, s_, g_])[0]
+    assert rel_err(got, want) < 1e-12
+    xr = x_.clone().requires_grad_(True)
+    (torch.softmax(xr, 1) * g_).sum().backward()
+    assert rel_err(got, xr.grad) < 1e-12

@@ -2,6 +2,11 @@
 many repetitions with the L2 flushed and inputs rotated between them, a wall-clock cross-check
 that exposes work hidden on another stream, and the device-to-device copy that sets the roofline.
 
+Two measurements of one call: `time_fn` ("per-call": events around each call, so where the GPU
+waits on the host, e.g. the autograd engine between kernels, that wait is counted) and
+`time_graph` ("device": the calls replayed from one CUDA graph, so the host is out of the loop
+and what is left is the kernels and the gaps between them on the device).
+
 Imports only torch and the standard library: benchmarks/bench_ops.py loads this file by path
 when the kbench package itself cannot be imported.
 """
@@ -142,6 +147,135 @@ def _time_host(fn, arg_sets, reps, before_each) -> Timing:
     med = statistics.median(times)
     return Timing("perf_counter", reps, med, statistics.fmean(times), min(times),
                   statistics.pstdev(times), med, med, 1.0, False)
+
+
+class GraphTimingError(RuntimeError):
+    """time_graph could not capture or replay fn (it synchronizes, reads a value on the host,
+    launches on another stream, ...). The message says which step failed."""
+
+
+@dataclasses.dataclass
+class GraphTiming:
+    """Device time of one call from CUDA-graph replay, in milliseconds per call."""
+
+    method: str        # "cuda-graph"
+    calls: int         # calls captured in one graph (each after an L2 flush)
+    replays: int       # timed replays of each graph
+    median_ms: float   # median over replays of (calls graph - flushes graph) / calls
+    min_ms: float
+    max_ms: float
+    flush_ms: float    # one L2 flush alone (median), the part subtracted
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def time_graph(fn: Callable, arg_sets: Sequence[Sequence], *, device, reps: int = 5,
+               warmup: int = 3, flush: bool = True, calls: int = 16) -> Optional[GraphTiming]:
+    """Device time per call of fn(*arg_sets[i % len(arg_sets)]), host overhead removed: like
+    triton.testing.do_bench_cudagraph, with the L2 flush kept. One graph holds `calls` calls,
+    each after an L2 flush; a second graph holds the flushes alone; both are replayed
+    `reps` times, interleaved, and per call = (t_calls - t_flushes) / calls, median.
+
+    Returns None where the device is not CUDA (no graphs; host time is device time there).
+    Raises GraphTimingError when fn cannot be captured or replayed; CUDA is usable afterwards
+    (the capture is ended, the current stream restored, the device synchronized).
+
+    Outputs are dropped inside the capture, so their memory is reused by the next call of the
+    same capture and again on every replay: the graph's private pool does not grow. Inputs that
+    require grad must be the same tensor objects on every call (arg_sets are fixed)."""
+    if not is_cuda(device):
+        return None
+    if not arg_sets:
+        raise ValueError("time_graph needs at least one argument set")
+    graphs = []
+    try:
+        _warm_on_side_stream(fn, arg_sets, device, warmup, flush)
+        graphs.append(_capture(fn, arg_sets, device, calls, flush, "the calls"))
+        graphs.append(_capture(None, arg_sets, device, calls, flush, "the flushes"))
+        try:
+            t_calls, t_flush = _replay_ms(graphs, reps, device)
+        except RuntimeError as e:
+            raise GraphTimingError(f"replaying failed: {_short(str(e))}") from e
+    finally:
+        del graphs  # the private pools go back to the allocator with the graphs
+        sync(device)
+        torch.cuda.empty_cache()
+    per_call = [(c - f) / calls for c, f in zip(t_calls, t_flush)]
+    med = statistics.median(per_call)
+    if med <= 0:
+        raise GraphTimingError(f"device time {med * 1e3:.2f} us <= 0: the call is lost in the "
+                               f"noise of the flushes ({statistics.median(t_flush) / calls:.4f} ms each)")
+    return GraphTiming("cuda-graph", calls, reps, med, min(per_call), max(per_call),
+                       statistics.median(t_flush) / calls)
+
+
+def _warm_on_side_stream(fn, arg_sets, device, warmup, flush):
+    """torch.cuda.graph wants lazy initialization (autograd's, torch.compile's, workspaces,
+    the flush buffer) done before capture, on a side stream (the CUDA graphs notes on
+    whole-network capture)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            for i in range(max(1, warmup)):
+                if flush:
+                    flush_l2(device)
+                fn(*arg_sets[i % len(arg_sets)])
+    except Exception as e:  # noqa: BLE001 - said as a timing failure, like the capture's
+        raise GraphTimingError(f"warm-up on a side stream failed: {_short(f'{type(e).__name__}: {e}')}") from e
+    finally:
+        torch.cuda.current_stream(device).wait_stream(side)
+
+
+def _capture(fn, arg_sets, device, calls, flush, what) -> "torch.cuda.CUDAGraph":
+    """One graph of `calls` calls of fn (or none, fn=None), each after an L2 flush."""
+    k = len(arg_sets)
+    g = torch.cuda.CUDAGraph()
+    # torch.cuda.graph's exit does not restore the stream when ending the capture raises
+    stream = torch.cuda.current_stream(device)
+    try:
+        with torch.cuda.graph(g):
+            for i in range(calls):
+                if flush:
+                    flush_l2(device)
+                if fn is not None:
+                    fn(*arg_sets[i % k])  # the outputs are dropped here, inside the capture
+    except Exception as e:  # noqa: BLE001
+        torch.cuda.set_stream(stream)
+        cause = e.__context__  # fn's own error, when ending the aborted capture raised again
+        why = f"{type(e).__name__}: {e}" + (f" (after {type(cause).__name__}: {cause})"
+                                            if cause is not None else "")
+        sync(device)  # raises here if the failure left the device itself broken
+        raise GraphTimingError(f"capturing {what} failed: {_short(why)}") from e
+    return g
+
+
+def _replay_ms(graphs, replays, device):
+    """Milliseconds of each replay of each graph, interleaved so that both see the same clocks.
+    The first replay of a graph uploads it: done once, untimed. Then one untimed replay of the
+    last graph keeps the device busy while the host enqueues the timed ones, so no timed replay
+    waits for its own launch."""
+    stream = torch.cuda.current_stream(device)
+    for g in graphs:
+        g.replay()
+    sync(device)
+    ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+           for _ in range(replays)] for _ in graphs]
+    graphs[-1].replay()
+    for i in range(replays):
+        for g, pairs in zip(graphs, ev):
+            pairs[i][0].record(stream)
+            g.replay()
+            pairs[i][1].record(stream)
+    sync(device)
+    return [[s.elapsed_time(e) for s, e in pairs] for pairs in ev]
+
+
+def _short(text: str, limit: int = 300) -> str:
+    """torch's CUDA errors run to many lines (a C++ trace); the JSON cell keeps the start."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> dict:
