@@ -66,6 +66,7 @@ class Plan:
         self.example_symvals = list(example_symvals if example_symvals is not None
                                     else [s[1] for s in graph.symbols])
         self.static_reason = static_reason
+        self.stat_inputs = set()       # a backward's inputs that are a forward's row statistics
         self.nodes = [graph.node(i) for i in range(graph.num_nodes)]
         self.partition = graph.partition()
         if save_stats:  # a forward: its long-row regions also write the statistics their backward reads
@@ -154,7 +155,10 @@ class Executor:
         for v in info.inputs:
             nd = plan.nodes[v]
             t = torch.empty(plan.graph.sizes(v, symvals), dtype=torch_dtype(nd["dtype"]), device=device)
-            inputs.append(verify.fill(t, dist, gen, high=self._index_bound(r, v, symvals)))
+            if v in plan.stat_inputs:
+                inputs.append(verify.fill_statistic(t, dist, gen))
+            else:
+                inputs.append(verify.fill(t, dist, gen, high=self._index_bound(r, v, symvals)))
         return inputs
 
     def _index_bound(self, r, v, symvals):
@@ -555,6 +559,7 @@ class OptimizedModule(torch.nn.Module):
         try:
             graph = plan.partition.region_graph(r).grad(list(need), saved=info.saved)
             bplan = Plan(graph, (), plan.example_symvals, None, plan.guards)
+            bplan.stat_inputs = set(graph.inputs[len(info.inputs):len(info.inputs) + info.saved])
             executor = self._kbench_executor.fresh()
             executor.prepare(bplan, self._kbench_device)
             prog = Program(bplan, executor, self._note)

@@ -61,6 +61,22 @@ def fill(t: torch.Tensor, dist: str, gen: torch.Generator, high: int | None = No
     return x.to(dtype)
 
 
+# The largest magnitude each distribution of fill() draws (normal: a few sigma).
+_DIST_BOUND = {"normal": 8.0, "uniform": 1.0, "large": 1e3, "tiny": 1e-3}
+
+
+def fill_statistic(t: torch.Tensor, dist: str, gen: torch.Generator) -> torch.Tensor:
+    """Contents for a saved row statistic (a softmax's max and sum, a norm's mean and variance)
+    next to inputs drawn by fill(t, dist): positive and at least as large as any element drawn,
+    as a row's max bounds its elements and the sums a backward divides by are positive. Drawn
+    freely, a "max" below the row's elements sends exp(x - max) past f32's range, a state no
+    forward can produce, where f32 and the float64 reference disagree about Inf."""
+    hi = _DIST_BOUND.get(dist, 1e-3)
+    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+    x = (1 + torch.rand(t.shape, generator=gen, device=t.device, dtype=wide)) * hi
+    return x.to(t.dtype)
+
+
 def poison_like(shape, dtype, device) -> torch.Tensor:
     """An output buffer whose every element is wrong until written."""
     if dtype.is_floating_point:

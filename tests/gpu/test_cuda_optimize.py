@@ -169,3 +169,27 @@ def test_column_sum_workspace_reused_safely():
         graph.replay()
         torch.cuda.synchronize()
         check(static_x, static_g, [o.clone() for o in out])
+
+
+def test_long_row_cross_entropy_reads_saved_statistics():
+    """A 20k-class cross-entropy (80 KB rows, too long to stay on chip): the forward kernel
+    writes each row's max and sum, the backward kernels read them (none re-reduces the logits'
+    row), pass their verification (saved statistics drawn as a forward makes them, not freely),
+    and give eager's gradients, also with ignored targets."""
+    torch.manual_seed(0)
+    model = torch.nn.CrossEntropyLoss(ignore_index=-100).cuda()
+    x = torch.randn(64, 20000, device="cuda")
+    t = torch.randint(0, 20000, (64,), device="cuda")
+    t[::7] = -100
+    fast = kbench.optimize(model, (x, t), budget="none", verbose=False)
+    assert fast._kbench_plan.regions[0].saved == 2
+    xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    g = torch.rand((), device="cuda") + 0.5
+    (got,) = torch.autograd.grad(fast(xs, t), [xs], g)
+    (want,) = torch.autograd.grad(model(xr, t), [xr], g)
+    assert rel_err(got, want) <= 1e-4
+    progs = [p for (r, _), p in fast._kbench_backward.items() if r == 0 and p is not None]
+    assert progs, fast._kbench_plan.regions[0].backward
+    for info in progs[0].plan.regions:
+        assert info.status.startswith("kernel"), info.status   # verified, not eager
+        assert "max" not in info.ops.split(), info.ops
