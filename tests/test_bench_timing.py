@@ -8,22 +8,14 @@ import importlib.util
 import json
 import sys
 import time
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    import kbench  # noqa: F401
-except Exception:  # the C core is not built here: the benchmark does not need it
-    for _k in [k for k in sys.modules if k == "kbench" or k.startswith("kbench.")]:
-        del sys.modules[_k]
-    _pkg = types.ModuleType("kbench")
-    _pkg.__path__ = [str(ROOT / "kbench")]
-    sys.modules["kbench"] = _pkg
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_package import ROOT  # noqa: E402  (kbench.bench importable without the C core)
 
 from kbench.bench import timing  # noqa: E402
 
