@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import re
 
 import torch
 
@@ -128,7 +127,7 @@ class CudaExecutor(Executor):
         """The region's identity: its IR with value names stripped, dtypes inside; sizes that vary
         bucketed; the GPU, driver, NVRTC, torch and kbench versions."""
         from . import cache
-        text = re.sub(r'"[^"]*"', '""', str(self.plan.partition.region_graph(r)))
+        text = self.plan.region_text(r)
         varying = {name: v for (name, _), v in zip(self.plan.graph.symbols, self.plan.example_symvals)}
         _, nvrtc_version = nvrtc.info()
         return cache.make_key(text, "-", cache.shape_class({}, varying), driver=self.dev.get("driver_version", 0),

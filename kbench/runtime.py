@@ -79,6 +79,15 @@ class Plan:
             self.regions.append(RegionInfo(r, d["kind"], d["nodes"], d["inputs"], d["outputs"], ops,
                                            saved=d["saved"]))
         self.nvrtc = None
+        self._region_texts = {}
+
+    def region_text(self, r) -> str:
+        """Region r's IR with value names stripped: the same for the same region in repeated
+        blocks (the cache key's text, and what makes two gradient checks the same)."""
+        text = self._region_texts.get(r)
+        if text is None:
+            text = self._region_texts[r] = re.sub(r'"[^"]*"', '""', str(self.partition.region_graph(r)))
+        return text
 
     def admits(self, symvals) -> bool:
         """Do these sizes satisfy every relation the capture relies on (e.g. a slice's bound)?"""
@@ -409,7 +418,7 @@ class OptimizedModule(torch.nn.Module):
         self.__dict__.update(_kbench_orig=module, _kbench_captured=captured, _kbench_plan=plan,
                              _kbench_executor=executor, _kbench_reasons=set(), _kbench_device=device,
                              _kbench_program=Program(plan, executor, self._note), _kbench_backward={},
-                             _kbench_unused_grads={}, _kbench_grad_checks={}, _kbench_region_texts={},
+                             _kbench_unused_grads={}, _kbench_grad_checks={},
                              _kbench_captured_training=module.training)
         # parameters and buffers as captured: a later .double() or resize sends calls to eager
         nuser = len(captured.input_names)
@@ -572,13 +581,14 @@ class OptimizedModule(torch.nn.Module):
         self._kbench_backward[key] = prog
         if prog is not None:
             # identical regions (a repeated block) with the same backward kernels check the same
-            memo_key = (self._region_text(r), need, tuple(x.genome or x.status for x in prog.plan.regions))
+            memo_key = (plan.region_text(r), need, tuple(x.genome or x.status for x in prog.plan.regions))
             memo = self._kbench_grad_checks.get(memo_key)
             if memo is None:
-                memo = self._kbench_grad_checks[memo_key] = self._check_backward(r, need)
-            elif memo[2] is not None:
-                self._kbench_unused_grads[(r, need)] = self._kbench_unused_grads[memo[2]]
-            why, checked = memo[:2]
+                why, checked = self._check_backward(r, need)
+                memo = self._kbench_grad_checks[memo_key] = (why, checked, self._kbench_unused_grads.get((r, need)))
+            why, checked, unused = memo
+            if not why:
+                self._kbench_unused_grads[(r, need)] = unused
             if why:
                 self._kbench_backward[key] = prog = None
                 info.backward = f"eager (gradient check failed: {why})"
@@ -587,19 +597,12 @@ class OptimizedModule(torch.nn.Module):
                 info.backward += f", gradients match torch.autograd at {checked} size(s)"
         return prog
 
-    def _region_text(self, r):
-        """Region r's IR with value names stripped: equal for the same region in repeated blocks."""
-        text = self._kbench_region_texts.get(r)
-        if text is None:
-            text = self._kbench_region_texts[r] = re.sub(r'"[^"]*"', '""', str(self._kbench_plan.partition.region_graph(r)))
-        return text
-
     def _check_backward(self, r, need, seed=0):
         """Before a generated backward is trusted: at the forward's sweep sizes that are no larger
         than the example, with random inputs and a random upstream gradient, every gradient it
         gives must match torch.autograd of the region's float64 recomputation, and the same
         inputs must get gradients (an input autograd leaves at None gets None). Returns
-        (why not or "", sizes checked, the (r, need) whose unused-gradient set applies or None)."""
+        (why not or "", sizes checked)."""
         from . import verify
 
         plan, info = self._kbench_plan, self._kbench_plan.regions[r]
@@ -626,15 +629,15 @@ class OptimizedModule(torch.nn.Module):
             for i, (mine, theirs) in enumerate(zip(got, ref)):
                 if theirs is None:
                     if mine is not None and bool(mine.ne(0).any()):
-                        return f"input {i} gets a gradient where torch.autograd gives none", n, None
+                        return f"input {i} gets a gradient where torch.autograd gives none", n
                     point_unused.add(i)
                     continue
                 ok, _, why = verify.compare(mine, theirs)
                 if not ok:
-                    return f"gradient of input {i} at sizes {sv}: {why}", n, None
+                    return f"gradient of input {i} at sizes {sv}: {why}", n
             unused = point_unused if unused is None else unused & point_unused
         self._kbench_unused_grads[(r, need)] = unused or set()
-        return "", len(points), (r, need)
+        return "", len(points)
 
     def _region_backward(self, step, saved, grads, need, checked=False):
         """saved: the region's inputs, then its row statistics (step.nsaved). checked: the
