@@ -120,6 +120,8 @@ def one_run(args) -> dict:
                                  "candidates": x_.get("candidates"), "default_ms": x_.get("default_ms"),
                                  "best_ms": x_.get("best_ms")})
     return {"optimize_s": t1 - t0, "forward_backward_s": t2 - t1, "max_rel_err": err,
+            "capture": [n for n in fast.kbench_report.notes if n.startswith("capture:")],
+            "bytecode": {"write": not sys.dont_write_bytecode, "prefix": sys.pycache_prefix},
             "regions": regions, "backward_regions": backward}
 
 
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
     # source in every process (~5 s of torch.export's imports); a writable bytecode cache makes
     # the warm process see what it sees on an ordinary install
     env.setdefault("PYTHONPYCACHEPREFIX", os.path.join(cache, "pycache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)   # set on the GPU host: then no process ever writes it
     child = [sys.executable, __file__, "--child", "--blocks", str(args.blocks), "--batch", str(args.batch),
              "--ctx", str(args.ctx), "--budget", args.budget]
     runs = []
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
               f"{b or float('nan'):.4f} | {gain} |")
     hits = sum(1 for r in warm["regions"] if r["status"] == "kernel (cached)" or str(r["cache"]).startswith("same"))
     print(f"\nwarm process: {hits}/{len(warm['regions'])} forward regions from the cache; "
-          f"optimize {warm['optimize_s']:.2f} s")
+          f"optimize {warm['optimize_s']:.2f} s; {'; '.join(warm['capture'])}; bytecode {warm['bytecode']}")
     meta = results.metadata(torch.device("cuda"))
     doc = {"schema": "kbench-tune/1", "meta": meta, "options": vars(args), "runs": runs}
     path = results.write_json(results.results_path(args.out, meta, prefix="tune-"), doc)

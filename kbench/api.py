@@ -2,15 +2,19 @@
 regions), generate (model → every region's CUDA source, compiled by NVRTC, no GPU needed)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from . import _C
+from . import _C, capture_cache
 from .capture import capture as _capture
 from .capture import capture_exported as _capture_exported
+from .capture import _validate as _validate_inputs
 from .capture import repin as _repin
 from .runtime import SAVE_STATS_MIN_ROW_BYTES
+
+_log = logging.getLogger("kbench")
 
 
 class Graph:
@@ -142,18 +146,41 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
         raise ValueError(f"backend 'interp' runs on the CPU; example_inputs are on {device}")
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(f"backend 'cuda' needs example_inputs on a CUDA device, got {device}")
+    _validate_inputs(model, args)   # the same errors whether or not the capture is cached
+
+    def executor():
+        if backend == "interp":
+            return InterpExecutor()
+        from .cuda_backend import CudaExecutor
+        return CudaExecutor(budget=budget, seed=seed, verbose=verbose)
+
+    # budget "none" keeps nothing between processes: neither kernels nor the capture
+    key, captured = capture_cache.lookup(model, args, backend) if budget != "none" else (None, None)
+    if captured is not None:
+        optimized = OptimizedModule(model, captured, executor(), device)
+        why = capture_cache.matches_eager(model, optimized, args)
+        if not why:
+            optimized.__dict__["_kbench_capture_note"] = ("from the cache (torch.export skipped; checked "
+                                                          "against eager on the example inputs)")
+            return optimized
+        _log.warning("kbench: the stored capture of %s does not match eager on the example inputs (%s); "
+                     "capturing it again", type(model).__name__, why)
+        capture_cache.forget(key)
+    captured = _fresh_capture(model, args, backend)
+    if key is not None:
+        capture_cache.remember(key, captured)
+    optimized = OptimizedModule(model, captured, executor(), device)
+    optimized.__dict__["_kbench_capture_note"] = "torch.export" + (", kept in the cache" if key is not None else "")
+    return optimized
+
+
+def _fresh_capture(model, args, backend):
     if backend == "cuda":   # the row lengths pinned on the same export: torch.export runs once
         captured, exported = _capture_exported(model, args)
         captured = _pin_row_lengths(model, args, captured, exported)
         del exported          # torch's ExportedProgram (fake tensors, shape environment): not kept
-    else:
-        captured = _capture(model, args)
-    if backend == "interp":
-        executor = InterpExecutor()
-    else:
-        from .cuda_backend import CudaExecutor
-        executor = CudaExecutor(budget=budget, seed=seed, verbose=verbose)
-    return OptimizedModule(model, captured, executor, device)
+        return captured
+    return _capture(model, args)
 
 
 def row_length_dims(captured) -> set:

@@ -49,7 +49,10 @@ CREATE TABLE candidates (
     genome TEXT NOT NULL, compile_status TEXT, compile_log TEXT, regs INTEGER, spills INTEGER,
     time_ms REAL, verify TEXT, generation INTEGER, seed INTEGER, extra TEXT, created REAL NOT NULL);
 CREATE INDEX candidates_region ON candidates (region_sig);
+CREATE TABLE captures (key TEXT PRIMARY KEY, blob BLOB NOT NULL, created REAL NOT NULL);
 """
+# Tables added after schema version 1 was released: created on open where missing.
+ADDED_TABLES = {"captures": "CREATE TABLE captures (key TEXT PRIMARY KEY, blob BLOB NOT NULL, created REAL NOT NULL)"}
 _TABLES = {"meta", "winners", "candidates"}
 _TEXT_FIELDS = ("genome", "compile_status", "compile_log", "verify")  # free text: scrubbed of paths
 
@@ -253,6 +256,21 @@ class Cache:
         return (f"miss: nearest of {len(rows)} entr{'y' if len(rows) == 1 else 'ies'} for region "
                 f"{key.region_sig[:12]} differs in " + ", ".join(parts))
 
+    # ------------------------------------------------------------------ captures
+
+    def load_capture(self, key: str) -> bytes | None:
+        """A captured model stored by store_capture (kbench.capture_cache's bytes), or None."""
+        row = self._run(lambda c: c.execute("SELECT blob FROM captures WHERE key = ?", (key,)).fetchone(),
+                        write=False)
+        return None if row is None else bytes(row[0])
+
+    def store_capture(self, key: str, blob: bytes) -> None:
+        self._run(lambda c: c.execute("INSERT OR REPLACE INTO captures VALUES (?, ?, ?)",
+                                      (key, sqlite3.Binary(blob), time.time())), write=True)
+
+    def drop_capture(self, key: str) -> None:
+        self._run(lambda c: c.execute("DELETE FROM captures WHERE key = ?", (key,)), write=True)
+
     # ------------------------------------------------------------------ search record
 
     def record(self, key: CacheKey, candidates: list) -> None:
@@ -280,7 +298,8 @@ class Cache:
         return [dict(zip(cols + ("cubin_bytes",), r)) for r in rows]
 
     def clear(self) -> None:
-        self._run(lambda c: (c.execute("DELETE FROM winners"), c.execute("DELETE FROM candidates")), write=True)
+        self._run(lambda c: (c.execute("DELETE FROM winners"), c.execute("DELETE FROM candidates"),
+                             c.execute("DELETE FROM captures")), write=True)
         with self._lock, contextlib.suppress(sqlite3.Error):
             self._conn.execute("VACUUM")  # give the space back; harmless to skip if another process is busy
 
@@ -289,11 +308,12 @@ class Cache:
             return (c.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()[0],
                     c.execute("SELECT count(*) FROM winners").fetchone()[0],
                     c.execute("SELECT count(*) FROM candidates").fetchone()[0],
-                    c.execute("PRAGMA journal_mode").fetchone()[0])
-        version, nw, nc, journal = self._run(q, write=False)
+                    c.execute("PRAGMA journal_mode").fetchone()[0],
+                    c.execute("SELECT count(*) FROM captures").fetchone()[0])
+        version, nw, nc, journal, ncap = self._run(q, write=False)
         size = sum(os.path.getsize(p) for p in (self.path, f"{self.path}-wal") if self.path and os.path.exists(p))
         return {"path": self.path or ":memory:", "size_bytes": size, "winners": nw, "candidates": nc,
-                "schema_version": int(version), "journal_mode": journal, "note": self.note}
+                "captures": ncap, "schema_version": int(version), "journal_mode": journal, "note": self.note}
 
     def export(self, fp, *, cubins: bool = True) -> int:
         """Winners then candidates as JSON lines (fp: a text file or a path); CUBINs base64, or
@@ -362,7 +382,7 @@ def _check(conn) -> str:
             why = (f"bad magic {magic!r}" if magic != MAGIC else "" if version == str(SCHEMA_VERSION)
                    else f"schema version {version!r}, this kbench reads {SCHEMA_VERSION}")
             if not why:
-                _add_columns(conn)
+                _add_columns(conn, tables)
         conn.execute("COMMIT")
         return why
     except BaseException:
@@ -371,8 +391,12 @@ def _check(conn) -> str:
         raise
 
 
-def _add_columns(conn) -> None:
-    """Give a cache written by an earlier kbench the winner columns added since (no data lost)."""
+def _add_columns(conn, tables) -> None:
+    """Give a cache written by an earlier kbench the tables and winner columns added since (no
+    data lost)."""
+    for name, create in ADDED_TABLES.items():
+        if name not in tables:
+            conn.execute(create)
     have = {r[1] for r in conn.execute("PRAGMA table_info(winners)")}
     for name, decl in ADDED_WINNER_COLUMNS.items():
         if name not in have:
@@ -512,7 +536,8 @@ def cli_main(argv=None) -> int:
         elif args.cmd == "clear":
             n = cache.info()
             cache.clear()
-            print(f"cleared {n['winners']} winner(s) and {n['candidates']} candidate(s) from {n['path']}")
+            print(f"cleared {n['winners']} winner(s), {n['candidates']} candidate(s) and {n['captures']} "
+                  f"captured model(s) from {n['path']}")
         elif args.cmd == "export":
             n = cache.export(args.file, cubins=not args.no_cubins)
             print(f"wrote {n} line(s) to {args.file}")

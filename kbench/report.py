@@ -42,6 +42,9 @@ class Report:
         for info in plan.regions:
             rep.rows.append(Row(info.index, info.kind, info.ops, info.status if info.kind != "EXTERN" else "torch",
                                 info.genome, info.envelope, info.eager_ms, info.kernel_ms))
+        capture_note = module.__dict__.get("_kbench_capture_note")
+        if capture_note:
+            rep.notes.append(f"capture: {capture_note}")
         if plan.nvrtc:
             rep.notes.append(f"NVRTC: {plan.nvrtc}")
         if plan.static_reason:

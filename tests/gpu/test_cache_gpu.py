@@ -1,6 +1,6 @@
 """The persistent kernel cache on a GPU: a second optimize() of the same model in a new process
-loads every kernel from the cache (no compile, no search) and computes the same outputs; the
-repeated block of a 12-block model is tuned once."""
+loads every kernel and the captured graph from the cache (no export, no compile, no search) and
+computes the same outputs; the repeated block of a 12-block model is tuned once."""
 import json
 import os
 import subprocess
@@ -24,7 +24,9 @@ SCRIPT = textwrap.dedent("""
     with torch.no_grad():
         err = (fast(x) - model(x)).abs().max().item()
     rows = fast.kbench_report.rows
-    print(json.dumps({"seconds": seconds, "err": err, "status": [r.status for r in rows if r.kind != "EXTERN"],
+    capture = [n for n in fast.kbench_report.notes if n.startswith("capture:")]
+    print(json.dumps({"seconds": seconds, "err": err, "capture": capture,
+                      "status": [r.status for r in rows if r.kind != "EXTERN"],
                       "cache": [fast._kbench_plan.regions[r.region].extra.get("cache") for r in rows if r.kind != "EXTERN"]}))
 """)
 
@@ -45,6 +47,9 @@ def test_second_process_loads_everything_from_the_cache(tmp_path):
     assert first["err"] < 1e-3 and second["err"] < 1e-3
     assert all(s.startswith("kernel") for s in first["status"]), first["status"]
     assert all(s == "kernel (cached)" for s in second["status"]), second["status"]
+    # nor is the model exported again: the capture comes from the cache, checked against eager
+    assert first["capture"] == ["capture: torch.export, kept in the cache"], first["capture"]
+    assert second["capture"][0].startswith("capture: from the cache"), second["capture"]
     # the twelve blocks share their kernels: far fewer misses than regions in the first run
     misses = sum(1 for c in first["cache"] if c == "miss")
     assert misses <= len(first["cache"]) // 6, first["cache"]
