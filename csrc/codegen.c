@@ -270,6 +270,7 @@ static void row_pass(cg *c, int pass) {
     if (nred == 0 && nout == 0 && ncs == 0) return;
     if (nred > c->maxred) c->maxred = nred;
     c->pass = pass;
+    if (c->prefetch && c->pf_pass < 0) c->pf_pass = pass;
     kb_sb_printf(c->out, "\n");
     cg_line(c, "// pass %d over the row:%s", pass + 1, nred ? "" : " write the outputs");
     for (int j = 0; j < nred; j++) {
@@ -288,6 +289,11 @@ static void row_pass(cg *c, int pass) {
     row_chunk_loop_open(c);
     cg_chunk(c, reds, nred, outs, nout, csums, ncs);
     row_chunk_loop_close(c);
+    if (c->prefetch && pass == c->pf_pass && c->npf) {
+        char next[EXPR_LEN];
+        snprintf(next, sizeof next, "row + (long long)gridDim.x * %d", c->gn.rows);
+        cg_prefetch_rows(c, next, "the next row's loads: in flight while this row is reduced");
+    }
     row_group_reduce(c, reds, nred);
     for (int j = 0; j < nred; j++) {
         const kb_node *nd = kb_graph_node(c->g, reds[j]);
@@ -316,6 +322,14 @@ static void emit_row_body(cg *c) {
     if (c->G > 32 && c->npasses > 0) cg_line(c, "__shared__ %s kb_red[KB_NRED][%d];", c->ct, c->gn.threads / 32);
     if (c->gn.cache == KB_CACHE_SMEM) cg_smem_pointers(c);
     cg_colsum_decl(c);
+    /* a grid capped for the column sums' partials: each block visits many rows, one after the
+     * other, and its loads would wait behind the reductions of the row before */
+    c->prefetch = c->ncolsum > 0 && c->trailing;
+    c->pf_pass = -1;
+    c->npf = 0;
+    kb_sb *outer = c->out, loop;   /* the loop first: which inputs are loaded ahead is known after it */
+    kb_sb_init(&loop, c->ctx);
+    c->out = &loop;
     cg_line(c, "for (long long rowbase = (long long)blockIdx.x * %d; rowbase < O; rowbase += (long long)gridDim.x * %d) {",
             c->gn.rows, c->gn.rows);
     c->ind++;
@@ -331,6 +345,19 @@ static void emit_row_body(cg *c) {
     cg_scope_pop(c);
     c->ind--;
     cg_line(c, "}");
+    c->out = outer;
+    if (c->npf) {
+        cg_line(c, "// the first pass's loads, one row ahead of the row being reduced");
+        for (int j = 0; j < c->npf; j++)
+            cg_line(c, "kb_vec<%s, %d> pf%d[%d];", cg_storage(kb_graph_node(c->g, c->pf[j])->dtype), c->vec, (int)c->pf[j],
+                    c->U);
+        char first[EXPR_LEN];
+        snprintf(first, sizeof first, "(long long)blockIdx.x * %d + grp", c->gn.rows);
+        cg_prefetch_rows(c, first, "this block's first row");
+    }
+    if (loop.oom) c->st = KB_FAIL(c->ctx, KB_ERR_OOM, "out of memory");
+    else if (loop.buf) kb_sb_puts(c->out, loop.buf);
+    kb_sb_discard(&loop);
     cg_colsum_store(c);
 }
 

@@ -95,6 +95,13 @@ typedef struct cg {
     int32_t colsums[16];
     int ncolsum;
     int smem_bytes;
+    /* ROW with a capped grid (each block loops over many rows): the first pass's loads of a row
+     * are issued one row ahead into registers pf<v>[u], so they are in flight while the block
+     * reduces the row before (cg_prefetch_rows) */
+    int prefetch;       /* pipelining on for this kernel */
+    int pf_pass;        /* the pass that reads pf (the first one emitted); -1 until known */
+    int32_t pf[16];     /* the inputs loaded ahead */
+    int npf;
     /* emission */
     kb_sb *out;
     int ind, scope, counter;
@@ -132,6 +139,7 @@ void cg_set_space_vec(cg *c);
 void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout, const int32_t *csums, int ncs);
 /* ROW column sums: the register partials, the per-block write-out, the finishing kernel */
 void cg_colsum_decl(cg *c);
+void cg_prefetch_rows(cg *c, const char *row, const char *why);
 void cg_colsum_store(cg *c);
 void cg_colsum_finish(cg *c);
 void cg_bind_stat(cg *c, int32_t reduce);

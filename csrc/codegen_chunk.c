@@ -11,6 +11,39 @@ static void full_index(cg *c, idx *x) { cg_set_lin(x, c->full_lin, cg_all_bits(c
 
 static void stat_index(cg *c, idx *x) { cg_set_lin(x, c->stat_lin, cg_all_bits(c) & ~c->red); }
 
+/* Is this vector load of the row (the first pass's, contiguous along the row) one that
+ * cg_prefetch_rows issues a row ahead? Registers it as such. */
+static int prefetched(cg *c, const cg_vreq *r) {
+    if (!c->prefetch || c->pass != c->pf_pass || strcmp(r->base, c->full_lin0) != 0) return 0;
+    for (int j = 0; j < c->npf; j++)
+        if (c->pf[j] == r->v) return 1;
+    if (c->npf == (int)(sizeof c->pf / sizeof c->pf[0])) return 0;
+    c->pf[c->npf++] = r->v;
+    return 1;
+}
+
+/* The loads of row `row` (an expression) into pf<v>[u], for every prefetched input. */
+void cg_prefetch_rows(cg *c, const char *row, const char *why) {
+    cg_line(c, "{  // %s", why);
+    c->ind++;
+    cg_line(c, "const long long prow = %s;", row);
+    cg_line(c, "if (prow < O) {");
+    cg_line(c, "    #pragma unroll");
+    cg_line(c, "    for (int u = 0; u < %d; ++u) {", c->U);
+    cg_line(c, "        const long long c0 = ((long long)u * %d + lane) * %d;", c->G, c->vec);
+    cg_line(c, "        if (c0 < R) {");
+    for (int j = 0; j < c->npf; j++) {
+        int32_t v = c->pf[j];
+        const char *T = cg_storage(NODE(c, v)->dtype);
+        cg_line(c, "            pf%d[u] = kb_ld<%s, %d>(p%d + (prow * R + c0));", (int)v, T, c->vec, (int)v);
+    }
+    cg_line(c, "        }");
+    cg_line(c, "    }");
+    cg_line(c, "}");
+    c->ind--;
+    cg_line(c, "}");
+}
+
 void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout, const int32_t *csums, int ncs) {
     kb_region_kind kind = c->rg->kind;
     int V = c->vec;
@@ -78,6 +111,7 @@ void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nou
         const cg_vreq *r = &c->vr[i];
         const char *T = cg_storage(NODE(c, r->v)->dtype);
         if (r->smem) cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(sm%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
+        else if (prefetched(c, r)) cg_line(c, "const kb_vec<%s, %d> %s = pf%d[u];  // loaded a row ahead", T, V, r->name, (int)r->v);
         else cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(p%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
         if (r->fill) cg_line(c, "kb_st<%s, %d>(sm%d + c0, %s);  // into the row cache", T, V, (int)r->v, r->name);
     }

@@ -38,6 +38,17 @@ class Kernel:
         return min(g, self.max_blocks) if self.max_blocks else g
 
 
+def _resident_blocks(regs: int, threads: int, regs_per_sm: int) -> int:
+    """Blocks of `threads` threads at `regs` registers each that one SM holds by registers (they
+    are allocated per warp in units of 256); 0 when unknown. The generator caps a persistent or
+    column-sum grid by threads and shared memory alone: a grid of more blocks than fit runs a
+    second, mostly idle wave."""
+    if regs <= 0 or threads <= 0 or regs_per_sm <= 0:
+        return 0
+    per_warp = -(-regs * 32 // 256) * 256
+    return max(1, regs_per_sm // (per_warp * -(-threads // 32)))
+
+
 def _genome_field(genome: str, key: str, default: int) -> int:
     for part in genome.split():
         k, _, v = part.partition("=")
@@ -277,6 +288,10 @@ class CudaExecutor(Executor):
         kernel.name, kernel.block, kernel.smem = k["name"], k["block"], k["smem"]
         kernel.grid_units, kernel.units_per_block = k["grid_units"], k["units_per_block"]
         kernel.max_blocks, kernel.genome = k["max_blocks"], k["genome"]
+        if kernel.max_blocks:   # a capped grid is one wave: no more blocks than fit at once
+            fit = _resident_blocks(kernel.regs, kernel.block, self.dev.get("regs_per_sm", 0))
+            if fit:
+                kernel.max_blocks = min(kernel.max_blocks, fit * self.dev["num_sms"])
         kernel.vec = _genome_field(k["genome"], "vec", 1)
         kernel.workspace_per_unit = k["workspace_bytes_per_unit"]
         kernel.workspace_per_block = k.get("workspace_bytes_per_block", 0)
