@@ -63,6 +63,8 @@ def test_search_fast(name, factory, shape, dtype):
                                                                        torch.Generator().manual_seed(1)))
             assert all(torch.isfinite(o.float()).all() for o in out if o.is_floating_point())
             again = search.search_region(ex, r, symvals, budget="fast", seed=0)
+            if again.best_genome != res.best_genome:   # the whole record, not pytest's truncated repr
+                print("first search finalists:", *_finals(res), "second:", *_finals(again), sep="\n  ")
             assert again.best_genome == res.best_genome, (_finals(res), _finals(again))
             assert [c["genome"] for c in again.candidates] == [c["genome"] for c in res.candidates]
     assert seen and all(s[1] == 0 for s in seen)   # fast: one generation
