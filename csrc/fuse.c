@@ -395,17 +395,22 @@ static int float_lone_read(const build *b, int32_t v) { return b->lone_read[v]; 
 
 static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_index_read, float_lone_read};
 
-/* The pre-pass behind float_lone_read: a value computed from graph inputs by pointwise work and
- * views alone, not a graph output, whose one reader is pointwise work on another region's
- * result. The one region that reads it recomputes it from inputs it reads in its place;
- * materialized, it would cost a full write and read (a backward's exp(x - saved max) in a
- * kernel of its own, read back by the row kernel that scales it by a row sum). */
+/* The pre-pass behind float_lone_read: a chain of pointwise work, each link read once, on graph
+ * inputs, constants and iotas (through views), not a graph output, whose last link's reader is
+ * pointwise work on another region's result. The one region that reads it recomputes it from
+ * inputs it reads in its place; materialized, it would cost a full write and read (a backward's
+ * exp(x - saved max) in a kernel of its own, read back by the kernel that scales it by a per-row
+ * value). A broadcast of computed work (that per-row value) is another region's result, or
+ * another level of the same region. A chain that reads other computed work is left where that
+ * work is: floated, it would depend on that work's region and could not join it (a row kernel's
+ * per-row arithmetic on its targets). */
 static kb_status mark_lone_reads(build *b) {
+    enum { FROM = 1, LEAF = 2, PURE = 4 };
     size_t n1 = (size_t)(b->n ? b->n : 1);
-    uint8_t *from = kb_calloc(b->ctx, n1, 1), *readers = kb_calloc(b->ctx, n1, 1);
+    uint8_t *f = kb_calloc(b->ctx, n1, 1), *readers = kb_calloc(b->ctx, n1, 1);
     int32_t *reader = kb_malloc(b->ctx, sizeof(int32_t) * n1);
-    if (!from || !readers || !reader) {
-        kb_free(b->ctx, from, n1);
+    if (!f || !readers || !reader) {
+        kb_free(b->ctx, f, n1);
         kb_free(b->ctx, readers, n1);
         kb_free(b->ctx, reader, sizeof(int32_t) * n1);
         return KB_ERR_OOM;
@@ -415,10 +420,16 @@ static kb_status mark_lone_reads(build *b) {
         const kb_node *nd = N(b, v);
         enum node_class cls = classify(nd);
         if (nd->op == KB_OP_INPUT || nd->op == KB_OP_CONST || nd->op == KB_OP_IOTA) {
-            from[v] = 1;
-        } else if (cls == C_POINTWISE || cls == C_RESHAPE || cls == C_EXPAND || cls == C_VIEW) {
-            from[v] = 1;
-            for (int i = 0; i < nd->ninputs; i++) from[v] &= from[nd->inputs[i]];
+            f[v] = FROM | LEAF;
+        } else if (cls == C_RESHAPE || cls == C_EXPAND || cls == C_VIEW) {
+            const kb_node *a = N(b, nd->inputs[0]);
+            f[v] = f[nd->inputs[0]] & (FROM | LEAF);
+            if (cls == C_EXPAND && !(f[v] & LEAF))
+                for (int d = 0; d < nd->rank; d++)
+                    if (!kb_dim_equal(a->dims[d], nd->dims[d])) f[v] = 0; /* a broadcast of work */
+        } else if (cls == C_POINTWISE) {
+            f[v] = FROM;
+            for (int i = 0; i < nd->ninputs; i++) f[v] &= f[nd->inputs[i]];
         }
         for (int i = 0; i < nd->ninputs; i++) { /* 2: more than one reader, or one needing it whole */
             int32_t u = nd->inputs[i];
@@ -427,14 +438,24 @@ static kb_status mark_lone_reads(build *b) {
         }
     }
     for (int32_t i = 0; i < kb_graph_noutputs(b->g); i++) readers[kb_graph_output(b->g, i)] = 2;
+    /* PURE: pointwise work on leaves and on PURE work read once (the links of a chain) */
+    for (int32_t v = 0; v < b->n; v++) {
+        const kb_node *nd = N(b, v);
+        if (classify(nd) != C_POINTWISE) continue;
+        int pure = 1;
+        for (int i = 0; i < nd->ninputs; i++) {
+            uint8_t fu = f[nd->inputs[i]];
+            pure &= (fu & LEAF) || ((fu & PURE) && readers[nd->inputs[i]] == 1);
+        }
+        if (pure) f[v] |= PURE;
+    }
     /* readers before the values they read: a chain floats link by link into the region whose
      * result its last link reads (not into work on inputs alone: that chain fuses as it is) */
     for (int32_t v = b->n - 1; v >= 0; v--) {
         int32_t w = reader[v];
-        b->lone_read[v] = classify(N(b, v)) == C_POINTWISE && from[v] && readers[v] == 1 &&
-                          (!from[w] || b->lone_read[w]);
+        b->lone_read[v] = (f[v] & PURE) && readers[v] == 1 && (!(f[w] & FROM) || b->lone_read[w]);
     }
-    kb_free(b->ctx, from, n1);
+    kb_free(b->ctx, f, n1);
     kb_free(b->ctx, readers, n1);
     kb_free(b->ctx, reader, sizeof(int32_t) * n1);
     return KB_OK;

@@ -745,57 +745,6 @@ cleanup:
     return st;
 }
 
-static kb_status copy_symbols(const kb_graph *from, kb_graph *to)
-{
-    for (int32_t s = 0; s < kb_graph_nsymbols(from); s++) {
-        int32_t id;
-        kb_status st = kb_graph_add_symbol(to, kb_graph_symbol_name(from, s), kb_graph_symbol_example(from, s), &id);
-        if (st != KB_OK) return st;
-    }
-    return KB_OK;
-}
-
-/* Rebuilds w keeping the nodes its outputs depend on: every INPUT first, in input order (so
- * the input list stays as specified even where one is unused), then the rest in id order. */
-static kb_status prune(const kb_graph *w, kb_graph **out)
-{
-    kb_status st = KB_OK;
-    kb_ctx *ctx = kb_graph_ctx(w);
-    int32_t n = kb_graph_nnodes(w);
-    size_t cnt = n > 0 ? (size_t)n : 1;
-    kb_graph *p = NULL;
-    uint8_t *live = kb_calloc(ctx, cnt, 1);
-    int32_t *map = kb_malloc(ctx, cnt * sizeof(int32_t));
-    KB_CHECK(ctx, live && map, KB_ERR_OOM, "grad: out of memory pruning %d nodes", (int)n);
-    for (int32_t j = 0; j < kb_graph_noutputs(w); j++) live[kb_graph_output(w, j)] = 1;
-    for (int32_t v = n - 1; v >= 0; v--) {
-        const kb_node *nd = kb_graph_node(w, v);
-        if (live[v])
-            for (int i = 0; i < nd->ninputs; i++) live[nd->inputs[i]] = 1;
-    }
-    KB_TRY(kb_graph_new(ctx, &p));
-    KB_TRY(copy_symbols(w, p));
-    for (int32_t i = 0; i < kb_graph_ninputs(w); i++) {
-        int32_t v = kb_graph_input(w, i);
-        KB_TRY(kb_graph_add(p, kb_graph_node(w, v), &map[v]));
-    }
-    for (int32_t v = 0; v < n; v++) {
-        const kb_node *nd = kb_graph_node(w, v);
-        if (!live[v] || nd->op == KB_OP_INPUT) continue;
-        kb_node t = *nd;
-        for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
-        KB_TRY(kb_graph_add(p, &t, &map[v]));
-    }
-    for (int32_t j = 0; j < kb_graph_noutputs(w); j++) KB_TRY(kb_graph_add_output(p, map[kb_graph_output(w, j)]));
-    *out = p;
-    p = NULL;
-cleanup:
-    kb_free(ctx, live, cnt);
-    kb_free(ctx, map, cnt * sizeof(int32_t));
-    kb_graph_free(p);
-    return st;
-}
-
 /* Which forward values carry a gradient: float values reached from a wrt input through
  * operand slots that have a derivative rule. */
 static void mark_required(gradctx *gc, const uint8_t *wrt)
@@ -845,9 +794,9 @@ kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsa
     KB_CHECK(ctx, gc.map && gc.adj && gc.req && gc.pend_head, KB_ERR_OOM, "grad: out of memory for %d nodes", (int)n);
     for (int32_t v = 0; v < n; v++) gc.adj[v] = gc.pend_head[v] = -1;
     KB_TRY(kb_graph_new(ctx, &gc.b.g));
-    KB_TRY(copy_symbols(g, gc.b.g));
+    KB_TRY(kb_graph_copy_symbols(g, gc.b.g));
 
-    /* the forward, re-emitted: the backward reads its values (prune drops what it does not);
+    /* the forward, re-emitted: the backward reads its values (simplify drops what it does not);
      * g's inputs first, then the saved statistics as inputs in their place */
     for (int32_t i = 0; i < kb_graph_ninputs(g); i++) {
         int32_t v = kb_graph_input(g, i);
@@ -902,7 +851,7 @@ kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsa
         if (r < 0) KB_TRY(emit_const(&gc.b, in->dtype, in->rank, in->dims, 0.0, &r)); /* unused input */
         KB_TRY(kb_graph_add_output(gc.b.g, r));
     }
-    KB_TRY(prune(gc.b.g, out));
+    KB_TRY(kb_graph_simplify(gc.b.g, out)); /* rewrites (a one-hot's row sum), dead nodes dropped */
 cleanup:
     builder_done(&gc.b);
     kb_free(ctx, gc.map, cnt * sizeof(int32_t));
@@ -940,7 +889,7 @@ kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out)
     KB_CHECK(ctx, map != NULL, KB_ERR_OOM, "region_graph: out of memory");
     for (int32_t v = 0; v < n; v++) map[v] = -1;
     KB_TRY(kb_graph_new(ctx, &rg));
-    KB_TRY(copy_symbols(g, rg));
+    KB_TRY(kb_graph_copy_symbols(g, rg));
     for (int32_t k = 0; k < reg->ninputs; k++) {
         int32_t v = reg->inputs[k];
         KB_CHECK(ctx, v >= 0 && v < n && map[v] < 0, KB_ERR_INVALID,

@@ -308,6 +308,15 @@ kb_status kb_graph_add_symbol(kb_graph *g, const char *name, int64_t example, in
     return KB_OK;
 }
 
+kb_status kb_graph_copy_symbols(const kb_graph *from, kb_graph *to) {
+    for (int32_t s = 0; s < from->nsyms; s++) {
+        int32_t id;
+        kb_status st = kb_graph_add_symbol(to, from->sym_names[s], from->sym_examples[s], &id);
+        if (st != KB_OK) return st;
+    }
+    return KB_OK;
+}
+
 int32_t kb_graph_nsymbols(const kb_graph *g) { return g->nsyms; }
 const char *kb_graph_symbol_name(const kb_graph *g, int32_t s) { return s >= 0 && s < g->nsyms ? g->sym_names[s] : NULL; }
 int64_t kb_graph_symbol_example(const kb_graph *g, int32_t s) { return s >= 0 && s < g->nsyms ? g->sym_examples[s] : -1; }

@@ -222,6 +222,18 @@ kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out);
 kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, kb_graph **out);
 kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out);
 
+/* ---------------------------------------------------------------- rewrites (simplify.c) */
+
+/* g rebuilt with rewrites that take work out of its kernels, and without the nodes its outputs
+ * do not need: same inputs (all of them, in order, first), same outputs, same values. The
+ * rewrite so far: a sum over one axis of a one-hot, sum_a f(where(iota_a == T, D, 0)) with T
+ * (integer) and D the same all along a and f a chain of neg, float casts, products with finite
+ * constants and quotients by finite nonzero ones, becomes f(where(0 <= T < size_a, D, 0)) per
+ * row, exactly, for any T (a backward's cross-entropy loses a pass over the row; an axis of
+ * length 0 aside, see simplify.c). kb_graph_grad's result has been through it. The caller owns
+ * *out (kb_graph_free); same ctx as g. */
+kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out);
+
 /* ---------------------------------------------------------------- CPU interpreter (interp.c) */
 
 /* Runs region r on host buffers, computing in double. ins[i] is region input i, outs[j]

@@ -207,6 +207,14 @@ static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
     return graph_wrap_derived(self, out);
 }
 
+static PyObject *graph_simplify(kb_py_graph *self, PyObject *unused) {
+    (void)unused;
+    kb_graph *out = NULL;
+    kb_status st = kb_graph_simplify(self->graph, &out);
+    if (st != KB_OK) return graph_raise(self, st);
+    return graph_wrap_derived(self, out);
+}
+
 static PyObject *graph_add_symbol(kb_py_graph *self, PyObject *args) {
     const char *name;
     long long example;
@@ -415,6 +423,9 @@ static PyMethodDef graph_methods[] = {
      "grad(wrt, *, saved=0) -> Graph: inputs = this graph's inputs + the values of its last `saved` outputs "
      "(statistics the forward kept) + one upstream gradient per other output; outputs = the gradients of "
      "the inputs flagged in wrt"},
+    {"simplify", (PyCFunction)graph_simplify, METH_NOARGS,
+     "simplify() -> Graph: the same inputs, outputs and values, rewritten to take work out of its kernels "
+     "(a one-hot's row sum becomes per-row work), without dead nodes; grad() results have been through it"},
     {NULL, NULL, 0, NULL},
 };
 

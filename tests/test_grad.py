@@ -491,3 +491,119 @@ def test_saved_outputs_become_inputs():
     xr = x_.clone().requires_grad_(True)
     (torch.softmax(xr, 1) * g_).sum().backward()
     assert rel_err(got, xr.grad) < 1e-12
+
+
+# ---------------------------------------------------------------- the one-hot's row sum (simplify.c)
+
+def _one_hot_sums(g):
+    """Sums of g whose operand is, through neg / cast / mul / div, a where on iota ==/!= index: the
+    row sum of a one-hot, a pass over the row that simplify() turns into per-row work."""
+    def is_one_hot(v):
+        n = g.node(v)
+        if n["op"] in ("neg", "cast", "mul", "div"):
+            return any(is_one_hot(u) for u in n["inputs"])
+        if n["op"] != "where":
+            return False
+        c = g.node(n["inputs"][0])
+        return c["op"] in ("eq", "ne") and any(
+            g.node(u)["op"] == "iota" or (g.node(u)["op"] == "expand" and g.node(g.node(u)["inputs"][0])["op"] == "iota")
+            for u in c["inputs"])
+    return [v for v in range(g.num_nodes) if g.node(v)["op"] == "sum" and is_one_hot(g.node(v)["inputs"][0])]
+
+
+@pytest.mark.parametrize("kw,ignore", [({}, None), ({"ignore_index": -100}, -100), ({"ignore_index": 3}, 3),
+                                       ({"reduction": "sum", "ignore_index": 3}, 3)],
+                         ids=["mean", "ignore_-100", "ignore_3", "sum_ignore_3"])
+def test_cross_entropy_backward_has_no_one_hot_row_sum(kw, ignore):
+    """Cross-entropy's backward sums the gather's adjoint (a one-hot times the upstream gradient)
+    over the class axis; simplify() makes that sum per-row work (the upstream gradient where the
+    target is in range), exactly: the interpreter's gradient matches torch.autograd with targets at
+    0, the last class and the ignored index, and the long-row backward that reads the forward's
+    statistics is pointwise work alone (no ROW region, the logits read once)."""
+    from kbench.capture import capture
+    from kbench.runtime import SAVE_STATS_MIN_ROW_BYTES
+
+    class CE(torch.nn.Module):
+        def forward(self, x, t):
+            return F.cross_entropy(x, t, **kw)
+
+    V = 11
+    x = torch.randn(6, V, dtype=torch.float64)
+    t = torch.tensor([0, V - 1, 5, 0 if ignore is None else ignore, V - 1, 2])
+    cap = capture(CE(), (x, t))
+    g = cap.graph
+    bwd = g.grad([True, False])
+    assert not _one_hot_sums(bwd), str(bwd)
+    assert "iota" in str(bwd)     # the one-hot itself stays: dx reads it
+    xs = x.clone().requires_grad_(True)
+    out = CE()(xs, t)
+    up = torch.randn_like(out)
+    want, = torch.autograd.grad(out, [xs], up)
+    got = torch.empty_like(x)
+    _C.interp_graph(bwd, cap.example_symvals, [x.data_ptr(), t.data_ptr(), up.data_ptr()], [got.data_ptr()])
+    assert torch.allclose(got, want, atol=1e-12, rtol=1e-9), (got, want)
+
+    # as the runtime builds it for a short row (statistics recomputed): one row kernel still
+    part = g.partition()
+    part.save_stats(SAVE_STATS_MIN_ROW_BYTES)
+    assert part.region(0)["saved"] == 0
+    rbwd = part.region_graph(0).grad([True, False])
+    assert not _one_hot_sums(rbwd), str(rbwd)
+    bpart = rbwd.partition()
+    assert [bpart.region(r)["kind"] for r in range(len(bpart))] == ["ROW"], str(bpart)
+
+    # as the runtime builds it for a long row: the forward region's graph, its statistics saved
+    xl = torch.randn(4, 20000)
+    cap = capture(CE(), (xl, torch.tensor([0, 19999, 7, 1 if ignore is None else ignore])))
+    part = cap.graph.partition()
+    part.save_stats(SAVE_STATS_MIN_ROW_BYTES)
+    info = part.region(0)
+    assert info["kind"] == "ROW" and info["saved"] == 2
+    rbwd = part.region_graph(0).grad([True, False], saved=2)
+    assert not _one_hot_sums(rbwd), str(rbwd)
+    bpart = rbwd.partition()
+    regions = [bpart.region(r) for r in range(len(bpart))]
+    assert [r["kind"] for r in regions] == ["POINTWISE", "POINTWISE"], str(bpart)
+    x_in = rbwd.inputs[0]     # the logits: read by the dx kernel alone, and once
+    assert [x_in in r["inputs"] for r in regions] == [False, True], str(bpart)
+
+
+def _iota(gb, dims, axis):
+    return gb._rec(gb.g.add_node("iota", [], "i64", list(dims), axis=axis), dims, "i64")
+
+
+def test_simplify_one_hot_sum_is_exact_out_of_range():
+    """simplify() on a hand-built one-hot row sum: targets below 0, at the row length and far past
+    it pick nothing, as the sum did; NaN and inf values pass through; i64 and i32 targets, the row
+    length varying (read off an iota) or pinned; near misses (a nonzero default, a target that
+    varies along the row) keep their sum."""
+    for tdt, pinned in (("i64", False), ("i32", True), ("i64", True)):
+        gb = GB(2)
+        L = 5 if pinned else (1, (1,))
+        full, keep = [S0, L], [S0, 1]
+        t_ = gb.input("t", keep, tdt)
+        d_ = gb.input("d", keep)
+        hot = gb.op("eq", _iota(gb, full, 1), gb.view("expand", t_, full), dtype="bool")
+        w = gb.op("where", hot, gb.view("expand", d_, full), gb.const(0.0, full))
+        gb.out(gb.reduce("sum", gb.op("neg", w), (1,), True), w)
+        simple = gb.g.simplify()
+        assert not _one_hot_sums(simple) and _one_hot_sums(gb.g), str(simple)
+        for sv in ([6, 4], [6, 7], [5, 1]):
+            n = L if pinned else sv[1]
+            big = (1 << 40, -(1 << 33)) if tdt == "i64" else (-7, n + 2)
+            tv = torch.tensor([[-1], [n], [n - 1], [0], [big[0]], [big[1]]], dtype=TORCH_DTYPES[tdt])[:sv[0]]
+            dv = torch.tensor([[2.5], [4.0], [float("nan")], [float("-inf")], [3.0], [-1.25]], dtype=torch.float64)[:sv[0]]
+            a, b = run(gb.g, sv, [tv, dv]), run(simple, sv, [tv, dv])
+            for p, q in zip(a, b):
+                assert torch.equal(p.nan_to_num(7.0), q.nan_to_num(7.0)), (sv, tdt, p, q)
+
+    # near misses: where's other branch is 1; the target varies along the row
+    for variant in ("one", "full_t"):
+        gb = GB(2)
+        full, keep = [S0, (1, (1,))], [S0, 1]
+        t_ = gb.input("t", full if variant == "full_t" else keep, "i64")
+        d_ = gb.input("d", keep)
+        hot = gb.op("eq", _iota(gb, full, 1), t_ if variant == "full_t" else gb.view("expand", t_, full), dtype="bool")
+        w = gb.op("where", hot, gb.view("expand", d_, full), gb.const(1.0 if variant == "one" else 0.0, full))
+        gb.out(gb.reduce("sum", w, (1,), True))
+        assert _one_hot_sums(gb.g.simplify()), variant

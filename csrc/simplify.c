@@ -1,0 +1,344 @@
+/* simplify.c — whole-graph rewrites (kb_graph_simplify): algebra that takes a pass over a row
+ * out of a kernel before the partitioner sees the graph, then dead nodes dropped. Every backward
+ * goes through it (grad.c); any graph may. A rule matches on the graph being rebuilt and emits
+ * its replacement there, with the replaced value's dtype and shape. */
+#include "internal.h"
+
+#include <math.h>
+
+#define MAX_LINEAR_STEPS 8
+
+static const kb_node *N(const kb_graph *w, int32_t v) { return kb_graph_node(w, v); }
+
+static int is_one(kb_dim d) { return d.coef == 1 && d.nsym == 0; }
+
+static int has_dims(const kb_node *n, int32_t rank, const kb_dim *dims)
+{
+    if (n->rank != rank) return 0;
+    for (int d = 0; d < rank; d++)
+        if (!kb_dim_equal(n->dims[d], dims[d])) return 0;
+    return 1;
+}
+
+static kb_node tmpl(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims)
+{
+    kb_node n;
+    memset(&n, 0, sizeof n);
+    n.op = op;
+    n.dtype = dt;
+    n.rank = rank;
+    n.step = 1;
+    if (rank > 0) memcpy(n.dims, dims, sizeof(kb_dim) * (size_t)rank);
+    return n;
+}
+
+/* Does existing node a compute what template t does? Only the ops rules emit are compared
+ * (anything else is never merged, which is merely a missed sharing). */
+static int same_value(const kb_node *a, const kb_node *t)
+{
+    if (a->op != t->op || a->dtype != t->dtype || a->ninputs != t->ninputs || a->nograd != t->nograd ||
+        !has_dims(a, t->rank, t->dims))
+        return 0;
+    for (int i = 0; i < t->ninputs; i++)
+        if (a->inputs[i] != t->inputs[i]) return 0;
+    switch (t->op) {
+    case KB_OP_CONST: return memcmp(&a->scalar[0], &t->scalar[0], sizeof(double)) == 0; /* keeps -0 apart */
+    case KB_OP_IOTA: return a->axis == t->axis;
+    case KB_OP_SLICE: return a->axis == t->axis && a->start == t->start && a->step == t->step;
+    case KB_OP_RESHAPE: case KB_OP_EXPAND: case KB_OP_NEG: case KB_OP_CAST: case KB_OP_MUL: case KB_OP_DIV:
+    case KB_OP_GE: case KB_OP_LT: case KB_OP_AND: case KB_OP_WHERE:
+        return 1;
+    default: return 0;
+    }
+}
+
+/* Adds t to w, or finds the node of w that computes it already: two sums of one-hots of one
+ * target share one range test. A linear scan: rules fire rarely. */
+static kb_status put(kb_graph *w, const kb_node *t, int32_t *id)
+{
+    for (int32_t v = kb_graph_nnodes(w) - 1; v >= 0; v--)
+        if (same_value(N(w, v), t)) {
+            *id = v;
+            return KB_OK;
+        }
+    return kb_graph_add(w, t, id);
+}
+
+static kb_status put_op(kb_graph *w, kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims, int32_t x, int32_t y,
+                        int32_t z, int32_t *id)
+{
+    kb_node t = tmpl(op, dt, rank, dims);
+    int32_t args[3] = {x, y, z};
+    for (int i = 0; i < 3 && args[i] >= 0; i++) t.inputs[t.ninputs++] = args[i];
+    return put(w, &t, id);
+}
+
+static kb_status put_const(kb_graph *w, kb_dtype dt, int32_t rank, const kb_dim *dims, double v, int32_t *id)
+{
+    kb_node t = tmpl(KB_OP_CONST, dt, rank, dims);
+    t.scalar[0] = v;
+    return put(w, &t, id);
+}
+
+/* ---------------------------------------------------------------- the sum of a one-hot row */
+
+/* sum_a where(iota_a == T, D, 0) with T and D the same all along axis a is D where 0 <= T <
+ * size_a and 0 elsewhere: the one-hot has at most one nonzero, at T. Linear maps with f(0) = 0
+ * between the where and the sum commute with it. Cross-entropy's backward has one (the sum_to
+ * of the gather's adjoint); as a sum it is a whole extra pass over a 32k-wide row, rewritten it
+ * is a few operations per row. Exact for every integer T, in range or not; for size_a = 0 the
+ * interpreter reports the read of the size (below) out of range. */
+
+/* Is v the same all along axis a: size 1 there, a constant, or a broadcast along a? */
+static int along_const(const kb_graph *w, int32_t v, int a)
+{
+    const kb_node *n = N(w, v);
+    if (is_one(n->dims[a]) || n->op == KB_OP_CONST) return 1;
+    return n->op == KB_OP_EXPAND && is_one(N(w, n->inputs[0])->dims[a]);
+}
+
+/* v (along_const) at the keepdim shape kd: the same values with size 1 on a. */
+static kb_status keep_along(kb_graph *w, int32_t v, int32_t rank, const kb_dim *kd, int32_t *out)
+{
+    const kb_node *n = N(w, v);
+    if (has_dims(n, rank, kd)) {
+        *out = v;
+        return KB_OK;
+    }
+    if (n->op == KB_OP_CONST) return put_const(w, n->dtype, rank, kd, n->scalar[0], out);
+    int32_t u = n->inputs[0];  /* an expand of u, which has size 1 on a */
+    if (has_dims(N(w, u), rank, kd)) {
+        *out = u;
+        return KB_OK;
+    }
+    return put_op(w, KB_OP_EXPAND, N(w, u)->dtype, rank, kd, u, -1, -1, out);
+}
+
+/* A constant zero, maybe broadcast; *value keeps its sign. */
+static int is_zero(const kb_graph *w, int32_t v, double *value)
+{
+    const kb_node *n = N(w, v);
+    if (n->op == KB_OP_EXPAND) n = N(w, n->inputs[0]);
+    *value = n->scalar[0];
+    return n->op == KB_OP_CONST && n->scalar[0] == 0.0;
+}
+
+/* The coordinate along a (an integer iota, maybe broadcast along other axes). A float iota
+ * is left alone: torch_eval rounds it to its dtype. */
+static int is_iota(const kb_graph *w, int32_t v, int a)
+{
+    const kb_node *n = N(w, v);
+    if (n->op == KB_OP_EXPAND && kb_dim_equal(N(w, n->inputs[0])->dims[a], n->dims[a])) n = N(w, n->inputs[0]);
+    return n->op == KB_OP_IOTA && n->axis == a && (n->dtype == KB_I64 || n->dtype == KB_I32);
+}
+
+typedef struct onehot {
+    int32_t t, d;         /* the target index, the value put there */
+    double zero;          /* the value elsewhere: 0 or -0 */
+} onehot;
+
+/* where(iota_a == T, D, 0) (T on either side of eq), or where(iota_a != T, 0, D). T must be an
+ * integer, so that the only coordinate it can equal is itself. */
+static int match_onehot(const kb_graph *w, int32_t v, int a, onehot *m)
+{
+    const kb_node *n = N(w, v);
+    if (n->op != KB_OP_WHERE || !kb_dtype_is_float(n->dtype)) return 0;
+    const kb_node *c = N(w, n->inputs[0]);
+    int hot = c->op == KB_OP_EQ ? 1 : c->op == KB_OP_NE ? 2 : 0;  /* where's operand at T */
+    if (!hot) return 0;
+    if (is_iota(w, c->inputs[0], a)) m->t = c->inputs[1];
+    else if (is_iota(w, c->inputs[1], a)) m->t = c->inputs[0];
+    else return 0;
+    m->d = n->inputs[hot];
+    kb_dtype tt = N(w, m->t)->dtype;
+    return (tt == KB_I64 || tt == KB_I32) && along_const(w, m->t, a) && along_const(w, m->d, a) &&
+           is_zero(w, n->inputs[3 - hot], &m->zero);
+}
+
+static int finite_const(const kb_graph *w, int32_t v, int nonzero)
+{
+    const kb_node *n = N(w, v);
+    return n->op == KB_OP_CONST && isfinite(n->scalar[0]) && (!nonzero || n->scalar[0] != 0.0);
+}
+
+/* One float map f with f(0) = +-0 exactly, so that f of the one nonzero term summed with zeros
+ * is the sum of f of each term, bit for bit: neg, a cast between floats, a product with a
+ * finite constant (inf * 0 would be NaN), a quotient by a finite nonzero one. */
+typedef struct linear_step {
+    kb_node f;            /* a copy: w's node array moves as rules add to it */
+    int32_t inner;        /* f's operand on the way to the one-hot */
+    int cslot;            /* mul / div: the constant's operand slot */
+} linear_step;
+
+static int match_linear(const kb_graph *w, int32_t v, linear_step *s)
+{
+    const kb_node *n = N(w, v);
+    if (!kb_dtype_is_float(n->dtype)) return 0;
+    s->f = *n;
+    s->inner = n->inputs[0];
+    s->cslot = -1;
+    switch (n->op) {
+    case KB_OP_NEG: return 1;
+    case KB_OP_CAST: return kb_dtype_is_float(N(w, s->inner)->dtype);
+    case KB_OP_MUL:
+        for (int k = 0; k < 2; k++)
+            if (finite_const(w, n->inputs[k], 0)) {
+                s->cslot = k;
+                s->inner = n->inputs[1 - k];
+                return 1;
+            }
+        return 0;
+    case KB_OP_DIV: s->cslot = 1; return finite_const(w, n->inputs[1], 1);
+    default: return 0;
+    }
+}
+
+/* The size of a dim as an i64 value of shape kd. A pinned size is a constant; a varying one
+ * has no literal, so it is read off an iota over twice the size, at the first coordinate of its
+ * second half: views only, which a kernel folds into index arithmetic (no load, no reduction). */
+static kb_status size_value(kb_graph *w, kb_dim size, int32_t rank, const kb_dim *kd, int32_t *out)
+{
+    kb_status st = KB_OK;
+    if (size.nsym == 0) return put_const(w, KB_I64, rank, kd, (double)size.coef, out);
+    kb_dim two = size, halves[2] = {{2, 0, {0}}, size}, ones[KB_MAX_RANK];
+    int32_t v;
+    two.coef *= 2;
+    for (int d = 0; d < KB_MAX_RANK; d++) ones[d] = (kb_dim){1, 0, {0}};
+    kb_node t = tmpl(KB_OP_IOTA, KB_I64, 1, &two);
+    KB_TRY(put(w, &t, &v));
+    KB_TRY(put_op(w, KB_OP_RESHAPE, KB_I64, 2, halves, v, -1, -1, &v));
+    for (int axis = 0; axis < 2; axis++) { /* row 1 of [2, size], then its column 0 */
+        halves[axis] = ones[0];
+        t = tmpl(KB_OP_SLICE, KB_I64, 2, halves);
+        t.inputs[0] = v, t.ninputs = 1, t.axis = axis, t.start = axis == 0;
+        KB_TRY(put(w, &t, &v));
+    }
+    if (rank != 2) KB_TRY(put_op(w, KB_OP_RESHAPE, KB_I64, rank, ones, v, -1, -1, &v));
+    if (!has_dims(N(w, v), rank, kd)) KB_TRY(put_op(w, KB_OP_EXPAND, KB_I64, rank, kd, v, -1, -1, &v));
+    *out = v;
+cleanup:
+    return st;
+}
+
+/* s: a node about to be added to w (operands already w's). *out = its replacement, or -1 when
+ * s is not a sum over one axis of a linear map of a one-hot. */
+static kb_status onehot_sum(kb_graph *w, const kb_node *s, int32_t *out)
+{
+    kb_status st = KB_OK;
+    *out = -1;
+    if (s->op != KB_OP_SUM || s->nograd || kb_popcount32(s->axes) != 1) return KB_OK;
+    int a = __builtin_ctz(s->axes);
+    const kb_node *x = N(w, s->inputs[0]);
+    if (s->dtype != x->dtype || a >= x->rank) return KB_OK;
+    linear_step steps[MAX_LINEAR_STEPS];
+    int32_t nsteps = 0, v = s->inputs[0];
+    while (nsteps < MAX_LINEAR_STEPS && match_linear(w, v, &steps[nsteps])) v = steps[nsteps++].inner;
+    onehot m;
+    if (!match_onehot(w, v, a, &m)) return KB_OK;
+
+    int32_t rank = x->rank, t, zero, lo, n, hi, in, d, r;
+    kb_dim kd[KB_MAX_RANK];
+    for (int k = 0; k < rank; k++) kd[k] = k == a ? (kb_dim){1, 0, {0}} : x->dims[k];
+    kb_dim size = x->dims[a];  /* x and other node pointers die at the first put */
+    kb_dtype wdt = N(w, v)->dtype;
+    /* in range: 0 <= T < size, compared in i64 */
+    KB_TRY(keep_along(w, m.t, rank, kd, &t));
+    if (N(w, t)->dtype != KB_I64) KB_TRY(put_op(w, KB_OP_CAST, KB_I64, rank, kd, t, -1, -1, &t));
+    KB_TRY(put_const(w, KB_I64, rank, kd, 0.0, &zero));
+    KB_TRY(put_op(w, KB_OP_GE, KB_BOOL, rank, kd, t, zero, -1, &lo));
+    KB_TRY(size_value(w, size, rank, kd, &n));
+    KB_TRY(put_op(w, KB_OP_LT, KB_BOOL, rank, kd, t, n, -1, &hi));
+    KB_TRY(put_op(w, KB_OP_AND, KB_BOOL, rank, kd, lo, hi, -1, &in));
+    KB_TRY(keep_along(w, m.d, rank, kd, &d));
+    KB_TRY(put_const(w, wdt, rank, kd, m.zero, &zero));
+    KB_TRY(put_op(w, KB_OP_WHERE, wdt, rank, kd, in, d, zero, &r));
+    /* the linear maps, innermost first, now per row */
+    for (int32_t k = nsteps - 1; k >= 0; k--) {
+        const kb_node *f = &steps[k].f;
+        int32_t ops[2] = {r, -1}, ck = steps[k].cslot;
+        if (ck >= 0) {
+            kb_node c = *N(w, f->inputs[ck]);
+            KB_TRY(put_const(w, c.dtype, rank, kd, c.scalar[0], &ops[ck]));
+            ops[1 - ck] = r;
+        }
+        KB_TRY(put_op(w, f->op, f->dtype, rank, kd, ops[0], ops[1], -1, &r));
+    }
+    if (s->rank != rank) KB_TRY(put_op(w, KB_OP_RESHAPE, s->dtype, s->rank, s->dims, r, -1, -1, &r));
+    *out = r;
+cleanup:
+    return st;
+}
+
+/* ---------------------------------------------------------------- rebuilding */
+
+/* Rebuilds w keeping the nodes its outputs depend on: every INPUT first, in input order (so
+ * the input list stays as specified even where one is unused), then the rest in id order. */
+static kb_status prune(const kb_graph *w, kb_graph **out)
+{
+    kb_status st = KB_OK;
+    kb_ctx *ctx = kb_graph_ctx(w);
+    int32_t n = kb_graph_nnodes(w);
+    size_t cnt = n > 0 ? (size_t)n : 1;
+    kb_graph *p = NULL;
+    uint8_t *live = kb_calloc(ctx, cnt, 1);
+    int32_t *map = kb_malloc(ctx, cnt * sizeof(int32_t));
+    KB_CHECK(ctx, live && map, KB_ERR_OOM, "simplify: out of memory pruning %d nodes", (int)n);
+    for (int32_t j = 0; j < kb_graph_noutputs(w); j++) live[kb_graph_output(w, j)] = 1;
+    for (int32_t v = n - 1; v >= 0; v--) {
+        const kb_node *nd = N(w, v);
+        if (live[v])
+            for (int i = 0; i < nd->ninputs; i++) live[nd->inputs[i]] = 1;
+    }
+    KB_TRY(kb_graph_new(ctx, &p));
+    KB_TRY(kb_graph_copy_symbols(w, p));
+    for (int32_t i = 0; i < kb_graph_ninputs(w); i++) {
+        int32_t v = kb_graph_input(w, i);
+        KB_TRY(kb_graph_add(p, N(w, v), &map[v]));
+    }
+    for (int32_t v = 0; v < n; v++) {
+        const kb_node *nd = N(w, v);
+        if (!live[v] || nd->op == KB_OP_INPUT) continue;
+        kb_node t = *nd;
+        for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
+        KB_TRY(kb_graph_add(p, &t, &map[v]));
+    }
+    for (int32_t j = 0; j < kb_graph_noutputs(w); j++) KB_TRY(kb_graph_add_output(p, map[kb_graph_output(w, j)]));
+    *out = p;
+    p = NULL;
+cleanup:
+    kb_free(ctx, live, cnt);
+    kb_free(ctx, map, cnt * sizeof(int32_t));
+    kb_graph_free(p);
+    return st;
+}
+
+kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out)
+{
+    if (!out) return KB_ERR_INVALID;
+    *out = NULL;
+    if (!g) return KB_ERR_INVALID;
+    kb_status st = KB_OK;
+    kb_ctx *ctx = kb_graph_ctx(g);
+    int32_t n = kb_graph_nnodes(g);
+    size_t cnt = n > 0 ? (size_t)n : 1;
+    kb_graph *w = NULL;
+    int32_t *map = kb_malloc(ctx, cnt * sizeof(int32_t));
+    KB_CHECK(ctx, map != NULL, KB_ERR_OOM, "simplify: out of memory for %d nodes", (int)n);
+    KB_TRY(kb_graph_new(ctx, &w));
+    KB_TRY(kb_graph_copy_symbols(g, w));
+    /* in id order, so the inputs keep theirs; a rule's replacement stands for the node */
+    for (int32_t v = 0; v < n; v++) {
+        kb_node t = *N(g, v);
+        int32_t r = -1;
+        for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
+        if (t.op == KB_OP_SUM) KB_TRY(onehot_sum(w, &t, &r));
+        if (r < 0) KB_TRY(kb_graph_add(w, &t, &r));
+        map[v] = r;
+    }
+    for (int32_t j = 0; j < kb_graph_noutputs(g); j++) KB_TRY(kb_graph_add_output(w, map[kb_graph_output(g, j)]));
+    KB_TRY(prune(w, out));
+cleanup:
+    kb_free(ctx, map, cnt * sizeof(int32_t));
+    kb_graph_free(w);
+    return st;
+}
