@@ -130,16 +130,8 @@ static kb_status emit(builder *b, const kb_node *tmpl, int32_t *id)
     return KB_OK;
 }
 
-static kb_node tmpl_new(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims)
-{
-    kb_node n;
-    memset(&n, 0, sizeof n);
-    n.op = op;
-    n.dtype = dt;
-    n.rank = rank;
-    n.step = 1;
-    if (rank > 0) memcpy(n.dims, dims, sizeof(kb_dim) * (size_t)rank);
-    return n;
+static kb_node tmpl_new(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims) {
+    return kb_node_template(op, dt, rank, dims);
 }
 
 static const kb_node *node_of(const builder *b, int32_t id) { return kb_graph_node(b->g, id); }

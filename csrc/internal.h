@@ -104,4 +104,6 @@ static inline int kb_op_spelled_with(const kb_op_info *info, const char *const *
     return 0;
 }
 
+kb_node kb_node_template(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims);
+
 #endif /* KBENCH_INTERNAL_H */

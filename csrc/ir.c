@@ -557,3 +557,15 @@ kb_status kb_graph_dump(const kb_graph *g, char **out) {
     kb_sb_puts(&sb, "\n}\n");
     return kb_sb_finish(&sb, out);
 }
+
+/* A node with op, dtype and shape set and everything else zero (step 1): what rewrites fill in. */
+kb_node kb_node_template(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims) {
+    kb_node n;
+    memset(&n, 0, sizeof n);
+    n.op = op;
+    n.dtype = dt;
+    n.rank = rank;
+    n.step = 1;
+    if (rank > 0) memcpy(n.dims, dims, sizeof(kb_dim) * (size_t)rank);
+    return n;
+}

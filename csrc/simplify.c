@@ -20,16 +20,8 @@ static int has_dims(const kb_node *n, int32_t rank, const kb_dim *dims)
     return 1;
 }
 
-static kb_node tmpl(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims)
-{
-    kb_node n;
-    memset(&n, 0, sizeof n);
-    n.op = op;
-    n.dtype = dt;
-    n.rank = rank;
-    n.step = 1;
-    if (rank > 0) memcpy(n.dims, dims, sizeof(kb_dim) * (size_t)rank);
-    return n;
+static kb_node tmpl(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims) {
+    return kb_node_template(op, dt, rank, dims);
 }
 
 /* Does existing node a compute what template t does? Only the ops rules emit are compared
