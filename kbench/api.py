@@ -157,8 +157,11 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
     # budget "none" keeps nothing between processes: neither kernels nor the capture
     key, captured = capture_cache.lookup(model, args, backend) if budget != "none" else (None, None)
     if captured is not None:
-        optimized = OptimizedModule(model, captured, executor(), device)
-        why = capture_cache.matches_eager(model, optimized, args)
+        try:
+            optimized = OptimizedModule(model, captured, executor(), device)
+            why = capture_cache.matches_eager(model, optimized, args)
+        except Exception as e:  # noqa: BLE001 - a stored capture that does not fit is recaptured
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if not why:
             optimized.__dict__["_kbench_capture_note"] = ("from the cache (torch.export skipped; checked "
                                                           "against eager on the example inputs)")

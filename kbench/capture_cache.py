@@ -99,7 +99,7 @@ class _Hasher:
         elif isinstance(v, torch.Tensor):
             data = v.detach().cpu().contiguous()
             self.add("tensor", v.dtype, tuple(v.shape),
-                     hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest())
+                     hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
         elif isinstance(v, (list, tuple, set, frozenset)):
             items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
             self.add(type(v).__name__, len(items))

@@ -139,6 +139,22 @@ def test_stale_entry_is_detected_and_replaced(cache_dir, caplog):
     torch.testing.assert_close(again(x), model(x))
 
 
+def test_entry_that_does_not_fit_the_module_is_recaptured(cache_dir, caplog):
+    """A stored capture naming parameters the module lacks fails while it is checked: recaptured,
+    not raised."""
+    x = torch.randn(4, 8)
+    kbench.optimize(Scaled(), x)
+    other = nn.Sequential(nn.Linear(8, 8))
+    other.scale = torch.tensor(2.0)   # a 0-dim tensor attribute: in the key by its value
+    with contextlib.closing(cache.open_cache()) as db:
+        db.store_capture(capture_cache.fingerprint(other, (x,), "interp"),
+                         db.load_capture(capture_cache.fingerprint(Scaled(), (x,), "interp")))
+    with caplog.at_level(logging.WARNING, logger="kbench"):
+        optimized = kbench.optimize(other, x)
+    assert "does not match eager" in caplog.text
+    torch.testing.assert_close(optimized(x), other(x))
+
+
 def test_corrupt_entry_is_dropped(cache_dir, caplog):
     model, x = Scaled(), torch.randn(4, 8)
     key = capture_cache.fingerprint(model, (x,), "interp")
