@@ -10,6 +10,7 @@
 #define NAME_LEN 64
 #define KEY_LEN 480
 #define CG_DATA (1u << 31) /* an index component that depends on loaded data (gather) */
+#define CG_BIG ((int64_t)1 << 60) /* an unknown bound of an integer's range */
 
 typedef struct renderer {
     const char *kernel_prefix; /* extern "C" __global__ void */
@@ -42,8 +43,26 @@ typedef struct cg_vreq { /* a vector load hoisted in front of the element loop o
     int smem;     /* read from the row cache in shared memory */
     int fill;     /* also store the vector into the row cache */
     char base[EXPR_LEN];
+    char guard[EXPR_LEN]; /* read only where this holds for the chunk (zeros elsewhere); "" always */
     char name[NAME_LEN];
 } cg_vreq;
+
+/* An integer at an index (codegen_int.c): a long long expression, the range [lo, hi] it lies in
+ * (CG_BIG: unknown), what it depends on, and var + off when it is a coordinate plus a constant. */
+typedef struct cg_int {
+    char e[EXPR_LEN];
+    int64_t lo, hi;
+    uint32_t mask;
+    char var[NAME_LEN];
+    int64_t off;
+} cg_int;
+
+/* The where() branch being generated is selected only where the chunk's last coordinate
+ * a<last> lies in [lo, hi) (codegen_int.c); loads outside it read nothing. */
+typedef struct cg_guard {
+    int on;
+    int64_t lo, hi;
+} cg_guard;
 
 typedef struct cg {
     kb_ctx *ctx;
@@ -109,6 +128,7 @@ typedef struct cg {
     int nents, capents;
     cg_vreq vr[64];
     int nvr;
+    cg_guard guard;     /* POINTWISE: the where() branch being generated (off outside one) */
 } cg;
 
 kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
@@ -164,5 +184,17 @@ void cg_fmt(cg *c, char *dst, size_t n, const char *f, ...)
     __attribute__((format(printf, 4, 5)))
 #endif
     ;
+void cg_to_comps(cg *c, const kb_node *nd, const idx *in, idx *out);
+void cg_to_lin(cg *c, const kb_node *nd, const idx *in, char *out, uint32_t *mask);
+void cg_view_map(cg *c, const kb_node *nd, const idx *ix, idx *out);
+
+/* codegen_int.c: integer indices with ranges, and where() branches under guards */
+void cg_ev_int(cg *c, int32_t v, const idx *x, cg_int *r);
+int cg_parse_affine(const char *e, char *var, int64_t *off);
+int cg_int_compare(cg *c, const kb_node *nd, const idx *x, char *out);
+int cg_where_guards(cg *c, int32_t cond, const idx *x, cg_guard *t, cg_guard *f);
+int cg_guard_empty(const cg_guard *g);
+int cg_chunk_guard(cg *c, char *out);
+void cg_guarded_ref(cg *c, int32_t v, const char *lin, char *out);
 
 #endif /* KBENCH_CODEGEN_H */

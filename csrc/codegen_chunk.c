@@ -112,6 +112,9 @@ void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nou
         const char *T = cg_storage(NODE(c, r->v)->dtype);
         if (r->smem) cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(sm%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
         else if (prefetched(c, r)) cg_line(c, "const kb_vec<%s, %d> %s = pf%d[u];  // loaded a row ahead", T, V, r->name, (int)r->v);
+        else if (r->guard[0]) /* a where() branch's read: only chunks it selects load */
+            cg_line(c, "const kb_vec<%s, %d> %s = %s ? kb_ld<%s, %d>(p%d + %s) : kb_vec<%s, %d>{};", T, V, r->name, r->guard,
+                    T, V, (int)r->v, r->base, T, V);
         else cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(p%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
         if (r->fill) cg_line(c, "kb_st<%s, %d>(sm%d + c0, %s);  // into the row cache", T, V, (int)r->v, r->name);
     }

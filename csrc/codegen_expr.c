@@ -452,7 +452,14 @@ static void view_map(cg *c, const kb_node *nd, const idx *ix, idx *out) {
         const char *e = x.e[a];
         if (strcmp(e, "0") == 0) cg_fmt(c, out->e[a], EXPR_LEN, "%" PRId64, nd->start);
         else if (nd->step == 1 && nd->start == 0) cg_fmt(c, out->e[a], EXPR_LEN, "%s", e);
-        else if (nd->step == 1) cg_fmt(c, out->e[a], EXPR_LEN, "(%s + %" PRId64 ")", e, nd->start);
+        else if (nd->step == 1) {
+            char var[NAME_LEN];
+            int64_t off;
+            if (cg_parse_affine(e, var, &off)) /* (a1 + -4096) + 4096 is a1: one spelling per position */
+                cg_fmt(c, out->e[a], EXPR_LEN, off + nd->start ? "(%s + %" PRId64 ")" : "%s", var, off + nd->start);
+            else
+                cg_fmt(c, out->e[a], EXPR_LEN, "(%s + %" PRId64 ")", e, nd->start);
+        }
         else if (nd->start == 0) cg_fmt(c, out->e[a], EXPR_LEN, "(%s * %" PRId64 ")", e, nd->step);
         else cg_fmt(c, out->e[a], EXPR_LEN, "(%s * %" PRId64 " + %" PRId64 ")", e, nd->step, nd->start);
     }
@@ -464,8 +471,9 @@ static void make_key(cg *c, int32_t v, const idx *x, char *key) {
     size_t len = (size_t)snprintf(key, KEY_LEN, "%d:%c", (int)v, x->lin ? 'L' : 'C');
     int n = x->lin ? 1 : x->rank;
     for (int d = 0; d < n && len < KEY_LEN; d++) len += (size_t)snprintf(key + len, KEY_LEN - len, "|%s", x->e[d]);
+    if (c->guard.on && len < KEY_LEN) /* a value under a guard may be a stand-in outside it */
+        len += (size_t)snprintf(key + len, KEY_LEN - len, "|G%" PRId64 ":%" PRId64, c->guard.lo, c->guard.hi);
     if (len >= KEY_LEN) key[0] = '\0'; /* too long to key: compute it again where needed */
-    (void)c;
 }
 
 static const char *lookup(cg *c, int32_t v, const char *key) {
@@ -503,7 +511,7 @@ static void var_name(cg *c, int32_t v, const idx *x, char *name) {
     int keep;
     const kb_node *nd = NODE(c, v);
     int both = same_dims(nd, c->arank, c->adims) && stat_shape(c, nd, &keep);
-    if (is_canonical(c, x) && !both) snprintf(name, NAME_LEN, "v%d", (int)v);
+    if (is_canonical(c, x) && !both && !c->guard.on) snprintf(name, NAME_LEN, "v%d", (int)v);
     else snprintf(name, NAME_LEN, "v%d_%d", (int)v, ++c->counter);
 }
 
@@ -658,9 +666,10 @@ static int vector_base(cg *c, const kb_node *nd, const idx *x, char *base) {
     return 1;
 }
 
-static const char *vector_request(cg *c, int32_t v, int smem, int fill, const char *base) {
+static const char *vector_request(cg *c, int32_t v, int smem, int fill, const char *base, const char *guard) {
     for (int i = 0; i < c->nvr; i++)
-        if (c->vr[i].v == v && c->vr[i].smem == smem && strcmp(c->vr[i].base, base) == 0) {
+        if (c->vr[i].v == v && c->vr[i].smem == smem && strcmp(c->vr[i].base, base) == 0 &&
+            strcmp(c->vr[i].guard, guard) == 0) {
             c->vr[i].fill |= fill;
             return c->vr[i].name;
         }
@@ -670,6 +679,7 @@ static const char *vector_request(cg *c, int32_t v, int smem, int fill, const ch
     r->smem = smem;
     r->fill = fill;
     snprintf(r->base, EXPR_LEN, "%s", base);
+    snprintf(r->guard, EXPR_LEN, "%s", guard);
     snprintf(r->name, NAME_LEN, "x%d_%d", (int)v, ++c->counter);
     return r->name;
 }
@@ -684,16 +694,18 @@ static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
     const char *vn;
     if (cached && c->pass > c->fill_pass[v]) { /* shared-memory row cache (registers: see ev) */
         if (c->pass < 32) c->reads[v] |= 1u << c->pass;
-        if (c->vec > 1 && (vn = vector_request(c, v, 1, 0, "c0")) != NULL) cg_fmt(c, raw, sizeof raw, "%s.v[k]", vn);
+        if (c->vec > 1 && (vn = vector_request(c, v, 1, 0, "c0", "")) != NULL) cg_fmt(c, raw, sizeof raw, "%s.v[k]", vn);
         else cg_fmt(c, raw, sizeof raw, "sm%d[c]", (int)v);
     } else {
         int fill = cached && !regs;
-        if (vector_base(c, nd, x, base) && (vn = vector_request(c, v, 0, fill, base)) != NULL) {
+        char guard[EXPR_LEN] = "";
+        int vec_ok = !c->guard.on || cg_chunk_guard(c, guard); /* guarded: whole chunks in or out */
+        if (vec_ok && vector_base(c, nd, x, base) && (vn = vector_request(c, v, 0, fill, base, guard)) != NULL) {
             cg_fmt(c, raw, sizeof raw, "%s.v[k]", vn);
         } else {
             char lin[EXPR_LEN];
             to_lin(c, nd, x, lin, NULL);
-            cg_fmt(c, raw, sizeof raw, "p%d[%s]", (int)v, lin);
+            cg_guarded_ref(c, v, lin, raw);
             if (fill) { /* scalar fill of the shared-memory cache */
                 char r[NAME_LEN];
                 snprintf(r, sizeof r, "r%d_%d", (int)v, ++c->counter);
@@ -708,26 +720,6 @@ static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
     if (cached && regs && c->pass == c->fill_pass[v]) cg_line(c, "rc%d[u][%s] = %s;", (int)v, c->kvar, name);
     insert(c, v, key, name);
     cg_fmt(c, out, EXPR_LEN, "%s", name);
-}
-
-/* An integer (gather index) at x, as a long long expression. */
-static void ev_int(cg *c, int32_t v, const idx *x, char *out) {
-    const kb_node *nd = NODE(c, v);
-    if (nd->op == KB_OP_CONST) {
-        cg_fmt(c, out, EXPR_LEN, "(long long)%.17g", nd->scalar[0]);
-    } else if (c->member[v] && kb_op_get(nd->op)->kind == KB_KIND_VIEW) {
-        idx u;
-        view_map(c, nd, x, &u);
-        ev_int(c, nd->inputs[0], &u, out);
-    } else if (!c->member[v] && c->in_slot[v] >= 0) {
-        char lin[EXPR_LEN];
-        to_lin(c, nd, x, lin, NULL);
-        cg_fmt(c, out, EXPR_LEN, "(long long)p%d[%s]", (int)v, lin);
-    } else {
-        char e[EXPR_LEN];
-        ev(c, v, x, e);
-        cg_fmt(c, out, EXPR_LEN, "(long long)(%s)", e);
-    }
 }
 
 static void cast_expr(cg *c, kb_dtype to, const char *a, char *out) {
@@ -798,8 +790,24 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
     switch (info->kind) {
     case KB_KIND_UNARY:
     case KB_KIND_BINARY:
-    case KB_KIND_TERNARY:
-        for (int i = 0; i < nd->ninputs; i++) ev(c, nd->inputs[i], &x, ops[i]);
+    case KB_KIND_TERNARY: {
+        cg_guard t, f, saved = c->guard;
+        if (cg_int_compare(c, nd, &x, expr)) { /* coordinates compare as integers */
+            declare(c, v, &x, key, expr, out);
+            return;
+        }
+        if (nd->op == KB_OP_WHERE && cg_where_guards(c, nd->inputs[0], &x, &t, &f)) {
+            /* each branch read only where it is selected (a branch never selected is not read) */
+            ev(c, nd->inputs[0], &x, ops[0]);
+            for (int i = 1; i < 3; i++) {
+                c->guard = i == 1 ? t : f;
+                if (cg_guard_empty(&c->guard)) cg_fmt(c, ops[i], EXPR_LEN, "0.0f");
+                else ev(c, nd->inputs[i], &x, ops[i]);
+            }
+            c->guard = saved;
+        } else {
+            for (int i = 0; i < nd->ninputs; i++) ev(c, nd->inputs[i], &x, ops[i]);
+        }
         if (nd->op == KB_OP_CAST) {
             cast_expr(c, nd->dtype, ops[0], expr);
         } else {
@@ -809,15 +817,28 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
         declare(c, v, &x, key, expr, out);
         if (canon && c->cached[v] && c->pass == c->fill_pass[v]) cg_line(c, "rc%d[u][%s] = %s;", (int)v, c->kvar, out);
         return;
+    }
     case KB_KIND_GATHER: {
         idx y, a;
         to_comps(c, nd, &x, &y);
         const kb_node *an = NODE(c, nd->inputs[0]);
-        char iv[EXPR_LEN], size[EXPR_LEN];
-        ev_int(c, nd->inputs[1], &y, iv);
-        dim_expr(c, an->dims[nd->axis], size);
+        char size[EXPR_LEN];
+        cg_int iv;
+        cg_ev_int(c, nd->inputs[1], &y, &iv);
+        kb_dim ad = an->dims[nd->axis];
+        if (!(iv.mask & CG_DATA) && iv.lo >= 0 && ad.nsym == 0 && iv.hi < ad.coef) {
+            /* an index of coordinates that stays in range: a view, read at that position */
+            a = y;
+            a.rank = an->rank;
+            cg_fmt(c, a.e[nd->axis], EXPR_LEN, "%s", iv.e);
+            a.mask[nd->axis] = iv.mask;
+            ev(c, nd->inputs[0], &a, out);
+            insert(c, v, key, out);
+            return;
+        }
+        dim_expr(c, ad, size);
         int g = ++c->counter;
-        cg_line(c, "const long long g%d = %s;", g, iv);
+        cg_line(c, "const long long g%d = %s;", g, iv.e);
         cg_line(c, "const bool ok%d = g%d >= 0 && g%d < %s;  // out of range reads nothing, gives NaN", g, g, g, size);
         a = y;
         a.rank = an->rank;
@@ -852,6 +873,9 @@ void cg_ev_store(cg *c, int32_t v, const idx *ix, char *out) {
     ev(c, v, ix, out);
 }
 void cg_set_lin(idx *x, const char *e, uint32_t mask) { set_lin(x, e, mask); }
+void cg_to_comps(cg *c, const kb_node *nd, const idx *in, idx *out) { to_comps(c, nd, in, out); }
+void cg_to_lin(cg *c, const kb_node *nd, const idx *in, char *out, uint32_t *mask) { to_lin(c, nd, in, out, mask); }
+void cg_view_map(cg *c, const kb_node *nd, const idx *ix, idx *out) { view_map(c, nd, ix, out); }
 uint32_t cg_all_bits(const cg *c) { return all_bits(c); }
 int cg_stat_shape(const cg *c, const kb_node *nd, int *keep) { return stat_shape(c, nd, keep); }
 const char *cg_store_fmt(kb_dtype t) { return (unsigned)t < KB_DTYPE_COUNT ? DT[t].store : "%s"; }

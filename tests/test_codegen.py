@@ -324,6 +324,39 @@ def test_swiglu_backward_materializes_nothing(dt):
     assert full.count("gather") == 2 and full.count("where") == 1 and "add" not in full  # a select, no pads summed
 
 
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_swiglu_backward_reads_each_half_where_selected(dt):
+    """dx = where(a1 < 512, g0[min(a1, 511)], g1[max(a1 - 512, 0)]): each branch is generated
+    under its column range, so the clamps drop out, the halves read as 16-byte vector loads at
+    a1 and a1 - 512 that only chunks the branch selects issue, and no index goes through float."""
+    g, _, _, _ = build("swiglu_bwd", dt)
+    src = _C.generate(g.partition(), 0, 90, None)["source"]
+    vec = 4 if dt == "f32" else 8
+    body = src[src.index("if (i0 + %d <= n)" % vec):src.index("// the tail")]
+    loads = [ln for ln in body.splitlines() if "kb_ld<" in ln]
+    assert len(loads) == 5, body  # dy and x at both halves' positions, x's other half for the gate
+    assert sum("(a1_0 < 512) ?" in ln for ln in loads) == 3 and sum("(a1_0 >= 512) ?" in ln for ln in loads) == 2, body
+    assert "(a1_0 + -512)" in body and "(a1_0 + 512)" in body
+    assert "(float)(a1)" not in src and "out of range" not in src and "kb_minf(" not in src[src.index("__global__"):], src
+    tail = src[src.index("// the tail"):]
+    assert "p1[(a1 >= 512) ? (a0 * 512 + (a1 + -512)) : 0]" in tail, tail  # one element: the read is guarded
+
+
+def test_select_over_uneven_halves_reads_element_by_element():
+    """Halves that do not start at a whole vector: the branch's reads stay guarded per element
+    (no vector load may straddle the split)."""
+    b = Builder(s0=3)
+    x = b.input("x", "f32", ["s0", 1002])
+    lo = b.op("slice", [x], "f32", ["s0", 501], axis=1, start=0, step=1)
+    hi = b.op("slice", [x], "f32", ["s0", 501], axis=1, start=501, step=1)
+    b.g.add_output(b.op("mul", [b.op("silu", [lo], "f32", ["s0", 501]), hi], "f32", ["s0", 501]))
+    g = b.g.grad([True])
+    p = g.partition()
+    src = _C.generate(p, 0, 90, "threads=256 vec=2 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1")["source"]
+    assert "(a1 < 501) ?" in src and "(a1 >= 501) ?" in src, src
+    assert not any("kb_ld<" in ln and "?" in ln for ln in src.splitlines()), src
+
+
 def test_cross_entropy_backward_recomputes_the_mask():
     """Whatever the node order, the one-hot mask iota == target and the work on it stay inside
     the row kernel: the only region output of the logits' size is dlogits."""
