@@ -225,9 +225,11 @@ static void row_group_reduce(cg *c, const int32_t *reds, int nred) {
         }
     if (c->G <= 32) return;
     int nw = c->G / 32;
+    /* kb_red has two halves used in turn: the next reduction writes the other half, so no
+     * barrier is needed after the reads (the next one's barrier orders them before a rewrite) */
     cg_line(c, "// across the %d warps of the row, in a fixed order (deterministic)", nw);
     cg_line(c, "if ((threadIdx.x & 31) == 0) {");
-    for (int j = 0; j < nred; j++) cg_line(c, "    kb_red[%d][threadIdx.x >> 5] = acc%d;", j, reds[j]);
+    for (int j = 0; j < nred; j++) cg_line(c, "    kb_red[kb_half][%d][threadIdx.x >> 5] = acc%d;", j, reds[j]);
     cg_line(c, "}");
     cg_line(c, "%s;", c->rd->barrier);
     for (int j = 0; j < nred; j++) {
@@ -235,21 +237,22 @@ static void row_group_reduce(cg *c, const int32_t *reds, int nred) {
         if (c->partner[reds[j]] >= 0) {
             int js = 0;
             while (js < nred && reds[js] != c->partner[reds[j]]) js++;
-            cg_line(c, "acc%d = kb_red[%d][grp * %d], acc%d = kb_red[%d][grp * %d];", reds[j], j, nw, reds[js], js, nw);
-            cg_line(c, "for (int w = 1; w < %d; ++w) kb_online_merge(acc%d, acc%d, kb_red[%d][grp * %d + w], kb_red[%d][grp * %d + w]);",
-                    nw, reds[j], reds[js], j, nw, js, nw);
+            cg_line(c, "acc%d = kb_red[kb_half][%d][grp * %d], acc%d = kb_red[kb_half][%d][grp * %d];", reds[j], j, nw, reds[js],
+                    js, nw);
+            cg_line(c, "for (int w = 1; w < %d; ++w) kb_online_merge(acc%d, acc%d, kb_red[kb_half][%d][grp * %d + w], "
+                    "kb_red[kb_half][%d][grp * %d + w]);", nw, reds[j], reds[js], j, nw, js, nw);
             continue;
         }
         const struct red_render *rr = red_of(kb_graph_node(c->g, reds[j])->op);
         char comb[128];
         char acc[32], other[64];
         snprintf(acc, sizeof acc, "acc%d", reds[j]);
-        snprintf(other, sizeof other, "kb_red[%d][grp * %d + w]", j, nw);
+        snprintf(other, sizeof other, "kb_red[kb_half][%d][grp * %d + w]", j, nw);
         snprintf(comb, sizeof comb, rr->combine, acc, other);
-        cg_line(c, "acc%d = kb_red[%d][grp * %d];", reds[j], j, nw);
+        cg_line(c, "acc%d = kb_red[kb_half][%d][grp * %d];", reds[j], j, nw);
         cg_line(c, "for (int w = 1; w < %d; ++w) acc%d = %s;", nw, reds[j], comb);
     }
-    cg_line(c, "%s;", c->rd->barrier);
+    cg_line(c, "kb_half ^= 1;");
 }
 
 /* The reductions and FULL outputs of one pass, and the statistics it finishes. */
@@ -319,7 +322,11 @@ static void emit_row_body(cg *c) {
     } else {
         cg_line(c, "const int lane = threadIdx.x, grp = 0;  // one row per block");
     }
-    if (c->G > 32 && c->npasses > 0) cg_line(c, "__shared__ %s kb_red[KB_NRED][%d];", c->ct, c->gn.threads / 32);
+    if (c->G > 32 && c->npasses > 0) {
+        cg_line(c, "__shared__ %s kb_red[2][KB_NRED][%d];  // the warps' partials, two halves in turn", c->ct,
+                c->gn.threads / 32);
+        cg_line(c, "int kb_half = 0;");
+    }
     if (c->gn.cache == KB_CACHE_SMEM) cg_smem_pointers(c);
     cg_colsum_decl(c);
     /* a grid capped for the column sums' partials: each block visits many rows, one after the

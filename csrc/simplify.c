@@ -81,29 +81,48 @@ static kb_status put_const(kb_graph *w, kb_dtype dt, int32_t rank, const kb_dim 
  * is a few operations per row. Exact for every integer T, in range or not; for size_a = 0 the
  * interpreter reports the read of the size (below) out of range. */
 
-/* Is v the same all along axis a: size 1 there, a constant, or a broadcast along a? */
-static int along_const(const kb_graph *w, int32_t v, int a)
+/* Is v the same all along axis a: size 1 there, a constant, a broadcast along a, or pointwise
+ * work on such values (a per-row statistic's arithmetic, -0.5 * rstd^3 / n)? */
+#define MAX_ALONG_DEPTH 8
+static int along_const_d(const kb_graph *w, int32_t v, int a, int depth)
 {
     const kb_node *n = N(w, v);
     if (is_one(n->dims[a]) || n->op == KB_OP_CONST) return 1;
-    return n->op == KB_OP_EXPAND && is_one(N(w, n->inputs[0])->dims[a]);
+    if (n->op == KB_OP_EXPAND) return is_one(N(w, n->inputs[0])->dims[a]);
+    kb_op_kind kind = kb_op_get(n->op)->kind;
+    if (depth == 0 || (kind != KB_KIND_UNARY && kind != KB_KIND_BINARY && kind != KB_KIND_TERNARY)) return 0;
+    for (int i = 0; i < n->ninputs; i++)
+        if (!along_const_d(w, n->inputs[i], a, depth - 1)) return 0;
+    return 1;
 }
+
+static int along_const(const kb_graph *w, int32_t v, int a) { return along_const_d(w, v, a, MAX_ALONG_DEPTH); }
 
 /* v (along_const) at the keepdim shape kd: the same values with size 1 on a. */
 static kb_status keep_along(kb_graph *w, int32_t v, int32_t rank, const kb_dim *kd, int32_t *out)
 {
-    const kb_node *n = N(w, v);
-    if (has_dims(n, rank, kd)) {
+    kb_status st = KB_OK;
+    kb_node n = *N(w, v); /* a copy: w's node array moves as nodes are put */
+    if (has_dims(&n, rank, kd)) {
         *out = v;
         return KB_OK;
     }
-    if (n->op == KB_OP_CONST) return put_const(w, n->dtype, rank, kd, n->scalar[0], out);
-    int32_t u = n->inputs[0];  /* an expand of u, which has size 1 on a */
-    if (has_dims(N(w, u), rank, kd)) {
-        *out = u;
-        return KB_OK;
+    if (n.op == KB_OP_CONST) return put_const(w, n.dtype, rank, kd, n.scalar[0], out);
+    if (n.op == KB_OP_EXPAND) { /* an expand of u, which has size 1 on a */
+        int32_t u = n.inputs[0];
+        if (has_dims(N(w, u), rank, kd)) {
+            *out = u;
+            return KB_OK;
+        }
+        return put_op(w, KB_OP_EXPAND, N(w, u)->dtype, rank, kd, u, -1, -1, out);
     }
-    return put_op(w, KB_OP_EXPAND, N(w, u)->dtype, rank, kd, u, -1, -1, out);
+    /* pointwise work: the same op per row */
+    for (int i = 0; i < n.ninputs; i++) KB_TRY(keep_along(w, n.inputs[i], rank, kd, &n.inputs[i]));
+    n.rank = rank;
+    for (int d = 0; d < rank; d++) n.dims[d] = kd[d];
+    KB_TRY(kb_graph_add(w, &n, out));
+cleanup:
+    return st;
 }
 
 /* A constant zero, maybe broadcast; *value keeps its sign. */
@@ -261,6 +280,167 @@ cleanup:
     return st;
 }
 
+/* ---------------------------------------------------------------- sums of row-constant multiples */
+
+/* sum_a(c * X + d * Y ...) with c, d the same all along a is c * sum_a(X) + d * sum_a(Y): the
+ * sum no longer waits for c and d. LayerNorm's backward has sum_a(-(g * rstd + 2 * k * xc))
+ * with k from the sum before it: as written it is a third reduction pass over every row; split,
+ * sum(g) and sum(xc) join the passes of the mean and the variance (one barrier fewer per row,
+ * no third pass). Rewritten only where that lowers the nesting of reductions, since it changes
+ * rounding (by a few ulps: products by a per-row value, sums regrouped). */
+
+#define MAX_TERMS 6
+#define MAX_FACTORS 4
+
+typedef struct lin_term {
+    int32_t atom;                /* the part summed along a */
+    int32_t fac[MAX_FACTORS];    /* per-row multipliers (divisors where div[i]) */
+    uint8_t div[MAX_FACTORS];
+    int nfac;
+    double k;                    /* a count: +-1, or 2 where a term appears twice */
+} lin_term;
+
+typedef struct lin_sum {
+    const kb_graph *w;
+    int a;
+    kb_dtype dt;
+    lin_term t[MAX_TERMS];
+    int n;
+} lin_sum;
+
+static int same_factors(const lin_term *x, const lin_term *y)
+{
+    if (x->atom != y->atom || x->nfac != y->nfac) return 0;
+    for (int i = 0; i < x->nfac; i++)
+        if (x->fac[i] != y->fac[i] || x->div[i] != y->div[i]) return 0;
+    return 1;
+}
+
+/* v * sign * (the product cur) as terms of L; 0 where v is not such a sum (too many terms). */
+static int decompose(lin_sum *L, int32_t v, double sign, const lin_term *cur, int depth)
+{
+    const kb_node *n = N(L->w, v);
+    lin_term t = *cur;
+    if (along_const(L->w, v, L->a)) return 0; /* a per-row term: left as it is */
+    if (n->dtype != L->dt || depth == 0) goto atom;
+    switch (n->op) {
+    case KB_OP_NEG: return decompose(L, n->inputs[0], -sign, cur, depth - 1);
+    case KB_OP_ADD:
+    case KB_OP_SUB:
+        /* x - mean stays whole: sum(x) - n * mean would cancel where |mean| >> the spread */
+        if (along_const(L->w, n->inputs[0], L->a) || along_const(L->w, n->inputs[1], L->a)) goto atom;
+        return decompose(L, n->inputs[0], sign, cur, depth - 1) &&
+               decompose(L, n->inputs[1], n->op == KB_OP_SUB ? -sign : sign, cur, depth - 1);
+    case KB_OP_MUL:
+    case KB_OP_DIV:
+        for (int k = n->op == KB_OP_DIV; k < 2; k++) { /* a per-row operand (the divisor only) */
+            if (!along_const(L->w, n->inputs[k], L->a)) continue;
+            if (t.nfac == MAX_FACTORS) return 0;
+            t.fac[t.nfac] = n->inputs[k], t.div[t.nfac++] = n->op == KB_OP_DIV;
+            return decompose(L, n->inputs[1 - k], sign, &t, depth - 1);
+        }
+        break;
+    default: break;
+    }
+atom:
+    t.atom = v;
+    t.k = sign;
+    for (int i = 0; i < L->n; i++)
+        if (same_factors(&L->t[i], &t)) {
+            L->t[i].k += sign;
+            return 1;
+        }
+    if (L->n == MAX_TERMS) return 0;
+    L->t[L->n++] = t;
+    return 1;
+}
+
+/* How deeply reductions nest under v (a reduction of a reduction's result is 2), in w. */
+static kb_status reduce_depth(const kb_graph *w, const int32_t *vs, int nv, int *out)
+{
+    kb_ctx *ctx = kb_graph_ctx(w);
+    int32_t n = kb_graph_nnodes(w);
+    size_t cnt = n > 0 ? (size_t)n : 1;
+    int *d = kb_calloc(ctx, cnt, sizeof(int));
+    if (!d) return KB_FAIL(ctx, KB_ERR_OOM, "simplify: out of memory for %d nodes", (int)n);
+    for (int32_t v = 0; v < n; v++) { /* operands come first in id order */
+        const kb_node *nd = N(w, v);
+        for (int i = 0; i < nd->ninputs; i++)
+            if (d[nd->inputs[i]] > d[v]) d[v] = d[nd->inputs[i]];
+        if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE) d[v]++;
+    }
+    *out = 0;
+    for (int i = 0; i < nv; i++)
+        if (vs[i] >= 0 && d[vs[i]] > *out) *out = d[vs[i]];
+    kb_free(ctx, d, cnt * sizeof(int));
+    return KB_OK;
+}
+
+/* s: a node about to be added to w. *out = c * sum(X) + ..., or -1 where that does not lower
+ * the reduction's nesting. */
+static kb_status linear_sum(kb_graph *w, const kb_node *s, int32_t *out)
+{
+    kb_status st = KB_OK;
+    *out = -1;
+    if (s->op != KB_OP_SUM || s->nograd || kb_popcount32(s->axes) != 1) return KB_OK;
+    int a = __builtin_ctz(s->axes);
+    const kb_node *x = N(w, s->inputs[0]);
+    if (s->dtype != x->dtype || a >= x->rank || !kb_dtype_is_float(x->dtype)) return KB_OK;
+    lin_sum L = {w, a, x->dtype, {{0}}, 0};
+    lin_term one = {-1, {0}, {0}, 0, 1.0};  /* the empty product */
+    if (!decompose(&L, s->inputs[0], 1.0, &one, MAX_LINEAR_STEPS)) return KB_OK;
+    int32_t atoms[MAX_TERMS];
+    int natoms = 0, before, after;
+    for (int i = 0; i < L.n; i++) {
+        int seen = 0;
+        for (int j = 0; j < natoms; j++) seen |= atoms[j] == L.t[i].atom;
+        if (!seen) atoms[natoms++] = L.t[i].atom;
+    }
+    if (natoms == 0 || natoms > 3) return KB_OK;
+    KB_TRY(reduce_depth(w, &s->inputs[0], 1, &before));
+    KB_TRY(reduce_depth(w, atoms, natoms, &after));
+    if (after >= before) return KB_OK; /* the sum would wait as long as before */
+
+    int32_t rank = x->rank, r = -1;
+    kb_dim kd[KB_MAX_RANK];
+    for (int k = 0; k < rank; k++) kd[k] = k == a ? (kb_dim){1, 0, {0}} : x->dims[k];
+    kb_dtype dt = x->dtype;  /* x dies at the first put */
+    int32_t sums[MAX_TERMS];
+    for (int j = 0; j < natoms; j++) { /* one sum per atom, whatever multiplies it */
+        kb_node sum = tmpl(KB_OP_SUM, dt, rank, kd);
+        sum.inputs[0] = atoms[j], sum.ninputs = 1, sum.axes = s->axes;
+        KB_TRY(kb_graph_add(w, &sum, &sums[j]));
+    }
+    for (int i = 0; i < L.n; i++) {
+        const lin_term *t = &L.t[i];
+        int32_t term = -1;
+        if (t->k == 0.0) continue;
+        for (int j = 0; j < natoms; j++)
+            if (atoms[j] == t->atom) term = sums[j];
+        for (int f = 0; f < t->nfac; f++) {
+            int32_t c;
+            KB_TRY(keep_along(w, t->fac[f], rank, kd, &c));
+            KB_TRY(put_op(w, t->div[f] ? KB_OP_DIV : KB_OP_MUL, dt, rank, kd, term, c, -1, &term));
+        }
+        if (t->k != 1.0 && t->k != -1.0) {
+            int32_t c;
+            KB_TRY(put_const(w, dt, rank, kd, fabs(t->k), &c));
+            KB_TRY(put_op(w, KB_OP_MUL, dt, rank, kd, term, c, -1, &term));
+        }
+        if (r < 0) {
+            r = term;
+            if (t->k < 0) KB_TRY(put_op(w, KB_OP_NEG, dt, rank, kd, r, -1, -1, &r));
+        } else {
+            KB_TRY(put_op(w, t->k < 0 ? KB_OP_SUB : KB_OP_ADD, dt, rank, kd, r, term, -1, &r));
+        }
+    }
+    if (r < 0) KB_TRY(put_const(w, dt, rank, kd, 0.0, &r));
+    if (s->rank != rank) KB_TRY(put_op(w, KB_OP_RESHAPE, s->dtype, s->rank, s->dims, r, -1, -1, &r));
+    *out = r;
+cleanup:
+    return st;
+}
+
 /* ---------------------------------------------------------------- rebuilding */
 
 /* Rebuilds w keeping the nodes its outputs depend on: every INPUT first, in input order (so
@@ -324,6 +504,7 @@ kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out)
         int32_t r = -1;
         for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
         if (t.op == KB_OP_SUM) KB_TRY(onehot_sum(w, &t, &r));
+        if (t.op == KB_OP_SUM && r < 0) KB_TRY(linear_sum(w, &t, &r));
         if (r < 0) KB_TRY(kb_graph_add(w, &t, &r));
         map[v] = r;
     }

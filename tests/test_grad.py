@@ -607,3 +607,84 @@ def test_simplify_one_hot_sum_is_exact_out_of_range():
         w = gb.op("where", hot, gb.view("expand", d_, full), gb.const(1.0 if variant == "one" else 0.0, full))
         gb.out(gb.reduce("sum", w, (1,), True))
         assert _one_hot_sums(gb.g.simplify()), variant
+
+
+def _reduce_depth(g):
+    """How deeply reductions along the last axis (the row) nest in g: a sum over a mean's result
+    is 2, a pass over the row each; sums over the rows (a weight's gradient) do not count."""
+    depth, v = {}, 0
+    while True:
+        try:
+            n = g.node(v)
+        except (IndexError, ValueError):
+            break
+        row = n["op"] in ("sum", "mean", "max", "min") and n["axes"] == 1 << (len(g.node(n["inputs"][0])["dims"]) - 1)
+        depth[v] = max((depth[u] for u in n["inputs"]), default=0) + row
+        v += 1
+    return max(depth[u] for u in g.outputs)
+
+
+def test_layernorm_backward_sums_wait_for_one_statistic_only():
+    """LayerNorm's backward sums -(g * rstd + 2 * k * (x - mean)) with k from the sum before it;
+    simplify() splits it into rstd * sum(g) and k * sum(x - mean) (never sum(x) - n * mean), so
+    the backward nests reductions two deep, not three, and still matches torch.autograd."""
+    from kbench.capture import capture
+
+    class LN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(16, dtype=torch.float64)
+
+        def forward(self, x):
+            return self.ln(x)
+
+    torch.manual_seed(0)
+    m = LN()
+    with torch.no_grad():
+        m.ln.weight.normal_(), m.ln.bias.normal_()
+    x = torch.randn(5, 16, dtype=torch.float64) * 3 + 100.0   # a large mean: cancellation would show
+    cap = capture(m, (x,))
+    g = cap.graph
+    bwd = g.grad([True] * len(g.inputs))
+    assert _reduce_depth(bwd) == 2, str(bwd)
+    xid = g.inputs[0]
+    assert f"sum %{xid} axes=[1]" not in str(bwd), str(bwd)  # x - mean summed whole, not expanded
+    xs = x.clone().requires_grad_(True)
+    out = m(xs)
+    up = torch.randn_like(out)
+    want = torch.autograd.grad(out, [xs, m.ln.weight, m.ln.bias], up)
+    names = [g.node(v)["name"] for v in g.inputs]
+    vals = {"x": x, "ln.weight": m.ln.weight.detach(), "ln.bias": m.ln.bias.detach()}
+    ins = [vals.get(n, None) for n in names[:len(g.inputs)]]
+    assert all(t is not None for t in ins), names
+    got = run(bwd, [5], ins + [up])
+    for w_, g_ in zip(want, got):
+        assert rel_err(g_, w_) < 1e-9, (rel_err(g_, w_), w_, g_)
+
+
+def test_linear_sum_rule_keeps_sums_that_would_not_move():
+    """sum(c * X) with c a per-row value that waits on no reduction stays as it is (splitting it
+    would only change rounding), and so does sum(x - mean) (no expansion into sum(x) - n * mean)."""
+    gb = GB(1)
+    full, keep = [S0, 8], [S0, 1]
+    x, c = gb.input("x", full), gb.input("c", keep)
+    s1 = gb.reduce("sum", gb.op("mul", x, gb.view("expand", c, full)), (1,), True)
+    m = gb.reduce("mean", x, (1,), True)
+    xc = gb.op("sub", x, gb.view("expand", m, full))
+    s2 = gb.reduce("sum", xc, (1,), True)
+    gb.out(s1, s2)
+    simple = gb.g.simplify()
+    assert str(simple) == str(gb.g.simplify()) and str(simple).count("sum ") == 2, str(simple)
+    assert "mul %" in str(simple) and _reduce_depth(simple) == 2
+    # the same, but the multiplier comes from a sum: split, the sums are one level shallower
+    gb = GB(1)
+    x, y = gb.input("x", full), gb.input("y", full)
+    k = gb.reduce("sum", y, (1,), True)
+    t = gb.op("add", gb.op("mul", x, gb.view("expand", k, full)), gb.op("neg", y))
+    gb.out(gb.reduce("sum", t, (1,), True))
+    simple = gb.g.simplify()
+    assert _reduce_depth(gb.g) == 2 and _reduce_depth(simple) == 1, str(simple)
+    for sv in ([3], [6]):
+        xv, yv = torch.randn(sv[0], 8, dtype=torch.float64), torch.randn(sv[0], 8, dtype=torch.float64)
+        a, b = run(gb.g, sv, [xv, yv])[0], run(simple, sv, [xv, yv])[0]
+        assert rel_err(b, a) < 1e-12, (a, b)
