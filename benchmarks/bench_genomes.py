@@ -7,6 +7,11 @@ genome can be checked against its neighbours in one call.
 
     python benchmarks/bench_genomes.py layer_norm --dtype bfloat16
     python benchmarks/bench_genomes.py layer_norm --genome "threads=256 vec=8 rows=1 cache=reread"
+    ncu --profile-from-start off --section WarpStateStats \
+        python benchmarks/bench_genomes.py layer_norm --dtype bfloat16 --profile --no-forward
+
+--profile: no sweep; the default genome (and any --genome) of each region runs once between
+cudaProfilerStart and cudaProfilerStop, after its gate and timing, for a profiler to capture.
 """
 from __future__ import annotations
 
@@ -37,10 +42,10 @@ SWEEP = {
 }
 
 
-def variants(p, r, symvals, extra):
+def variants(p, r, symvals, extra, profile=False):
     base = dict(kv.split("=") for kv in _C.genome_default(p, r, symvals).split())
     out = [" ".join(f"{k}={v}" for k, v in base.items())]
-    for s in SWEEP.get(p.region(r)["kind"], []) + extra:
+    for s in ([] if profile else SWEEP.get(p.region(r)["kind"], [])) + extra:
         text = " ".join(f"{k}={v}" for k, v in {**base, **{k: str(v) for k, v in s.items()}}.items())
         if text not in out:
             out.append(text)
@@ -53,7 +58,7 @@ def region_bytes(plan, r, symvals):
     return sum(math.prod(g.sizes(v, symvals)) * torch_dtype(plan.nodes[v]["dtype"]).itemsize for v in vals)
 
 
-def sweep(label, executor, plan, symvals, extra, reps):
+def sweep(label, executor, plan, symvals, extra, reps, profile=False):
     p = plan.partition
     for r, info in enumerate(plan.regions):
         if info.kind == "EXTERN":
@@ -62,7 +67,7 @@ def sweep(label, executor, plan, symvals, extra, reps):
         print(f"\n{label} region {r} {info.kind}: {info.ops}  ({nbytes / 1e6:.1f} MB moved)")
         bench = search.CudaRegionBench(executor, r, symvals)
         rows = []
-        for text in variants(p, r, symvals, extra):
+        for text in variants(p, r, symvals, extra, profile):
             try:
                 k = bench.generate(text)
                 bench.compile(k)
@@ -75,6 +80,12 @@ def sweep(label, executor, plan, symvals, extra, reps):
                 print(f"  {text:<95} WRONG: {why[:80]}")
                 continue
             ms = statistics.median(bench.time(kernel, reps))
+            if profile:  # one launch in the profiler's window
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStart()
+                bench.time(kernel, 1, warmup=0)
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStop()
             grid = kernel.grid(symvals)
             rows.append((ms, text))
             print(f"  {text:<95} regs {kernel.regs:>3} spills {kernel.spills:>3} grid {grid:>6}  "
@@ -110,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--genome", action="append", default=[], help="extra variant: 'key=value ...' over the default")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--no-forward", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="no sweep; each genome once in a profiler window")
     ap.add_argument("--status", default=None, metavar="BUDGET",
                     help="no sweep: optimize with BUDGET, run forward+backward once, print what runs each region")
     a = ap.parse_args(argv)
@@ -126,7 +139,8 @@ def main(argv=None):
     plan, executor = opt._kbench_plan, opt._kbench_executor
     symvals = list(plan.example_symvals)
     with torch.cuda.device(inputs[0].device):
-        sweep("forward", executor, plan, symvals, extra, a.reps)
+        if not a.no_forward:
+            sweep("forward", executor, plan, symvals, extra, a.reps, a.profile)
         if a.no_backward:
             return
         for r, info in enumerate(plan.regions):
@@ -138,7 +152,7 @@ def main(argv=None):
             if prog is None:
                 print(f"\nbackward of region {r}: eager")
                 continue
-            sweep(f"backward of {r}:", prog.executor, prog.plan, symvals, extra, a.reps)
+            sweep(f"backward of {r}:", prog.executor, prog.plan, symvals, extra, a.reps, a.profile)
 
 
 if __name__ == "__main__":

@@ -734,6 +734,47 @@ static void cast_expr(cg *c, kb_dtype to, const char *a, char *out) {
     }
 }
 
+/* where(cond, a, b) with cond a test of the chunk's last coordinate: the selected branch alone
+ * is computed (an if per element, the same way for a whole chunk where the split is at a whole
+ * vector), each under its guard, so its loads read only where it is selected. A branch the
+ * guards already settle is all that is generated. */
+static void where_branches(cg *c, int32_t v, const kb_node *nd, const idx *x, const char *key, const cg_guard *t,
+                           const cg_guard *f, char *out) {
+    cg_guard saved = c->guard;
+    char cond[EXPR_LEN], val[EXPR_LEN], name[NAME_LEN];
+    int live[2] = {!cg_guard_empty(t), !cg_guard_empty(f)};
+    if (live[0] && live[1]) {
+        ev(c, nd->inputs[0], x, cond);
+        if (strcmp(cond, "1.0f") == 0) live[1] = 0;
+        else if (strcmp(cond, "0.0f") == 0) live[0] = 0;
+    }
+    var_name(c, v, x, name);
+    if (!live[0] || !live[1]) { /* one side only */
+        int i = live[0] ? 1 : 2;
+        c->guard = i == 1 ? *t : *f;
+        if (live[i - 1]) ev(c, nd->inputs[i], x, val);
+        else cg_fmt(c, val, EXPR_LEN, "0.0f"); /* neither: never selected */
+        c->guard = saved;
+        declare(c, v, x, key, val, out);
+        return;
+    }
+    cg_line(c, "%s %s;", c->ct, name);
+    for (int i = 1; i < 3; i++) {
+        cg_line(c, i == 1 ? "if (%s != 0.f) {" : "} else {", cond);
+        c->ind++;
+        cg_scope_push(c);
+        c->guard = i == 1 ? *t : *f;
+        ev(c, nd->inputs[i], x, val);
+        cg_line(c, "%s = %s;", name, val);
+        cg_scope_pop(c);
+        c->ind--;
+    }
+    cg_line(c, "}");
+    c->guard = saved;
+    insert(c, v, key, name);
+    cg_fmt(c, out, EXPR_LEN, "%s", name);
+}
+
 static void ev(cg *c, int32_t v, const idx *ix, char *out) {
     if (c->st != KB_OK) {
         snprintf(out, EXPR_LEN, "0");
@@ -791,23 +832,16 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
     case KB_KIND_UNARY:
     case KB_KIND_BINARY:
     case KB_KIND_TERNARY: {
-        cg_guard t, f, saved = c->guard;
+        cg_guard t, f;
         if (cg_int_compare(c, nd, &x, expr)) { /* coordinates compare as integers */
             declare(c, v, &x, key, expr, out);
             return;
         }
         if (nd->op == KB_OP_WHERE && cg_where_guards(c, nd->inputs[0], &x, &t, &f)) {
-            /* each branch read only where it is selected (a branch never selected is not read) */
-            ev(c, nd->inputs[0], &x, ops[0]);
-            for (int i = 1; i < 3; i++) {
-                c->guard = i == 1 ? t : f;
-                if (cg_guard_empty(&c->guard)) cg_fmt(c, ops[i], EXPR_LEN, "0.0f");
-                else ev(c, nd->inputs[i], &x, ops[i]);
-            }
-            c->guard = saved;
-        } else {
-            for (int i = 0; i < nd->ninputs; i++) ev(c, nd->inputs[i], &x, ops[i]);
+            where_branches(c, v, nd, &x, key, &t, &f, out);
+            return;
         }
+        for (int i = 0; i < nd->ninputs; i++) ev(c, nd->inputs[i], &x, ops[i]);
         if (nd->op == KB_OP_CAST) {
             cast_expr(c, nd->dtype, ops[0], expr);
         } else {

@@ -6,6 +6,7 @@
 # sm_90; on a GPU (-m gpu) every kernel matches the interpreter.
 import math
 import os
+import re
 import pathlib
 
 import pytest
@@ -337,6 +338,7 @@ def test_swiglu_backward_reads_each_half_where_selected(dt):
     assert len(loads) == 5, body  # dy and x at both halves' positions, x's other half for the gate
     assert sum("(a1_0 < 512) ?" in ln for ln in loads) == 3 and sum("(a1_0 >= 512) ?" in ln for ln in loads) == 2, body
     assert "(a1_0 + -512)" in body and "(a1_0 + 512)" in body
+    assert len(re.findall(r"if \(v\d+ != 0\.f\) \{", body)) == 1, body  # one side computed per element
     assert "(float)(a1)" not in src and "out of range" not in src and "kb_minf(" not in src[src.index("__global__"):], src
     tail = src[src.index("// the tail"):]
     assert "p1[(a1 >= 512) ? (a0 * 512 + (a1 + -512)) : 0]" in tail, tail  # one element: the read is guarded
