@@ -217,7 +217,7 @@ class CudaRegionBench:
         pairs = []
         for _ in range(reps):
             if self.flush is not None:   # also keeps the GPU busy while the host enqueues the launch
-                torch.sum(self.flush, dtype=torch.int64, out=self.flush_out)
+                torch.sum(self.flush, dim=0, dtype=torch.int64, out=self.flush_out)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             self._launch(kernel)
