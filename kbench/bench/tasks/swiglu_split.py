@@ -24,8 +24,8 @@ input_configs = [
 
 
 def bytes_moved(cfg, s, backward):
-    """fwd: read x (2 N H), write y (N H).  bwd: read dy; write dx (2 N H)."""
+    """fwd: read x (2 N H), write y (N H).  bwd: read dy and x again; write dx (2 N H)."""
     n = 1
     for d in cfg["shape"]:
         n *= d
-    return s * (n + n // 2) + (s * (n // 2 + n) if backward else 0)
+    return s * (n + n // 2) + (s * (n // 2 + 2 * n) if backward else 0)

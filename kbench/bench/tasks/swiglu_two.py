@@ -28,8 +28,9 @@ input_configs = [
 
 
 def bytes_moved(cfg, s, backward):
-    """fwd: read gate, up; write y.  bwd: read dy; write dgate, dup."""
+    """fwd: read gate, up; write y.  bwd: read dy, gate, up; write dgate, dup (the gradients
+    need gate and up again, as every other task's backward re-reads its inputs)."""
     n = 1
     for d in cfg["shape"]:
         n *= d
-    return s * 3 * n + (s * 3 * n if backward else 0)
+    return s * 3 * n + (s * 5 * n if backward else 0)
