@@ -184,6 +184,12 @@ void cg_fmt(cg *c, char *dst, size_t n, const char *f, ...)
     __attribute__((format(printf, 4, 5)))
 #endif
     ;
+
+/* codegen_index.c: an index into a value, through views */
+int cg_same_dims(const kb_node *a, int rank, const kb_dim *dims);
+void cg_dim_expr(cg *c, kb_dim d, char *out);
+/* canonical forms (the current element, row or column) to their linear spelling */
+void cg_normalize(cg *c, const kb_node *nd, idx *x);
 void cg_to_comps(cg *c, const kb_node *nd, const idx *in, idx *out);
 void cg_to_lin(cg *c, const kb_node *nd, const idx *in, char *out, uint32_t *mask);
 void cg_view_map(cg *c, const kb_node *nd, const idx *ix, idx *out);
