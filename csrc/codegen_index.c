@@ -55,36 +55,13 @@ void cg_extent(cg *c, int which, char out[EXPR_LEN]) {
     prod_expr(c, c->adims, c->arank, mask, out);
 }
 
-typedef struct mono {
-    int64_t coef;
-    int n;
-    uint8_t s[KB_MAX_RANK * KB_MAX_DIM_SYMS];
-} mono;
-
-static void mono_of(const kb_dim *dims, int rank, uint32_t mask, mono *m) {
-    m->coef = 1;
-    m->n = 0;
-    for (int d = 0; d < rank; d++) {
-        if (!(mask & (1u << d))) continue;
-        m->coef *= dims[d].coef;
-        for (int i = 0; i < dims[d].nsym; i++) {
-            int j = m->n++;
-            while (j > 0 && m->s[j - 1] > dims[d].sym[i]) {
-                m->s[j] = m->s[j - 1];
-                j--;
-            }
-            m->s[j] = dims[d].sym[i];
-        }
-    }
-}
-
 int cg_numel_is(cg *c, int32_t v, int stat) {
     const kb_node *nd = NODE(c, v);
     uint32_t all = c->arank ? (uint32_t)((1ull << c->arank) - 1) : 0;
-    mono a, b;
-    mono_of(c->adims, c->arank, stat ? (all & ~c->red) : all, &a);
-    mono_of(nd->dims, nd->rank, nd->rank ? (uint32_t)((1ull << nd->rank) - 1) : 0, &b);
-    return a.coef == b.coef && a.n == b.n && memcmp(a.s, b.s, (size_t)a.n) == 0;
+    kb_monomial a, b;
+    kb_monomial_of(c->adims, c->arank, stat ? (all & ~c->red) : all, &a);
+    kb_monomial_of(nd->dims, nd->rank, ~0u, &b);
+    return kb_monomial_equal(&a, &b);
 }
 
 /* ---------------------------------------------------------------- the iteration space */

@@ -56,32 +56,6 @@ typedef struct build {
 
 /* ---------------------------------------------------------------- symbolic sizes */
 
-typedef struct mono {
-    int64_t coef;
-    int n;
-    uint8_t s[KB_MAX_RANK * KB_MAX_DIM_SYMS];
-} mono;
-
-static void mono_of(const kb_dim *dims, int rank, mono *m) {
-    m->coef = 1;
-    m->n = 0;
-    for (int d = 0; d < rank; d++) {
-        m->coef *= dims[d].coef;
-        for (int i = 0; i < dims[d].nsym; i++) {
-            int j = m->n++;
-            while (j > 0 && m->s[j - 1] > dims[d].sym[i]) {
-                m->s[j] = m->s[j - 1];
-                j--;
-            }
-            m->s[j] = dims[d].sym[i];
-        }
-    }
-}
-
-static int mono_eq(const mono *a, const mono *b) {
-    return a->coef == b->coef && a->n == b->n && memcmp(a->s, b->s, (size_t)a->n) == 0;
-}
-
 static const kb_node *N(const build *b, int32_t v) { return kb_graph_node(b->g, v); }
 
 static int same_dims(const kb_node *a, const kb_node *c) {
@@ -103,10 +77,10 @@ static int numel_matches(const build *b, int32_t v, int32_t r, int lv) {
         int in_row = (b->regs[r].red >> d) & 1;
         if (lv == LV_FULL || (lv == LV_STAT && !in_row) || (lv == LV_COLSUM && in_row)) kept[nk++] = a->dims[d];
     }
-    mono ma, mx;
-    mono_of(kept, nk, &ma);
-    mono_of(x->dims, x->rank, &mx);
-    return mono_eq(&ma, &mx);
+    kb_monomial ma, mx;
+    kb_monomial_of(kept, nk, ~0u, &ma);
+    kb_monomial_of(x->dims, x->rank, ~0u, &mx);
+    return kb_monomial_equal(&ma, &mx);
 }
 
 /* v has the shape of a keepdim reduction of region r's anchor: 1 on reduced axes */

@@ -106,4 +106,15 @@ static inline int kb_op_spelled_with(const kb_op_info *info, const char *const *
 
 kb_node kb_node_template(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims);
 
+/* The element count of the dims whose bit is in mask, as one monomial: coef times a sorted
+ * multiset of symbols. Two shapes hold as many elements for every binding of the symbols exactly
+ * when their monomials are equal (ir.c; reshape checks, fusion, codegen). */
+typedef struct kb_monomial {
+    int64_t coef;
+    int nsym;
+    uint8_t sym[KB_MAX_RANK * KB_MAX_DIM_SYMS];
+} kb_monomial;
+void kb_monomial_of(const kb_dim *dims, int rank, uint32_t mask, kb_monomial *m);
+int kb_monomial_equal(const kb_monomial *a, const kb_monomial *b);
+
 #endif /* KBENCH_INTERNAL_H */

@@ -222,20 +222,13 @@ int kb_dim_equal(kb_dim a, kb_dim b) {
     return 1;
 }
 
-/* Product of dims as one monomial (coef, sorted symbol multiset); 0 if it overflows the
- * symbol budget, in which case the caller cannot compare symbolically. */
-typedef struct monomial {
-    int64_t coef;
-    int nsym;
-    uint8_t sym[KB_MAX_RANK * KB_MAX_DIM_SYMS];
-} monomial;
-
-static void monomial_of(const kb_dim *dims, int rank, monomial *m) {
+void kb_monomial_of(const kb_dim *dims, int rank, uint32_t mask, kb_monomial *m) {
     m->coef = 1;
     m->nsym = 0;
     for (int d = 0; d < rank; d++) {
+        if (!(mask & (1u << d))) continue;
         m->coef *= dims[d].coef;
-        for (int i = 0; i < dims[d].nsym; i++) {
+        for (int i = 0; i < dims[d].nsym; i++) { /* insertion: a handful of symbols */
             int j = m->nsym++;
             while (j > 0 && m->sym[j - 1] > dims[d].sym[i]) {
                 m->sym[j] = m->sym[j - 1];
@@ -246,7 +239,7 @@ static void monomial_of(const kb_dim *dims, int rank, monomial *m) {
     }
 }
 
-static int monomial_equal(const monomial *a, const monomial *b) {
+int kb_monomial_equal(const kb_monomial *a, const kb_monomial *b) {
     return a->coef == b->coef && a->nsym == b->nsym && memcmp(a->sym, b->sym, (size_t)a->nsym) == 0;
 }
 
@@ -425,10 +418,10 @@ static const char *check_node(const kb_graph *g, const kb_node *t, char *msg, si
                 if (!one && !kb_dim_equal(a->dims[d], t->dims[d])) return "expand: only size-1 dims may grow";
             }
         } else if (t->op == KB_OP_RESHAPE) {
-            monomial ma, mt;
-            monomial_of(a->dims, a->rank, &ma);
-            monomial_of(t->dims, t->rank, &mt);
-            if (!monomial_equal(&ma, &mt)) return "reshape: element count differs";
+            kb_monomial ma, mt;
+            kb_monomial_of(a->dims, a->rank, ~0u, &ma);
+            kb_monomial_of(t->dims, t->rank, ~0u, &mt);
+            if (!kb_monomial_equal(&ma, &mt)) return "reshape: element count differs";
         } else if (t->op == KB_OP_SLICE) {
             if (t->rank != a->rank || t->axis < 0 || t->axis >= t->rank) return "slice: bad axis or rank";
             if (t->start < 0 || t->step < 1) return "slice: start must be >= 0 and step >= 1";
