@@ -237,6 +237,12 @@ static void declare(cg *c, int32_t v, const idx *x, const char *key, const char 
     cg_fmt(c, out, EXPR_LEN, "%s", name);
 }
 
+/* A value the row cache keeps (registers) is stored there in the pass that first computes it;
+ * later passes read it back (ev), whatever kind of node computed it. */
+static void fill_row_cache(cg *c, int32_t v, int canon, const char *var) {
+    if (canon && c->cached[v] && c->pass == c->fill_pass[v]) cg_line(c, "rc%d[u][%s] = %s;", (int)v, c->kvar, var);
+}
+
 static void convert_load(cg *c, kb_dtype t, const char *raw, char *out) {
     char conv[EXPR_LEN * 2];
     cg_fmt(c, conv, sizeof conv, DT[t].load, raw);
@@ -446,23 +452,21 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
     case KB_KIND_BINARY:
     case KB_KIND_TERNARY: {
         cg_guard t, f;
-        if (cg_int_compare(c, nd, &x, expr)) { /* coordinates compare as integers */
-            declare(c, v, &x, key, expr, out);
-            return;
-        }
         if (nd->op == KB_OP_WHERE && cg_where_guards(c, nd->inputs[0], &x, &t, &f)) {
-            where_branches(c, v, nd, &x, key, &t, &f, out);
+            where_branches(c, v, nd, &x, key, &t, &f, out); /* POINTWISE: no row cache */
             return;
         }
-        for (int i = 0; i < nd->ninputs; i++) ev(c, nd->inputs[i], &x, ops[i]);
-        if (nd->op == KB_OP_CAST) {
-            cast_expr(c, nd->dtype, ops[0], expr);
-        } else {
-            respell(c, info->cuda, tpl, sizeof tpl);
-            substitute(c, tpl, ops, nd, expr);
+        if (!cg_int_compare(c, nd, &x, expr)) { /* (coordinates compare as integers) */
+            for (int i = 0; i < nd->ninputs; i++) ev(c, nd->inputs[i], &x, ops[i]);
+            if (nd->op == KB_OP_CAST) {
+                cast_expr(c, nd->dtype, ops[0], expr);
+            } else {
+                respell(c, info->cuda, tpl, sizeof tpl);
+                substitute(c, tpl, ops, nd, expr);
+            }
         }
         declare(c, v, &x, key, expr, out);
-        if (canon && c->cached[v] && c->pass == c->fill_pass[v]) cg_line(c, "rc%d[u][%s] = %s;", (int)v, c->kvar, out);
+        fill_row_cache(c, v, canon, out);
         return;
     }
     case KB_KIND_GATHER: {
@@ -481,6 +485,7 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
             a.mask[nd->axis] = iv.mask;
             ev(c, nd->inputs[0], &a, out);
             insert(c, v, key, out);
+            fill_row_cache(c, v, canon, out);
             return;
         }
         cg_dim_expr(c, ad, size);
@@ -494,6 +499,7 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
         ev(c, nd->inputs[0], &a, ops[0]);
         cg_fmt(c, expr, sizeof expr, "ok%d ? %s : %s", g, ops[0], c->dbl ? "(double)KB_NAN" : "KB_NAN");
         declare(c, v, &x, key, expr, out);
+        fill_row_cache(c, v, canon, out);
         return;
     }
     case KB_KIND_REDUCE:

@@ -359,6 +359,29 @@ def test_select_over_uneven_halves_reads_element_by_element():
     assert not any("kb_ld<" in ln and "?" in ln for ln in src.splitlines()), src
 
 
+def test_row_cache_is_filled_by_every_kind_of_node():
+    """A value the register row cache keeps is stored in the pass that first computes it, also
+    where it is an integer comparison of coordinates (generated apart from other pointwise work):
+    a row-cache array read by a later pass but never written would be uninitialized registers."""
+    b = Builder(s0=5)
+    full, keep = ["s0", 256], ["s0", 1]
+    x = b.input("x", "f32", full)
+    mask = b.op("lt", [b.op("iota", [], "i64", full, axis=1), b.op("const", [], "i64", full, scalars=(200.0, 0.0))],
+                "bool", full)
+    zero = b.op("const", [], "f32", full, scalars=(0.0, 0.0))
+    s = b.op("sum", [b.op("where", [mask, x, zero], "f32", full)], "f32", keep, axes=2)
+    shifted = b.op("sub", [x, b.op("expand", [s], "f32", full)], "f32", full)
+    b.g.add_output(b.op("where", [mask, shifted, zero], "f32", full))
+    p = b.g.partition()
+    cached = 0
+    for text in variants(p, 0, b.example):
+        src = _C.generate(p, 0, 90, text)["source"]
+        for arr in set(re.findall(r"rc(\d+)\[u\]", src)):
+            cached += 1
+            assert re.search(r"rc%s\[u\]\[[^\]]*\] = " % arr, src), (text, arr, src)
+    assert cached, "no variant keeps a value in the register row cache"
+
+
 def test_cross_entropy_backward_recomputes_the_mask():
     """Whatever the node order, the one-hot mask iota == target and the work on it stay inside
     the row kernel: the only region output of the logits' size is dlogits."""
