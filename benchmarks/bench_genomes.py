@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import kbench  # noqa: E402
 from kbench import _C, search  # noqa: E402
 from kbench._dtypes import torch_dtype  # noqa: E402
-from kbench.bench.tasks import TASKS, parse_dtype  # noqa: E402
+from kbench.bench.tasks import parse_dtype  # noqa: E402
 
-from bench_ops import OPS  # noqa: E402
+from bench_ops import OPS, task_model  # noqa: E402
 
 SWEEP = {
     "ROW": [dict(threads=t, rows=rw, cache=c) for t, rw in ((128, 1), (256, 1), (512, 1), (1024, 1), (256, 8))
@@ -126,12 +126,7 @@ def main(argv=None):
     ap.add_argument("--status", default=None, metavar="BUDGET",
                     help="no sweep: optimize with BUDGET, run forward+backward once, print what runs each region")
     a = ap.parse_args(argv)
-    task_name, cfg, _, _ = OPS[a.task]
-    task = TASKS[task_name]
-    dtype = parse_dtype(a.dtype)
-    mod = task.module
-    model = (mod.Model(**mod.model_args(cfg)) if hasattr(mod, "model_args") else mod.Model()).to(dtype).cuda()
-    inputs = mod.make_inputs(cfg, dtype, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    model, inputs = task_model(a.task, parse_dtype(a.dtype))
     extra = [dict(kv.split("=") for kv in g.split()) for g in a.genome]
     if a.status:
         return status(model, inputs, a.status)

@@ -66,6 +66,16 @@ OPS = {
     "cross_entropy": ("cross_entropy_32k", dict(N=8192, V=32000), dict(N=16, V=1000),
                       ("float32",)),
 }
+def task_model(op: str, dtype, cfg=None, device="cuda"):
+    """The model of benchmark op `op` and its inputs at the timed size (or at cfg), seeded: the
+    setup the probe scripts (bench_genomes, kernel_trace, host_jitter, host_profile) share."""
+    task_name, perf_cfg, _, _ = OPS[op]
+    mod = TASKS[task_name].module
+    cfg = perf_cfg if cfg is None else cfg
+    model = (mod.Model(**mod.model_args(cfg)) if hasattr(mod, "model_args") else mod.Model()).to(dtype).to(device)
+    return model, mod.make_inputs(cfg, dtype, device, torch.Generator(device=device).manual_seed(0))
+
+
 IMPLS = ("eager", "compile", "kbench")
 TIMING_METHODS = {
     "per-call": "timing.time_fn: CUDA events around each call on the current stream, L2 flushed "

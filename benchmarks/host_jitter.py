@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import kbench  # noqa: E402
 from kbench.bench import timing  # noqa: E402
-from kbench.bench.tasks import TASKS, parse_dtype  # noqa: E402
+from kbench.bench.tasks import parse_dtype  # noqa: E402
 
-from bench_ops import OPS  # noqa: E402
+from bench_ops import OPS, task_model  # noqa: E402
 
 
 def calls_ms(model, inputs, n):
@@ -57,11 +57,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--calls", type=int, default=200)
     a = ap.parse_args(argv)
-    task_name, cfg, _, _ = OPS[a.task]
-    mod = TASKS[task_name].module
-    dtype = parse_dtype(a.dtype)
-    model = (mod.Model(**mod.model_args(cfg)) if hasattr(mod, "model_args") else mod.Model()).to(dtype).cuda()
-    inputs = mod.make_inputs(cfg, dtype, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    model, inputs = task_model(a.task, parse_dtype(a.dtype))
     opt = kbench.optimize(model, tuple(inputs), backend="cuda", budget="fast", verbose=False)
     print(f"{a.task} {a.dtype}: threads alive: {[t.name for t in threading.enumerate()]}")
     for name, m in (("eager", model), ("kbench", opt)):

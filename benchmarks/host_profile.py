@@ -17,9 +17,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import kbench  # noqa: E402
-from kbench.bench.tasks import TASKS, parse_dtype  # noqa: E402
+from kbench.bench.tasks import parse_dtype  # noqa: E402
+
+from bench_ops import OPS, task_model  # noqa: E402
 
 
 def per_call_us(fn, n=300):
@@ -35,16 +38,13 @@ def per_call_us(fn, n=300):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("task")
+    ap.add_argument("task", choices=sorted(OPS))
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--shape", default="64,4096")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args(argv)
-    task = TASKS[a.task]
-    mod, dtype = task.module, parse_dtype(a.dtype)
-    cfg = dict(shape=tuple(int(s) for s in a.shape.split(",")))
-    model = (mod.Model(**mod.model_args(cfg)) if hasattr(mod, "model_args") else mod.Model()).to(dtype).cuda()
-    xs = mod.make_inputs(cfg, dtype, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    dtype = parse_dtype(a.dtype)
+    model, xs = task_model(a.task, dtype, dict(shape=tuple(int(s) for s in a.shape.split(","))))
     opt = kbench.optimize(model, tuple(xs), backend="cuda", budget="none", verbose=False)
     xg = [x.detach().requires_grad_(x.is_floating_point()) for x in xs]
     gy = torch.randn_like(opt(*xs))
