@@ -161,6 +161,11 @@ class CudaRegionBench:
         self.flush = torch.zeros(max(1, 2 * l2 // 4), dtype=torch.int32, device=self.device) if l2 else None
         self.flush_out = torch.zeros((), dtype=torch.int64, device=self.device) if l2 else None
 
+    def flush_l2(self) -> None:
+        """Reads the flush buffer (its sum into a scalar): the L2 then holds clean lines only."""
+        if self.flush is not None:
+            self.torch.sum(self.flush, dim=0, dtype=self.torch.int64, out=self.flush_out)
+
     def generate(self, genome: str) -> dict:
         ex = self.ex
         return _C.generate(ex.plan.partition, self.r, ex.sm, genome, ex.dev)
@@ -216,8 +221,7 @@ class CudaRegionBench:
             return out
         pairs = []
         for _ in range(reps):
-            if self.flush is not None:   # also keeps the GPU busy while the host enqueues the launch
-                torch.sum(self.flush, dim=0, dtype=torch.int64, out=self.flush_out)
+            self.flush_l2()   # also keeps the GPU busy while the host enqueues the launch
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             self._launch(kernel)

@@ -190,3 +190,18 @@ def test_ratio_interval():
     assert 10 <= n_min <= FAST.rounds
     assert search._ratio_interval({i: 2.0 for i in range(n_min - 1)}, b) == (0.0, float("inf"))
     assert search._ratio_interval({i: 2.0 for i in range(n_min)}, b) == (2.0, 2.0)
+
+
+def test_l2_flush_reads_its_buffer():
+    """The search's L2 flush reads its buffer (a sum into a scalar) rather than writing it, and
+    the call is one torch accepts: on CPU tensors here, the same call the GPU search makes."""
+    import torch
+    bench = search.CudaRegionBench.__new__(search.CudaRegionBench)   # no executor: the flush alone
+    bench.torch = torch
+    bench.flush = torch.arange(1000, dtype=torch.int32)
+    bench.flush_out = torch.zeros((), dtype=torch.int64)
+    before = bench.flush.clone()
+    bench.flush_l2()
+    assert torch.equal(bench.flush, before) and bench.flush_out.item() == 999 * 1000 // 2
+    bench.flush = None
+    bench.flush_l2()   # no L2 to flush (a CPU executor): nothing to do
