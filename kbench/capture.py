@@ -165,6 +165,13 @@ class OutputTree:
     leaves: list
 
     def build(self, graph_outputs, symvals=()):
+        leaf = self.__dict__.get("_one_out")
+        if leaf is None:   # the common case, one tensor out: no pytree on the hot path
+            leaf = self.__dict__["_one_out"] = (
+                len(self.leaves) == 1 and self.leaves[0][0] == "out"
+                and (self.spec is None or (hasattr(self.spec, "is_leaf") and self.spec.is_leaf())))
+        if leaf:
+            return graph_outputs[self.leaves[0][1]]
         vals = []
         for kind, x in self.leaves:
             vals.append(graph_outputs[x] if kind == "out" else x(symvals) if kind == "sym" else x)

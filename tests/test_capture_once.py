@@ -104,7 +104,8 @@ def test_pinned_capture_runs_and_guards_the_row_length(exports):
     assert om._kbench_reasons
 
 
-def test_optimize_interp_exports_once(exports):
+def test_optimize_interp_exports_once(exports, monkeypatch, tmp_path):
+    monkeypatch.setenv("KBENCH_CACHE_DIR", str(tmp_path))   # a cold cache: no stored capture to reuse
     model, args = CASES["softmax_last"]()
     import kbench
     kbench.optimize(model, args, backend="interp", verbose=False)
