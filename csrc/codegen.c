@@ -329,9 +329,10 @@ static void emit_row_body(cg *c) {
     }
     if (c->gn.cache == KB_CACHE_SMEM) cg_smem_pointers(c);
     cg_colsum_decl(c);
-    /* a grid capped for the column sums' partials: each block visits many rows, one after the
-     * other, and its loads would wait behind the reductions of the row before */
-    c->prefetch = c->ncolsum > 0 && c->trailing;
+    /* a grid capped for the column sums' partials, or a persistent one: each block visits many
+     * rows, one after the other, and its loads would wait behind the reductions of the row before
+     * (the loads ahead go to registers indexed by chunk: the unrolled chunk loop) */
+    c->prefetch = c->trailing && (c->ncolsum > 0 || (c->gn.persistent && c->gn.cache == KB_CACHE_REGS));
     c->pf_pass = -1;
     c->npf = 0;
     kb_sb *outer = c->out, loop;   /* the loop first: which inputs are loaded ahead is known after it */
