@@ -467,7 +467,8 @@ def variants(p, r, symvals):
     kind = p.region(r)["kind"]
     sweeps = {"POINTWISE": [{"vec": "1"}, {"vec": "2", "items": "2"}, {"persistent": "1"}],
               "ROW": [{"cache": c, "threads": t, "rows": rw, "two_pass": tp} for c in ("regs", "smem", "reread")
-                      for t, rw in (("256", "1"), ("256", "8"), ("64", "8")) for tp in ("0", "1")] + [{"vec": "1"}],
+                      for t, rw in (("256", "1"), ("256", "8"), ("64", "8")) for tp in ("0", "1")] + [{"vec": "1"}]
+                   + [{"persistent": "1", "cache": "regs"}, {"persistent": "1", "cache": "regs", "rows": "8", "threads": "256"}],
               "COL": [{"col_split": "1"}, {"col_split": "4"}, {"vec": "1"}]}[kind]
     out = [_C.genome_default(p, r, symvals)]
     for s in sweeps:
