@@ -1,365 +1,15 @@
 /* grad.c — reverse-mode autodiff on the IR (kb_graph_grad) and one region as a standalone graph
- * (kb_region_graph). Pointwise derivatives are read from ops.def's d/da d/db d/dc strings by a
- * tiny recursive-descent parser; reductions and index maps have one builder each (a table). */
-#include "internal.h"
+ * (kb_region_graph). Pointwise derivatives are read from ops.def's d/da d/db d/dc strings (the
+ * rule language of grad_build.c); reductions and index maps have one builder each (a table). */
+#include "grad_build.h"
 
 #include <math.h>
 #include <stdlib.h>
 
-/* ---------------------------------------------------------------- a graph builder with CSE */
-
-/* Every node of the work graph goes through emit(), which hash-conses it: a rule that asks for
- * sigmoid(a) twice, or for a forward value that exists already, gets the existing node. */
-typedef struct builder {
-    kb_ctx *ctx;
-    kb_graph *g;
-    int32_t *table;   /* open addressing over node ids, -1 = empty */
-    int32_t tcap;     /* a power of two */
-    int32_t tcount;
-} builder;
-
-/* Ops whose scalars mean something (their CUDA template reads $p0 / $p1). */
-static int uses_scalar(kb_op op, int k)
-{
-    return strstr(kb_op_get(op)->cuda, k ? "$p1" : "$p0") != NULL;
-}
-
-/* Zeroes every field the op does not read, so equal nodes compare equal field by field. */
-static void canonicalize(kb_node *n)
-{
-    kb_op_kind kind = kb_op_get(n->op)->kind;
-    for (int d = 0; d < KB_MAX_RANK; d++) {
-        if (d >= n->rank) memset(&n->dims[d], 0, sizeof n->dims[d]);
-        else
-            for (int i = n->dims[d].nsym; i < KB_MAX_DIM_SYMS; i++) n->dims[d].sym[i] = 0;
-        if (n->op != KB_OP_PERMUTE || d >= n->rank) n->perm[d] = 0;
-    }
-    for (int i = n->ninputs; i < KB_MAX_INPUTS; i++) n->inputs[i] = 0;
-    for (int k = 0; k < 2; k++)
-        if (!uses_scalar(n->op, k)) n->scalar[k] = 0.0;
-    if (kind != KB_KIND_REDUCE) n->axes = 0;
-    if (n->op != KB_OP_SLICE && n->op != KB_OP_GATHER && n->op != KB_OP_IOTA) n->axis = 0;
-    if (n->op != KB_OP_SLICE) n->start = 0, n->step = 1;
-}
-
-static uint64_t mix(uint64_t h, uint64_t v)
-{
-    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-    return h;
-}
-
-static uint64_t node_hash(const kb_node *n)
-{
-    uint64_t h = mix((uint64_t)n->op, (uint64_t)n->dtype), bits;
-    h = mix(h, (uint64_t)n->rank);
-    for (int i = 0; i < n->ninputs; i++) h = mix(h, (uint64_t)(uint32_t)n->inputs[i]);
-    for (int d = 0; d < n->rank; d++) {
-        h = mix(h, (uint64_t)n->dims[d].coef);
-        for (int i = 0; i < n->dims[d].nsym; i++) h = mix(h, n->dims[d].sym[i]);
-        h = mix(h, (uint64_t)(uint8_t)n->perm[d]);
-    }
-    for (int k = 0; k < 2; k++) {
-        memcpy(&bits, &n->scalar[k], sizeof bits);
-        h = mix(h, bits);
-    }
-    h = mix(h, n->axes);
-    h = mix(h, (uint64_t)n->axis);
-    h = mix(h, (uint64_t)n->start);
-    return mix(h, (uint64_t)n->step);
-}
-
-/* Both canonical: compare what canonicalize() kept (names and INPUT fields are not keys). */
-static int node_same(const kb_node *a, const kb_node *b)
-{
-    if (a->op != b->op || a->dtype != b->dtype || a->rank != b->rank || a->ninputs != b->ninputs ||
-        a->axes != b->axes || a->axis != b->axis || a->start != b->start || a->step != b->step)
-        return 0;
-    if (memcmp(a->inputs, b->inputs, sizeof(int32_t) * (size_t)a->ninputs) != 0) return 0;
-    if (memcmp(a->scalar, b->scalar, sizeof a->scalar) != 0) return 0;  /* bitwise: NaN == NaN */
-    for (int d = 0; d < a->rank; d++)
-        if (!kb_dim_equal(a->dims[d], b->dims[d]) || a->perm[d] != b->perm[d]) return 0;
-    return 1;
-}
-
-static kb_status table_grow(builder *b)
-{
-    int32_t ncap = b->tcap ? b->tcap * 2 : 256;
-    int32_t *t = kb_malloc(b->ctx, sizeof(int32_t) * (size_t)ncap);
-    if (!t) return KB_ERR_OOM;
-    for (int32_t i = 0; i < ncap; i++) t[i] = -1;
-    for (int32_t i = 0; i < b->tcap; i++) {
-        int32_t id = b->table[i];
-        if (id < 0) continue;
-        uint32_t s = (uint32_t)node_hash(kb_graph_node(b->g, id)) & (uint32_t)(ncap - 1);
-        while (t[s] >= 0) s = (s + 1) & (uint32_t)(ncap - 1);
-        t[s] = id;
-    }
-    kb_free(b->ctx, b->table, sizeof(int32_t) * (size_t)b->tcap);
-    b->table = t;
-    b->tcap = ncap;
-    return KB_OK;
-}
-
-static void builder_done(builder *b)
-{
-    kb_free(b->ctx, b->table, sizeof(int32_t) * (size_t)b->tcap);
-    kb_graph_free(b->g);
-    memset(b, 0, sizeof *b);
-}
-
-/* Adds tmpl (or finds its twin). INPUT nodes are never merged: each is a distinct argument. */
-static kb_status emit(builder *b, const kb_node *tmpl, int32_t *id)
-{
-    kb_node n = *tmpl;
-    if (n.op == KB_OP_INPUT) return kb_graph_add(b->g, &n, id);
-    canonicalize(&n);
-    if ((b->tcount + 1) * 2 > b->tcap) {
-        kb_status st = table_grow(b);
-        if (st != KB_OK) return st;
-    }
-    uint32_t mask = (uint32_t)(b->tcap - 1), s = (uint32_t)node_hash(&n) & mask;
-    for (; b->table[s] >= 0; s = (s + 1) & mask)
-        if (node_same(kb_graph_node(b->g, b->table[s]), &n)) {
-            *id = b->table[s];
-            return KB_OK;
-        }
-    kb_status st = kb_graph_add(b->g, &n, id);
-    if (st != KB_OK) return st;
-    b->table[s] = *id;
-    b->tcount++;
-    return KB_OK;
-}
-
-static kb_node tmpl_new(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims) {
-    return kb_node_template(op, dt, rank, dims);
-}
-
-static const kb_node *node_of(const builder *b, int32_t id) { return kb_graph_node(b->g, id); }
-
-static kb_status emit_const(builder *b, kb_dtype dt, int32_t rank, const kb_dim *dims, double v, int32_t *id)
-{
-    kb_node n = tmpl_new(KB_OP_CONST, dt, rank, dims);
-    n.scalar[0] = v;
-    return emit(b, &n, id);
-}
-
-static kb_status emit_cast(builder *b, int32_t x, kb_dtype dt, int32_t *id)
-{
-    const kb_node *nx = node_of(b, x);
-    if (nx->dtype == dt) {
-        *id = x;
-        return KB_OK;
-    }
-    kb_node n = tmpl_new(KB_OP_CAST, dt, nx->rank, nx->dims);
-    n.inputs[0] = x;
-    n.ninputs = 1;
-    return emit(b, &n, id);
-}
-
-/* An index map or reduction of x to the given shape; dims equal to x's make it a no-op. */
-static kb_status emit_shaped(builder *b, kb_op op, int32_t x, int32_t rank, const kb_dim *dims,
-                             uint32_t axes, const int8_t *perm, int32_t *id)
-{
-    const kb_node *nx = node_of(b, x);
-    if ((op == KB_OP_RESHAPE || op == KB_OP_EXPAND) && nx->rank == rank) {
-        int same = 1;
-        for (int d = 0; d < rank; d++) same &= kb_dim_equal(nx->dims[d], dims[d]);
-        if (same) {
-            *id = x;
-            return KB_OK;
-        }
-    }
-    kb_node n = tmpl_new(op, nx->dtype, rank, dims);
-    n.inputs[0] = x;
-    n.ninputs = 1;
-    n.axes = axes;
-    if (perm) memcpy(n.perm, perm, (size_t)rank);
-    return emit(b, &n, id);
-}
-
-/* Comparisons and logic produce bool in the IR; everything else produces the compute dtype. */
-static int is_predicate(kb_op op)
-{
-    return op == KB_OP_LT || op == KB_OP_LE || op == KB_OP_GT || op == KB_OP_GE || op == KB_OP_EQ ||
-           op == KB_OP_NE || op == KB_OP_AND || op == KB_OP_OR || op == KB_OP_NOT;
-}
-
-/* x op CONST(value) == x (or CONST op x == x for slot 0): rewrites kept as a table. Only exact
- * identities: mul by 0 is not one (NaN, Inf), and -0 + 0 differs only in the sign of zero. */
-static const struct { kb_op op; int const_slot; double value; } identities[] = {
-    {KB_OP_MUL, 0, 1.0}, {KB_OP_MUL, 1, 1.0}, {KB_OP_ADD, 0, 0.0},
-    {KB_OP_ADD, 1, 0.0}, {KB_OP_SUB, 1, 0.0}, {KB_OP_DIV, 1, 1.0},
-};
-
-static int is_const(const builder *b, int32_t id, double v)
-{
-    const kb_node *n = node_of(b, id);
-    return n->op == KB_OP_CONST && n->scalar[0] == v;
-}
-
-/* A pointwise op over operands of one shape, computed in the float dtype fd. Convention: every
- * arithmetic operand (all but where's condition and the operands of and/or/not) is cast to fd
- * first, so a bool comparison multiplied into a gradient becomes cast(bool -> fd). */
-static kb_status emit_pw(builder *b, kb_op op, kb_dtype fd, const int32_t *args, int nargs, int32_t *id)
-{
-    kb_status st = KB_OK;
-    int32_t x[3];
-    int logic = op == KB_OP_AND || op == KB_OP_OR || op == KB_OP_NOT;
-    for (int i = 0; i < nargs; i++) {
-        if (logic || (op == KB_OP_WHERE && i == 0)) x[i] = args[i];
-        else KB_TRY(emit_cast(b, args[i], fd, &x[i]));
-    }
-    for (size_t r = 0; r < sizeof identities / sizeof identities[0]; r++)
-        if (identities[r].op == op && nargs == 2 && is_const(b, x[identities[r].const_slot], identities[r].value)) {
-            *id = x[1 - identities[r].const_slot];
-            return KB_OK;
-        }
-    if (op == KB_OP_NEG && node_of(b, x[0])->op == KB_OP_NEG &&
-        node_of(b, node_of(b, x[0])->inputs[0])->dtype == fd) {
-        *id = node_of(b, x[0])->inputs[0];
-        return KB_OK;
-    }
-    const kb_node *shape = node_of(b, x[nargs > 1 ? 1 : 0]);
-    kb_node n = tmpl_new(op, is_predicate(op) ? KB_BOOL : fd, shape->rank, shape->dims);
-    memcpy(n.inputs, x, sizeof(int32_t) * (size_t)nargs);
-    n.ninputs = nargs;
-    st = emit(b, &n, id);
-cleanup:
-    return st;
-}
-
-static kb_status emit_bin(builder *b, kb_op op, kb_dtype fd, int32_t x, int32_t y, int32_t *id)
-{
-    int32_t args[2] = {x, y};
-    return emit_pw(b, op, fd, args, 2, id);
-}
-
-/* ---------------------------------------------------------------- the rule language */
-
-/* Helpers named in ops.def rules, expanded in the same language; `a` is the helper's argument.
- * Repeated sub-terms cost nothing: emit() merges them. */
-static const struct { const char *name; const char *body; } helpers[] = {
-    /* tanh(sqrt(2/pi) * (x + 0.044715 x^3)), the inner term of the tanh approximation */
-    {"gelu_tanh_t", "tanh(mul(0.7978845608028654,add(a,mul(0.044715,mul(a,mul(a,a))))))"},
-    /* d/dx 0.5 x (1 + t) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3*0.044715 x^2) (torch's) */
-    {"gelu_tanh_grad", "add(mul(0.5,add(1,gelu_tanh_t(a))),mul(mul(mul(0.5,a),sub(1,mul(gelu_tanh_t(a),"
-                       "gelu_tanh_t(a)))),mul(0.7978845608028654,add(1,mul(0.134145,mul(a,a))))))"},
-    /* tanh(softplus(x)) with the forward's threshold at 20 */
-    {"mish_t", "tanh(where(gt(a,20),a,log1p(exp(a))))"},
-    /* d/dx x tanh(sp(x)) = t + x sigmoid(x) (1 - t^2), as torch computes it */
-    {"mish_grad", "add(mish_t(a),mul(mul(a,sigmoid(a)),sub(1,mul(mish_t(a),mish_t(a)))))"},
-};
-
-typedef struct rule_env {
-    builder *b;
-    kb_dtype fd;          /* compute dtype: the differentiated node's */
-    int32_t rank;         /* shape of every value in a pointwise rule: the node's */
-    const kb_dim *dims;
-    int32_t g, y;         /* upstream adjoint, node output (-1 inside a helper body) */
-    int32_t opd[3];       /* a, b, c */
-    double p[2];          /* p0, p1 */
-    const char *rule;     /* the whole rule, for messages */
-    int depth;
-} rule_env;
-
-static void skip_ws(const char **s)
-{
-    while (**s == ' ') (*s)++;
-}
-
-static kb_status rule_error(rule_env *e, const char *at, const char *what)
-{
-    return KB_FAIL(e->b->ctx, KB_ERR_INVALID, "grad rule \"%s\" at offset %d: %s", e->rule,
-                   (int)(at - e->rule), what);
-}
-
-static kb_status eval_expr(rule_env *e, const char **s, int32_t *out);
-
-static kb_status eval_call(rule_env *e, const char *name, size_t len, const char **s, int32_t *out)
-{
-    kb_status st = KB_OK;
-    int32_t args[3];
-    int nargs = 0;
-    (*s)++; /* '(' */
-    for (;;) {
-        if (nargs == 3) return rule_error(e, *s, "more than 3 arguments");
-        KB_TRY(eval_expr(e, s, &args[nargs++]));
-        skip_ws(s);
-        if (**s == ')') break;
-        if (**s != ',') return rule_error(e, *s, "expected ',' or ')'");
-        (*s)++;
-    }
-    (*s)++;
-    char nm[32];
-    if (len >= sizeof nm) return rule_error(e, *s, "name too long");
-    memcpy(nm, name, len);
-    nm[len] = '\0';
-    for (size_t h = 0; h < sizeof helpers / sizeof helpers[0]; h++) {
-        if (strcmp(helpers[h].name, nm) != 0) continue;
-        if (nargs != 1) return rule_error(e, *s, "helpers take one argument");
-        if (e->depth > 16) return rule_error(e, *s, "helpers nest too deeply");
-        rule_env inner = *e;
-        inner.g = inner.y = -1;
-        inner.opd[0] = args[0];
-        inner.opd[1] = inner.opd[2] = -1;
-        inner.rule = helpers[h].body;
-        inner.depth = e->depth + 1;
-        const char *body = helpers[h].body;
-        KB_TRY(eval_expr(&inner, &body, out));
-        if (*body) return rule_error(&inner, body, "trailing text");
-        return KB_OK;
-    }
-    int op = kb_op_from_name(nm);
-    if (op < 0) return rule_error(e, name, "unknown op or helper");
-    kb_op_kind kind = kb_op_get((kb_op)op)->kind;
-    if ((kind != KB_KIND_UNARY && kind != KB_KIND_BINARY && kind != KB_KIND_TERNARY) ||
-        kb_op_get((kb_op)op)->arity != nargs || uses_scalar((kb_op)op, 0))
-        return rule_error(e, name, "not a scalar-free pointwise op with that many operands");
-    st = emit_pw(e->b, (kb_op)op, e->fd, args, nargs, out);
-cleanup:
-    return st;
-}
-
-/* expr := number | g | y | a | b | c | p0 | p1 | name '(' expr (',' expr)* ')' */
-static kb_status eval_expr(rule_env *e, const char **s, int32_t *out)
-{
-    skip_ws(s);
-    const char *at = *s;
-    if ((*at >= '0' && *at <= '9') || *at == '-' || *at == '.') {
-        char *end;
-        double v = strtod(at, &end);
-        if (end == at) return rule_error(e, at, "bad number");
-        *s = end;
-        return emit_const(e->b, e->fd, e->rank, e->dims, v, out);
-    }
-    size_t len = 0;
-    while ((at[len] >= 'a' && at[len] <= 'z') || (at[len] >= '0' && at[len] <= '9') || at[len] == '_') len++;
-    if (len == 0) return rule_error(e, at, "expected a name or a number");
-    *s = at + len;
-    if (**s == '(') return eval_call(e, at, len, s, out);
-    int32_t v = -2;
-    if (len == 1) {
-        switch (at[0]) {
-        case 'g': v = e->g; break;
-        case 'y': v = e->y; break;
-        case 'a': v = e->opd[0]; break;
-        case 'b': v = e->opd[1]; break;
-        case 'c': v = e->opd[2]; break;
-        default: break;
-        }
-    } else if (len == 2 && at[0] == 'p' && (at[1] == '0' || at[1] == '1')) {
-        return emit_const(e->b, e->fd, e->rank, e->dims, e->p[at[1] - '0'], out);
-    }
-    if (v == -2) return rule_error(e, at, "unknown variable");
-    if (v < 0) return rule_error(e, at, "variable not available here");
-    *out = v;
-    return KB_OK;
-}
-
 /* ---------------------------------------------------------------- autodiff */
 
 typedef struct gradctx {
-    builder b;
+    gb_builder b;
     const kb_graph *fg;   /* the forward graph */
     int32_t *map;         /* forward id -> work id */
     int32_t *adj;         /* forward id -> work id of its accumulated adjoint, -1 = none yet */
@@ -390,14 +40,14 @@ static void keepdim_dims(const kb_node *a, uint32_t axes, kb_dim *out)
 }
 
 /* x (a reduction's output shape, keepdim or not) reshaped to keepdim, then broadcast to a's. */
-static kb_status expand_back(builder *b, int32_t x, const kb_node *a, uint32_t axes, int32_t *out)
+static kb_status expand_back(gb_builder *b, int32_t x, const kb_node *a, uint32_t axes, int32_t *out)
 {
     kb_status st = KB_OK;
     kb_dim kd[KB_MAX_RANK];
     int32_t k;
     keepdim_dims(a, axes, kd);
-    KB_TRY(emit_shaped(b, KB_OP_RESHAPE, x, a->rank, kd, 0, NULL, &k));
-    KB_TRY(emit_shaped(b, KB_OP_EXPAND, k, a->rank, a->dims, 0, NULL, out));
+    KB_TRY(gb_shaped(b, KB_OP_RESHAPE, x, a->rank, kd, 0, NULL, &k));
+    KB_TRY(gb_shaped(b, KB_OP_EXPAND, k, a->rank, a->dims, 0, NULL, out));
 cleanup:
     return st;
 }
@@ -419,8 +69,8 @@ static kb_status rule_expand(gradctx *gc, int32_t v, const kb_node *nd, const kb
 static kb_status rule_expand_mean(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
 {
     kb_status st = KB_OK;
-    builder *b = &gc->b;
-    kb_dtype dt = node_of(b, gadj)->dtype;
+    gb_builder *b = &gc->b;
+    kb_dtype dt = gb_node(b, gadj)->dtype;
     int32_t e, n;
     (void)v;
     int pinned = 1;
@@ -432,7 +82,7 @@ static kb_status rule_expand_mean(gradctx *gc, int32_t v, const kb_node *nd, con
             count *= (double)a->dims[d].coef;
         }
     if (pinned) {
-        KB_TRY(emit_const(b, dt, a->rank, a->dims, count, &n));
+        KB_TRY(gb_const(b, dt, a->rank, a->dims, count, &n));
     } else {
         kb_dim only[KB_MAX_RANK], ones[KB_MAX_RANK];
         int32_t c, s;
@@ -440,11 +90,11 @@ static kb_status rule_expand_mean(gradctx *gc, int32_t v, const kb_node *nd, con
             ones[d] = (kb_dim){1, 0, {0}};
             only[d] = (nd->axes >> d & 1u) ? a->dims[d] : ones[d];
         }
-        KB_TRY(emit_const(b, dt, a->rank, only, 1.0, &c));
-        KB_TRY(emit_shaped(b, KB_OP_SUM, c, a->rank, ones, nd->axes, NULL, &s));
-        KB_TRY(emit_shaped(b, KB_OP_EXPAND, s, a->rank, a->dims, 0, NULL, &n));
+        KB_TRY(gb_const(b, dt, a->rank, only, 1.0, &c));
+        KB_TRY(gb_shaped(b, KB_OP_SUM, c, a->rank, ones, nd->axes, NULL, &s));
+        KB_TRY(gb_shaped(b, KB_OP_EXPAND, s, a->rank, a->dims, 0, NULL, &n));
     }
-    KB_TRY(emit_bin(b, KB_OP_DIV, dt, e, n, out));
+    KB_TRY(gb_bin(b, KB_OP_DIV, dt, e, n, out));
 cleanup:
     return st;
 }
@@ -454,20 +104,20 @@ cleanup:
 static kb_status rule_expand_argext(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
 {
     kb_status st = KB_OK;
-    builder *b = &gc->b;
-    kb_dtype dt = node_of(b, gadj)->dtype;
+    gb_builder *b = &gc->b;
+    kb_dtype dt = gb_node(b, gadj)->dtype;
     kb_dim kd[KB_MAX_RANK];
     int32_t ye, eq, mask, cnt, gk, q, qe;
     int32_t av = gc->map[nd->inputs[0]], yv = gc->map[v];
     keepdim_dims(a, nd->axes, kd);
     KB_TRY(expand_back(b, yv, a, nd->axes, &ye));
-    KB_TRY(emit_bin(b, KB_OP_EQ, node_of(b, av)->dtype, av, ye, &eq));
-    KB_TRY(emit_cast(b, eq, dt, &mask));
-    KB_TRY(emit_shaped(b, KB_OP_SUM, mask, a->rank, kd, nd->axes, NULL, &cnt));
-    KB_TRY(emit_shaped(b, KB_OP_RESHAPE, gadj, a->rank, kd, 0, NULL, &gk));
-    KB_TRY(emit_bin(b, KB_OP_DIV, dt, gk, cnt, &q));
-    KB_TRY(emit_shaped(b, KB_OP_EXPAND, q, a->rank, a->dims, 0, NULL, &qe));
-    KB_TRY(emit_bin(b, KB_OP_MUL, dt, qe, mask, out));
+    KB_TRY(gb_bin(b, KB_OP_EQ, gb_node(b, av)->dtype, av, ye, &eq));
+    KB_TRY(gb_cast(b, eq, dt, &mask));
+    KB_TRY(gb_shaped(b, KB_OP_SUM, mask, a->rank, kd, nd->axes, NULL, &cnt));
+    KB_TRY(gb_shaped(b, KB_OP_RESHAPE, gadj, a->rank, kd, 0, NULL, &gk));
+    KB_TRY(gb_bin(b, KB_OP_DIV, dt, gk, cnt, &q));
+    KB_TRY(gb_shaped(b, KB_OP_EXPAND, q, a->rank, a->dims, 0, NULL, &qe));
+    KB_TRY(gb_bin(b, KB_OP_MUL, dt, qe, mask, out));
 cleanup:
     return st;
 }
@@ -475,7 +125,7 @@ cleanup:
 static kb_status rule_reshape(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
 {
     (void)v, (void)nd;
-    return emit_shaped(&gc->b, KB_OP_RESHAPE, gadj, a->rank, a->dims, 0, NULL, out);
+    return gb_shaped(&gc->b, KB_OP_RESHAPE, gadj, a->rank, a->dims, 0, NULL, out);
 }
 
 static kb_status rule_permute_inv(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
@@ -483,7 +133,7 @@ static kb_status rule_permute_inv(gradctx *gc, int32_t v, const kb_node *nd, con
     int8_t inv[KB_MAX_RANK];
     (void)v;
     for (int d = 0; d < nd->rank; d++) inv[nd->perm[d]] = (int8_t)d;
-    return emit_shaped(&gc->b, KB_OP_PERMUTE, gadj, a->rank, a->dims, 0, inv, out);
+    return gb_shaped(&gc->b, KB_OP_PERMUTE, gadj, a->rank, a->dims, 0, inv, out);
 }
 
 /* EXPAND: sum g over the dims that grew, keeping them (size 1, the operand's shape). */
@@ -497,7 +147,7 @@ static kb_status rule_sum_to(gradctx *gc, int32_t v, const kb_node *nd, const kb
         *out = gadj;
         return KB_OK;
     }
-    return emit_shaped(&gc->b, KB_OP_SUM, gadj, a->rank, a->dims, axes, NULL, out);
+    return gb_shaped(&gc->b, KB_OP_SUM, gadj, a->rank, a->dims, axes, NULL, out);
 }
 
 static kb_status unsupported(gradctx *gc, int32_t v, const kb_node *nd, const char *why)
@@ -506,11 +156,11 @@ static kb_status unsupported(gradctx *gc, int32_t v, const kb_node *nd, const ch
                    kb_op_get(nd->op)->name, (int)v, why);
 }
 
-static kb_status emit_iota(builder *b, kb_dtype dt, const kb_node *shape, int32_t axis, int32_t *id)
+static kb_status emit_iota(gb_builder *b, kb_dtype dt, const kb_node *shape, int32_t axis, int32_t *id)
 {
-    kb_node n = tmpl_new(KB_OP_IOTA, dt, shape->rank, shape->dims);
+    kb_node n = gb_tmpl(KB_OP_IOTA, dt, shape->rank, shape->dims);
     n.axis = axis;
-    return emit(b, &n, id);
+    return gb_emit(b, &n, id);
 }
 
 /* GATHER with one index per row along its axis (cross-entropy's pick of the target's logit):
@@ -519,21 +169,21 @@ static kb_status emit_iota(builder *b, kb_dtype dt, const kb_node *shape, int32_
 static kb_status rule_scatter_add(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
 {
     kb_status st = KB_OK;
-    builder *b = &gc->b;
+    gb_builder *b = &gc->b;
     const kb_node *ix = kb_graph_node(gc->fg, nd->inputs[1]);
     int one = ix->dims[nd->axis].nsym == 0 && ix->dims[nd->axis].coef == 1;
     for (int d = 0; d < a->rank && one; d++) one = d == nd->axis || kb_dim_equal(ix->dims[d], a->dims[d]);
     if (!one) return unsupported(gc, v, nd, "needs a scatter (more than one index per row)");
-    kb_dtype dt = node_of(b, gadj)->dtype;
+    kb_dtype dt = gb_node(b, gadj)->dtype;
     int32_t ge, ie, io, mask, zero;
     int32_t args[3];
-    KB_TRY(emit_shaped(b, KB_OP_EXPAND, gadj, a->rank, a->dims, 0, NULL, &ge));
-    KB_TRY(emit_shaped(b, KB_OP_EXPAND, gc->map[nd->inputs[1]], a->rank, a->dims, 0, NULL, &ie));
+    KB_TRY(gb_shaped(b, KB_OP_EXPAND, gadj, a->rank, a->dims, 0, NULL, &ge));
+    KB_TRY(gb_shaped(b, KB_OP_EXPAND, gc->map[nd->inputs[1]], a->rank, a->dims, 0, NULL, &ie));
     KB_TRY(emit_iota(b, ix->dtype, a, nd->axis, &io));
-    KB_TRY(emit_bin(b, KB_OP_EQ, ix->dtype, io, ie, &mask));
-    KB_TRY(emit_const(b, dt, a->rank, a->dims, 0.0, &zero));
+    KB_TRY(gb_bin(b, KB_OP_EQ, ix->dtype, io, ie, &mask));
+    KB_TRY(gb_const(b, dt, a->rank, a->dims, 0.0, &zero));
     args[0] = mask, args[1] = ge, args[2] = zero;
-    KB_TRY(emit_pw(b, KB_OP_WHERE, dt, args, 3, out));
+    KB_TRY(gb_pw(b, KB_OP_WHERE, dt, args, 3, out));
 cleanup:
     return st;
 }
@@ -542,25 +192,25 @@ cleanup:
  * minus start, clamped into the slice so that every read is in range wherever the coordinate
  * lies (a select picks the positions where it is meant). end_is_edge: the slice ends at the
  * axis' end, so no coordinate lies past it. */
-static kb_status emit_slice_read(builder *b, const kb_node *a, const pending_slice *s, int32_t io, int end_is_edge,
+static kb_status emit_slice_read(gb_builder *b, const kb_node *a, const pending_slice *s, int32_t io, int end_is_edge,
                                  int32_t *out)
 {
     kb_status st = KB_OK;
     int32_t idx = io, c, g;
     if (s->start > 0) {
-        KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)s->start, &c));
-        KB_TRY(emit_bin(b, KB_OP_SUB, KB_I64, idx, c, &idx));
-        KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, 0.0, &c));
-        KB_TRY(emit_bin(b, KB_OP_MAX, KB_I64, idx, c, &idx));
+        KB_TRY(gb_const(b, KB_I64, a->rank, a->dims, (double)s->start, &c));
+        KB_TRY(gb_bin(b, KB_OP_SUB, KB_I64, idx, c, &idx));
+        KB_TRY(gb_const(b, KB_I64, a->rank, a->dims, 0.0, &c));
+        KB_TRY(gb_bin(b, KB_OP_MAX, KB_I64, idx, c, &idx));
     }
     if (!end_is_edge) {
-        KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)(s->len - 1), &c));
-        KB_TRY(emit_bin(b, KB_OP_MIN, KB_I64, idx, c, &idx));
+        KB_TRY(gb_const(b, KB_I64, a->rank, a->dims, (double)(s->len - 1), &c));
+        KB_TRY(gb_bin(b, KB_OP_MIN, KB_I64, idx, c, &idx));
     }
-    KB_TRY(emit_cast(b, s->g, a->dtype, &g));
-    kb_node gt = tmpl_new(KB_OP_GATHER, a->dtype, a->rank, a->dims);
+    KB_TRY(gb_cast(b, s->g, a->dtype, &g));
+    kb_node gt = gb_tmpl(KB_OP_GATHER, a->dtype, a->rank, a->dims);
     gt.inputs[0] = g, gt.inputs[1] = idx, gt.ninputs = 2, gt.axis = s->axis;
-    KB_TRY(emit(b, &gt, out));
+    KB_TRY(gb_emit(b, &gt, out));
 cleanup:
     return st;
 }
@@ -571,7 +221,7 @@ cleanup:
  * the earlier branches settle it: slices tiling [0, end) need only "iota < end", and when they
  * tile the whole axis the last one needs no test and no zero (x.chunk(2) gives
  * where(iota < H, g_0[iota], g_1[iota - H])). */
-static kb_status emit_select(builder *b, const kb_node *a, const pending_slice *s, int n, int32_t *out)
+static kb_status emit_select(gb_builder *b, const kb_node *a, const pending_slice *s, int n, int32_t *out)
 {
     kb_status st = KB_OK;
     int32_t axis = s[0].axis, io, acc = -1;
@@ -594,25 +244,25 @@ static kb_status emit_select(builder *b, const kb_node *a, const pending_slice *
                 acc = gi;
                 continue;
             }
-            KB_TRY(emit_const(b, a->dtype, a->rank, a->dims, 0.0, &acc));
+            KB_TRY(gb_const(b, a->dtype, a->rank, a->dims, 0.0, &acc));
         }
         if (!covered[i]) {
-            KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)s[i].start, &c));
-            KB_TRY(emit_bin(b, KB_OP_GE, KB_I64, io, c, &cond));
+            KB_TRY(gb_const(b, KB_I64, a->rank, a->dims, (double)s[i].start, &c));
+            KB_TRY(gb_bin(b, KB_OP_GE, KB_I64, io, c, &cond));
         }
         if (!at_edge) {
             int32_t hi;
-            KB_TRY(emit_const(b, KB_I64, a->rank, a->dims, (double)end, &c));
-            KB_TRY(emit_bin(b, KB_OP_LT, KB_I64, io, c, &hi));
+            KB_TRY(gb_const(b, KB_I64, a->rank, a->dims, (double)end, &c));
+            KB_TRY(gb_bin(b, KB_OP_LT, KB_I64, io, c, &hi));
             if (cond < 0) cond = hi;
-            else KB_TRY(emit_bin(b, KB_OP_AND, KB_I64, cond, hi, &cond));
+            else KB_TRY(gb_bin(b, KB_OP_AND, KB_I64, cond, hi, &cond));
         }
         if (cond < 0) { /* a slice that is the whole axis */
             acc = gi;
             continue;
         }
         args[0] = cond, args[1] = gi, args[2] = acc;
-        KB_TRY(emit_pw(b, KB_OP_WHERE, a->dtype, args, 3, &acc));
+        KB_TRY(gb_pw(b, KB_OP_WHERE, a->dtype, args, 3, &acc));
     }
     *out = acc;
 cleanup:
@@ -661,13 +311,13 @@ static kb_status contribution(gradctx *gc, int32_t v, int k, int32_t *out)
     const char *rule = info->grad[k];
     int32_t c = -1;
     if (info->kind == KB_KIND_UNARY || info->kind == KB_KIND_BINARY || info->kind == KB_KIND_TERNARY) {
-        rule_env e = {&gc->b, nd->dtype, nd->rank, nd->dims, gc->adj[v], gc->map[v], {-1, -1, -1},
+        gb_rule_env e = {&gc->b, nd->dtype, nd->rank, nd->dims, gc->adj[v], gc->map[v], {-1, -1, -1},
                       {nd->scalar[0], nd->scalar[1]}, rule, 0};
         for (int i = 0; i < nd->ninputs && i < 3; i++) e.opd[i] = gc->map[nd->inputs[i]];
         const char *s = rule;
-        KB_TRY(eval_expr(&e, &s, &c));
-        skip_ws(&s);
-        if (*s) return rule_error(&e, s, "trailing text");
+        KB_TRY(gb_eval_expr(&e, &s, &c));
+        gb_skip_ws(&s);
+        if (*s) return gb_rule_error(&e, s, "trailing text");
     } else {
         size_t r = 0, nr = sizeof struct_rules / sizeof struct_rules[0];
         while (r < nr && strcmp(struct_rules[r].name, rule) != 0) r++;
@@ -678,7 +328,7 @@ static kb_status contribution(gradctx *gc, int32_t v, int k, int32_t *out)
             return KB_OK;
         }
     }
-    KB_TRY(emit_cast(&gc->b, c, a->dtype, out));
+    KB_TRY(gb_cast(&gc->b, c, a->dtype, out));
 cleanup:
     return st;
 }
@@ -689,7 +339,7 @@ static kb_status accumulate(gradctx *gc, int32_t u, int32_t c)
         gc->adj[u] = c;
         return KB_OK;
     }
-    return emit_bin(&gc->b, KB_OP_ADD, node_of(&gc->b, c)->dtype, gc->adj[u], c, &gc->adj[u]);
+    return gb_bin(&gc->b, KB_OP_ADD, gb_node(&gc->b, c)->dtype, gc->adj[u], c, &gc->adj[u]);
 }
 
 static int slice_before(const pending_slice *x, const pending_slice *y)
@@ -792,17 +442,17 @@ kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsa
      * g's inputs first, then the saved statistics as inputs in their place */
     for (int32_t i = 0; i < kb_graph_ninputs(g); i++) {
         int32_t v = kb_graph_input(g, i);
-        KB_TRY(emit(&gc.b, kb_graph_node(g, v), &gc.map[v]));
+        KB_TRY(gb_emit(&gc.b, kb_graph_node(g, v), &gc.map[v]));
     }
     int32_t nreal = kb_graph_noutputs(g) - nsaved;
     for (int32_t k = nreal; k < kb_graph_noutputs(g); k++) {
         int32_t o = kb_graph_output(g, k);
         const kb_node *on = kb_graph_node(g, o);
         KB_CHECK(ctx, on->op != KB_OP_INPUT, KB_ERR_INVALID, "grad: saved output %d is an input", (int)k);
-        kb_node t = tmpl_new(KB_OP_INPUT, on->dtype, on->rank, on->dims);
+        kb_node t = gb_tmpl(KB_OP_INPUT, on->dtype, on->rank, on->dims);
         t.input_kind = KB_INPUT_USER;
         snprintf(t.name, sizeof t.name, "saved%d", (int)(k - nreal));
-        KB_TRY(emit(&gc.b, &t, &gc.map[o]));
+        KB_TRY(gb_emit(&gc.b, &t, &gc.map[o]));
     }
     for (int32_t v = 0; v < n; v++) {
         kb_node t = *kb_graph_node(g, v);
@@ -811,17 +461,17 @@ kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsa
         for (int32_t k = nreal; k < kb_graph_noutputs(g); k++) saved |= kb_graph_output(g, k) == v;
         if (saved) continue;
         for (int i = 0; i < t.ninputs; i++) t.inputs[i] = gc.map[t.inputs[i]];
-        KB_TRY(emit(&gc.b, &t, &gc.map[v]));
+        KB_TRY(gb_emit(&gc.b, &t, &gc.map[v]));
     }
     mark_required(&gc, wrt);
     /* one upstream gradient per output; seeds only where a gradient can flow */
     for (int32_t k = 0; k < nreal; k++) {
         int32_t o = kb_graph_output(g, k), gid;
         const kb_node *on = kb_graph_node(g, o);
-        kb_node t = tmpl_new(KB_OP_INPUT, on->dtype, on->rank, on->dims);
+        kb_node t = gb_tmpl(KB_OP_INPUT, on->dtype, on->rank, on->dims);
         t.input_kind = KB_INPUT_USER;
         snprintf(t.name, sizeof t.name, "grad_out%d", (int)k);
-        KB_TRY(emit(&gc.b, &t, &gid));
+        KB_TRY(gb_emit(&gc.b, &t, &gid));
         if (gc.req[o]) KB_TRY(accumulate(&gc, o, gid));
     }
     /* reverse topological order: ids are topological by construction */
@@ -840,12 +490,12 @@ kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsa
         if (!wrt[i]) continue;
         int32_t v = kb_graph_input(g, i), r = gc.adj[v];
         const kb_node *in = kb_graph_node(g, v);
-        if (r < 0) KB_TRY(emit_const(&gc.b, in->dtype, in->rank, in->dims, 0.0, &r)); /* unused input */
+        if (r < 0) KB_TRY(gb_const(&gc.b, in->dtype, in->rank, in->dims, 0.0, &r)); /* unused input */
         KB_TRY(kb_graph_add_output(gc.b.g, r));
     }
     KB_TRY(kb_graph_simplify(gc.b.g, out)); /* rewrites (a one-hot's row sum), dead nodes dropped */
 cleanup:
-    builder_done(&gc.b);
+    gb_done(&gc.b);
     kb_free(ctx, gc.map, cnt * sizeof(int32_t));
     kb_free(ctx, gc.adj, cnt * sizeof(int32_t));
     kb_free(ctx, gc.req, cnt);
@@ -887,7 +537,7 @@ kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out)
         KB_CHECK(ctx, v >= 0 && v < n && map[v] < 0, KB_ERR_INVALID,
                  "region %d: input %d is a bad or repeated value (%d)", (int)r, (int)k, (int)v);
         const kb_node *src = kb_graph_node(g, v);
-        kb_node t = tmpl_new(KB_OP_INPUT, src->dtype, src->rank, src->dims);
+        kb_node t = gb_tmpl(KB_OP_INPUT, src->dtype, src->rank, src->dims);
         /* a parameter stays one: fusion floats parameter-only work (a weight's cast) into readers */
         t.input_kind = src->op == KB_OP_INPUT ? src->input_kind : KB_INPUT_USER;
         if (src->op == KB_OP_INPUT && src->name[0]) memcpy(t.name, src->name, sizeof t.name);
