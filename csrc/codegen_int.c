@@ -55,10 +55,15 @@ int cg_parse_affine(const char *e, char *var, int64_t *off) {
     return 1;
 }
 
+/* The variable guards test: the chunk's last coordinate a<last>, or its first element's a<last>_0 */
+static void guard_var(const cg *c, int chunk_first, char *out) {
+    snprintf(out, NAME_LEN, chunk_first ? "a%d_0" : "a%d", c->last);
+}
+
 /* the guard's variable ranges over [lo, hi) */
 static void clip_to_guard(const cg *c, cg_int *r) {
     char gv[NAME_LEN];
-    snprintf(gv, sizeof gv, "a%d", c->last);
+    guard_var(c, 0, gv);
     if (!c->guard.on || strcmp(r->var, gv) != 0) return;
     int64_t lo = add_sat(c->guard.lo, r->off), hi = add_sat(c->guard.hi - 1, r->off);
     if (lo > r->lo) r->lo = lo;
@@ -285,7 +290,7 @@ static int int_form(cg *c, int32_t v, const idx *x, cg_int *r) {
 static int coord_test(cg *c, int32_t cond, const idx *x, cg_guard *t, cg_guard *f) {
     const kb_node *nd = NODE(c, cond);
     char gv[NAME_LEN];
-    snprintf(gv, sizeof gv, "a%d", c->last);
+    guard_var(c, 0, gv);
     if (nd->op == KB_OP_AND) {
         cg_guard t1, f1, t2, f2;
         if (!coord_test(c, nd->inputs[0], x, &t1, &f1) || !coord_test(c, nd->inputs[1], x, &t2, &f2)) return 0;
@@ -348,7 +353,7 @@ int cg_chunk_guard(cg *c, char *out) {
     if (!g->on || !c->aligned || c->vec <= 1) return 0;
     if ((g->lo > -CG_BIG && g->lo % c->vec) || (g->hi < CG_BIG && g->hi % c->vec)) return 0;
     char var[NAME_LEN];
-    snprintf(var, sizeof var, "a%d_0", c->last);
+    guard_var(c, 1, var);
     guard_expr(c, var, out);
     return 1;
 }
@@ -360,7 +365,7 @@ void cg_guarded_ref(cg *c, int32_t v, const char *lin, char *out) {
         return;
     }
     char var[NAME_LEN], ge[EXPR_LEN];
-    snprintf(var, sizeof var, "a%d", c->last);
+    guard_var(c, 0, var);
     guard_expr(c, var, ge);
     cg_fmt(c, out, EXPR_LEN, "p%d[%s ? %s : 0]", (int)v, ge, lin);
 }

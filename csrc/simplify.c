@@ -231,16 +231,28 @@ cleanup:
     return st;
 }
 
+/* The axis of s where s is a differentiable sum over one axis of an operand of its own dtype (the
+ * sums the rules below rewrite), with the operand's dims kept at size 1 there in kd; else -1. */
+static int one_axis_sum(const kb_graph *w, const kb_node *s, kb_dim *kd)
+{
+    if (s->op != KB_OP_SUM || s->nograd || kb_popcount32(s->axes) != 1) return -1;
+    int a = __builtin_ctz(s->axes);
+    const kb_node *x = N(w, s->inputs[0]);
+    if (s->dtype != x->dtype || a >= x->rank) return -1;
+    for (int k = 0; k < x->rank; k++) kd[k] = k == a ? (kb_dim){1, 0, {0}} : x->dims[k];
+    return a;
+}
+
 /* s: a node about to be added to w (operands already w's). *out = its replacement, or -1 when
  * s is not a sum over one axis of a linear map of a one-hot. */
 static kb_status onehot_sum(kb_graph *w, const kb_node *s, int32_t *out)
 {
     kb_status st = KB_OK;
+    kb_dim kd[KB_MAX_RANK];
     *out = -1;
-    if (s->op != KB_OP_SUM || s->nograd || kb_popcount32(s->axes) != 1) return KB_OK;
-    int a = __builtin_ctz(s->axes);
+    int a = one_axis_sum(w, s, kd);
+    if (a < 0) return KB_OK;
     const kb_node *x = N(w, s->inputs[0]);
-    if (s->dtype != x->dtype || a >= x->rank) return KB_OK;
     linear_step steps[MAX_LINEAR_STEPS];
     int32_t nsteps = 0, v = s->inputs[0];
     while (nsteps < MAX_LINEAR_STEPS && match_linear(w, v, &steps[nsteps])) v = steps[nsteps++].inner;
@@ -248,8 +260,6 @@ static kb_status onehot_sum(kb_graph *w, const kb_node *s, int32_t *out)
     if (!match_onehot(w, v, a, &m)) return KB_OK;
 
     int32_t rank = x->rank, t, zero, lo, n, hi, in, d, r;
-    kb_dim kd[KB_MAX_RANK];
-    for (int k = 0; k < rank; k++) kd[k] = k == a ? (kb_dim){1, 0, {0}} : x->dims[k];
     kb_dim size = x->dims[a];  /* x and other node pointers die at the first put */
     kb_dtype wdt = N(w, v)->dtype;
     /* in range: 0 <= T < size, compared in i64 */
@@ -381,11 +391,12 @@ static kb_status reduce_depth(const kb_graph *w, const int32_t *vs, int nv, int 
 static kb_status linear_sum(kb_graph *w, const kb_node *s, int32_t *out)
 {
     kb_status st = KB_OK;
+    kb_dim kd[KB_MAX_RANK];
     *out = -1;
-    if (s->op != KB_OP_SUM || s->nograd || kb_popcount32(s->axes) != 1) return KB_OK;
-    int a = __builtin_ctz(s->axes);
+    int a = one_axis_sum(w, s, kd);
+    if (a < 0) return KB_OK;
     const kb_node *x = N(w, s->inputs[0]);
-    if (s->dtype != x->dtype || a >= x->rank || !kb_dtype_is_float(x->dtype)) return KB_OK;
+    if (!kb_dtype_is_float(x->dtype)) return KB_OK;
     lin_sum L = {w, a, x->dtype, {{0}}, 0};
     lin_term one = {-1, {0}, {0}, 0, 1.0};  /* the empty product */
     if (!decompose(&L, s->inputs[0], 1.0, &one, MAX_LINEAR_STEPS)) return KB_OK;
@@ -402,8 +413,6 @@ static kb_status linear_sum(kb_graph *w, const kb_node *s, int32_t *out)
     if (after >= before) return KB_OK; /* the sum would wait as long as before */
 
     int32_t rank = x->rank, r = -1;
-    kb_dim kd[KB_MAX_RANK];
-    for (int k = 0; k < rank; k++) kd[k] = k == a ? (kb_dim){1, 0, {0}} : x->dims[k];
     kb_dtype dt = x->dtype;  /* x dies at the first put */
     int32_t sums[MAX_TERMS];
     for (int j = 0; j < natoms; j++) { /* one sum per atom, whatever multiplies it */
