@@ -200,7 +200,10 @@ void cg_stat_outputs(cg *c) {
         if (cg_out_full(c, v) || c->colsum[v]) continue;
         cg_ev_store(c, v, &x, val);
         cg_fmt(c, st, sizeof st, cg_store_fmt(NODE(c, v)->dtype), val);
-        cg_line(c, "p%d[%s] = %s;", (int)v, c->stat_lin, st);
+        /* a saved statistic is for the backward alone: a call that will not differentiate
+         * passes no buffer for it */
+        if (j >= c->rg->noutputs - c->rg->nsaved) cg_line(c, "if (p%d) p%d[%s] = %s;", (int)v, (int)v, c->stat_lin, st);
+        else cg_line(c, "p%d[%s] = %s;", (int)v, c->stat_lin, st);
     }
     cg_scope_pop(c);
     c->ind--;

@@ -21,8 +21,9 @@ enum { LV_NONE = 0, LV_FULL, LV_STAT, LV_COLSUM };
 
 /* What a floating value reads: FL_PARAMS, parameters, buffers and constants alone; FL_SMALL,
  * fewer elements than it has (constants, iotas, broadcasts of per-row values and work on
- * those), so recomputing it costs less than reading it back. */
-enum { FL_PARAMS = 1, FL_SMALL = 2 };
+ * those), so recomputing it costs less than reading it back; FL_PER_ROW, graph inputs shaped
+ * like a kept-dim reduction (a backward's saved row statistics), parameters and constants. */
+enum { FL_PARAMS = 1, FL_SMALL = 2, FL_PER_ROW = 4 };
 
 /* ROW regions carry column sums (a parameter's gradient summed over the rows) as per-block
  * partials while the rows stream by; their registers bound the row length. */
@@ -31,6 +32,8 @@ enum { FL_PARAMS = 1, FL_SMALL = 2 };
 enum node_class { C_POINTWISE, C_RESHAPE, C_EXPAND, C_VIEW, C_REDUCE, C_GATHER, C_EXTERN, C_LEAF };
 
 #define ANY_KIND (-1)
+
+enum { UP_REDUCE = 1, UP_COLSUM = 2 };
 
 typedef struct breg {
     kb_region_kind kind;
@@ -100,6 +103,46 @@ static int is_keepdim_stat(const build *b, int32_t v, int32_t r) {
 /* level of operand u as seen from region r: LV_NONE if u is not computed in r */
 static int level_in(const build *b, int32_t u, int32_t r) {
     return (!b->floating[u] && b->reg[u] == r) ? b->lvl[u] : LV_NONE;
+}
+
+/* ---------------------------------------------------------------- column sums in row kernels */
+
+/* A single-pass COL region that sums over the leading dims (a bias gradient: db = sum over rows
+ * of dy * act'(x)) streams better as a ROW region with column sums: whole rows in 16-byte
+ * vectors, partials in registers, no barriers, a small finishing kernel; the COL kernel walks
+ * down columns with a split. Single pass: no full-size value reads a per-column statistic. */
+static int colsum_ok(const build *b, int32_t r) {
+    const kb_node *a = N(b, b->regs[r].anchor);
+    uint32_t red = b->regs[r].red, all = (uint32_t)((1ull << a->rank) - 1);
+    if (b->regs[r].kind != KB_REGION_COL || red == 0 || (red & (red + 1)) != 0 || red == all) return 0;
+    int64_t row = 1;
+    for (int d = 0; d < a->rank; d++)
+        if (!(red & (1u << d))) {
+            if (a->dims[d].nsym) return 0;
+            row *= a->dims[d].coef;
+        }
+    if (row > COLSUM_MAX_ROW) return 0;
+    for (int32_t v = 0; v < b->n; v++) {
+        if (b->floating[v] || b->reg[v] != r) continue;
+        const kb_node *nd = N(b, v);
+        int reduce = kb_op_get(nd->op)->kind == KB_KIND_REDUCE, reads_stat = 0;
+        for (int i = 0; i < nd->ninputs; i++) reads_stat |= level_in(b, nd->inputs[i], r) == LV_STAT;
+        if (reduce && ((nd->op != KB_OP_SUM && nd->op != KB_OP_MEAN) || nd->axes != red || reads_stat)) return 0;
+        if (b->lvl[v] == LV_FULL && reads_stat) return 0;      /* a second pass */
+        if (b->lvl[v] == LV_STAT && !reduce && !reads_stat) return 0; /* per-column work of its own */
+    }
+    return 1;
+}
+
+/* Region r (colsum_ok) becomes a ROW region over the rest of its anchor's axes; its column
+ * statistics become column sums. */
+static void make_row_colsum(build *b, int32_t r) {
+    const kb_node *a = N(b, b->regs[r].anchor);
+    uint32_t all = (uint32_t)((1ull << a->rank) - 1);
+    b->regs[r].kind = KB_REGION_ROW;
+    b->regs[r].red = all & ~b->regs[r].red;
+    for (int32_t v = 0; v < b->n; v++)
+        if (!b->floating[v] && b->reg[v] == r && b->lvl[v] == LV_STAT) b->lvl[v] = LV_COLSUM;
 }
 
 /* ---------------------------------------------------------------- join rules */
@@ -193,6 +236,21 @@ static int reduce_cols(const build *b, int32_t v, int32_t r, int *lv) {
     return 1;
 }
 
+/* A row reduction over a COL region's full elements, where the region is sums over the rows
+ * alone (colsum_ok): the region becomes a ROW region carrying those sums as column sums, and
+ * the reduction joins it. A backward that reads saved statistics meets dbias = sum(dy) over the
+ * rows before its first row reduction; without this the rows would be read twice. */
+static int reduce_rows_of_colsums(const build *b, int32_t v, int32_t r, int *lv) {
+    const kb_node *nd = N(b, v), *a = N(b, b->regs[r].anchor);
+    int32_t u = nd->inputs[0];
+    uint32_t all = (uint32_t)((1ull << a->rank) - 1);
+    int l = level_in(b, u, r);
+    if (l != LV_FULL && (l != LV_NONE || (!b->floating[u] && N(b, u)->op != KB_OP_INPUT))) return 0;
+    if (!same_dims(N(b, u), a) || nd->axes != (all & ~b->regs[r].red) || !colsum_ok(b, r)) return 0;
+    *lv = LV_STAT;
+    return 1;
+}
+
 /* Gather in a POINTWISE region: the table is recomputed at the gathered index. */
 static int gather_pw(const build *b, int32_t v, int32_t r, int *lv) {
     const kb_node *nd = N(b, v);
@@ -225,7 +283,8 @@ static const struct join_rule {
     enum node_class cls;
     int kind;            /* kb_region_kind or ANY_KIND */
     rule_fn fn;
-    int upgrades;        /* 1: the region becomes ROW / COL over the node's operand */
+    int upgrades;        /* UP_REDUCE: the region becomes ROW / COL over the node's operand;
+                          * UP_COLSUM: a COL region becomes ROW (make_row_colsum) */
 } RULES[] = {
     {C_POINTWISE, KB_REGION_POINTWISE, pw_join, 0},
     {C_POINTWISE, KB_REGION_ROW, pw_join, 0},
@@ -235,10 +294,11 @@ static const struct join_rule {
     {C_RESHAPE, KB_REGION_COL, reshape_join, 0},
     {C_EXPAND, KB_REGION_ROW, expand_stat_join, 0},
     {C_EXPAND, KB_REGION_COL, expand_stat_join, 0},
-    {C_REDUCE, KB_REGION_POINTWISE, reduce_upgrade, 1},
+    {C_REDUCE, KB_REGION_POINTWISE, reduce_upgrade, UP_REDUCE},
     {C_REDUCE, KB_REGION_ROW, reduce_same, 0},
     {C_REDUCE, KB_REGION_ROW, reduce_cols, 0},
     {C_REDUCE, KB_REGION_COL, reduce_same, 0},
+    {C_REDUCE, KB_REGION_COL, reduce_rows_of_colsums, UP_COLSUM},
     {C_GATHER, KB_REGION_POINTWISE, gather_pw, 0},
     {C_GATHER, KB_REGION_ROW, gather_row, 0},
     {C_EXTERN, KB_REGION_EXTERN, extern_join, 0},
@@ -299,6 +359,18 @@ static kb_region_kind reduce_kind(const build *b, int32_t v) {
     return (nd->axes & (1u << (a->rank - 1))) ? KB_REGION_ROW : KB_REGION_COL;
 }
 
+/* What joining reduction v does to region r (a rule's `upgrades`). */
+static void upgrade(build *b, int32_t r, int32_t v, int how) {
+    const kb_node *nd = N(b, v);
+    if (how == UP_REDUCE) {
+        b->regs[r].kind = reduce_kind(b, v);
+        b->regs[r].anchor = nd->inputs[0];
+        b->regs[r].red = nd->axes;
+    } else if (how == UP_COLSUM) {
+        make_row_colsum(b, r);
+    }
+}
+
 static void place(build *b, int32_t v, int32_t r, int lv) {
     b->reg[v] = r;
     b->lvl[v] = (int8_t)lv;
@@ -314,6 +386,31 @@ static int from_params(const build *b, int32_t u) {
 /* Does u read fewer elements than it has (a floating broadcast, iota or constant)? */
 static int is_small(const build *b, int32_t u) { return b->floating[u] && (b->fl[u] & FL_SMALL); }
 
+/* Is u one value per row: a graph input with a size-1 dim (the kept dim of a reduction, as the
+ * forward's saved statistics are), or floating work on such inputs, parameters and constants? */
+static int is_per_row(const build *b, int32_t u) {
+    const kb_node *nd = N(b, u);
+    if (nd->op == KB_OP_INPUT) {
+        if (nd->input_kind != KB_INPUT_USER || nd->rank < 2) return 0;
+        for (int d = 0; d < nd->rank; d++)
+            if (is_one(nd->dims[d])) return 1;
+        return 0;
+    }
+    return b->floating[u] && (b->fl[u] & (FL_PER_ROW | FL_PARAMS | FL_SMALL));
+}
+
+/* v's operands are all per-row (is_per_row), and one of them is an input or work on one. */
+static int reads_per_row(const build *b, int32_t v) {
+    const kb_node *nd = N(b, v);
+    int rows = 0;
+    for (int i = 0; i < nd->ninputs; i++) {
+        int32_t u = nd->inputs[i];
+        if (!is_per_row(b, u)) return 0;
+        rows |= N(b, u)->op == KB_OP_INPUT || (b->floating[u] && (b->fl[u] & FL_PER_ROW));
+    }
+    return rows;
+}
+
 /* v floats: copied into each region that reads it. dep and fl follow from its operands. */
 static void make_floating(build *b, int32_t v) {
     const kb_node *nd = N(b, v);
@@ -325,6 +422,7 @@ static void make_floating(build *b, int32_t v) {
         if (!from_params(b, u)) fl &= (uint8_t)~FL_PARAMS;
         if (!is_small(b, u)) fl &= (uint8_t)~FL_SMALL;
     }
+    if (reads_per_row(b, v)) fl |= FL_PER_ROW;
     if (nd->op == KB_OP_EXPAND) { /* a broadcast reads fewer elements than it has */
         const kb_node *a = N(b, nd->inputs[0]);
         for (int d = 0; d < nd->rank; d++)
@@ -361,13 +459,20 @@ static int float_broadcast(const build *b, int32_t v) {
     return 1;
 }
 
+/* On per-row inputs (is_per_row), at least one of them read: a backward's rstd = rsqrt(saved
+ * variance + eps). A few flops per row, recomputed by each region that reads them, instead of
+ * a per-row kernel of its own that the row kernel would have to run after: the row kernel then
+ * could not compute x - saved mean before it, and the backward fell apart into five kernels. */
+static int float_per_row(const build *b, int32_t v) { return reads_per_row(b, v); }
+
 /* Read only through static index maps (mark_index_reads). */
 static int float_index_read(const build *b, int32_t v) { return b->index_read[v]; }
 
 /* From graph inputs alone, with a single reader (mark_lone_reads). */
 static int float_lone_read(const build *b, int32_t v) { return b->lone_read[v]; }
 
-static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_index_read, float_lone_read};
+static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_per_row, float_index_read,
+                                       float_lone_read};
 
 /* The pre-pass behind float_lone_read: a chain of pointwise work, each link read once, on graph
  * inputs, constants and iotas (through views), not a graph output, whose last link's reader is
@@ -517,11 +622,7 @@ static kb_status assign(build *b, int32_t v) {
     }
     if (r >= 0 && r == soft && r > hard && b->regs[r].kind != KB_REGION_EXTERN &&
         (rule = find_rule(b, v, r, &lv)) >= 0) {
-        if (RULES[rule].upgrades) {
-            b->regs[r].kind = reduce_kind(b, v);
-            b->regs[r].anchor = nd->inputs[0];
-            b->regs[r].red = nd->axes;
-        }
+        upgrade(b, r, v, RULES[rule].upgrades);
         place(b, v, r, lv);
         return KB_OK;
     }
@@ -530,11 +631,7 @@ static kb_status assign(build *b, int32_t v) {
     if (soft < 0 && cls != C_EXTERN) {
         for (int32_t q = b->nreg - 1; q > hard; q--) {
             if (b->regs[q].kind == KB_REGION_EXTERN || (rule = find_rule(b, v, q, &lv)) < 0) continue;
-            if (RULES[rule].upgrades) {
-                b->regs[q].kind = reduce_kind(b, v);
-                b->regs[q].anchor = nd->inputs[0];
-                b->regs[q].red = nd->axes;
-            }
+            upgrade(b, q, v, RULES[rule].upgrades);
             place(b, v, q, lv);
             return KB_OK;
         }
@@ -560,36 +657,6 @@ static kb_status assign(build *b, int32_t v) {
     if (st != KB_OK) return st;
     place(b, v, q, lv);
     return KB_OK;
-}
-
-/* A single-pass COL region that sums over the leading dims (a bias gradient: db = sum over rows
- * of dy * act'(x)) streams better as a ROW region with column sums: whole rows in 16-byte
- * vectors, partials in registers, no barriers, a small finishing kernel; the COL kernel walks
- * down columns with a split. Single pass: no full-size value reads a per-column statistic. */
-static void col_to_row_colsum(build *b, int32_t r) {
-    const kb_node *a = N(b, b->regs[r].anchor);
-    uint32_t red = b->regs[r].red, all = (uint32_t)((1ull << a->rank) - 1);
-    if (b->regs[r].kind != KB_REGION_COL || red == 0 || (red & (red + 1)) != 0 || red == all) return;
-    int64_t row = 1;
-    for (int d = 0; d < a->rank; d++)
-        if (!(red & (1u << d))) {
-            if (a->dims[d].nsym) return;
-            row *= a->dims[d].coef;
-        }
-    if (row > COLSUM_MAX_ROW) return;
-    for (int32_t v = 0; v < b->n; v++) {
-        if (b->floating[v] || b->reg[v] != r) continue;
-        const kb_node *nd = N(b, v);
-        int reduce = kb_op_get(nd->op)->kind == KB_KIND_REDUCE, reads_stat = 0;
-        for (int i = 0; i < nd->ninputs; i++) reads_stat |= level_in(b, nd->inputs[i], r) == LV_STAT;
-        if (reduce && ((nd->op != KB_OP_SUM && nd->op != KB_OP_MEAN) || nd->axes != red || reads_stat)) return;
-        if (b->lvl[v] == LV_FULL && reads_stat) return;      /* a second pass */
-        if (b->lvl[v] == LV_STAT && !reduce && !reads_stat) return; /* per-column work of its own */
-    }
-    b->regs[r].kind = KB_REGION_ROW;
-    b->regs[r].red = all & ~red;
-    for (int32_t v = 0; v < b->n; v++)
-        if (!b->floating[v] && b->reg[v] == r && b->lvl[v] == LV_STAT) b->lvl[v] = LV_COLSUM;
 }
 
 /* ---------------------------------------------------------------- assembling the regions */
@@ -662,7 +729,8 @@ kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
     KB_TRY(mark_index_reads(&b));
     KB_TRY(mark_lone_reads(&b));
     for (int32_t v = 0; v < b.n; v++) KB_TRY(assign(&b, v));
-    for (int32_t r = 0; r < b.nreg; r++) col_to_row_colsum(&b, r);
+    for (int32_t r = 0; r < b.nreg; r++)
+        if (colsum_ok(&b, r)) make_row_colsum(&b, r);
     /* a graph output that is a constant or a folded view still needs a kernel to write it */
     for (int32_t i = 0; i < kb_graph_noutputs(g); i++) {
         int32_t v = kb_graph_output(g, i);

@@ -447,17 +447,21 @@ class CudaExecutor(Executor):
             raise RegionFallback(f"region {r}: a tensor has more than 2^31 elements")
         return launch(inputs)
 
-    def launcher(self, r, symvals, trusted=()):
+    def launcher(self, r, symvals, trusted=(), stats=True):
         """The hot path of region r at these sizes (see Executor.launcher): grid, arguments,
         output shapes and the stream lookup resolved once; per call only the contiguity checks on
         inputs not known to be contiguous (trusted), the alignment of every input's pointer,
-        one allocation per output, and the launch."""
+        one allocation per output, and the launch. stats=False: the saved statistics get a null
+        pointer (the kernel skips their stores) and come back as None."""
         kernel = self.kernels.get(r)
         if kernel is None:
             return None
         shapes, grid, ints, workspace_bytes, numel = self._launch_params(kernel, r, symvals)
         if numel > INT32_LIMIT:
             return None   # run() refuses every call, with the reason
+        skipped = self.plan.regions[r].saved if not stats else 0
+        shapes = shapes[:len(shapes) - skipped]
+        no_ptrs, no_outs = (0,) * skipped, [None] * skipped
         check = [j for j in range(len(self.plan.regions[r].inputs)) if not (j < len(trusted) and trusted[j])]
         # an output shaped like an input is allocated with empty_like(input): no size or dtype to
         # parse (a few us per output on a slow host); every input is contiguous by the checks
@@ -499,10 +503,12 @@ class CudaExecutor(Executor):
                         workspaces[stream] = workspace
                 args = ints + (workspace.data_ptr(),)
             ptrs = tuple(in_ptrs + [o.data_ptr() for o in outs])
+            if skipped:
+                ptrs += no_ptrs
             launch(cuda, fn, grid, block, smem, stream, ptrs, args)
             if finish is not None:
                 launch(cuda, finish, grid, block, 0, stream, ptrs, args)
-            return outs
+            return outs + no_outs if skipped else outs
         return run
 
     # ------------------------------------------------------------------ timing for the report

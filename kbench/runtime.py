@@ -49,10 +49,11 @@ class RegionInfo:
 
 # Saved-tensor policy: a region's backward recomputes what it needs from the region's inputs,
 # except the row statistics (max, sum, mean) of rows of at least this many bytes (f32), which the
-# forward writes (a value per row) and the backward reads. A shorter row is held on chip by the
-# backward kernel, so recomputing its statistics moves no extra bytes; a longer one would be
-# read twice. 64 KB: more than a block keeps on chip with several blocks per SM.
-SAVE_STATS_MIN_ROW_BYTES = 64 * 1024
+# forward writes (a value per row) and the backward reads: 4 bytes a row, where recomputing them
+# costs the backward kernel a pass over the row per statistic (a LayerNorm backward makes one
+# reduction pass instead of two), and a row too long to hold on chip a second read. A forward
+# that will not be differentiated skips them (Step.run: no buffer, the kernel writes nothing).
+SAVE_STATS_MIN_ROW_BYTES = 0
 
 
 class Plan:
@@ -141,11 +142,13 @@ class Executor:
     def run(self, r: int, symvals: list, inputs) -> list:
         raise NotImplementedError
 
-    def launcher(self, r: int, symvals, trusted=()):
+    def launcher(self, r: int, symvals, trusted=(), stats=True):
         """A callable(inputs) -> outputs that runs region r at these sizes with everything that
         does not depend on the tensors precomputed (the hot path), or None where run() must
         decide per call. trusted[j]: input j is known contiguous (an earlier kernel's output, or
-        a backward input the forward's kernel already checked), so that check can be skipped."""
+        a backward input the forward's kernel already checked), so that check can be skipped.
+        stats=False: the region's saved statistics may be left out (None), no backward reads
+        them."""
         if not self.can_run(r):
             return None
         run, symvals = self.run, list(symvals)
@@ -250,7 +253,7 @@ class Program:
             nodes = plan.missing(v, slot)
             deps = sorted({u for n in nodes for u in plan.nodes[n]["inputs"] if u not in nodes})
             step = Step()
-            step.kind, step.r, step.ins = MATERIALIZE, -1, [slot[u] for u in deps]
+            step.kind, step.r, step.ins, step.launch_nograd = MATERIALIZE, -1, [slot[u] for u in deps], None
             step.launch = self._materializer(deps, nodes, symvals)
             for n in nodes:
                 slot[n] = len(slot)
@@ -267,11 +270,15 @@ class Program:
                              for v in info.outputs]
             step.int_outs = not all(d.is_floating_point for _, d in step.out_meta)
             step.nsaved = info.saved
+            step.launch_nograd = None
             if info.kind == "EXTERN":
                 step.kind, step.launch = EAGER, None
             else:
                 step.kind = KERNEL
-                step.launch = self.executor.launcher(info.index, symvals, [i in fresh for i in step.ins])
+                trusted_ins = [i in fresh for i in step.ins]
+                step.launch = self.executor.launcher(info.index, symvals, trusted_ins)
+                if info.saved and step.launch is not None:
+                    step.launch_nograd = self.executor.launcher(info.index, symvals, trusted_ins, stats=False)
             for v in info.outputs:
                 slot[v] = len(slot)
                 if step.launch is not None and info.kind != "EXTERN":
@@ -318,11 +325,17 @@ class Step:
     """One region (or one materialization of in-between values) bound to sizes: which slots it
     reads, and how to run it, decided once per input signature instead of once per call."""
 
-    __slots__ = ("kind", "r", "ins", "launch", "program", "symvals", "float_in", "int_outs", "out_meta",
-                 "nsaved", "owner", "backward")
+    __slots__ = ("kind", "r", "ins", "launch", "launch_nograd", "program", "symvals", "float_in", "int_outs",
+                 "out_meta", "nsaved", "owner", "backward")
 
     def run(self, inputs):
-        """The region's outputs (kernel, or eager where the backend declines this call)."""
+        """The region's outputs where no backward will follow (kernel, or eager where the backend
+        declines this call): the saved statistics may come back as None."""
+        if self.launch_nograd is not None:
+            try:
+                return self.launch_nograd(inputs)
+            except RegionFallback as e:
+                self.program.note(str(e))
         return self.run_kernel(inputs)[0]
 
     def run_kernel(self, inputs):

@@ -213,13 +213,13 @@ def test_repeated_blocks_check_their_backward_once(monkeypatch):
         assert p is q and p.grad is not None
 
 
-@pytest.mark.parametrize("vocab,saved", [(20000, 2), (1000, 0)])
-def test_long_rows_save_their_statistics(vocab, saved):
-    """Saved-tensor policy: a row too long to keep on chip (>= 64 KB) has its max and sum written
-    by the forward and read by the backward, which then has no reduction over the row's values
-    left (the logits are read once); a short row recomputes them. Gradients match eager either
-    way, also through retain_graph and a second backward, and the statistics never reach the
-    caller."""
+@pytest.mark.parametrize("vocab", [20000, 1000])
+def test_rows_save_their_statistics(vocab):
+    """Saved-tensor policy: a row's max and sum are written by the forward and read by the
+    backward, which then has no reduction over the row's values left (a long row's logits are
+    read once, a short one's are not reduced twice). Gradients match eager, also through
+    retain_graph and a second backward, and the statistics never reach the caller."""
+    saved = 2
     torch.manual_seed(1)
     x = torch.randn(5, vocab)
     t = torch.randint(0, vocab, (5,))
@@ -244,4 +244,4 @@ def test_long_rows_save_their_statistics(vocab, saved):
     names = [prog.plan.nodes[v]["name"] for v in prog.plan.graph.inputs]
     assert sum(n.startswith("saved") for n in names) == saved, names
     ops = " ".join(i.ops for i in prog.plan.regions)
-    assert ("max" in ops) == (saved == 0), ops   # the statistics are read, not recomputed
+    assert "max" not in ops, ops   # the statistics are read, not recomputed

@@ -543,16 +543,15 @@ def test_cross_entropy_backward_has_no_one_hot_row_sum(kw, ignore):
     _C.interp_graph(bwd, cap.example_symvals, [x.data_ptr(), t.data_ptr(), up.data_ptr()], [got.data_ptr()])
     assert torch.allclose(got, want, atol=1e-12, rtol=1e-9), (got, want)
 
-    # as the runtime builds it for a short row (statistics recomputed): one row kernel still
+    # without saved statistics (they are recomputed): one row kernel still
     part = g.partition()
-    part.save_stats(SAVE_STATS_MIN_ROW_BYTES)
     assert part.region(0)["saved"] == 0
     rbwd = part.region_graph(0).grad([True, False])
     assert not _one_hot_sums(rbwd), str(rbwd)
     bpart = rbwd.partition()
     assert [bpart.region(r)["kind"] for r in range(len(bpart))] == ["ROW"], str(bpart)
 
-    # as the runtime builds it for a long row: the forward region's graph, its statistics saved
+    # as the runtime builds it: the forward region's graph, its statistics saved
     xl = torch.randn(4, 20000)
     cap = capture(CE(), (xl, torch.tensor([0, 19999, 7, 1 if ignore is None else ignore])))
     part = cap.graph.partition()
@@ -688,3 +687,52 @@ def test_linear_sum_rule_keeps_sums_that_would_not_move():
         xv, yv = torch.randn(sv[0], 8, dtype=torch.float64), torch.randn(sv[0], 8, dtype=torch.float64)
         a, b = run(gb.g, sv, [xv, yv])[0], run(simple, sv, [xv, yv])[0]
         assert rel_err(b, a) < 1e-12, (a, b)
+
+
+@pytest.mark.parametrize("task,width", [("layer_norm", 4096), ("layer_norm", 16384), ("rms_norm", 4096),
+                                        ("softmax", 4096), ("log_softmax", 1000),
+                                        ("residual_layer_norm", 512)])
+def test_backward_reading_saved_statistics_is_one_row_kernel(task, width):
+    """The runtime saves every row region's statistics; the backward that reads them (per-row
+    work on them, rstd = rsqrt(var + eps), floats into the row kernel; dbias = sum(dy) over the
+    rows, met before any row reduction, becomes a column sum of it) is one ROW region with a
+    single reduction pass before the output pass, reading x once: a LayerNorm backward used to
+    fall apart into five kernels with full-size f32 intermediates. Gradients through the
+    interpreter match torch.autograd."""
+    import importlib
+
+    from kbench import _C
+    from kbench.capture import capture
+    from kbench.runtime import SAVE_STATS_MIN_ROW_BYTES
+
+    mod = importlib.import_module(f"kbench.bench.tasks.{task}")
+    model = (mod.Model(width) if task != "softmax" and task != "log_softmax" else mod.Model()).double()
+    xs = mod.make_inputs(dict(shape=(6, width)), torch.float64, "cpu", torch.Generator().manual_seed(0))
+    part = capture(model, tuple(xs), pin=[(0, 1)]).graph.partition()
+    part.save_stats(SAVE_STATS_MIN_ROW_BYTES)
+    fwd = part.region(0)
+    assert fwd["kind"] == "ROW" and fwd["saved"] >= 1, fwd
+    rg = part.region_graph(0)
+    bwd = rg.grad([True] * len(fwd["inputs"]), saved=fwd["saved"])
+    bpart = bwd.partition()
+    regions = [bpart.region(r) for r in range(len(bpart))]
+    assert [r["kind"] for r in regions] == ["ROW"], regions
+    assert sorted(regions[0]["outputs"]) == sorted(set(bwd.outputs))
+    src = _C.generate(bpart, 0, 90, None)["source"]
+    assert "pass 2 over the row: write the outputs" in src and "pass 3" not in src, src
+
+    # gradients through the runtime (interpreter backend), statistics saved by the forward
+    import kbench
+
+    opt = kbench.optimize(model, tuple(xs), backend="interp", verbose=False)
+    assert opt._kbench_plan.regions[0].saved == fwd["saved"]
+    mine = [x.clone().requires_grad_(True) for x in xs]
+    theirs = [x.clone().requires_grad_(True) for x in xs]
+    outs, refs = opt(*mine), model(*theirs)
+    outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))
+    ups = [torch.randn_like(r) for r in refs]
+    params = list(model.parameters())
+    got = torch.autograd.grad(outs, mine + params, ups)
+    want = torch.autograd.grad(refs, theirs + params, ups)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
