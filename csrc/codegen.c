@@ -305,6 +305,7 @@ static void row_pass(cg *c, int pass) {
         else
             cg_line(c, "const %s v%d = acc%d;", c->ct, reds[j], reds[j]);
         cg_bind_stat(c, reds[j]);
+        cg_saved_stat_store(c, reds[j]);
     }
     /* statistics derived only from finished reductions: once per row, not per element */
     if (nred) cg_eager_stats(c, pass);

@@ -165,6 +165,7 @@ void cg_colsum_finish(cg *c);
 void cg_bind_stat(cg *c, int32_t reduce);
 void cg_eager_stats(cg *c, int pass);
 void cg_stat_outputs(cg *c);
+void cg_saved_stat_store(cg *c, int32_t v);
 /* an output written per element (else per row / column) */
 int cg_out_full(cg *c, int32_t v);
 void cg_smem_pointers(cg *c);

@@ -838,6 +838,35 @@ static int64_t row_bytes(const kb_graph *g, const kb_node *red)
     return n;
 }
 
+/* Is statistic v broadcast back over the row (an expand reads it, or per-row work on it):
+ * are the row's elements computed from it? Then a backward needs it per element, and without
+ * it would reduce the row again. A sum that only feeds a per-row result (a mean loss) is not. */
+static int broadcast_back(const kb_partition *p, const kb_region *rg, int32_t v)
+{
+    const kb_graph *g = p->graph;
+    const kb_node *stat = kb_graph_node(g, v);
+    int32_t n = kb_graph_nnodes(g);
+    uint8_t *from = kb_calloc(kb_graph_ctx(g), (size_t)(n ? n : 1), 1);
+    if (!from) return 1; /* out of memory: saving is the safe answer (never wrong, at most idle) */
+    from[v] = 1;
+    int found = 0;
+    for (int32_t k = 0; k < rg->nnodes && !found; k++) {
+        int32_t u = rg->nodes[k];
+        const kb_node *nd = kb_graph_node(g, u);
+        int reads = 0;
+        for (int i = 0; i < nd->ninputs; i++) reads |= from[nd->inputs[i]];
+        if (!reads || u == v) continue;
+        if (nd->op == KB_OP_EXPAND) found = 1;
+        else if (nd->rank == stat->rank) {
+            int same = 1;
+            for (int d = 0; d < nd->rank; d++) same &= kb_dim_equal(nd->dims[d], stat->dims[d]);
+            from[u] = (uint8_t)same;
+        }
+    }
+    kb_free(kb_graph_ctx(g), from, (size_t)(n ? n : 1));
+    return found;
+}
+
 kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
 {
     if (!p || !p->graph) return KB_ERR_INVALID;
@@ -852,7 +881,8 @@ kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
             const kb_node *nd = kb_graph_node(p->graph, v);
             /* a row's own reduction (not a column sum folded into the row kernel), in float */
             if (kb_op_get(nd->op)->kind != KB_KIND_REDUCE || !kb_dtype_is_float(nd->dtype) ||
-                p->region_of[v] != r || nd->axes != rg->reduce_axes || row_bytes(p->graph, nd) < min_row_bytes)
+                p->region_of[v] != r || nd->axes != rg->reduce_axes || row_bytes(p->graph, nd) < min_row_bytes ||
+                !broadcast_back(p, rg, v))
                 continue;
             for (int32_t j = 0; j < rg->noutputs; j++) is_out |= rg->outputs[j] == v;
             if (!is_out) stats[ns++] = v;

@@ -194,11 +194,11 @@ void kb_partition_free(kb_partition *p);
 kb_status kb_partition_dump(const kb_partition *p, char **out);
 /* Row statistics for the backward (a forward partition's choice; a backward's is not differentiated
  * again): in each ROW region whose rows hold at least min_row_bytes (4 per element at the example
- * sizes), the row reductions no other region reads (a softmax's max and sum) become extra outputs
- * after its own, counted by nsaved. The forward writes one value per row; the backward reads them
- * rather than reducing the row again, which for a row too long to keep on chip (a 32k-vocabulary
- * cross-entropy) is a second read of the whole input. A shorter row stays on chip in the backward,
- * so recomputing its statistics moves no extra bytes and keeps that kernel whole. */
+ * sizes), the row reductions no other region reads and that the row's elements are computed from
+ * (a softmax's max and sum, a LayerNorm's mean and variance; not a mean loss's sum) become extra
+ * outputs after its own, counted by nsaved. The forward writes one value per row; the backward
+ * reads them rather than reducing the row again: a pass fewer per statistic, and for a row too
+ * long to keep on chip (a 32k-vocabulary cross-entropy) no second read of the whole input. */
 kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes);
 
 /* ---------------------------------------------------------------- subgraphs and autodiff (grad.c) */

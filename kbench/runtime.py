@@ -269,7 +269,7 @@ class Program:
             step.out_meta = [(torch.Size(graph.sizes(v, symvals)), torch_dtype(plan.nodes[v]["dtype"]))
                              for v in info.outputs]
             step.int_outs = not all(d.is_floating_point for _, d in step.out_meta)
-            step.nsaved = info.saved
+            step.nsaved, step.no_stats = info.saved, [None] * info.saved
             step.launch_nograd = None
             if info.kind == "EXTERN":
                 step.kind, step.launch = EAGER, None
@@ -326,7 +326,7 @@ class Step:
     reads, and how to run it, decided once per input signature instead of once per call."""
 
     __slots__ = ("kind", "r", "ins", "launch", "launch_nograd", "program", "symvals", "float_in", "int_outs",
-                 "out_meta", "nsaved", "owner", "backward")
+                 "out_meta", "nsaved", "no_stats", "owner", "backward")
 
     def run(self, inputs):
         """The region's outputs where no backward will follow (kernel, or eager where the backend
@@ -381,20 +381,24 @@ class RegionFunction(torch.autograd.Function):
     def forward(ctx, step, *inputs):
         outs, ctx.checked = step.run_kernel(inputs)
         ctx.step = step
+        ctx.save_for_backward(*inputs)
         ns = step.nsaved
-        # the row statistics ride along as outputs no one differentiates (the next region's
-        # slots expect every output); the backward reads them instead of re-reducing the rows
-        ctx.save_for_backward(*inputs, *outs[len(outs) - ns:])
-        if step.int_outs or ns:
-            ctx.mark_non_differentiable(*[o for o in outs[:len(outs) - ns] if not o.is_floating_point()],
-                                        *outs[len(outs) - ns:])
+        if ns:
+            # the row statistics are the node's own (the backward reads them instead of reducing
+            # the rows again), not outputs: no autograd bookkeeping for them, and the caller's
+            # slots get None in their place (nothing in the forward reads them)
+            ctx.stats = outs[len(outs) - ns:]
+            outs = outs[:len(outs) - ns]
+        if step.int_outs:
+            ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         step = ctx.step
         need = tuple(a and b for a, b in zip(ctx.needs_input_grad[1:], step.float_in))
-        return (None,) + tuple(step.owner._region_backward(step, ctx.saved_tensors, grads, need, ctx.checked))
+        saved = ctx.saved_tensors + tuple(ctx.stats) if step.nsaved else ctx.saved_tensors
+        return (None,) + tuple(step.owner._region_backward(step, saved, grads, need, ctx.checked))
 
 
 def _fast_apply():
@@ -557,6 +561,8 @@ class OptimizedModule(torch.nn.Module):
             if step.kind == KERNEL:
                 if grad and any(x.requires_grad for x in ins):
                     slots.extend(apply_region(step, *ins))
+                    if step.nsaved:
+                        slots.extend(step.no_stats)
                 else:
                     slots.extend(step.run(ins))
             elif step.kind == MATERIALIZE:
