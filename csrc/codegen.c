@@ -122,21 +122,48 @@ static void emit_preamble(cg *c, kb_sb *sb) {
     kb_sb_puts(sb, "\n");
 }
 
-static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
+/* The kernel's parameters, declared (decl=1) or passed on (decl=0: a call's arguments). */
+static void emit_params(cg *c, kb_sb *sb, int decl) {
     const kb_region *rg = c->rg;
+    int first = 1;
+    for (int32_t i = 0; i < rg->ninputs; i++, first = 0) {
+        kb_sb_puts(sb, first ? "" : ", ");
+        if (decl) kb_sb_printf(sb, "const %s *%s ", cg_storage(kb_graph_node(c->g, rg->inputs[i])->dtype), c->rd->restrict_kw);
+        kb_sb_printf(sb, "p%d", rg->inputs[i]);
+    }
+    for (int32_t j = 0; j < rg->noutputs; j++, first = 0) {
+        kb_sb_puts(sb, first ? "" : ", ");
+        if (decl) kb_sb_printf(sb, "%s *%s ", cg_storage(kb_graph_node(c->g, rg->outputs[j])->dtype), c->rd->restrict_kw);
+        kb_sb_printf(sb, "p%d", rg->outputs[j]);
+    }
+    for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++, first = 0) kb_sb_printf(sb, "%s%ss%d", first ? "" : ", ", decl ? "long long " : "", s);
+    if (c->col_split > 1 || c->ncolsum) {
+        if (decl) kb_sb_printf(sb, "%svoid *%s kb_ws", first ? "" : ", ", c->rd->restrict_kw);
+        else kb_sb_printf(sb, "%skb_ws", first ? "" : ", ");
+    }
+}
+
+static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
     char lb[64];
     snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
     kb_sb_printf(sb, "%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, suffix);
-    int first = 1;
-    for (int32_t i = 0; i < rg->ninputs; i++, first = 0)
-        kb_sb_printf(sb, "%sconst %s *%s p%d", first ? "" : ", ", cg_storage(kb_graph_node(c->g, rg->inputs[i])->dtype),
-                     c->rd->restrict_kw, rg->inputs[i]);
-    for (int32_t j = 0; j < rg->noutputs; j++, first = 0)
-        kb_sb_printf(sb, "%s%s *%s p%d", first ? "" : ", ", cg_storage(kb_graph_node(c->g, rg->outputs[j])->dtype),
-                     c->rd->restrict_kw, rg->outputs[j]);
-    for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++, first = 0) kb_sb_printf(sb, "%slong long s%d", first ? "" : ", ", s);
-    if (c->col_split > 1 || c->ncolsum) kb_sb_printf(sb, "%svoid *%s kb_ws", first ? "" : ", ", c->rd->restrict_kw);
+    emit_params(c, sb, 1);
     kb_sb_puts(sb, ")\n");
+}
+
+/* A ROW region with saved statistics is one body, two entry points: <name> writes them (a
+ * forward a backward will follow), <name>_nostats does not (inference: no buffer, and the
+ * stores compiled out, so its registers and schedule are the plain kernel's). */
+static void emit_saving_entries(cg *c, kb_sb *sb) {
+    char lb[64];
+    snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
+    for (int save = 1; save >= 0; save--) {
+        kb_sb_printf(sb, "\n%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, save ? "" : "_nostats");
+        emit_params(c, sb, 1);
+        kb_sb_printf(sb, ")\n{\n    %s_body<%s>(", c->name, save ? "true" : "false");
+        emit_params(c, sb, 0);
+        kb_sb_puts(sb, ");\n}\n");
+    }
 }
 
 /* ---------------------------------------------------------------- passes (ROW / COL) */
@@ -672,9 +699,10 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     *out = NULL;
     kb_ctx *ctx = kb_graph_ctx(p->graph);
     kb_status st = KB_OK;
-    kb_sb src, body, scratch;
+    kb_sb src, body, finish, scratch;
     kb_sb_init(&src, ctx);
     kb_sb_init(&body, ctx);
+    kb_sb_init(&finish, ctx);
     kb_sb_init(&scratch, ctx);
     kb_kernel *k = NULL;
     cg c;
@@ -684,6 +712,7 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     KB_TRY(cg_init(&c, p, r, gn, dev, &CUDA_RENDERER));
     plan_passes(&c);
     KB_TRY(check_genome(&c));
+    c.saving = c.rg->kind == KB_REGION_ROW && c.rg->nsaved > 0;
 
     /* dry runs: which values several passes evaluate (those a row cache holds), then which of
        those caches a later pass actually reads */
@@ -709,23 +738,34 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     c.out = &body;
     emit_body(&c);
     if (c.col_split > 1 || c.ncolsum) {
-        kb_sb_puts(&body, "}\n\n");
-        emit_signature(&c, &body, "_finish");
-        kb_sb_puts(&body, "{\n");
+        c.out = &finish;
+        kb_sb_puts(&finish, "\n");
+        emit_signature(&c, &finish, "_finish");
+        kb_sb_puts(&finish, "{\n");
         cg_reset(&c);
         if (c.ncolsum) cg_colsum_finish(&c);
         else emit_col_finish(&c);
+        kb_sb_puts(&finish, "}\n");
     }
     KB_TRY(cg_status(&c));
-    KB_CHECK(ctx, !body.oom, KB_ERR_OOM, "out of memory");
+    KB_CHECK(ctx, !body.oom && !finish.oom, KB_ERR_OOM, "out of memory");
     if (body.buf) prune_unused(body.buf);
+    if (finish.buf) prune_unused(finish.buf);
 
     emit_preamble(&c, &src);
     if (c.maxred > 0 && c.G > 32) kb_sb_printf(&src, "#define KB_NRED %d\n", c.maxred);
-    emit_signature(&c, &src, "");
+    if (c.saving) {
+        kb_sb_printf(&src, "template <bool KB_SAVE>\n__device__ __forceinline__ void %s_body(", c.name);
+        emit_params(&c, &src, 1);
+        kb_sb_puts(&src, ")\n");
+    } else {
+        emit_signature(&c, &src, "");
+    }
     kb_sb_puts(&src, "{\n");
     if (body.buf) kb_sb_puts(&src, body.buf);
     kb_sb_puts(&src, "}\n");
+    if (c.saving) emit_saving_entries(&c, &src);
+    if (finish.buf) kb_sb_puts(&src, finish.buf);
 
     k = kb_calloc(ctx, 1, sizeof *k);
     KB_CHECK(ctx, k != NULL, KB_ERR_OOM, "out of memory");
@@ -735,6 +775,7 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     k->smem_bytes = c.smem_bytes;
     k->genome = *gn;
     k->nkernels = c.col_split > 1 || c.ncolsum ? 2 : 1;
+    k->nostats = c.saving;
     /* grid_units of a split COL region count (column, split) pairs: one partial per reduction */
     k->workspace_bytes_per_unit = c.col_split > 1 ? (int64_t)c.nred_total * (c.dbl ? 8 : 4) : 0;
     if (c.ncolsum) { /* a partial row per column sum and row slot of each block: few blocks, about 1024
@@ -747,14 +788,17 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
         k->max_blocks_per_sm = per_sm > 1 ? per_sm : 1;
     }
     KB_TRY(cg_grid_units(&c, &k->grid_units, &k->units_per_block));
-    KB_CHECK(ctx, dev == NULL || dev->max_smem_per_block <= 0 || k->smem_bytes <= dev->max_smem_per_block, KB_ERR_INVALID,
-             "genome: %d bytes of shared memory, the device allows %d", k->smem_bytes, dev ? dev->max_smem_per_block : 0);
+    /* the block's limit covers the static arrays too (the reductions' partials, under 4 KiB) */
+    KB_CHECK(ctx, dev == NULL || dev->max_smem_per_block <= 0 || k->smem_bytes + 4096 <= dev->max_smem_per_block,
+             KB_ERR_INVALID, "genome: %d bytes of shared memory, the device allows %d with the static arrays",
+             k->smem_bytes, dev ? dev->max_smem_per_block - 4096 : 0);
     *out = k;
     k = NULL;
 cleanup:
     kb_kernel_free(ctx, k);
     kb_sb_discard(&src);
     kb_sb_discard(&body);
+    kb_sb_discard(&finish);
     kb_sb_discard(&scratch);
     cg_done(&c);
     return st;

@@ -105,6 +105,7 @@ typedef struct cg {
     int32_t *smem_off;
     int inputs_only;    /* registers hold inputs only (intermediates did not fit) */
     int replan;         /* the plan asks for another round with inputs_only */
+    int saving;         /* a ROW region with saved statistics: one body, two entry points */
     /* two_pass=0: max M and sum(exp(y - M)) S in one pass (online softmax normalizer) */
     int32_t *partner;   /* M -> S, else -1 */
     int32_t *online_of; /* S -> M, else -1 */

@@ -180,19 +180,18 @@ static int saved_output(const cg *c, int32_t v) {
     return 0;
 }
 
-/* A ROW region's saved statistic, stored as soon as its reduction is done: held to the end of
- * the row instead, it kept a register live through the output pass (bf16 softmax 52 -> 58 us).
- * A call that will not differentiate passes no buffer for it. */
+/* A ROW region's saved statistic, stored as soon as its reduction is done (KB_SAVE: the entry
+ * point a backward will follow; see emit_saving_entries). */
 void cg_saved_stat_store(cg *c, int32_t v) {
-    if (c->rg->kind != KB_REGION_ROW || !saved_output(c, v)) return;
-    cg_line(c, "if (p%d && lane == 0 && row < O) p%d[row] = v%d;  // saved for the backward", (int)v, (int)v, (int)v);
+    if (!c->saving || !saved_output(c, v)) return;
+    cg_line(c, "if (KB_SAVE && lane == 0 && row < O) p%d[row] = v%d;  // saved for the backward", (int)v, (int)v);
 }
 
 void cg_stat_outputs(cg *c) {
     int any = 0;
     for (int32_t j = 0; j < c->rg->noutputs; j++) {
         int32_t v = c->rg->outputs[j];
-        any |= !cg_out_full(c, v) && !c->colsum[v] && !(c->rg->kind == KB_REGION_ROW && saved_output(c, v));
+        any |= !cg_out_full(c, v) && !c->colsum[v] && !(c->saving && saved_output(c, v));
     }
     if (!any) return;
     idx x;
@@ -215,7 +214,7 @@ void cg_stat_outputs(cg *c) {
     stat_index(c, &x);
     for (int32_t j = 0; j < c->rg->noutputs; j++) {
         int32_t v = c->rg->outputs[j];
-        if (cg_out_full(c, v) || c->colsum[v] || (c->rg->kind == KB_REGION_ROW && saved_output(c, v))) continue;
+        if (cg_out_full(c, v) || c->colsum[v] || (c->saving && saved_output(c, v))) continue;
         cg_ev_store(c, v, &x, val);
         cg_fmt(c, st, sizeof st, cg_store_fmt(NODE(c, v)->dtype), val);
         cg_line(c, "p%d[%s] = %s;", (int)v, c->stat_lin, st);

@@ -522,6 +522,7 @@ enum {
     CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76,
     CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR = 82,
     CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97,
+    CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1,
     CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3,
     CU_FUNC_ATTRIBUTE_NUM_REGS = 4,
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8,
@@ -753,10 +754,16 @@ kb_status kb_cuda_function(kb_ctx *ctx, kb_cuda *c, kb_cuda_module *m, const cha
         snprintf(call, sizeof call, "cuModuleGetFunction(\"%.80s\")", name);
         CU_TRY(ctx, c, call, c->ModuleGetFunction(&f, m->mod, name));
     }
-    /* above 48 KiB of dynamic shared memory a kernel must opt in, once per function */
-    if (smem_bytes > 48 * 1024)
-        CU_TRY(ctx, c, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
-               c->FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes));
+    /* above 48 KiB of shared memory, static (the reductions' partials) and dynamic (a row cache)
+     * together, a kernel must opt in, once per function: a 48 KiB row cache alone fits, but
+     * not with the partials next to it (the launch fails with CUDA_ERROR_INVALID_VALUE) */
+    if (smem_bytes > 0) {
+        CU_TRY(ctx, c, "cuFuncGetAttribute(SHARED_SIZE_BYTES)",
+               c->FuncGetAttribute(&v, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f));
+        if (smem_bytes + v > 48 * 1024)
+            CU_TRY(ctx, c, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+                   c->FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes));
+    }
     if (regs) {
         CU_TRY(ctx, c, "cuFuncGetAttribute(NUM_REGS)", c->FuncGetAttribute(&v, CU_FUNC_ATTRIBUTE_NUM_REGS, f));
         *regs = v;

@@ -290,6 +290,7 @@ typedef struct kb_kernel {
     int64_t workspace_bytes_per_block; /* ROW column sums: partials per block of the grid */
     int32_t max_blocks_per_sm; /* grid cap (with the device's SM count); 0: none unless persistent */
     int32_t nkernels;       /* 1, or 2 when a finishing kernel follows (name + "_finish") */
+    int32_t nostats;        /* 1: also name + "_nostats", the same kernel without the saved statistics */
     kb_genome genome;
     kb_dim grid_units;      /* work items: grid.x = ceil(units / units_per_block) (or capped) */
     int64_t units_per_block;

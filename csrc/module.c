@@ -672,12 +672,13 @@ static PyObject *py_generate(PyObject *module, PyObject *args) {
     kb_kernel_grid(k, huge, &info, grid);
     int64_t uncapped = (kb_dim_eval(k->grid_units, huge) + k->units_per_block - 1) / k->units_per_block;
     long long max_blocks = (int64_t)grid[0] < uncapped ? (long long)grid[0] : 0;
-    PyObject *result = Py_BuildValue("{s:s,s:s,s:i,s:i,s:s,s:N,s:L,s:i,s:L,s:L,s:L}", "source", k->source, "name",
+    PyObject *result = Py_BuildValue("{s:s,s:s,s:i,s:i,s:s,s:N,s:L,s:i,s:L,s:L,s:L,s:i}", "source", k->source, "name",
                                      k->name, "block", k->block, "smem", k->smem_bytes, "genome", text, "grid_units",
                                      dim_to_py(k->grid_units), "units_per_block", (long long)k->units_per_block,
                                      "nkernels", k->nkernels, "workspace_bytes_per_unit",
                                      (long long)k->workspace_bytes_per_unit, "workspace_bytes_per_block",
-                                     (long long)k->workspace_bytes_per_block, "max_blocks", max_blocks);
+                                     (long long)k->workspace_bytes_per_block, "max_blocks", max_blocks,
+                                     "nostats", k->nostats);
     kb_kernel_free(ctx, k);
     return result;
 }

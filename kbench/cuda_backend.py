@@ -23,7 +23,7 @@ INT32_LIMIT = (1 << 31) - 1
 class Kernel:
     """A loaded, verified kernel and what a launch needs, precomputed."""
 
-    __slots__ = ("fn", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks", "genome",
+    __slots__ = ("fn", "fn_nostats", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks", "genome",
                  "name", "vec", "workspace_per_unit", "workspace_per_block", "source", "module", "regs", "spills", "launches",
                  "workspaces")
 
@@ -163,14 +163,16 @@ class CudaExecutor(Executor):
         if w is None or not w.cubin:
             return None
         try:
-            k = dict(w.launch, name=w.entries[0], genome=w.genome, source="")
+            k = dict(w.launch, name=w.entries[0], genome=w.genome, source="",
+                     nostats=int(w.entries[0] + "_nostats" in w.entries))
             k["workspace_bytes_per_unit"] = k.pop("workspace", 0)
             k["workspace_bytes_per_block"] = k.pop("workspace_per_block", 0)
             kernel = self._load(k, cubin=w.cubin)
         except Exception as e:  # noqa: BLE001 - a stale entry is recompiled, not trusted
             log.warning("kbench: cached kernel for region %d unusable (%s); tuning again", r, e)
             return None
-        why = self._gate(r, kernel, example_symvals)
+        why = self._gate(r, kernel, example_symvals) or \
+            (self._gate(r, kernel, example_symvals, nostats=True) if kernel.fn_nostats else "")
         if why:
             log.warning("kbench: cached kernel for region %d fails its check (%s); tuning again", r, why)
             return None
@@ -197,7 +199,8 @@ class CudaExecutor(Executor):
                     progress.close()
             extra.update(search_s=round(res.seconds, 2), candidates=len(res.candidates),
                          default_ms=res.default_ms, best_ms=res.best_ms, search_note=res.note)
-            if res.kernel is not None and res.verdict:
+            if res.kernel is not None and res.verdict and not (
+                    res.kernel.fn_nostats and self._gate(r, res.kernel, example_symvals, nostats=True)):
                 kernel = res.kernel
                 envelope = self._envelope(res.verdict)
                 self._remember(key, res.best_k, kernel, envelope, res)
@@ -220,7 +223,8 @@ class CudaExecutor(Executor):
             launch = {f: k[f] for f in ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels")}
             launch["workspace"] = k["workspace_bytes_per_unit"]
             launch["workspace_per_block"] = k["workspace_bytes_per_block"]
-            entries = [k["name"]] + ([k["name"] + "_finish"] if k["nkernels"] > 1 else [])
+            entries = ([k["name"]] + ([k["name"] + "_finish"] if k["nkernels"] > 1 else [])
+                       + ([k["name"] + "_nostats"] if k.get("nostats") else []))
             db = self._store()
             db.store(key, cache.Winner(genome=k["genome"], source_hash=hashlib.sha256(k["source"].encode()).hexdigest(),
                                        cubin=cubin, entries=entries, launch=launch, envelope=envelope,
@@ -259,11 +263,12 @@ class CudaExecutor(Executor):
                 bar.close()
         return Bar()
 
-    def _gate(self, r, kernel, symvals) -> str:
-        """One quick check against the float64 reference (NaN-poisoned outputs); '' when it passes."""
+    def _gate(self, r, kernel, symvals, nostats=False) -> str:
+        """One quick check against the float64 reference (NaN-poisoned outputs); '' when it passes.
+        nostats: of the entry point without the saved statistics (the outputs it writes)."""
         gen = torch.Generator(device=self.device).manual_seed(self.seed + 17)
         inputs = self._region_inputs(r, symvals, "normal", gen)
-        outs = self._launch(kernel, r, symvals, inputs, poison=True)
+        outs = self._launch(kernel, r, symvals, inputs, poison=True, nostats=nostats)
         for o, ref in zip(outs, self._reference(r, symvals, inputs)):
             ok, _, why = verify.compare(o, ref)
             if not ok:
@@ -282,9 +287,11 @@ class CudaExecutor(Executor):
         kernel.source = k["source"]
         kernel.module = _C.module_load(self.cuda, cubin)
         kernel.fn, kernel.regs, kernel.spills = _C.get_function(self.cuda, kernel.module, k["name"], k["smem"])
-        kernel.finish_fn = None
+        kernel.finish_fn = kernel.fn_nostats = None
         if k["nkernels"] > 1:
             kernel.finish_fn, _, _ = _C.get_function(self.cuda, kernel.module, k["name"] + "_finish", 0)
+        if k.get("nostats"):   # the same kernel without its saved statistics (no backward follows)
+            kernel.fn_nostats, _, _ = _C.get_function(self.cuda, kernel.module, k["name"] + "_nostats", k["smem"])
         kernel.name, kernel.block, kernel.smem = k["name"], k["block"], k["smem"]
         kernel.grid_units, kernel.units_per_block = k["grid_units"], k["units_per_block"]
         kernel.max_blocks, kernel.genome = k["max_blocks"], k["genome"]
@@ -305,9 +312,17 @@ class CudaExecutor(Executor):
             return None, f"eager (compile failed: {str(e).splitlines()[0][:120]})", ""
         if not self.verify_kernels:
             return kernel, "kernel (unverified)", "unverified"
-        verdict = self._verify(r, kernel, example_symvals)
+        try:
+            verdict = self._verify(r, kernel, example_symvals)
+            # the inference entry point is the same body with the statistics' stores compiled
+            # out: one gate of its own, so no entry point runs unchecked
+            why = self._gate(r, kernel, example_symvals, nostats=True) if verdict and kernel.fn_nostats else ""
+        except _C.CudaError as e:  # a launch the driver refuses (resources): this region stays eager
+            return None, f"eager (launch failed: {str(e).splitlines()[0][:120]})", ""
         if not verdict:
             return None, f"eager (verification failed: {verdict.reason})", ""
+        if why:
+            return None, f"eager (verification failed without saved statistics: {why})", ""
         return kernel, "kernel", self._envelope(verdict)
 
     def _describe_sizes(self, sizes):
@@ -419,9 +434,12 @@ class CudaExecutor(Executor):
             kernel.launches[key] = lp
         return lp
 
-    def _launch(self, kernel, r, symvals, inputs, poison=False, lp=None):
+    def _launch(self, kernel, r, symvals, inputs, poison=False, lp=None, nostats=False):
+        """nostats: through the entry point without the saved statistics (their outputs left out)."""
         shapes, grid, ints, workspace_bytes, _ = lp or self._launch_params(kernel, r, symvals)
         device = inputs[0].device if inputs else self.device
+        skipped = self.plan.regions[r].saved if nostats else 0
+        shapes = shapes[:len(shapes) - skipped]
         if poison:
             outs = [verify.poison_like(s, d, device) for s, d in shapes]
         else:
@@ -429,9 +447,10 @@ class CudaExecutor(Executor):
         if workspace_bytes:
             workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
             ints = ints + (workspace.data_ptr(),)  # a pointer argument is 8 bytes, like an int64
-        ptrs = tuple([x.data_ptr() for x in inputs] + [o.data_ptr() for o in outs])
+        ptrs = tuple([x.data_ptr() for x in inputs] + [o.data_ptr() for o in outs] + [0] * skipped)
         stream = _current_stream(device)
-        _C.launch(self.cuda, kernel.fn, grid, kernel.block, kernel.smem, stream, ptrs, ints)
+        _C.launch(self.cuda, kernel.fn_nostats if nostats else kernel.fn, grid, kernel.block, kernel.smem, stream,
+                  ptrs, ints)
         if kernel.finish_fn is not None:
             _C.launch(self.cuda, kernel.finish_fn, grid, kernel.block, 0, stream, ptrs, ints)
         return outs
@@ -459,7 +478,9 @@ class CudaExecutor(Executor):
         shapes, grid, ints, workspace_bytes, numel = self._launch_params(kernel, r, symvals)
         if numel > INT32_LIMIT:
             return None   # run() refuses every call, with the reason
-        skipped = self.plan.regions[r].saved if not stats else 0
+        # stats=False: the entry point that does not write the saved statistics (where the
+        # kernel has none, the statistics are written to buffers of their own and dropped)
+        skipped = self.plan.regions[r].saved if not stats and kernel.fn_nostats is not None else 0
         shapes = shapes[:len(shapes) - skipped]
         no_ptrs, no_outs = (0,) * skipped, [None] * skipped
         check = [j for j in range(len(self.plan.regions[r].inputs)) if not (j < len(trusted) and trusted[j])]
@@ -469,7 +490,8 @@ class CudaExecutor(Executor):
                    for v in self.plan.regions[r].inputs]
         like = [in_meta.index(m) if m in in_meta else -1 for m in shapes]
         device, align = self.device, kernel.vec > 1
-        launch, cuda, fn, finish, block, smem = _C.launch, self.cuda, kernel.fn, kernel.finish_fn, kernel.block, kernel.smem
+        fn = kernel.fn_nostats if skipped else kernel.fn
+        launch, cuda, finish, block, smem = _C.launch, self.cuda, kernel.finish_fn, kernel.block, kernel.smem
         empty, empty_like, u8 = torch.empty, torch.empty_like, torch.uint8
         stream_of = _stream_getter(device)
         workspaces = kernel.workspaces

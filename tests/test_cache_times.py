@@ -92,7 +92,7 @@ def test_cache_written_before_the_time_columns_keeps_its_entries(tmp_path):
 
 
 class FakeKernel:
-    genome, regs, spills = "threads=256 vec=4", 20, 0
+    genome, regs, spills, fn_nostats = "threads=256 vec=4", 20, 0, None
 
 
 def executor(db, timings, gates):

@@ -193,3 +193,52 @@ def test_long_row_cross_entropy_reads_saved_statistics():
     for info in progs[0].plan.regions:
         assert info.status.startswith("kernel"), info.status   # verified, not eager
         assert "max" not in info.ops.split(), info.ops
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "softmax"])
+def test_saved_statistics_train_and_inference_entry_points(kind):
+    """A row region saves its statistics for the backward: a training forward runs the entry
+    point that writes them and the backward is one row kernel that reads them (no reduction pass
+    for them); a no-grad forward runs the `_nostats` entry point (no buffers allocated, nothing
+    stored), gated by itself. All of it matches eager, bf16 rows of 4096 as in the benchmark."""
+    torch.manual_seed(0)
+    if kind == "layer_norm":
+        model = torch.nn.LayerNorm(4096)
+    elif kind == "rms_norm":
+        model = torch.nn.RMSNorm(4096)
+    else:
+        model = _Softmax()
+    model = model.to(torch.bfloat16).cuda()
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    fast = kbench.optimize(model, (x,), budget="none", verbose=False)
+    info = fast._kbench_plan.regions[0]
+    assert info.kind == "ROW" and info.saved >= 1 and info.status.startswith("kernel"), (info.saved, info.status)
+    kernel = fast._kbench_executor.kernels[0]
+    assert kernel.fn_nostats is not None and "KB_SAVE" in kernel.source
+
+    with torch.no_grad():
+        y = fast(x)
+    step = next(iter(fast._kbench_sigs.values())).steps[0]
+    assert step.launch_nograd is not None
+    slots = [x, *fast._params()]
+    outs = step.launch_nograd([slots[i] for i in step.ins])
+    assert outs[len(outs) - step.nsaved:] == [None] * step.nsaved   # no statistics written
+    assert rel_err(y, model(x)) <= 3e-2
+
+    xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    g = torch.randn_like(x)
+    params = list(model.parameters())
+    got = torch.autograd.grad(fast(xs), [xs, *params], g)
+    want = torch.autograd.grad(model(xr), [xr, *params], g)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 5e-2
+    progs = [p for (r, _), p in fast._kbench_backward.items() if r == 0 and p is not None]
+    assert progs and len(progs[0].plan.regions) == 1, fast._kbench_plan.regions[0].backward
+    bwd = progs[0].plan.regions[0]
+    assert bwd.kind == "ROW" and bwd.status.startswith("kernel"), bwd.status
+    assert sum(op in ("max", "mean") for op in bwd.ops.split()) == 0, bwd.ops
+
+
+class _Softmax(torch.nn.Module):
+    def forward(self, x):
+        return torch.softmax(x, -1)
