@@ -23,9 +23,9 @@ INT32_LIMIT = (1 << 31) - 1
 class Kernel:
     """A loaded, verified kernel and what a launch needs, precomputed."""
 
-    __slots__ = ("fn", "fn_nostats", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks", "genome",
-                 "name", "vec", "workspace_per_unit", "workspace_per_block", "source", "module", "regs", "spills", "launches",
-                 "workspaces")
+    __slots__ = ("fn", "fn_nostats", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks",
+                 "genome", "name", "vec", "workspace_per_unit", "workspace_per_block", "source", "module", "regs",
+                 "spills", "launches", "workspaces")
 
     def __init__(self):
         self.launches = {}   # sizes -> precomputed launch parameters (see CudaExecutor._launch_params)
@@ -470,8 +470,8 @@ class CudaExecutor(Executor):
         """The hot path of region r at these sizes (see Executor.launcher): grid, arguments,
         output shapes and the stream lookup resolved once; per call only the contiguity checks on
         inputs not known to be contiguous (trusted), the alignment of every input's pointer,
-        one allocation per output, and the launch. stats=False: the saved statistics get a null
-        pointer (the kernel skips their stores) and come back as None."""
+        one allocation per output, and the launch. stats=False: the kernel's `_nostats` entry
+        point (its saved statistics' stores compiled out) runs, and they come back as None."""
         kernel = self.kernels.get(r)
         if kernel is None:
             return None

@@ -48,11 +48,12 @@ class RegionInfo:
 
 
 # Saved-tensor policy: a region's backward recomputes what it needs from the region's inputs,
-# except the row statistics (max, sum, mean) of rows of at least this many bytes (f32), which the
+# except the row statistics (max, sum, mean) the row's elements are computed from, which the
 # forward writes (a value per row) and the backward reads: 4 bytes a row, where recomputing them
 # costs the backward kernel a pass over the row per statistic (a LayerNorm backward makes one
-# reduction pass instead of two), and a row too long to hold on chip a second read. A forward
-# that will not be differentiated skips them (Step.run: no buffer, the kernel writes nothing).
+# reduction pass instead of two), and a row too long to hold on chip a second read. Rows of at
+# least this many bytes (f32) save them: every row. A forward that will not be differentiated
+# skips them (Step.run: the kernel's `_nostats` entry point, no buffer for them).
 SAVE_STATS_MIN_ROW_BYTES = 0
 
 
