@@ -1,0 +1,125 @@
+/* partition.c — what is done with a partition after fuse.c's greedy pass made it: the row
+ * statistics a forward's ROW regions save for their backward (kb_partition_save_stats, the
+ * saved-tensor policy's C half), and the partition's text form (kb_partition_dump). */
+#include "internal.h"
+
+/* ---------------------------------------------------------------- row statistics */
+
+enum { KB_MAX_SAVED = 4 };
+
+/* A row's bytes at the graph's example sizes, 4 per element (the kernels reduce in f32). */
+static int64_t row_bytes(const kb_graph *g, const kb_node *red)
+{
+    int64_t symvals[KB_MAX_SYMS] = {0}, n = 4;
+    for (int32_t s = 0; s < kb_graph_nsymbols(g) && s < KB_MAX_SYMS; s++) symvals[s] = kb_graph_symbol_example(g, s);
+    const kb_node *in = kb_graph_node(g, red->inputs[0]);
+    for (int32_t d = 0; d < in->rank; d++)
+        if (red->axes & (1u << d)) n *= kb_dim_eval(in->dims[d], symvals);
+    return n;
+}
+
+/* Is statistic v broadcast back over the row (an expand reads it, or per-row work on it):
+ * are the row's elements computed from it? Then a backward needs it per element, and without
+ * it would reduce the row again. A sum that only feeds a per-row result (a mean loss) is not. */
+static int broadcast_back(const kb_partition *p, const kb_region *rg, int32_t v)
+{
+    const kb_graph *g = p->graph;
+    const kb_node *stat = kb_graph_node(g, v);
+    int32_t n = kb_graph_nnodes(g);
+    uint8_t *from = kb_calloc(kb_graph_ctx(g), (size_t)(n ? n : 1), 1);
+    if (!from) return 1; /* out of memory: saving is the safe answer (never wrong, at most idle) */
+    from[v] = 1;
+    int found = 0;
+    for (int32_t k = 0; k < rg->nnodes && !found; k++) {
+        int32_t u = rg->nodes[k];
+        const kb_node *nd = kb_graph_node(g, u);
+        int reads = 0;
+        for (int i = 0; i < nd->ninputs; i++) reads |= from[nd->inputs[i]];
+        if (!reads || u == v) continue;
+        if (nd->op == KB_OP_EXPAND) found = 1;
+        else if (nd->rank == stat->rank) {
+            int same = 1;
+            for (int d = 0; d < nd->rank; d++) same &= kb_dim_equal(nd->dims[d], stat->dims[d]);
+            from[u] = (uint8_t)same;
+        }
+    }
+    kb_free(kb_graph_ctx(g), from, (size_t)(n ? n : 1));
+    return found;
+}
+
+kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
+{
+    if (!p || !p->graph) return KB_ERR_INVALID;
+    kb_ctx *ctx = kb_graph_ctx(p->graph);
+    kb_status st = KB_OK;
+    for (int32_t r = 0; r < p->nregions; r++) {
+        kb_region *rg = &p->regions[r];
+        if (rg->kind != KB_REGION_ROW || rg->nsaved > 0) continue;
+        int32_t stats[KB_MAX_SAVED], ns = 0;
+        for (int32_t k = 0; k < rg->nnodes && ns < KB_MAX_SAVED; k++) {
+            int32_t v = rg->nodes[k], is_out = 0;
+            const kb_node *nd = kb_graph_node(p->graph, v);
+            /* a row's own reduction (not a column sum folded into the row kernel), in float */
+            if (kb_op_get(nd->op)->kind != KB_KIND_REDUCE || !kb_dtype_is_float(nd->dtype) ||
+                p->region_of[v] != r || nd->axes != rg->reduce_axes || row_bytes(p->graph, nd) < min_row_bytes ||
+                !broadcast_back(p, rg, v))
+                continue;
+            for (int32_t j = 0; j < rg->noutputs; j++) is_out |= rg->outputs[j] == v;
+            if (!is_out) stats[ns++] = v;
+        }
+        if (ns == 0) continue;
+        int32_t *outs = kb_malloc(ctx, sizeof(int32_t) * (size_t)(rg->noutputs + ns));
+        KB_CHECK(ctx, outs != NULL, KB_ERR_OOM, "save_stats: out of memory");
+        if (rg->noutputs) memcpy(outs, rg->outputs, sizeof(int32_t) * (size_t)rg->noutputs);
+        memcpy(outs + rg->noutputs, stats, sizeof(int32_t) * (size_t)ns);
+        kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)(rg->noutputs ? rg->noutputs : 1));
+        rg->outputs = outs;
+        rg->noutputs += ns;
+        rg->nsaved = ns;
+    }
+cleanup:
+    return st;
+}
+
+/* ---------------------------------------------------------------- text */
+
+const char *kb_region_kind_name(kb_region_kind k) {
+    static const char *const names[] = {"POINTWISE", "ROW", "COL", "EXTERN"};
+    return (unsigned)k < 4 ? names[k] : "?";
+}
+
+static void id_list(kb_sb *sb, const int32_t *ids, int32_t n) {
+    kb_sb_puts(sb, "(");
+    for (int32_t i = 0; i < n; i++) kb_sb_printf(sb, "%s%%%d", i ? "," : "", ids[i]);
+    kb_sb_puts(sb, ")");
+}
+
+kb_status kb_partition_dump(const kb_partition *p, char **out) {
+    kb_sb sb;
+    kb_sb_init(&sb, kb_graph_ctx(p->graph));
+    for (int32_t r = 0; r < p->nregions; r++) {
+        const kb_region *rg = &p->regions[r];
+        kb_sb_printf(&sb, "region %d %s anchor=%%%d", r, kb_region_kind_name(rg->kind), rg->anchor);
+        if (rg->kind == KB_REGION_ROW || rg->kind == KB_REGION_COL) {
+            kb_sb_puts(&sb, " reduce=[");
+            for (int d = 0, first = 1; d < 32; d++)
+                if (rg->reduce_axes & (1u << d)) {
+                    kb_sb_printf(&sb, "%s%d", first ? "" : ",", d);
+                    first = 0;
+                }
+            kb_sb_puts(&sb, "]");
+        }
+        kb_sb_puts(&sb, " in=");
+        id_list(&sb, rg->inputs, rg->ninputs);
+        kb_sb_puts(&sb, " out=");
+        id_list(&sb, rg->outputs, rg->noutputs);
+        if (rg->nsaved) kb_sb_printf(&sb, " saved=%d", (int)rg->nsaved);
+        kb_sb_puts(&sb, "\n");
+        for (int32_t k = 0; k < rg->nnodes; k++) {
+            kb_sb_puts(&sb, "  ");
+            kb_node_dump(&sb, p->graph, rg->nodes[k]);
+            kb_sb_puts(&sb, "\n");
+        }
+    }
+    return kb_sb_finish(&sb, out);
+}
