@@ -15,8 +15,6 @@
  * index, so the list is an execution order. */
 #include "internal.h"
 
-#include <inttypes.h>
-
 enum { LV_NONE = 0, LV_FULL, LV_STAT, LV_COLSUM };
 
 /* What a floating value reads: FL_PARAMS, parameters, buffers and constants alone; FL_SMALL,
