@@ -171,8 +171,7 @@ class CudaExecutor(Executor):
         except Exception as e:  # noqa: BLE001 - a stale entry is recompiled, not trusted
             log.warning("kbench: cached kernel for region %d unusable (%s); tuning again", r, e)
             return None
-        why = self._gate(r, kernel, example_symvals) or \
-            (self._gate(r, kernel, example_symvals, nostats=True) if kernel.fn_nostats else "")
+        why = self._gate(r, kernel, example_symvals) or self._gate_nostats(r, kernel, example_symvals)
         if why:
             log.warning("kbench: cached kernel for region %d fails its check (%s); tuning again", r, why)
             return None
@@ -199,8 +198,7 @@ class CudaExecutor(Executor):
                     progress.close()
             extra.update(search_s=round(res.seconds, 2), candidates=len(res.candidates),
                          default_ms=res.default_ms, best_ms=res.best_ms, search_note=res.note)
-            if res.kernel is not None and res.verdict and not (
-                    res.kernel.fn_nostats and self._gate(r, res.kernel, example_symvals, nostats=True)):
+            if res.kernel is not None and res.verdict and not self._gate_nostats(r, res.kernel, example_symvals):
                 kernel = res.kernel
                 envelope = self._envelope(res.verdict)
                 self._remember(key, res.best_k, kernel, envelope, res)
@@ -275,6 +273,11 @@ class CudaExecutor(Executor):
                 return why
         return ""
 
+    def _gate_nostats(self, r, kernel, symvals) -> str:
+        """The inference entry point (the same body, the statistics' stores compiled out) gets a
+        gate of its own, so no entry point runs unchecked; '' where it passes or there is none."""
+        return self._gate(r, kernel, symvals, nostats=True) if kernel.fn_nostats else ""
+
     def _envelope(self, verdict) -> str:
         sizes = sorted({tuple(s) for s in verdict.sizes})
         return f"{verdict.checked} checks, sizes {self._describe_sizes(sizes)}, max err {verdict.max_error:.2g}"
@@ -314,9 +317,7 @@ class CudaExecutor(Executor):
             return kernel, "kernel (unverified)", "unverified"
         try:
             verdict = self._verify(r, kernel, example_symvals)
-            # the inference entry point is the same body with the statistics' stores compiled
-            # out: one gate of its own, so no entry point runs unchecked
-            why = self._gate(r, kernel, example_symvals, nostats=True) if verdict and kernel.fn_nostats else ""
+            why = self._gate_nostats(r, kernel, example_symvals) if verdict else ""
         except _C.CudaError as e:  # a launch the driver refuses (resources): this region stays eager
             return None, f"eager (launch failed: {str(e).splitlines()[0][:120]})", ""
         if not verdict:

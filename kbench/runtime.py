@@ -332,19 +332,17 @@ class Step:
     def run(self, inputs):
         """The region's outputs where no backward will follow (kernel, or eager where the backend
         declines this call): the saved statistics may come back as None."""
-        if self.launch_nograd is not None:
-            try:
-                return self.launch_nograd(inputs)
-            except RegionFallback as e:
-                self.program.note(str(e))
-        return self.run_kernel(inputs)[0]
+        return self._run_with(self.launch_nograd or self.launch, inputs)[0]
 
     def run_kernel(self, inputs):
         """(outputs, whether the backend's kernel ran): a kernel ran only on inputs it checked,
         so the region's backward may take them as contiguous."""
-        if self.launch is not None:
+        return self._run_with(self.launch, inputs)
+
+    def _run_with(self, launch, inputs):
+        if launch is not None:
             try:
-                return self.launch(inputs), True
+                return launch(inputs), True
             except RegionFallback as e:
                 self.program.note(str(e))
                 # later kernels trust this step's outputs to be contiguous and 16-byte aligned
