@@ -402,12 +402,73 @@ static void mark_required(gradctx *gc, const uint8_t *wrt)
     }
 }
 
+static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, int joint, kb_graph **out);
+
+/* g with its nodes reordered: inputs, then the work that does not read the largest input
+ * (largest at the symbols' example values), then the rest, each in id order. The partitioner
+ * makes regions in node order, so per-row and whole-tensor work on the small inputs (a
+ * cross-entropy's count of valid targets, which its gradient divides by) gets regions that run
+ * before the row kernel over the large one, which can then write the gradient in the same pass
+ * that reduces the rows. */
+static kb_status light_first(const kb_graph *g, kb_graph **out)
+{
+    kb_ctx *ctx = kb_graph_ctx(g);
+    kb_status st = KB_OK;
+    int32_t n = kb_graph_nnodes(g);
+    size_t cnt = n > 0 ? (size_t)n : 1;
+    int64_t ex[KB_MAX_SYMS] = {0}, most = -1, sizes[KB_MAX_RANK];
+    kb_graph *w = NULL;
+    uint8_t *heavy = kb_calloc(ctx, cnt, 1);
+    int32_t *map = kb_malloc(ctx, cnt * sizeof(int32_t));
+    KB_CHECK(ctx, heavy && map, KB_ERR_OOM, "grad: out of memory for %d nodes", (int)n);
+    for (int32_t s = 0; s < kb_graph_nsymbols(g) && s < KB_MAX_SYMS; s++) ex[s] = kb_graph_symbol_example(g, s);
+    for (int32_t i = 0; i < kb_graph_ninputs(g); i++) {
+        int64_t e = kb_value_sizes(g, kb_graph_input(g, i), ex, sizes);
+        if (e > most) most = e;
+    }
+    for (int32_t v = 0; v < n; v++) {
+        const kb_node *nd = kb_graph_node(g, v);
+        heavy[v] = nd->op == KB_OP_INPUT && kb_value_sizes(g, v, ex, sizes) == most;
+        for (int i = 0; i < nd->ninputs; i++) heavy[v] |= heavy[nd->inputs[i]];
+    }
+    KB_TRY(kb_graph_new(ctx, &w));
+    KB_TRY(kb_graph_copy_symbols(g, w));
+    for (int pass = 0; pass < 3; pass++)
+        for (int32_t v = 0; v < n; v++) {
+            kb_node t = *kb_graph_node(g, v);
+            int want = t.op == KB_OP_INPUT ? 0 : heavy[v] ? 2 : 1;
+            if (want != pass) continue;
+            for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
+            KB_TRY(kb_graph_add(w, &t, &map[v]));
+        }
+    for (int32_t j = 0; j < kb_graph_noutputs(g); j++) KB_TRY(kb_graph_add_output(w, map[kb_graph_output(g, j)]));
+    *out = w;
+    w = NULL;
+cleanup:
+    kb_free(ctx, heavy, cnt);
+    kb_free(ctx, map, cnt * sizeof(int32_t));
+    kb_graph_free(w);
+    return st;
+}
+
 kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out)
 {
-    return kb_graph_grad_saved(g, wrt, 0, out);
+    return grad_build(g, wrt, 0, 0, out);
 }
 
 kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, kb_graph **out)
+{
+    return grad_build(g, wrt, nsaved, 0, out);
+}
+
+kb_status kb_graph_grad_joint(const kb_graph *g, const uint8_t *wrt, kb_graph **out)
+{
+    return grad_build(g, wrt, 0, 1, out);
+}
+
+/* joint: the upstream gradients are constants 1 instead of inputs, and g's outputs come first
+ * among the outputs (forward and backward in one graph, for the partitioner to fuse). */
+static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, int joint, kb_graph **out)
 {
     if (!out) return KB_ERR_INVALID;
     *out = NULL;
@@ -468,10 +529,15 @@ kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsa
     for (int32_t k = 0; k < nreal; k++) {
         int32_t o = kb_graph_output(g, k), gid;
         const kb_node *on = kb_graph_node(g, o);
-        kb_node t = gb_tmpl(KB_OP_INPUT, on->dtype, on->rank, on->dims);
-        t.input_kind = KB_INPUT_USER;
-        snprintf(t.name, sizeof t.name, "grad_out%d", (int)k);
-        KB_TRY(gb_emit(&gc.b, &t, &gid));
+        if (joint) {
+            KB_TRY(gb_const(&gc.b, on->dtype, on->rank, on->dims, 1.0, &gid));
+            KB_TRY(kb_graph_add_output(gc.b.g, gc.map[o]));
+        } else {
+            kb_node t = gb_tmpl(KB_OP_INPUT, on->dtype, on->rank, on->dims);
+            t.input_kind = KB_INPUT_USER;
+            snprintf(t.name, sizeof t.name, "grad_out%d", (int)k);
+            KB_TRY(gb_emit(&gc.b, &t, &gid));
+        }
         if (gc.req[o]) KB_TRY(accumulate(&gc, o, gid));
     }
     /* reverse topological order: ids are topological by construction */
@@ -494,6 +560,12 @@ kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsa
         KB_TRY(kb_graph_add_output(gc.b.g, r));
     }
     KB_TRY(kb_graph_simplify(gc.b.g, out)); /* rewrites (a one-hot's row sum), dead nodes dropped */
+    if (joint) {
+        kb_graph *simple = *out;
+        *out = NULL;
+        st = light_first(simple, out);
+        kb_graph_free(simple);
+    }
 cleanup:
     gb_done(&gc.b);
     kb_free(ctx, gc.map, cnt * sizeof(int32_t));

@@ -221,6 +221,10 @@ kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out);
  * KB_ERR_UNSUPPORTED for a graph with EXTERN nodes. kb_graph_grad is nsaved = 0. */
 kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, kb_graph **out);
 kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out);
+/* Forward and backward as one graph: g's inputs, then g's outputs followed by the gradients of
+ * the wrt inputs, each upstream gradient taken as 1 (for a scalar loss the true gradients are
+ * these times the upstream gradient, known only when the backward runs). */
+kb_status kb_graph_grad_joint(const kb_graph *g, const uint8_t *wrt, kb_graph **out);
 
 /* ---------------------------------------------------------------- rewrites (simplify.c) */
 

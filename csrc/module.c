@@ -173,10 +173,12 @@ static PyObject *graph_wrap_derived(kb_py_graph *owner, kb_graph *g) {
 }
 
 static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"wrt", "saved", NULL};
+    static char *kwlist[] = {"wrt", "saved", "joint", NULL};
     PyObject *arg;
-    int saved = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$i:grad", kwlist, &arg, &saved)) return NULL;
+    int saved = 0, joint = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$ip:grad", kwlist, &arg, &saved, &joint)) return NULL;
+    if (joint && saved)
+        return PyErr_Format(PyExc_ValueError, "grad: joint=True keeps no statistics (saved=%d)", saved);
     if (saved < 0 || saved > kb_graph_noutputs(self->graph))
         return PyErr_Format(PyExc_ValueError, "grad: saved=%d, but the graph has %d outputs", saved,
                             (int)kb_graph_noutputs(self->graph));
@@ -202,7 +204,8 @@ static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
     }
     Py_DECREF(fast);
     kb_graph *out = NULL;
-    kb_status st = kb_graph_grad_saved(self->graph, wrt, (int32_t)saved, &out);
+    kb_status st = joint ? kb_graph_grad_joint(self->graph, wrt, &out)
+                         : kb_graph_grad_saved(self->graph, wrt, (int32_t)saved, &out);
     if (st != KB_OK) return graph_raise(self, st);
     return graph_wrap_derived(self, out);
 }
@@ -420,9 +423,10 @@ static PyMethodDef graph_methods[] = {
     {"sizes", (PyCFunction)graph_sizes, METH_VARARGS, "sizes(value id, symvals) -> concrete sizes"},
     {"partition", (PyCFunction)graph_partition, METH_NOARGS, "partition() -> Partition (the fused regions)"},
     {"grad", (PyCFunction)(void (*)(void))graph_grad, METH_VARARGS | METH_KEYWORDS,
-     "grad(wrt, *, saved=0) -> Graph: inputs = this graph's inputs + the values of its last `saved` outputs "
+     "grad(wrt, *, saved=0, joint=False) -> Graph: inputs = this graph's inputs + the values of its last `saved` outputs "
      "(statistics the forward kept) + one upstream gradient per other output; outputs = the gradients of "
-     "the inputs flagged in wrt"},
+     "the inputs flagged in wrt. joint=True: forward and backward in one graph, upstream gradients taken as "
+     "1: inputs = this graph's inputs; outputs = its outputs, then the gradients"},
     {"simplify", (PyCFunction)graph_simplify, METH_NOARGS,
      "simplify() -> Graph: the same inputs, outputs and values, rewritten to take work out of its kernels "
      "(a one-hot's row sum becomes per-row work), without dead nodes; grad() results have been through it"},

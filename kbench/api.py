@@ -111,7 +111,7 @@ class LazyOptimized(torch.nn.Module):
 
 
 def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None = None, budget: str = "default",
-             seed: int = 0, verbose: bool = True) -> torch.nn.Module:
+             seed: int = 0, verbose: bool = True, grad_in_forward: bool = True) -> torch.nn.Module:
     """Return a module that computes what `model` computes, on kbench's regions.
 
     example_inputs: a tensor or tuple of tensors to capture with; None captures at the first
@@ -122,6 +122,9 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
     budget: the schedule search per region — "fast", "default", "max" (bounded candidates and
     seconds; winners persist in the kernel cache, so a second optimize() searches nothing), or
     "none" (default schedules, no search, no cache). seed makes the search repeatable.
+    grad_in_forward: for a module whose output is a scalar (a loss), a forward with gradients
+    enabled computes the gradients too, in the same kernels as the loss (see kbench/joint.py),
+    where that moves fewer bytes; the backward then only scales them by the upstream gradient.
     The returned module shares model's parameters and buffers; model itself is not modified."""
     from .runtime import InterpExecutor, OptimizedModule
 
@@ -130,7 +133,8 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
     if example_inputs is None:   # capture on the first call, with its inputs as the example
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        return LazyOptimized(model, dict(backend=backend, budget=budget, seed=seed, verbose=verbose))
+        return LazyOptimized(model, dict(backend=backend, budget=budget, seed=seed, verbose=verbose,
+                                         grad_in_forward=grad_in_forward))
     args = _as_tuple(example_inputs)
     if backend is None:
         backend = "cuda" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "interp"
@@ -158,7 +162,7 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
     key, captured = capture_cache.lookup(model, args, backend) if budget != "none" else (None, None)
     if captured is not None:
         try:
-            optimized = OptimizedModule(model, captured, executor(), device)
+            optimized = OptimizedModule(model, captured, executor(), device, grad_in_forward)
             why = capture_cache.matches_eager(model, optimized, args)
         except Exception as e:  # noqa: BLE001 - a stored capture that does not fit is recaptured
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -172,7 +176,7 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
     captured = _fresh_capture(model, args, backend)
     if key is not None:
         capture_cache.remember(key, captured)
-    optimized = OptimizedModule(model, captured, executor(), device)
+    optimized = OptimizedModule(model, captured, executor(), device, grad_in_forward)
     optimized.__dict__["_kbench_capture_note"] = "torch.export" + (", kept in the cache" if key is not None else "")
     return optimized
 

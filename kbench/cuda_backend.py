@@ -459,6 +459,23 @@ class CudaExecutor(Executor):
     def can_run(self, r):
         return r in self.kernels
 
+    def scale(self, grads, grad_out) -> None:
+        """Executor.scale on the device, without a host sync (see _SCALE_SOURCE)."""
+        fns = getattr(self, "_scale_fns", None)
+        if fns is None:
+            module = _C.module_load(self.cuda, nvrtc.compile(_SCALE_SOURCE, self.arch))
+            fns = self._scale_fns = {dt: _C.get_function(self.cuda, module, name, 0)[0]
+                                     for dt, name in _SCALE_NAMES.items()}
+            self._scale_module = module
+        for t in grads:
+            g = grad_out.to(device=t.device, dtype=t.dtype).contiguous()
+            if not t.is_contiguous():
+                raise RuntimeError("kbench: a gradient computed in the forward is not contiguous")
+            n = t.numel()
+            blocks = max(1, min((n + 255) // 256, 8 * self.dev["num_sms"]))
+            _C.launch(self.cuda, fns[t.dtype], blocks, 256, 0, _current_stream(t.device),
+                      (t.data_ptr(), g.data_ptr()), (n,))
+
     def run(self, r, symvals, inputs):
         """One call off the hot path (gradient checks, Program.run): through a launcher made
         for it, so both paths check and launch the same way."""
@@ -550,6 +567,34 @@ class CudaExecutor(Executor):
             self._launch(kernel, r, symvals, inputs)
 
         return _event_ms(eager, reps), _event_ms(ours, reps)
+
+
+# Scales gradients a forward computed with the upstream gradient taken as 1 (kbench/joint.py)
+# by the real one, in place. loss.backward() passes exactly 1: every block reads it and returns,
+# so that case moves no bytes and needs no host sync to find out. Otherwise one pass, in f32
+# (f64 for f64 gradients); the upstream gradient comes in the gradient's dtype.
+_SCALE_SOURCE = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+template <typename T, typename C>
+__device__ __forceinline__ void scale(T *__restrict__ p, const T *__restrict__ g, long long n)
+{
+    const C s = (C)g[0];
+    if (s == (C)1) return;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        p[i] = (T)((C)p[i] * s);
+}
+extern "C" __global__ void kb_scale_f32(float *p, const float *g, long long n) { scale<float, float>(p, g, n); }
+extern "C" __global__ void kb_scale_f64(double *p, const double *g, long long n) { scale<double, double>(p, g, n); }
+extern "C" __global__ void kb_scale_f16(__half *p, const __half *g, long long n) { scale<__half, float>(p, g, n); }
+extern "C" __global__ void kb_scale_bf16(__nv_bfloat16 *p, const __nv_bfloat16 *g, long long n)
+{
+    scale<__nv_bfloat16, float>(p, g, n);
+}
+"""
+_SCALE_NAMES = {torch.float32: "kb_scale_f32", torch.float64: "kb_scale_f64", torch.float16: "kb_scale_f16",
+                torch.bfloat16: "kb_scale_bf16"}
 
 
 def _current_stream(device) -> int:

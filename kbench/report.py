@@ -51,10 +51,12 @@ class Report:
             rep.notes.append(f"sizes: {plan.static_reason}")
         if any(info.backward for info in plan.regions):
             saving = [f"region {info.index}: {info.saved}" for info in plan.regions if info.saved]
-            rep.notes.append("saved for backward: each region's inputs, and the row statistics (max, sum, mean) of "
-                             "rows too long to stay on chip (" + (", ".join(saving) or "none here") + "); the "
-                             "backward kernels recompute the other forward values they need (fewer bytes than "
-                             "keeping intermediates or re-reading long rows)")
+            rep.notes.append("saved for backward: each region's inputs, and the row statistics (max, sum, mean, "
+                             "variance) its rows are computed from (" + (", ".join(saving) or "none here") + "); "
+                             "the backward kernels recompute the other forward values they need (fewer bytes "
+                             "than keeping intermediates)")
+        for need, how in module.__dict__.get("_kbench_loss", {}).items():
+            rep.notes.append(f"loss gradients in the forward (gradients wanted: {need}): {how}")
         for info in plan.regions:
             x = info.extra
             if x.get("candidates"):

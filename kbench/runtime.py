@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import torch_eval
+from . import joint, torch_eval
 from ._dtypes import torch_dtype
 
 log = logging.getLogger("kbench")
@@ -139,6 +139,13 @@ class Executor:
 
     def can_run(self, r: int) -> bool:
         return True
+
+    def scale(self, grads, grad_out) -> None:
+        """Gradients computed with the upstream gradient taken as 1 (kbench/joint.py), times the
+        real one, in place; nothing to do where it is 1 (on the CPU, asking costs nothing)."""
+        if bool((grad_out != 1).any()):
+            for t in grads:
+                t.mul_(grad_out.to(t.dtype))
 
     def run(self, r: int, symvals: list, inputs) -> list:
         raise NotImplementedError
@@ -420,7 +427,8 @@ class OptimizedModule(torch.nn.Module):
     """The model with its regions swapped for kbench's. Shares the original's parameters and
     buffers (the very same tensors, the same state_dict keys); the original is left as it was."""
 
-    def __init__(self, module: torch.nn.Module, captured, executor: Executor, device: torch.device):
+    def __init__(self, module: torch.nn.Module, captured, executor: Executor, device: torch.device,
+                 grad_in_forward: bool = True):
         super().__init__()
         # share, not copy: the same dicts, so .parameters(), state_dict() and optimizers see the
         # original's tensors, and updates through either module are the same update
@@ -444,6 +452,10 @@ class OptimizedModule(torch.nn.Module):
             for v in plan.graph.inputs[nuser:]]
         self.__dict__["_kbench_param_chains"] = self._param_chains()
         self.__dict__["_kbench_sigs"] = {}
+        # a loss: its gradients computed in the forward (kbench/joint.py); per need pattern, the
+        # joint program (None: not used) and, for the report, whether and why
+        why = joint.scalar_output(plan, captured) if grad_in_forward else "grad_in_forward=False"
+        self.__dict__.update(_kbench_loss_why=why, _kbench_loss={}, _kbench_joint={})
 
     @property
     def kbench_report(self):
@@ -555,6 +567,14 @@ class OptimizedModule(torch.nn.Module):
                 raise Fallback(f"tensors on {device} and {x.device}")
         slots = [*args, *params]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in slots)
+        if grad and not self._kbench_loss_why:
+            need = tuple(t.requires_grad and t.is_floating_point() for t in slots)
+            program = self._kbench_joint.get(need, False)
+            if program is False:
+                program = self._kbench_joint[need] = joint.build(self, need)
+            if program is not None:
+                loss = joint.LossFunction.apply(program, bound.symvals, *slots)
+                return captured.build_outputs([loss], bound.symvals)
         for step in bound.steps:
             ins = [slots[i] for i in step.ins]
             if step.kind == KERNEL:

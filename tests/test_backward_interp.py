@@ -49,7 +49,8 @@ CASES = [
 def test_gradcheck(name, factory, inputs):
     model = factory().double()
     args = inputs()
-    fast = kbench.optimize(model, tuple(a.detach() for a in args), backend="interp")
+    # the per-region backward programs (a loss's joint forward+backward: tests/test_joint.py)
+    fast = kbench.optimize(model, tuple(a.detach() for a in args), backend="interp", grad_in_forward=False)
     assert torch.autograd.gradcheck(lambda *xs: fast(*xs), args, eps=1e-6, atol=1e-7)
     # the regions' backward ran as generated backward programs (interp), not eager autograd
     notes = [info.backward for info in fast._kbench_plan.regions if info.backward]
@@ -121,7 +122,7 @@ def test_backward_failing_its_check_runs_eager(monkeypatch):
     x, t = torch.randn(4, 7, requires_grad=True), torch.randint(0, 7, (4,))
     ref_model = CE()
     ref_model.load_state_dict(model.state_dict())
-    opt = kbench.optimize(model, (x, t), backend="interp")
+    opt = kbench.optimize(model, (x, t), backend="interp", grad_in_forward=False)
     real = type(opt)._run_backward
 
     def wrong(self, *args):
@@ -224,7 +225,7 @@ def test_rows_save_their_statistics(vocab):
     x = torch.randn(5, vocab)
     t = torch.randint(0, vocab, (5,))
     model = CE(vocab)
-    opt = kbench.optimize(model, (x, t), backend="interp")
+    opt = kbench.optimize(model, (x, t), backend="interp", grad_in_forward=False)
     region = opt._kbench_plan.regions[0]
     assert region.kind == "ROW" and region.saved == saved
     out = opt(x, t)

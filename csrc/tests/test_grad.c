@@ -868,6 +868,55 @@ static void test_region_graph(void)
     kb_graph_free(t.g);
 }
 
+/* ---------------------------------------------------------------- forward and backward in one graph */
+
+/* kb_graph_grad_joint on L = sum(exp(x)) / sum(c), x f64[s0,4] the large input, c f64[s0]: its
+ * outputs are L, then dL/dx and dL/dc, equal to the forward's L and to kb_graph_grad's with the
+ * upstream gradient 1; the work on c alone comes before every node that reads x (light_first). */
+static void test_joint(void)
+{
+    tg t = new_graph(1);
+    int32_t x = tg_input(&t, "x", KB_F64, "s0,4");
+    int32_t c = tg_input(&t, "c", KB_F64, "s0");
+    int32_t sx = tg_reduce(&t, KB_OP_SUM, KB_F64, "", tg_op(&t, KB_OP_EXP, KB_F64, "s0,4", x, -1, -1), 3);
+    int32_t sc = tg_reduce(&t, KB_OP_SUM, KB_F64, "", c, 1);
+    tg_output(&t, tg_op(&t, KB_OP_DIV, KB_F64, "", sx, sc, -1));
+    if (!built("joint", &t)) return;
+    uint8_t wrt[2] = {1, 1};
+    kb_graph *joint = NULL, *grad = NULL;
+    CHECK_STATUS(ctx, kb_graph_grad_joint(t.g, wrt, &joint), KB_OK);
+    CHECK_STATUS(ctx, kb_graph_grad(t.g, wrt, &grad), KB_OK);
+    if (joint && grad) {
+        CHECK(kb_graph_ninputs(joint) == 2 && kb_graph_noutputs(joint) == 3);
+        /* light first: once a node reads x, nothing after it is work on c alone */
+        int seen_x = 0, order_ok = 1;
+        uint8_t reads_x[64] = {0};
+        for (int32_t v = 0; v < kb_graph_nnodes(joint) && v < 64; v++) {
+            const kb_node *nd = kb_graph_node(joint, v);
+            reads_x[v] = v == kb_graph_input(joint, 0);
+            for (int i = 0; i < nd->ninputs; i++) reads_x[v] |= reads_x[nd->inputs[i]];
+            if (nd->op == KB_OP_INPUT || nd->op == KB_OP_CONST) continue;
+            if (reads_x[v]) seen_x = 1;
+            else if (seen_x) order_ok = 0;
+        }
+        CHECK_MSG(order_ok, "work on the small input after work on the large one");
+        int64_t sv[1] = {3};
+        double xv[12], cv[3], one = 1.0, l_fwd, l_joint, dx[12], dc[3], gx[12], gc[3];
+        for (int i = 0; i < 12; i++) xv[i] = sin(i * 0.7);
+        for (int i = 0; i < 3; i++) cv[i] = 1.0 + i;
+        CHECK_STATUS(ctx, kb_interp_graph(ctx, t.g, sv, (const void *[]){xv, cv}, (void *[]){&l_fwd}), KB_OK);
+        CHECK_STATUS(ctx, kb_interp_graph(ctx, joint, sv, (const void *[]){xv, cv}, (void *[]){&l_joint, dx, dc}),
+                     KB_OK);
+        CHECK_STATUS(ctx, kb_interp_graph(ctx, grad, sv, (const void *[]){xv, cv, &one}, (void *[]){gx, gc}), KB_OK);
+        CHECK(l_fwd == l_joint);
+        for (int i = 0; i < 12; i++) CHECK_MSG(fabs(dx[i] - gx[i]) <= 1e-14 * fabs(gx[i]), "dx[%d]", i);
+        for (int i = 0; i < 3; i++) CHECK_MSG(fabs(dc[i] - gc[i]) <= 1e-14 * fabs(gc[i]), "dc[%d]", i);
+    }
+    kb_graph_free(joint);
+    kb_graph_free(grad);
+    kb_graph_free(t.g);
+}
+
 int main(void)
 {
     if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK) return 1;
@@ -885,6 +934,7 @@ int main(void)
     test_slices();
     test_slices_oom();
     test_region_graph();
+    test_joint();
     kb_ctx_free(ctx);
     return check_report();
 }

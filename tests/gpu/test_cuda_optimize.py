@@ -181,7 +181,8 @@ def test_long_row_cross_entropy_reads_saved_statistics():
     x = torch.randn(64, 20000, device="cuda")
     t = torch.randint(0, 20000, (64,), device="cuda")
     t[::7] = -100
-    fast = kbench.optimize(model, (x, t), budget="none", verbose=False)
+    # the per-region backward (a loss's gradient in its forward: the next test)
+    fast = kbench.optimize(model, (x, t), budget="none", verbose=False, grad_in_forward=False)
     assert fast._kbench_plan.regions[0].saved == 2
     xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     g = torch.rand((), device="cuda") + 0.5
@@ -193,6 +194,47 @@ def test_long_row_cross_entropy_reads_saved_statistics():
     for info in progs[0].plan.regions:
         assert info.status.startswith("kernel"), info.status   # verified, not eager
         assert "max" not in info.ops.split(), info.ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_loss_gradient_computed_in_the_forward(dtype):
+    """A 32k-class cross-entropy, mean over rows, some targets ignored: with gradients wanted,
+    the forward computes the loss and d loss / d logits with one kernel over the rows (kbench/
+    joint.py); the backward scales the gradient on the device (nothing to do for 1, one pass
+    otherwise). Matches eager for upstream gradients 1 and 0.37, through a second backward,
+    and at another batch size."""
+    torch.manual_seed(0)
+    model = torch.nn.CrossEntropyLoss().cuda()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+
+    def inputs(n):
+        x = torch.randn(n, 32000, device="cuda", dtype=dtype)
+        t = torch.randint(0, 32000, (n,), device="cuda")
+        t[1::5] = -100
+        return x, t
+
+    x, t = inputs(256)
+    fast = kbench.optimize(model, (x, t), budget="none", verbose=False)
+    for n in (256, 37):
+        x, t = inputs(n)
+        xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        loss, ref = fast(xs, t), model(xr, t)
+        assert type(loss.grad_fn).__name__ == "LossFunctionBackward"
+        assert rel_err(loss, ref) <= tol
+        (want,) = torch.autograd.grad(ref, [xr], retain_graph=True)
+        loss.backward(retain_graph=True)            # upstream gradient 1: the forward's gradient as is
+        assert rel_err(xs.grad, want) <= tol
+        g = torch.tensor(0.37, device="cuda", dtype=dtype)
+        (got,) = torch.autograd.grad(loss, [xs], g)  # a second backward: the joint kernels again, scaled
+        assert rel_err(got, want * g) <= tol
+    joint = fast._kbench_joint[(True, False)]
+    assert joint is not None, fast._kbench_loss
+    regions = joint.program.plan.regions
+    assert [r.kind for r in regions] == ["ROW", "ROW", "ROW"], [r.kind for r in regions]
+    assert all(r.status.startswith("kernel") for r in regions), [r.status for r in regions]
+    x_id, dx_id = joint.program.plan.graph.inputs[0], joint.program.plan.graph.outputs[1]
+    assert [r.index for r in regions if x_id in r.inputs] == [r.index for r in regions if dx_id in r.outputs] == [1]
+    assert "loss gradients in the forward (gradients wanted: " in str(fast.kbench_report)
 
 
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "softmax"])

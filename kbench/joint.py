@@ -1,0 +1,253 @@
+"""A loss's gradient computed in its forward pass. For a module whose output is one scalar (a
+loss), forward and backward are one graph (csrc/grad.c, kb_graph_grad_joint) with the upstream
+gradient taken as 1, partitioned as a whole: the row kernel that reduces a cross-entropy's logits
+writes their gradient in the same pass, so forward + backward read the logits once instead of
+twice. The backward then only scales the gradients by the real upstream gradient, which
+loss.backward() gives as exactly 1: the backend's scale finds that on the device and moves
+nothing (an upstream gradient other than 1 — a loss scale, 1/accumulation steps — costs one pass
+over the gradients). Liger-Kernel's cross-entropy makes the same trade.
+
+Used where it moves fewer bytes than the forward plus each region's own backward (the report
+says which, with both counts), only for graphs without EXTERN regions or input mutations, and
+only after the gradients match torch.autograd on the sweep sizes.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import torch_eval, verify
+from ._dtypes import torch_dtype
+
+
+def scalar_output(plan, captured) -> str:
+    """'' when the graph is a loss this mode can take, else why not (for the report)."""
+    graph = plan.graph
+    if len(graph.outputs) != 1:
+        return f"{len(graph.outputs)} outputs"
+    nd = plan.nodes[graph.outputs[0]]
+    if not torch_dtype(nd["dtype"]).is_floating_point:
+        return "the output is not floating point"
+    if any(d != 1 for d in nd["dims"]):
+        return "the output is not a scalar"
+    if any(info.kind == "EXTERN" for info in plan.regions):
+        return "torch computes part of it (EXTERN regions)"
+    if captured.mutations:
+        return "it mutates its inputs"
+    return ""
+
+
+def region_bytes(plan, symvals) -> int:
+    """Bytes the compute regions of a plan read and write at these sizes (each region's inputs
+    and outputs once)."""
+    total = 0
+    for info in plan.regions:
+        if info.kind == "EXTERN":
+            continue
+        for v in {*info.inputs, *info.outputs}:
+            n = 1
+            for s in plan.graph.sizes(v, symvals):
+                n *= s
+            total += n * torch_dtype(plan.nodes[v]["dtype"]).itemsize
+    return total
+
+
+def separate_bytes(plan, need, make_plan) -> int:
+    """Bytes of the forward plus every region's own backward (the other way to train it)."""
+    symvals = plan.example_symvals
+    req = {}
+    inputs = {v: n for v, n in zip(plan.graph.inputs, need)}
+    for v, nd in enumerate(plan.nodes):
+        req[v] = inputs[v] if v in inputs else (torch_dtype(nd["dtype"]).is_floating_point and not nd["nograd"]
+                                                and any(req[u] for u in nd["inputs"]))
+    total = region_bytes(plan, symvals)
+    for info in plan.regions:
+        wrt = [bool(req[v]) and torch_dtype(plan.nodes[v]["dtype"]).is_floating_point for v in info.inputs]
+        if info.kind == "EXTERN" or not any(wrt):
+            continue
+        graph = plan.partition.region_graph(info.index).grad(wrt, saved=info.saved)
+        total += region_bytes(make_plan(graph), symvals)
+    return total
+
+
+def graph_inputs(plan, symvals, gen, device) -> list:
+    """Random inputs of the whole graph at these sizes; an integer input that indexes a gather
+    is drawn below the gathered axis's size."""
+    bounds = {}
+    for nd in plan.nodes:
+        if nd["op"] != "gather":
+            continue
+        axis_size = plan.graph.sizes(nd["inputs"][0], symvals)[nd["axis"]]
+        stack, seen = [nd["inputs"][1]], set()
+        while stack:
+            u = stack.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            bounds.setdefault(u, axis_size)
+            stack.extend(plan.nodes[u]["inputs"])
+    if gen.device.type != device.type:
+        gen = torch.Generator(device=device).manual_seed(gen.initial_seed())
+    return [verify.fill(torch.empty(plan.graph.sizes(v, symvals), dtype=torch_dtype(plan.nodes[v]["dtype"]),
+                                    device=device), "normal", gen, high=bounds.get(v))
+            for v in plan.graph.inputs]
+
+
+def eager_grads(plan, symvals, inputs, need, grad_out, *, dtype=None, create_graph=False):
+    """(loss, gradients or None per input) through torch autograd of the graph's torch
+    recomputation; dtype=torch.float64 gives the reference the joint program is checked against."""
+    with torch.enable_grad():
+        xs = []
+        for x, n in zip(inputs, need):
+            if not create_graph:
+                x = x.detach()
+                if dtype is not None and x.is_floating_point():
+                    x = x.to(dtype)
+                x.requires_grad_(bool(n))
+            xs.append(x)
+        values = torch_eval.evaluate(plan.graph, plan, dict(zip(plan.graph.inputs, xs)), symvals, dtype=dtype)
+        loss = values[plan.graph.outputs[0]]
+        wrt = [x for x, n in zip(xs, need) if n]
+        g = grad_out if dtype is None else grad_out.to(dtype)
+        got = (torch.autograd.grad(loss, wrt, g, allow_unused=True, create_graph=create_graph)
+               if wrt and loss.requires_grad else [None] * len(wrt))
+    it = iter(got)
+    return loss, [next(it) if n else None for n in need]
+
+
+class Joint:
+    """The joint program of one `need` pattern (which graph inputs want gradients), bound to
+    sizes on demand."""
+
+    def __init__(self, owner, program, need, unused):
+        self.owner, self.program, self.need = owner, program, need
+        self.unused = unused          # positions (among the needed) whose gradient torch leaves None
+        self.bounds = {}
+
+    def bound(self, symvals):
+        b = self.bounds.get(symvals)
+        if b is None:
+            if len(self.bounds) > 64:
+                self.bounds.clear()
+            b = self.bounds[symvals] = self.program.bind(symvals)
+        return b
+
+    def place(self, grads) -> tuple:
+        """The needed inputs' gradients in input order, None elsewhere (and where unused)."""
+        out, it, k = [], iter(grads), -1
+        for n in self.need:
+            if not n:
+                out.append(None)
+                continue
+            k += 1
+            g = next(it)
+            out.append(None if k in self.unused else g)
+        return tuple(out)
+
+
+class LossFunction(torch.autograd.Function):
+    """A loss and its gradients in one forward; the backward scales them by the upstream
+    gradient (in place: they are this node's alone). A second backward (retain_graph) runs the
+    joint program again on the saved inputs (the same kernels: the same bits); a differentiable
+    one (create_graph) goes through torch autograd of the recomputation."""
+
+    @staticmethod
+    def forward(ctx, joint, symvals, *inputs):
+        outs = joint.bound(symvals).run(list(inputs))
+        ctx.joint, ctx.symvals, ctx.grads = joint, symvals, outs[1:]
+        ctx.save_for_backward(*inputs)
+        return outs[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        joint, grads = ctx.joint, ctx.grads
+        ctx.grads = None
+        if torch.is_grad_enabled():
+            _, got = eager_grads(joint.owner._kbench_plan, ctx.symvals, ctx.saved_tensors, joint.need, grad_out,
+                                 create_graph=True)
+            return (None, None) + tuple(got)
+        if grads is None:
+            grads = joint.bound(ctx.symvals).run(list(ctx.saved_tensors))[1:]
+        joint.program.executor.scale(grads, grad_out)
+        return (None, None) + joint.place(grads)
+
+
+def build(owner, need):
+    """The checked joint program for this need pattern, or None (the reason is in the report)."""
+    from .runtime import Plan, Program
+
+    plan, info = owner._kbench_plan, owner._kbench_loss
+    key = ", ".join(plan.nodes[v]["name"] for v, n in zip(plan.graph.inputs, need) if n) or "none"
+    try:
+        graph = plan.graph.grad(list(need), joint=True)
+    except NotImplementedError as e:
+        info[key] = f"no (autodiff: {str(e).splitlines()[0][:80]})"
+        return None
+
+    def make_plan(g):
+        return Plan(g, (), plan.example_symvals, None, plan.guards)
+
+    jplan = make_plan(graph)
+    joint_bytes = region_bytes(jplan, plan.example_symvals)
+    try:
+        sep_bytes = separate_bytes(plan, need, make_plan)
+    except NotImplementedError:
+        sep_bytes = None
+    sizes = f"{joint_bytes / 1e6:.3g} MB vs {sep_bytes / 1e6:.3g} MB" if sep_bytes else f"{joint_bytes / 1e6:.3g} MB"
+    if sep_bytes is not None and joint_bytes >= sep_bytes:
+        info[key] = f"no: forward + backward in one graph would move {sizes} at the example sizes"
+        return None
+    executor = owner._kbench_executor.fresh()
+    executor.prepare(jplan, owner._kbench_device)
+    eager = [r.index for r in jplan.regions if r.kind != "EXTERN" and not executor.can_run(r.index)]
+    if eager:
+        info[key] = f"no: region(s) {eager} of the joint graph stay eager ({jplan.regions[eager[0]].status})"
+        return None
+    program = Program(jplan, executor, owner._note)
+    why, unused = check(plan, program, need, executor)
+    if why:
+        info[key] = f"no (gradient check failed: {why})"
+        owner._note(f"loss gradients in the forward: gradient check failed: {why}")
+        return None
+    info[key] = (f"yes: {len(jplan.regions)} kernel(s) {'/'.join(r.kind for r in jplan.regions)} compute the loss "
+                 f"and its gradients in the forward ({sizes} moved, forward + backward)")
+    return Joint(owner, program, need, unused)
+
+
+def check(plan, program, need, executor, seed=0):
+    """(why not or '', unused): at the sweep sizes no larger than the example, the loss and the
+    gradients (scaled by a random upstream gradient) match torch autograd of the float64
+    recomputation, and inputs torch gives no gradient get zeros."""
+    example = plan.example_symvals
+    points = [sv for sv in verify.sweep_symvals(example)
+              if all(a <= b for a, b in zip(sv, example)) and plan.admits(sv)]
+    device = getattr(executor, "device", torch.device("cpu"))
+    unused = None
+    for n, sv in enumerate(points):
+        gen = torch.Generator().manual_seed(seed + 104729 + n)
+        inputs = graph_inputs(plan, sv, gen, device)
+        loss_dtype = torch_dtype(plan.nodes[plan.graph.outputs[0]]["dtype"])
+        shape = plan.graph.sizes(plan.graph.outputs[0], sv)
+        grad_out = (torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5).to(loss_dtype).to(device)
+        ref_loss, ref = eager_grads(plan, sv, inputs, need, grad_out, dtype=torch.float64)
+        outs = program.run(sv, dict(zip(program.plan.graph.inputs, inputs)))
+        executor.scale(outs[1:], grad_out)
+        ok, _, why = verify.compare(outs[0], ref_loss.detach())
+        if not ok:
+            return f"loss at sizes {sv}: {why}", None
+        got = iter(outs[1:])
+        point_unused, k = set(), -1
+        for i, (nd, theirs) in enumerate(zip(need, ref)):
+            if not nd:
+                continue
+            k += 1
+            mine = next(got)
+            if theirs is None:
+                if bool(mine.ne(0).any()):
+                    return f"input {i} gets a gradient where torch.autograd gives none", None
+                point_unused.add(k)
+                continue
+            ok, _, why = verify.compare(mine, theirs)
+            if not ok:
+                return f"gradient of input {i} at sizes {sv}: {why}", None
+        unused = point_unused if unused is None else unused & point_unused
+    return "", unused or set()
