@@ -7,6 +7,7 @@ genome can be checked against its neighbours in one call.
 
     python benchmarks/bench_genomes.py layer_norm --dtype bfloat16
     python benchmarks/bench_genomes.py layer_norm --genome "threads=256 vec=8 rows=1 cache=reread"
+    python benchmarks/bench_genomes.py cross_entropy --joint   # a loss's forward+backward graph
     ncu --profile-from-start off --section WarpStateStats \
         python benchmarks/bench_genomes.py layer_norm --dtype bfloat16 --profile --no-forward
 
@@ -122,6 +123,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-forward", action="store_true")
+    ap.add_argument("--joint", action="store_true",
+                    help="a loss: the regions of its joint forward+backward graph (kbench/joint.py) instead")
     ap.add_argument("--profile", action="store_true", help="no sweep; each genome once in a profiler window")
     ap.add_argument("--status", default=None, metavar="BUDGET",
                     help="no sweep: optimize with BUDGET, run forward+backward once, print what runs each region")
@@ -134,6 +137,14 @@ def main(argv=None):
     plan, executor = opt._kbench_plan, opt._kbench_executor
     symvals = list(plan.example_symvals)
     with torch.cuda.device(inputs[0].device):
+        if a.joint:
+            xs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+            opt(*xs)   # a forward with gradients wanted builds the joint program
+            for need, jp in opt._kbench_joint.items():
+                print(f"joint {need}: {opt._kbench_loss}")
+                if jp is not None:
+                    sweep("joint", jp.program.executor, jp.program.plan, symvals, extra, a.reps, a.profile)
+            return
         if not a.no_forward:
             sweep("forward", executor, plan, symvals, extra, a.reps, a.profile)
         if a.no_backward:
