@@ -18,6 +18,10 @@ import torch
 from . import torch_eval, verify
 from ._dtypes import torch_dtype
 
+# The joint program is used while its kernels take at most this much longer than the forward's
+# and the per-region backward's together: it saves the backward's autograd nodes and launches.
+JOINT_SLACK = 1.05
+
 
 def scalar_output(plan, captured) -> str:
     """'' when the graph is a loss this mode can take, else why not (for the report)."""
@@ -51,21 +55,43 @@ def region_bytes(plan, symvals) -> int:
     return total
 
 
+def region_wants(plan, need) -> list:
+    """(region, which of its inputs want gradients) for each compute region some input of which
+    does, as the forward's autograd nodes see it: a region's outputs want them where any of its
+    inputs does (RegionFunction), whatever the values depend on."""
+    req = {v: bool(n) for v, n in zip(plan.graph.inputs, need)}
+    out = []
+    for info in plan.regions:
+        wrt = tuple(req.get(v, False) and torch_dtype(plan.nodes[v]["dtype"]).is_floating_point
+                    for v in info.inputs)
+        for v in info.outputs:
+            req[v] = any(wrt)
+        if info.kind != "EXTERN" and any(wrt):
+            out.append((info, wrt))
+    return out
+
+
 def separate_bytes(plan, need, make_plan) -> int:
     """Bytes of the forward plus every region's own backward (the other way to train it)."""
-    symvals = plan.example_symvals
-    req = {}
-    inputs = {v: n for v, n in zip(plan.graph.inputs, need)}
-    for v, nd in enumerate(plan.nodes):
-        req[v] = inputs[v] if v in inputs else (torch_dtype(nd["dtype"]).is_floating_point and not nd["nograd"]
-                                                and any(req[u] for u in nd["inputs"]))
-    total = region_bytes(plan, symvals)
-    for info in plan.regions:
-        wrt = [bool(req[v]) and torch_dtype(plan.nodes[v]["dtype"]).is_floating_point for v in info.inputs]
-        if info.kind == "EXTERN" or not any(wrt):
-            continue
-        graph = plan.partition.region_graph(info.index).grad(wrt, saved=info.saved)
-        total += region_bytes(make_plan(graph), symvals)
+    total = region_bytes(plan, plan.example_symvals)
+    for info, wrt in region_wants(plan, need):
+        graph = plan.partition.region_graph(info.index).grad(list(wrt), saved=info.saved)
+        total += region_bytes(make_plan(graph), plan.example_symvals)
+    return total
+
+
+def kernels_ms(plans):
+    """The backend's timings of every compute region of these plans, summed (its kernel, or
+    torch where it stayed eager); None where a region has no timing (the interpreter)."""
+    total = 0.0
+    for p in plans:
+        for info in p.regions:
+            if info.kind == "EXTERN":
+                continue
+            ms = info.kernel_ms if info.kernel_ms is not None else info.eager_ms
+            if ms is None:
+                return None
+            total += ms
     return total
 
 
@@ -208,8 +234,22 @@ def build(owner, need):
         info[key] = f"no (gradient check failed: {why})"
         owner._note(f"loss gradients in the forward: gradient check failed: {why}")
         return None
+    # where the backend times its kernels, the choice is made on time: fewer bytes need not
+    # mean faster (a 32k-class bf16 row in shared memory kept one kernel's passes apart)
+    joint_ms = kernels_ms([jplan])
+    separate_ms = None
+    if joint_ms is not None:
+        backwards = [owner._backward_program(i.index, wrt) for i, wrt in region_wants(plan, need)]
+        separate_ms = kernels_ms([plan] + [b.plan for b in backwards if b is not None])
+        if any(b is None for b in backwards):
+            separate_ms = None      # a backward in eager autograd: not timed, the joint graph wins
+    if separate_ms is not None:
+        sizes += f"; kernels {joint_ms:.3g} ms vs {separate_ms:.3g} ms"
+        if joint_ms > JOINT_SLACK * separate_ms:
+            info[key] = f"no: the forward and each region's backward are faster ({sizes})"
+            return None
     info[key] = (f"yes: {len(jplan.regions)} kernel(s) {'/'.join(r.kind for r in jplan.regions)} compute the loss "
-                 f"and its gradients in the forward ({sizes} moved, forward + backward)")
+                 f"and its gradients in the forward ({sizes}, forward + backward)")
     return Joint(owner, program, need, unused)
 
 
