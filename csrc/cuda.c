@@ -512,6 +512,7 @@ typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
+enum { CU_STREAM_CAPTURE_MODE_RELAXED = 2 }; /* CUstreamCaptureMode: GLOBAL 0, THREAD_LOCAL 1, RELAXED 2 */
 
 /* values from cuda.h (stable across CUDA 11-13) */
 enum {
@@ -547,6 +548,7 @@ struct kb_cuda {
     CUresult (*DevicePrimaryCtxRelease)(CUdevice);
     CUresult (*ModuleLoadData)(CUmodule *, const void *);
     CUresult (*ModuleUnload)(CUmodule);
+    CUresult (*ThreadExchangeStreamCaptureMode)(int *);
     CUresult (*ModuleGetFunction)(CUfunction *, CUmodule, const char *);
     CUresult (*FuncGetAttribute)(int *, int, CUfunction);
     CUresult (*FuncSetAttribute)(CUfunction, int, int);
@@ -581,6 +583,7 @@ static const struct { size_t off; const char *name, *alt; } cuda_syms[] = {
     {offsetof(kb_cuda, DevicePrimaryCtxRelease), "cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"},
     {offsetof(kb_cuda, ModuleLoadData), "cuModuleLoadData", NULL},
     {offsetof(kb_cuda, ModuleUnload), "cuModuleUnload", NULL},
+    {offsetof(kb_cuda, ThreadExchangeStreamCaptureMode), "cuThreadExchangeStreamCaptureMode", NULL},
     {offsetof(kb_cuda, ModuleGetFunction), "cuModuleGetFunction", NULL},
     {offsetof(kb_cuda, FuncGetAttribute), "cuFuncGetAttribute", NULL},
     {offsetof(kb_cuda, FuncSetAttribute), "cuFuncSetAttribute", NULL},
@@ -734,7 +737,14 @@ void kb_cuda_module_unload(kb_cuda *c, kb_cuda_module *m) {
         CUcontext prev = NULL;
         int have_prev = c->CtxGetCurrent(&prev) == 0;
         int switched = have_prev && prev != m->owner && c->CtxSetCurrent(m->owner) == 0;
+        /* Python's collector frees a dropped model's modules at any moment, also while a stream
+         * is being captured into a CUDA graph; in the (default) global capture mode the unload,
+         * a "potentially unsafe" call, would invalidate that capture. Relaxed mode allows it (the
+         * capture in progress holds no reference to a module that is being freed). */
+        int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+        int relaxed = c->ThreadExchangeStreamCaptureMode(&mode) == 0;
         c->ModuleUnload(m->mod); /* an error here (a context already torn down) leaves nothing to free */
+        if (relaxed) c->ThreadExchangeStreamCaptureMode(&mode);
         if (switched) c->CtxSetCurrent(prev);
     }
     kb_free(m->ctx, m, sizeof *m);

@@ -553,6 +553,11 @@ class CudaExecutor(Executor):
 
     # ------------------------------------------------------------------ timing for the report
 
+    def scale_ms(self, metas) -> float:
+        bufs = [torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
+        g = torch.tensor(0.5, device=self.device)
+        return _event_ms(lambda: self.scale(bufs, g), 10)
+
     def _time_region(self, r, symvals, reps=20):
         plan = self.plan
         gen = torch.Generator(device=self.device).manual_seed(self.seed)

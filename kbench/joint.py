@@ -18,8 +18,9 @@ import torch
 from . import torch_eval, verify
 from ._dtypes import torch_dtype
 
-# The joint program is used while its kernels take at most this much longer than the forward's
-# and the per-region backward's together: it saves the backward's autograd nodes and launches.
+# The joint program is used while its kernels (and the scaling pass an upstream gradient other
+# than 1 adds) take at most this much longer than the forward's and the per-region backward's
+# together: it saves the backward's autograd nodes and launches.
 JOINT_SLACK = 1.05
 
 
@@ -234,18 +235,24 @@ def build(owner, need):
         info[key] = f"no (gradient check failed: {why})"
         owner._note(f"loss gradients in the forward: gradient check failed: {why}")
         return None
-    # where the backend times its kernels, the choice is made on time: fewer bytes need not
-    # mean faster (a 32k-class bf16 row in shared memory kept one kernel's passes apart)
+    # where the backend times its kernels, the choice is made on time, for the worst upstream
+    # gradient (not 1: a loss scale, 1/accumulation steps, costs the scaling pass), so that no
+    # call is slower than the forward and each region's backward: fewer bytes need not mean
+    # faster (a 32k-class row's second pass re-reads it from memory, not from L2)
     joint_ms = kernels_ms([jplan])
-    separate_ms = None
+    separate_ms = scale_ms = None
     if joint_ms is not None:
         backwards = [owner._backward_program(i.index, wrt) for i, wrt in region_wants(plan, need)]
         separate_ms = kernels_ms([plan] + [b.plan for b in backwards if b is not None])
         if any(b is None for b in backwards):
             separate_ms = None      # a backward in eager autograd: not timed, the joint graph wins
+        metas = [(torch.Size(jplan.graph.sizes(v, plan.example_symvals)), torch_dtype(jplan.nodes[v]["dtype"]))
+                 for v in jplan.graph.outputs[1:]]
+        scale_ms = executor.scale_ms(metas) or 0.0
     if separate_ms is not None:
-        sizes += f"; kernels {joint_ms:.3g} ms vs {separate_ms:.3g} ms"
-        if joint_ms > JOINT_SLACK * separate_ms:
+        sizes += (f"; kernels {joint_ms:.3g} ms, +{scale_ms:.3g} ms to scale for an upstream gradient "
+                  f"other than 1, vs {separate_ms:.3g} ms")
+        if joint_ms + scale_ms > JOINT_SLACK * separate_ms:
             info[key] = f"no: the forward and each region's backward are faster ({sizes})"
             return None
     info[key] = (f"yes: {len(jplan.regions)} kernel(s) {'/'.join(r.kind for r in jplan.regions)} compute the loss "

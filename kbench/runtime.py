@@ -147,6 +147,10 @@ class Executor:
             for t in grads:
                 t.mul_(grad_out.to(t.dtype))
 
+    def scale_ms(self, metas) -> float | None:
+        """How long scale() takes on gradients of these (shape, dtype), where it is timed."""
+        return None
+
     def run(self, r: int, symvals: list, inputs) -> list:
         raise NotImplementedError
 

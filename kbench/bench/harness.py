@@ -18,9 +18,7 @@ candidate -> reference -> candidate on private clones of two input sets:
     time are caught, and batch sizes other than the example's are checked with the same build.
 Timing (timing.py) uses events on the current stream with the L2 flushed and inputs rotated,
 cross-checked against wall-clock time (work on a side stream shows up as wall >> events), and
-results beyond the memory/compute roofline are flagged impossible. Forward+backward timing gives
-a loss (a one-element output) the upstream gradient 1, as loss.backward() does; the checks use a
-random one.
+results beyond the memory/compute roofline are flagged impossible.
 """
 from __future__ import annotations
 
@@ -105,15 +103,12 @@ def _clone(xs: list) -> list:
     return [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in xs]
 
 
-def _grad_outputs(model, xs, seed: int, device, loss_one: bool = False) -> list:
-    """Random upstream gradients shaped like the model's outputs (None for non-float ones).
-    loss_one: a one-element output (a loss) gets 1, what loss.backward() passes — the timing's
-    choice; the correctness checks keep a random one, so scaling by it is checked too."""
+def _grad_outputs(model, xs, seed: int, device) -> list:
+    """Random upstream gradients shaped like the model's outputs (None for non-float ones)."""
     with torch.no_grad():
         outs = flatten(model(*_clone(xs)))
     g = torch.Generator(device=device).manual_seed(seed)
-    return [(torch.ones(o.shape, device=device, dtype=o.dtype) if loss_one and o.numel() == 1
-             else torch.randn(o.shape, generator=g, device=device).to(o.dtype))
+    return [torch.randn(o.shape, generator=g, device=device).to(o.dtype)
             if isinstance(o, torch.Tensor) and o.is_floating_point() else None for o in outs]
 
 
@@ -334,7 +329,7 @@ def time_config(task: Task, impls: Dict[str, Callable], model, cfg: dict, dtype,
     arg_sets = [task.inputs(cfg, dtype, device, seed=100 + i) for i in range(2)]
     pristine = [_clone(a) for a in arg_sets]
     params = list(model.parameters())
-    gouts = _grad_outputs(model, arg_sets[0], 99, device, loss_one=True) if backward else None
+    gouts = _grad_outputs(model, arg_sets[0], 99, device) if backward else None
     if backward:
         for a in arg_sets:
             for x in a:
