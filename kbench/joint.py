@@ -281,20 +281,8 @@ def check(plan, program, need, executor, seed=0):
         ok, _, why = verify.compare(outs[0], ref_loss.detach())
         if not ok:
             return f"loss at sizes {sv}: {why}", None
-        got = iter(outs[1:])
-        point_unused, k = set(), -1
-        for i, (nd, theirs) in enumerate(zip(need, ref)):
-            if not nd:
-                continue
-            k += 1
-            mine = next(got)
-            if theirs is None:
-                if bool(mine.ne(0).any()):
-                    return f"input {i} gets a gradient where torch.autograd gives none", None
-                point_unused.add(k)
-                continue
-            ok, _, why = verify.compare(mine, theirs)
-            if not ok:
-                return f"gradient of input {i} at sizes {sv}: {why}", None
+        why, point_unused = verify.compare_grads(outs[1:], [r for r, wanted in zip(ref, need) if wanted], sv)
+        if why:
+            return why, None
         unused = point_unused if unused is None else unused & point_unused
     return "", unused or set()

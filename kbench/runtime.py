@@ -667,16 +667,9 @@ class OptimizedModule(torch.nn.Module):
             ref = self._eager_backward(r, sv, ins, grads, need, dtype=torch.float64)
             got = self._run_backward(self._kbench_backward[(r, need)], sv, ins, grads, need, metas, stats)
             ref, got = [g for g, k in zip(ref, need) if k], [g for g, k in zip(got, need) if k]
-            point_unused = set()
-            for i, (mine, theirs) in enumerate(zip(got, ref)):
-                if theirs is None:
-                    if mine is not None and bool(mine.ne(0).any()):
-                        return f"input {i} gets a gradient where torch.autograd gives none", n
-                    point_unused.add(i)
-                    continue
-                ok, _, why = verify.compare(mine, theirs)
-                if not ok:
-                    return f"gradient of input {i} at sizes {sv}: {why}", n
+            why, point_unused = verify.compare_grads(got, ref, sv)
+            if why:
+                return why, n
             unused = point_unused if unused is None else unused & point_unused
         self._kbench_unused_grads[(r, need)] = unused or set()
         return "", len(points)

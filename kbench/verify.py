@@ -86,6 +86,22 @@ def poison_like(shape, dtype, device) -> torch.Tensor:
     return torch.full(shape, -0x5A5A5A5, dtype=dtype, device=device)
 
 
+def compare_grads(got, ref, sizes) -> tuple[str, set]:
+    """Gradients against torch.autograd's (ref: None where it gives none, and then ours must be
+    zeros): (why not or '', the positions torch leaves None)."""
+    unused = set()
+    for i, (mine, theirs) in enumerate(zip(got, ref)):
+        if theirs is None:
+            if mine is not None and bool(mine.ne(0).any()):
+                return f"input {i} gets a gradient where torch.autograd gives none", unused
+            unused.add(i)
+            continue
+        ok, _, why = compare(mine, theirs)
+        if not ok:
+            return f"gradient of input {i} at sizes {sizes}: {why}", unused
+    return "", unused
+
+
 def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float, str]:
     """(ok, error relative to the reference's norm, why not). ref is float64 (or the exact
     integer result); NaN and Inf must sit in the same places."""
