@@ -414,13 +414,12 @@ static kb_status light_first(const kb_graph *g, kb_graph **out)
 {
     kb_ctx *ctx = kb_graph_ctx(g);
     kb_status st = KB_OK;
-    int32_t n = kb_graph_nnodes(g);
+    int32_t n = kb_graph_nnodes(g), norder = 0;
     size_t cnt = n > 0 ? (size_t)n : 1;
     int64_t ex[KB_MAX_SYMS] = {0}, most = -1, sizes[KB_MAX_RANK];
-    kb_graph *w = NULL;
     uint8_t *heavy = kb_calloc(ctx, cnt, 1);
-    int32_t *map = kb_malloc(ctx, cnt * sizeof(int32_t));
-    KB_CHECK(ctx, heavy && map, KB_ERR_OOM, "grad: out of memory for %d nodes", (int)n);
+    int32_t *order = kb_malloc(ctx, cnt * sizeof(int32_t));
+    KB_CHECK(ctx, heavy && order, KB_ERR_OOM, "grad: out of memory for %d nodes", (int)n);
     for (int32_t s = 0; s < kb_graph_nsymbols(g) && s < KB_MAX_SYMS; s++) ex[s] = kb_graph_symbol_example(g, s);
     for (int32_t i = 0; i < kb_graph_ninputs(g); i++) {
         int64_t e = kb_value_sizes(g, kb_graph_input(g, i), ex, sizes);
@@ -431,23 +430,13 @@ static kb_status light_first(const kb_graph *g, kb_graph **out)
         heavy[v] = nd->op == KB_OP_INPUT && kb_value_sizes(g, v, ex, sizes) == most;
         for (int i = 0; i < nd->ninputs; i++) heavy[v] |= heavy[nd->inputs[i]];
     }
-    KB_TRY(kb_graph_new(ctx, &w));
-    KB_TRY(kb_graph_copy_symbols(g, w));
-    for (int pass = 0; pass < 3; pass++)
-        for (int32_t v = 0; v < n; v++) {
-            kb_node t = *kb_graph_node(g, v);
-            int want = t.op == KB_OP_INPUT ? 0 : heavy[v] ? 2 : 1;
-            if (want != pass) continue;
-            for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
-            KB_TRY(kb_graph_add(w, &t, &map[v]));
-        }
-    for (int32_t j = 0; j < kb_graph_noutputs(g); j++) KB_TRY(kb_graph_add_output(w, map[kb_graph_output(g, j)]));
-    *out = w;
-    w = NULL;
+    for (int pass = 0; pass < 2; pass++) /* the light work, then the heavy */
+        for (int32_t v = 0; v < n; v++)
+            if (kb_graph_node(g, v)->op != KB_OP_INPUT && heavy[v] == pass) order[norder++] = v;
+    st = kb_graph_rebuild(g, order, norder, out);
 cleanup:
     kb_free(ctx, heavy, cnt);
-    kb_free(ctx, map, cnt * sizeof(int32_t));
-    kb_graph_free(w);
+    kb_free(ctx, order, cnt * sizeof(int32_t));
     return st;
 }
 

@@ -88,6 +88,9 @@ struct kb_graph {
 /* Gives `to` (a graph with no symbols yet) from's symbols: same ids, names and examples, so
  * copied sizes keep their meaning. */
 kb_status kb_graph_copy_symbols(const kb_graph *from, kb_graph *to);
+/* g's inputs (in input order), then the nodes in `order` (no inputs; each after its operands),
+ * then g's outputs, as a new graph with g's symbols: a reordered or pruned copy. */
+kb_status kb_graph_rebuild(const kb_graph *g, const int32_t *order, int32_t norder, kb_graph **out);
 /* Prints a dim ("128", "s0", "2*s0*s1") into buf; returns buf. */
 const char *kb_dim_str(const kb_graph *g, kb_dim d, char *buf, size_t n);
 /* Appends one node as "%3 = op %1, %2 attrs : f32[s0,64]" (no newline) — the dump's line format. */

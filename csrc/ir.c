@@ -310,6 +310,30 @@ kb_status kb_graph_copy_symbols(const kb_graph *from, kb_graph *to) {
     return KB_OK;
 }
 
+kb_status kb_graph_rebuild(const kb_graph *g, const int32_t *order, int32_t norder, kb_graph **out) {
+    kb_status st = KB_OK;
+    kb_ctx *ctx = g->ctx;
+    size_t cnt = g->nnodes > 0 ? (size_t)g->nnodes : 1;
+    kb_graph *w = NULL;
+    int32_t *map = kb_malloc(ctx, cnt * sizeof(int32_t));
+    KB_CHECK(ctx, map, KB_ERR_OOM, "out of memory rebuilding a graph of %d nodes", (int)g->nnodes);
+    KB_TRY(kb_graph_new(ctx, &w));
+    KB_TRY(kb_graph_copy_symbols(g, w));
+    for (int32_t i = 0; i < g->ninputs; i++) KB_TRY(kb_graph_add(w, &g->nodes[g->inputs[i]], &map[g->inputs[i]]));
+    for (int32_t k = 0; k < norder; k++) {
+        kb_node t = g->nodes[order[k]];
+        for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
+        KB_TRY(kb_graph_add(w, &t, &map[order[k]]));
+    }
+    for (int32_t j = 0; j < g->noutputs; j++) KB_TRY(kb_graph_add_output(w, map[g->outputs[j]]));
+    *out = w;
+    w = NULL;
+cleanup:
+    kb_free(ctx, map, cnt * sizeof(int32_t));
+    kb_graph_free(w);
+    return st;
+}
+
 int32_t kb_graph_nsymbols(const kb_graph *g) { return g->nsyms; }
 const char *kb_graph_symbol_name(const kb_graph *g, int32_t s) { return s >= 0 && s < g->nsyms ? g->sym_names[s] : NULL; }
 int64_t kb_graph_symbol_example(const kb_graph *g, int32_t s) { return s >= 0 && s < g->nsyms ? g->sym_examples[s] : -1; }

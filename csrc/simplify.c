@@ -458,38 +458,23 @@ static kb_status prune(const kb_graph *w, kb_graph **out)
 {
     kb_status st = KB_OK;
     kb_ctx *ctx = kb_graph_ctx(w);
-    int32_t n = kb_graph_nnodes(w);
+    int32_t n = kb_graph_nnodes(w), nlive = 0;
     size_t cnt = n > 0 ? (size_t)n : 1;
-    kb_graph *p = NULL;
     uint8_t *live = kb_calloc(ctx, cnt, 1);
-    int32_t *map = kb_malloc(ctx, cnt * sizeof(int32_t));
-    KB_CHECK(ctx, live && map, KB_ERR_OOM, "simplify: out of memory pruning %d nodes", (int)n);
+    int32_t *order = kb_malloc(ctx, cnt * sizeof(int32_t));
+    KB_CHECK(ctx, live && order, KB_ERR_OOM, "simplify: out of memory pruning %d nodes", (int)n);
     for (int32_t j = 0; j < kb_graph_noutputs(w); j++) live[kb_graph_output(w, j)] = 1;
     for (int32_t v = n - 1; v >= 0; v--) {
         const kb_node *nd = N(w, v);
         if (live[v])
             for (int i = 0; i < nd->ninputs; i++) live[nd->inputs[i]] = 1;
     }
-    KB_TRY(kb_graph_new(ctx, &p));
-    KB_TRY(kb_graph_copy_symbols(w, p));
-    for (int32_t i = 0; i < kb_graph_ninputs(w); i++) {
-        int32_t v = kb_graph_input(w, i);
-        KB_TRY(kb_graph_add(p, N(w, v), &map[v]));
-    }
-    for (int32_t v = 0; v < n; v++) {
-        const kb_node *nd = N(w, v);
-        if (!live[v] || nd->op == KB_OP_INPUT) continue;
-        kb_node t = *nd;
-        for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
-        KB_TRY(kb_graph_add(p, &t, &map[v]));
-    }
-    for (int32_t j = 0; j < kb_graph_noutputs(w); j++) KB_TRY(kb_graph_add_output(p, map[kb_graph_output(w, j)]));
-    *out = p;
-    p = NULL;
+    for (int32_t v = 0; v < n; v++)
+        if (live[v] && N(w, v)->op != KB_OP_INPUT) order[nlive++] = v;
+    st = kb_graph_rebuild(w, order, nlive, out);
 cleanup:
     kb_free(ctx, live, cnt);
-    kb_free(ctx, map, cnt * sizeof(int32_t));
-    kb_graph_free(p);
+    kb_free(ctx, order, cnt * sizeof(int32_t));
     return st;
 }
 

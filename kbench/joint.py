@@ -7,9 +7,10 @@ loss.backward() gives as exactly 1: the backend's scale finds that on the device
 nothing (an upstream gradient other than 1 — a loss scale, 1/accumulation steps — costs one pass
 over the gradients). Liger-Kernel's cross-entropy makes the same trade.
 
-Used where it moves fewer bytes than the forward plus each region's own backward (the report
-says which, with both counts), only for graphs without EXTERN regions or input mutations, and
-only after the gradients match torch.autograd on the sweep sizes.
+Used only for graphs without EXTERN regions or input mutations, only after the loss and the
+gradients match torch.autograd on the sweep sizes, and only where it moves fewer bytes than the
+forward plus each region's own backward and — where the backend times its kernels — is no slower
+than them even with the scaling pass (build(); the report gives the decision and both counts).
 """
 from __future__ import annotations
 
@@ -122,23 +123,11 @@ def graph_inputs(plan, symvals, gen, device) -> list:
 def eager_grads(plan, symvals, inputs, need, grad_out, *, dtype=None, create_graph=False):
     """(loss, gradients or None per input) through torch autograd of the graph's torch
     recomputation; dtype=torch.float64 gives the reference the joint program is checked against."""
-    with torch.enable_grad():
-        xs = []
-        for x, n in zip(inputs, need):
-            if not create_graph:
-                x = x.detach()
-                if dtype is not None and x.is_floating_point():
-                    x = x.to(dtype)
-                x.requires_grad_(bool(n))
-            xs.append(x)
+    def loss(xs):
         values = torch_eval.evaluate(plan.graph, plan, dict(zip(plan.graph.inputs, xs)), symvals, dtype=dtype)
-        loss = values[plan.graph.outputs[0]]
-        wrt = [x for x, n in zip(xs, need) if n]
-        g = grad_out if dtype is None else grad_out.to(dtype)
-        got = (torch.autograd.grad(loss, wrt, g, allow_unused=True, create_graph=create_graph)
-               if wrt and loss.requires_grad else [None] * len(wrt))
-    it = iter(got)
-    return loss, [next(it) if n else None for n in need]
+        return [values[plan.graph.outputs[0]]]
+    outs, got = torch_eval.autograd_of(loss, inputs, need, [grad_out], dtype=dtype, create_graph=create_graph)
+    return outs[0], got
 
 
 class Joint:

@@ -723,20 +723,7 @@ class OptimizedModule(torch.nn.Module):
         """torch.autograd through the region's torch recomputation (dtype=torch.float64: the
         reference the generated backward is checked against): a gradient or None per input.
         create_graph: the gradients stay attached to the inputs (double backward)."""
-        with torch.enable_grad():
-            if create_graph:
-                xs = [x if n else x.detach() for x, n in zip(inputs, need)]
-            else:
-                xs = [(x.detach().to(dtype) if dtype is not None and x.is_floating_point() else x.detach())
-                      .requires_grad_(bool(n)) for x, n in zip(inputs, need)]
-            outs = self._kbench_plan.eager_region(r, symvals, xs, dtype=dtype)
-            pairs = [(o, g if dtype is None else g.to(dtype)) for o, g in zip(outs, grads)
-                     if g is not None and o.requires_grad]
-            wrt = [x for x in xs if x.requires_grad]
-            if not pairs or not wrt:
-                return [None] * len(inputs)
-            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
-                                      create_graph=create_graph)
-        it = iter(got)
-        return [next(it) if x.requires_grad else None for x in xs]
+        plan = self._kbench_plan
+        return torch_eval.autograd_of(lambda xs: plan.eager_region(r, symvals, xs, dtype=dtype), inputs, need,
+                                      grads, dtype=dtype, create_graph=create_graph)[1]
 

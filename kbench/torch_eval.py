@@ -129,3 +129,27 @@ def run_graph(captured, model, user_inputs, *, dtype=None, apply_mutations=True)
     if apply_mutations and captured.mutations:
         captured.apply_mutations(model, user_inputs, outs)
     return captured.build_outputs(outs, symvals)
+
+
+def autograd_of(compute, inputs, need, grads, *, dtype=None, create_graph=False):
+    """torch.autograd through compute(xs), a torch recomputation of IR values from the tensors
+    xs: (its outputs, a gradient or None per input) for the upstream gradients `grads` (None:
+    that output gets none). dtype=torch.float64 computes in float64 (a reference to check
+    generated gradients against); create_graph keeps the gradients attached to the inputs
+    (double backward)."""
+    with torch.enable_grad():
+        if create_graph:
+            xs = [x if n else x.detach() for x, n in zip(inputs, need)]
+        else:
+            xs = [(x.detach().to(dtype) if dtype is not None and x.is_floating_point() else x.detach())
+                  .requires_grad_(bool(n)) for x, n in zip(inputs, need)]
+        outs = compute(xs)
+        pairs = [(o, g if dtype is None else g.to(dtype)) for o, g in zip(outs, grads)
+                 if g is not None and o.requires_grad]
+        wrt = [x for x in xs if x.requires_grad]
+        if not pairs or not wrt:
+            return outs, [None] * len(inputs)
+        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
+                                  create_graph=create_graph)
+    it = iter(got)
+    return outs, [next(it) if x.requires_grad else None for x in xs]
