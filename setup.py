@@ -1,7 +1,11 @@
-# setup.py — builds the C11 extension kbench._C from csrc/ with the Python C API alone:
-# no libtorch link and no CUDA headers (libcuda and libnvrtc are dlopen'ed at run time).
+# setup.py — builds the C11 extension kbench._C from csrc/ with the Python C API alone (no libtorch
+# link, no CUDA headers: libcuda and NVRTC are dlopen'ed at run time), and kbench._fast from
+# csrc/fast/, the CUDA backend's hot path in C++ against the torch being built with (the launch
+# and autograd node without Python). _fast needs torch at build time (pip's
+# --no-build-isolation); without it kbench runs that path in Python and says so.
 import glob
 import os
+import sys
 
 from setuptools import Extension, setup
 
@@ -11,15 +15,49 @@ extra = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Wno-missing-field-
 if os.environ.get("KBENCH_WERROR"):
     extra.append("-Werror")
 
-setup(
-    ext_modules=[
-        Extension(
-            "kbench._C",
-            sources=sources,
-            depends=sorted(glob.glob(os.path.join("csrc", "*.h")) + glob.glob(os.path.join("csrc", "*.def"))),
-            include_dirs=["csrc"],
-            extra_compile_args=extra,
-            libraries=["dl", "m"],
-        )
-    ],
-)
+extensions = [
+    Extension(
+        "kbench._C",
+        sources=sources,
+        depends=sorted(glob.glob(os.path.join("csrc", "*.h")) + glob.glob(os.path.join("csrc", "*.def"))),
+        include_dirs=["csrc"],
+        extra_compile_args=extra,
+        libraries=["dl", "m"],
+    )
+]
+
+
+def fast_extension():
+    """kbench._fast, compiled against the torch this build sees; None without one."""
+    if os.environ.get("KBENCH_NO_FAST"):
+        return None
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("kbench: torch is not importable at build time (build isolation?): kbench._fast is not "
+              "built and the CUDA backend's launches run in Python. Build with --no-build-isolation.",
+              file=sys.stderr)
+        return None
+    torch_lib = cpp_extension.library_paths()[0]
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    flags = ["-std=c++20", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers",
+             "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    return Extension(
+        "kbench._fast",
+        sources=sorted(glob.glob(os.path.join("csrc", "fast", "*.cpp"))),
+        depends=sorted(glob.glob(os.path.join("csrc", "fast", "*.h"))) + [os.path.join("csrc", "launch_api.h")],
+        include_dirs=["csrc"] + cpp_extension.include_paths(),
+        library_dirs=[torch_lib],
+        libraries=["c10", "torch", "torch_cpu", "torch_python"],
+        runtime_library_dirs=[torch_lib],
+        extra_compile_args=flags,
+        language="c++",
+    )
+
+
+fast = fast_extension()
+if fast is not None:
+    extensions.append(fast)
+
+setup(ext_modules=extensions)

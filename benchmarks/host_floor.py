@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The floor under kbench's per-call host time (GPU machine): what the pieces a region call is
 made of cost on this host, timed without a profiler (perf_counter loops, no sync inside), next to
-eager LayerNorm and kbench's LayerNorm at a size where the GPU work is negligible.
+eager LayerNorm and kbench's LayerNorm (kbench._fast's C++ node, and the Python path) at a size
+where the GPU work is negligible.
 
     python benchmarks/host_floor.py --shape 64,4096 --dtype bfloat16
 """
@@ -64,6 +65,12 @@ def main(argv=None):
     xg = x.clone().requires_grad_()
     gy = torch.randn_like(x)
     w, b = model.weight, model.bias
+    opt(xg).backward(gy)   # bind at this size with kbench._fast, before the Python-path twin
+    from kbench import cuda_backend
+    fast_module, cuda_backend._fast = cuda_backend._fast, None
+    slow = kbench.optimize(model, (x,), backend="cuda", budget="none", verbose=False)
+    slow(xg).backward(gy)
+    cuda_backend._fast = fast_module
 
     def nograd(f):
         def run():
@@ -82,9 +89,12 @@ def main(argv=None):
         ("Nop Function forward+backward", lambda: Nop.apply(xg, w, b).backward(gy)),
         ("eager LayerNorm forward+backward", lambda: model(xg).backward(gy)),
         ("kbench LayerNorm forward+backward", lambda: opt(xg).backward(gy)),
+        ("kbench (Python path) forward, no grad", nograd(slow)),
+        ("kbench (Python path) forward+backward", lambda: slow(xg).backward(gy)),
         ("Nop autograd.grad", lambda: torch.autograd.grad(Nop.apply(xg, w, b), [xg, w, b], gy)),
         ("eager autograd.grad", lambda: torch.autograd.grad(model(xg), [xg, w, b], gy)),
         ("kbench autograd.grad", lambda: torch.autograd.grad(opt(xg), [xg, w, b], gy)),
+        ("kbench (Python path) autograd.grad", lambda: torch.autograd.grad(slow(xg), [xg, w, b], gy)),
     ]
     for name, fn in rows:
         on = per_call_us(fn)
@@ -92,11 +102,11 @@ def main(argv=None):
         off = per_call_us(fn)
         gc.enable()
         print(f"{name:<40} {on:8.1f} us   (gc off {off:8.1f} us)", flush=True)
-    where_time(opt, lambda: opt(xg).backward(gy))
+    where_time(slow, lambda: slow(xg).backward(gy))
 
 
 def where_time(opt, fn, n=2000):
-    """Where a kbench forward+backward's host time goes: inside RegionFunction.forward and
+    """Where a kbench forward+backward's host time goes on the Python path (KBENCH_FAST=0): inside RegionFunction.forward and
     .backward (kbench's Python and what it calls) versus outside them (autograd's engine,
     handing the backward to its device thread and back)."""
     from kbench import runtime

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "launch_api.h"
 #include "module_cuda.h"
 
 #define NVRTC_CAPSULE "kbench._C.nvrtc"
@@ -25,20 +26,23 @@ static int tls_ok;
 static void tls_free(void *p) { kb_ctx_free(p); }
 static void tls_init(void) { tls_ok = pthread_key_create(&tls_key, tls_free) == 0; }
 
-static kb_ctx *thread_ctx(void) {
+/* The calling thread's ctx, or NULL (no Python error set: callable without the GIL). */
+static kb_ctx *thread_ctx_raw(void) {
     pthread_once(&tls_once, tls_init);
-    if (!tls_ok) {
-        PyErr_SetString(PyExc_RuntimeError, "kbench: cannot create a thread-local key");
-        return NULL;
-    }
+    if (!tls_ok) return NULL;
     kb_ctx *ctx = pthread_getspecific(tls_key);
     if (!ctx) {
         if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK || pthread_setspecific(tls_key, ctx) != 0) {
             kb_ctx_free(ctx);
-            PyErr_NoMemory();
             return NULL;
         }
     }
+    return ctx;
+}
+
+static kb_ctx *thread_ctx(void) {
+    kb_ctx *ctx = thread_ctx_raw();
+    if (!ctx) PyErr_SetString(PyExc_MemoryError, "kbench: no thread-local context (key or memory)");
     return ctx;
 }
 
@@ -440,7 +444,38 @@ static PyObject *py_synchronize(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------- launch API (launch_api.h) */
+
+static void *capi_cuda_of(void *capsule) {
+    PyObject *o = capsule;
+    if (!PyCapsule_IsValid(o, CUDA_CAPSULE)) return NULL;
+    return ((cuda_handle *)PyCapsule_GetPointer(o, CUDA_CAPSULE))->cuda;
+}
+
+static int capi_launch(void *cuda, void *fn, const uint32_t grid[3], int block, int smem, void *stream,
+                       void **args, char *err, size_t errlen) {
+    kb_ctx *ctx = thread_ctx_raw();
+    if (!ctx) {
+        snprintf(err, errlen, "kbench: no thread-local context for a launch");
+        return -1;
+    }
+    if (kb_cuda_launch(ctx, cuda, fn, grid, block, smem, stream, args) == KB_OK) return 0;
+    snprintf(err, errlen, "%s", kb_ctx_error(ctx));
+    return -1;
+}
+
+static const kb_launch_api launch_api = {
+    KB_LAUNCH_API_VERSION, sizeof(kb_launch_api), capi_cuda_of, capi_launch,
+};
+
+static PyObject *py_launch_api(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyCapsule_New((void *)&launch_api, KB_LAUNCH_API_CAPSULE, NULL);
+}
+
 PyMethodDef kb_cuda_methods[] = {
+    {"launch_api", py_launch_api, METH_NOARGS,
+     "launch_api() -> capsule of launch_api.h's kb_launch_api (for kbench._fast, the C++ hot path)"},
     {"nvrtc_open", py_nvrtc_open, METH_O,
      "nvrtc_open(extra_dirs: list[str]) -> handle; FileNotFoundError names every place looked"},
     {"nvrtc_info", py_nvrtc_info, METH_O, "nvrtc_info(handle) -> (path, version as major*1000 + minor*10)"},

@@ -20,6 +20,25 @@ log = logging.getLogger("kbench")
 INT32_LIMIT = (1 << 31) - 1
 
 
+def _load_fast():
+    """kbench._fast (csrc/fast/, C++): launches and autograd nodes without Python, or None where
+    it was not built (no torch at build time) or KBENCH_FAST=0 asks for the Python path."""
+    import os
+    if os.environ.get("KBENCH_FAST", "1") == "0":
+        return None
+    try:
+        from . import _fast
+    except ImportError as e:
+        log.warning("kbench: kbench._fast is not available (%s); launches run in Python "
+                    "(rebuild with pip install --no-build-isolation -e .)", e)
+        return None
+    _fast.init(_C.launch_api(), Fallback, RegionFallback, _C.CudaError)
+    return _fast
+
+
+_fast = _load_fast()
+
+
 class Kernel:
     """A loaded, verified kernel and what a launch needs, precomputed."""
 
@@ -509,6 +528,12 @@ class CudaExecutor(Executor):
         like = [in_meta.index(m) if m in in_meta else -1 for m in shapes]
         device, align = self.device, kernel.vec > 1
         fn = kernel.fn_nostats if skipped else kernel.fn
+        if _fast is not None:   # the same steps in C++ (csrc/fast/launch.cpp)
+            return _fast.Launch(
+                cuda=self.cuda, keep=kernel, fn=fn, finish=kernel.finish_fn, grid=grid, block=kernel.block,
+                smem=kernel.smem, device=device.index if device.index is not None else torch.cuda.current_device(),
+                region=r, vec=kernel.vec, check=check, ints=ints, workspace_bytes=workspace_bytes,
+                outs=[(j, s, d) for j, (s, d) in zip(like, shapes)], skipped=skipped).run
         launch, cuda, finish, block, smem = _C.launch, self.cuda, kernel.finish_fn, kernel.block, kernel.smem
         empty, empty_like, u8 = torch.empty, torch.empty_like, torch.uint8
         stream_of = _stream_getter(device)

@@ -266,6 +266,7 @@ class Program:
             deps = sorted({u for n in nodes for u in plan.nodes[n]["inputs"] if u not in nodes})
             step = Step()
             step.kind, step.r, step.ins, step.launch_nograd = MATERIALIZE, -1, [slot[u] for u in deps], None
+            step.fast = None
             step.launch = self._materializer(deps, nodes, symvals)
             for n in nodes:
                 slot[n] = len(slot)
@@ -275,7 +276,7 @@ class Program:
             for v in info.inputs:
                 ensure(v)
             step = Step()
-            step.r, step.symvals, step.program, step.backward = info.index, symvals, self, {}
+            step.r, step.symvals, step.program, step.backward, step.fast = info.index, symvals, self, {}, None
             step.ins = [slot[v] for v in info.inputs]
             step.float_in = tuple(torch_dtype(plan.nodes[v]["dtype"]).is_floating_point for v in info.inputs)
             step.out_meta = [(torch.Size(graph.sizes(v, symvals)), torch_dtype(plan.nodes[v]["dtype"]))
@@ -338,7 +339,7 @@ class Step:
     reads, and how to run it, decided once per input signature instead of once per call."""
 
     __slots__ = ("kind", "r", "ins", "launch", "launch_nograd", "program", "symvals", "float_in", "int_outs",
-                 "out_meta", "nsaved", "no_stats", "owner", "backward")
+                 "out_meta", "nsaved", "no_stats", "owner", "backward", "fast")
 
     def run(self, inputs):
         """The region's outputs where no backward will follow (kernel, or eager where the backend
@@ -516,6 +517,8 @@ class OptimizedModule(torch.nn.Module):
         bound = self._kbench_program.bind(symvals)
         for step in bound.steps:
             step.owner = self
+            if step.kind == KERNEL:
+                step.fast = self._fast_region(step)
         if sig is not None:
             if len(self._kbench_sigs) > 256:   # many shapes: keep the table bounded
                 self._kbench_sigs.clear()
@@ -583,7 +586,14 @@ class OptimizedModule(torch.nn.Module):
             ins = [slots[i] for i in step.ins]
             if step.kind == KERNEL:
                 if grad and any(x.requires_grad for x in ins):
-                    slots.extend(apply_region(step, *ins))
+                    fast = step.fast
+                    if fast is None:
+                        slots.extend(apply_region(step, *ins))
+                    else:
+                        try:
+                            slots.extend(fast.apply(*ins))
+                        except RegionFallback:   # the Python node runs it in eager, and notes why
+                            slots.extend(apply_region(step, *ins))
                     if step.nsaved:
                         slots.extend(step.no_stats)
                 else:
@@ -596,6 +606,41 @@ class OptimizedModule(torch.nn.Module):
         if captured.mutations:
             captured.apply_mutations(self._kbench_orig, args, outs)
         return captured.build_outputs(outs, bound.symvals)
+
+    def _fast_region(self, step):
+        """The step as a kbench._fast.Region (its autograd node in C++), where its launches are
+        kbench._fast's; else None and RegionFunction (Python) is the node."""
+        launch = getattr(step.launch, "__self__", None)
+        fast = type(launch).__module__ == "kbench._fast" and type(launch).__name__ == "Launch"
+        if not fast:
+            return None
+        from . import _fast
+        nograd = getattr(step.launch_nograd, "__self__", None)
+
+        def backward(saved, grads, need):
+            return self._fast_backward(step, saved, grads, need)
+        nreal = len(step.out_meta) - step.nsaved
+        return _fast.Region(launch, nograd, step.float_in, step.nsaved, step.out_meta[:nreal], backward)
+
+    def _fast_backward(self, step, saved, grads, need):
+        """The C++ node's backward where it has no program of its own for `need` (or create_graph,
+        or a launch refused an input): the Python backward, and then, if that is all generated
+        kernels, the program handed to the node, which runs it from C++ from the next call on."""
+        got = self._region_backward(step, saved, grads, need, True)
+        bwd = step.backward.get((need, True))
+        if bwd and not torch.is_grad_enabled():
+            steps = []
+            for s in bwd.steps:
+                launch = getattr(s.launch_nograd or s.launch, "__self__", None)
+                if s.kind != KERNEL or type(launch).__name__ != "Launch":
+                    return got
+                steps.append((launch, s.ins))
+            unused, drop, k = self._kbench_unused_grads.get((step.r, need), ()), [], -1
+            for n in need:
+                k += bool(n)
+                drop.append(bool(n) and k in unused)
+            step.fast.set_backward(need, steps, bwd.outputs, drop)
+        return got
 
     # ------------------------------------------------------------------ backward
 

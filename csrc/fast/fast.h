@@ -1,0 +1,68 @@
+/* fast.h — kbench._fast, the C++ hot path of the CUDA backend: a region's launch (checks,
+ * allocations, cuLaunchKernel through kbench._C's launch_api.h) and the autograd node whose
+ * backward runs the region's generated backward kernels with no Python and no GIL.
+ * C++ only because torch's autograd Node and allocator are C++; the core stays C. */
+#pragma once
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../launch_api.h"
+
+namespace kbfast {
+
+/* What a launch that did not run says: the call goes to eager for this region (a
+ * non-contiguous or misaligned input), to eager for the whole call (a tensor on another
+ * device), or the driver failed. */
+enum Outcome { RAN = 0, REGION_FALLBACK = 1, FALLBACK = 2, CUDA_FAILED = 3 };
+
+struct OutSpec {
+    int like;                    /* allocate as empty_like(inputs[like]); -1: from shape/dtype */
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+};
+
+/* One kernel (and its finishing kernel, if any) bound to one set of sizes: what
+ * cuda_backend.CudaExecutor.launcher used to resolve in a Python closure, once per signature. */
+struct LaunchSpec {
+    void *cuda = nullptr;        /* the kb_cuda behind the capsule */
+    void *fn = nullptr;          /* CUfunction */
+    void *finish = nullptr;      /* the finishing kernel (column sums), or NULL */
+    uint32_t grid[3] = {1, 1, 1};
+    int block = 0, smem = 0, device = 0, region = -1, vec = 1;
+    int skipped = 0;             /* trailing outputs this entry point does not write (None) */
+    int64_t workspace_bytes = 0;
+    std::vector<int> check;      /* inputs checked for contiguity (the others are trusted) */
+    std::vector<int64_t> ints;   /* the int64 arguments after the pointers */
+    std::vector<OutSpec> outs;   /* the outputs it writes */
+};
+
+/* kbench._fast.Launch: a LaunchSpec as a Python object, callable as .run(inputs). */
+struct Launch {
+    PyObject_HEAD
+    PyObject *keep;              /* what keeps fn loaded: the cuda capsule, the kernel object */
+    LaunchSpec spec;
+};
+
+extern PyTypeObject *LaunchType;
+extern const kb_launch_api *api;
+extern PyObject *FallbackError, *RegionFallbackError, *CudaError;
+
+/* Run l on inputs: device, contiguity and alignment checks, one allocation per output (appended
+ * to outs; undefined for skipped ones), the launch. Not RAN: why says why. Touches no Python
+ * object: callable from autograd's device threads without the GIL. */
+Outcome run_launch(const LaunchSpec &l, const std::vector<at::Tensor> &inputs, std::vector<at::Tensor> &outs,
+                   std::string &why);
+/* Sets the Python exception for a launch that did not run (needs the GIL). */
+void raise_outcome(Outcome o, const std::string &why);
+
+int init_launch(PyObject *module);
+int init_region(PyObject *module);
+
+}  // namespace kbfast

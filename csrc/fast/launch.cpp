@@ -1,0 +1,295 @@
+/* launch.cpp — kbench._fast.Launch: one region's kernel bound to one set of sizes, run from C++.
+ * Per call only what depends on the tensors is done: the device of the first checked input,
+ * contiguity of the inputs not known contiguous, 16-byte alignment where the kernel uses
+ * vector loads, one allocation per output from torch's caching allocator, and the launch on
+ * torch's current stream. The same code serves the Python forward and the autograd backward. */
+#include "fast.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <exception>
+
+namespace kbfast {
+
+namespace {
+
+constexpr int MAX_ARGS = 128;  /* kernel arguments in one launch, as kbench._C's launch */
+
+/* torch's current stream on device, as the driver takes it (NULL: the legacy default). */
+void *current_stream(int device) {
+    const c10::impl::DeviceGuardImplInterface *impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    return impl->getStream(c10::Device(c10::DeviceType::CUDA, (c10::DeviceIndex)device)).native_handle();
+}
+
+std::string region_says(const LaunchSpec &l, int input, const char *what) {
+    return "region " + std::to_string(l.region) + ": input " + std::to_string(input) + " " + what;
+}
+
+}  // namespace
+
+Outcome run_launch(const LaunchSpec &l, const std::vector<at::Tensor> &in, std::vector<at::Tensor> &outs,
+                   std::string &why) {
+    if (!l.check.empty()) {
+        const at::Tensor &x = in[l.check[0]];
+        if (!x.is_cuda() || x.get_device() != l.device) {
+            why = "the model was optimized for cuda:" + std::to_string(l.device) + "; got a tensor on " + x.device().str();
+            return FALLBACK;
+        }
+    }
+    for (int j : l.check)
+        if (!in[j].is_contiguous()) {
+            why = region_says(l, j, "is not contiguous");
+            return REGION_FALLBACK;
+        }
+    size_t nin = in.size(), nout = l.outs.size();
+    size_t nargs = nin + nout + (size_t)l.skipped + l.ints.size() + (l.workspace_bytes ? 1 : 0);
+    if (nargs > MAX_ARGS) {
+        why = "region " + std::to_string(l.region) + ": more than " + std::to_string(MAX_ARGS) + " kernel arguments";
+        return CUDA_FAILED;
+    }
+    /* each argument in its own 8-byte slot: the driver reads as many bytes as the parameter has */
+    uint64_t vals[MAX_ARGS];
+    void *argp[MAX_ARGS + 1];
+    size_t k = 0;
+    for (size_t j = 0; j < nin; j++) {
+        uintptr_t p = (uintptr_t)in[j].data_ptr();
+        if (l.vec > 1 && (p & 15)) {
+            why = region_says(l, (int)j, "is not 16-byte aligned") + " (kernel uses vec=" + std::to_string(l.vec) + ")";
+            return REGION_FALLBACK;
+        }
+        vals[k++] = p;
+    }
+    size_t first = outs.size();
+    at::TensorOptions opts = at::TensorOptions().device(at::Device(at::kCUDA, (c10::DeviceIndex)l.device));
+    for (const OutSpec &o : l.outs) {
+        outs.push_back(o.like >= 0 ? at::empty_like(in[o.like]) : at::empty(o.shape, opts.dtype(o.dtype)));
+        vals[k++] = (uintptr_t)outs.back().data_ptr();
+    }
+    for (int j = 0; j < l.skipped; j++) vals[k++] = 0;
+    for (int64_t v : l.ints) vals[k++] = (uint64_t)v;
+    /* A workspace per launch (column-sum partials the finishing kernel adds): the caching
+     * allocator hands a freed block only to later work on the same stream, which runs after the
+     * finishing kernel; under CUDA-graph capture it comes from the graph's pool. */
+    at::Tensor workspace;
+    if (l.workspace_bytes) {
+        workspace = at::empty({l.workspace_bytes}, opts.dtype(at::kByte));
+        vals[k++] = (uintptr_t)workspace.data_ptr();
+    }
+    for (size_t j = 0; j < k; j++) argp[j] = &vals[j];
+    argp[k] = nullptr;
+    void *stream = current_stream(l.device);
+    char err[512];
+    if (api->launch(l.cuda, l.fn, l.grid, l.block, l.smem, stream, argp, err, sizeof err) != 0 ||
+        (l.finish && api->launch(l.cuda, l.finish, l.grid, l.block, 0, stream, argp, err, sizeof err) != 0)) {
+        outs.resize(first);
+        why = err;
+        return CUDA_FAILED;
+    }
+    for (int j = 0; j < l.skipped; j++) outs.emplace_back();
+    return RAN;
+}
+
+void raise_outcome(Outcome o, const std::string &why) {
+    PyObject *type = o == FALLBACK ? FallbackError : o == REGION_FALLBACK ? RegionFallbackError : CudaError;
+    PyErr_SetString(type, why.c_str());
+}
+
+/* ---------------------------------------------------------------- the Python type */
+
+namespace {
+
+int as_ints(PyObject *seq, std::vector<int64_t> &out, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        out.push_back(v);
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* outs: [(like index or -1, shape, torch.dtype), ...] */
+int as_outs(PyObject *seq, std::vector<OutSpec> &out) {
+    PyObject *fast = PySequence_Fast(seq, "outs must be a sequence of (like, shape, dtype)");
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i), *like, *shape, *dtype;
+        if (!PyArg_ParseTuple(item, "OOO", &like, &shape, &dtype)) break;
+        if (!THPDtype_Check(dtype)) {
+            PyErr_Format(PyExc_TypeError, "outs[%zd]: expected a torch.dtype, got %.80s", i, Py_TYPE(dtype)->tp_name);
+            break;
+        }
+        OutSpec o;
+        o.like = (int)PyLong_AsLong(like);
+        if (o.like == -1 && PyErr_Occurred()) break;
+        if (as_ints(shape, o.shape, "an output's shape must be a sequence of ints") < 0) break;
+        o.dtype = ((THPDtype *)dtype)->scalar_type;
+        out.push_back(std::move(o));
+    }
+    Py_DECREF(fast);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static const char *kwlist[] = {"cuda", "keep", "fn", "finish", "grid", "block", "smem", "device", "region",
+                                   "vec", "check", "ints", "workspace_bytes", "outs", "skipped", nullptr};
+    PyObject *cuda, *keep, *fn, *finish, *grid, *check, *ints, *outs;
+    int block, smem, device, region, vec, skipped;
+    long long workspace_bytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOiiiiiOOLOi", (char **)kwlist, &cuda, &keep, &fn, &finish,
+                                     &grid, &block, &smem, &device, &region, &vec, &check, &ints,
+                                     &workspace_bytes, &outs, &skipped))
+        return nullptr;
+    if (!api) {
+        PyErr_SetString(PyExc_RuntimeError, "kbench._fast.init() has not been called");
+        return nullptr;
+    }
+    Launch *self = (Launch *)type->tp_alloc(type, 0);
+    if (!self) return nullptr;
+    new (&self->spec) LaunchSpec();
+    LaunchSpec &l = self->spec;
+    self->keep = Py_BuildValue("(OO)", cuda, keep);
+    l.cuda = self->keep ? api->cuda_of(cuda) : nullptr;
+    l.fn = PyLong_AsVoidPtr(fn);
+    l.finish = finish == Py_None ? nullptr : PyLong_AsVoidPtr(finish);
+    std::vector<int64_t> g, chk;
+    if (PyErr_Occurred() || as_ints(grid, g, "grid must be a sequence of ints") < 0 ||
+        as_ints(check, chk, "check must be a sequence of ints") < 0 ||
+        as_ints(ints, l.ints, "ints must be a sequence of ints") < 0 || as_outs(outs, l.outs) < 0)
+        goto fail;
+    if (!l.cuda || !l.fn || g.empty() || g.size() > 3 || block <= 0 || smem < 0 || skipped < 0 ||
+        workspace_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "Launch: needs a cuda handle, a function, 1-3 grid sizes, block > 0, "
+                                          "smem, skipped and workspace_bytes >= 0");
+        goto fail;
+    }
+    for (size_t i = 0; i < g.size(); i++) {
+        if (g[i] <= 0 || g[i] > UINT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "Launch: a grid size is out of range");
+            goto fail;
+        }
+        l.grid[i] = (uint32_t)g[i];
+    }
+    for (int64_t c : chk) l.check.push_back((int)c);
+    l.block = block, l.smem = smem, l.device = device, l.region = region, l.vec = vec, l.skipped = skipped;
+    l.workspace_bytes = workspace_bytes;
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return nullptr;
+}
+
+int launch_traverse(Launch *self, visitproc visit, void *arg) {
+    Py_VISIT(self->keep);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+int launch_clear(Launch *self) {
+    Py_CLEAR(self->keep);
+    return 0;
+}
+
+void launch_dealloc(Launch *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    launch_clear(self);
+    self->spec.~LaunchSpec();
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+/* run(inputs) -> list of outputs (None for the ones this entry point skips). Raises
+ * RegionFallback / Fallback where the call must go to eager, kbench.CudaError where the driver
+ * refuses. The GIL is released around the allocations and the launch. */
+PyObject *launch_run(Launch *self, PyObject *arg) {
+    HANDLE_TH_ERRORS
+    PyObject *fast = PySequence_Fast(arg, "run(inputs): inputs must be a list of tensors");
+    if (!fast) return nullptr;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    std::vector<at::Tensor> in;
+    in.reserve(n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PySequence_Fast_GET_ITEM(fast, i);
+        if (!THPVariable_Check(x)) {
+            PyErr_Format(PyExc_TypeError, "run(inputs): input %zd is a %.80s, not a tensor", i, Py_TYPE(x)->tp_name);
+            Py_DECREF(fast);
+            return nullptr;
+        }
+        in.push_back(THPVariable_Unpack(x));
+    }
+    Py_DECREF(fast);
+    std::vector<at::Tensor> outs;
+    std::string why;
+    Outcome o = RAN;
+    std::exception_ptr failed;
+    Py_BEGIN_ALLOW_THREADS
+    try {
+        o = run_launch(self->spec, in, outs, why);
+    } catch (...) {
+        failed = std::current_exception();
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) std::rethrow_exception(failed);  /* e.g. out of memory, translated below */
+    if (o != RAN) {
+        raise_outcome(o, why);
+        return nullptr;
+    }
+    PyObject *list = PyList_New((Py_ssize_t)outs.size());
+    if (!list) return nullptr;
+    for (size_t i = 0; i < outs.size(); i++) {
+        PyObject *t = THPVariable_Wrap(std::move(outs[i]));   /* None for an undefined (skipped) one */
+        if (!t) {
+            Py_DECREF(list);
+            return nullptr;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    return list;
+    END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef launch_methods[] = {
+    {"run", (PyCFunction)launch_run, METH_O,
+     "run(inputs) -> outputs: checks, allocates, launches on torch's current stream"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyType_Slot launch_slots[] = {
+    {Py_tp_doc, (void *)"A region's kernel bound to one set of sizes (kbench.cuda_backend builds them)."},
+    {Py_tp_new, (void *)launch_new},
+    {Py_tp_dealloc, (void *)launch_dealloc},
+    {Py_tp_traverse, (void *)launch_traverse},
+    {Py_tp_clear, (void *)launch_clear},
+    {Py_tp_methods, launch_methods},
+    {0, nullptr},
+};
+
+PyType_Spec launch_spec = {"kbench._fast.Launch", sizeof(Launch), 0,
+                           Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, launch_slots};
+
+}  // namespace
+
+PyTypeObject *LaunchType;
+
+int init_launch(PyObject *module) {
+    LaunchType = (PyTypeObject *)PyType_FromSpec(&launch_spec);
+    if (!LaunchType) return -1;
+    Py_INCREF(LaunchType);
+    return PyModule_AddObject(module, "Launch", (PyObject *)LaunchType) < 0 ? -1 : 0;
+}
+
+}  // namespace kbfast

@@ -1,0 +1,462 @@
+/* region.cpp — kbench._fast.Region: a compute region as an autograd node in C++.
+ * apply() runs the region's forward kernel and, where gradients are wanted, records a
+ * RegionNode holding the region's inputs (saved as torch saves them, version-checked) and the
+ * row statistics the forward wrote. The node's backward runs the region's generated backward
+ * kernels from C++ on autograd's device thread, with no Python and no GIL, once Python has
+ * built, checked and registered that backward for the set of inputs that want gradients.
+ * Anything else (the first backward of a pattern, create_graph, an eager region, a check a
+ * launch refuses) goes through the Python backward the region was made with. */
+#include "fast.h"
+
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
+
+#include <memory>
+#include <mutex>
+#include <type_traits>
+#include <unordered_map>
+
+namespace kbfast {
+
+namespace ag = torch::autograd;
+
+namespace {
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define KB_FINALIZING() Py_IsFinalizing()
+#else
+#define KB_FINALIZING() _Py_IsFinalizing()
+#endif
+
+/* A region's generated backward for one pattern of inputs wanting gradients, bound to the
+ * forward's sizes: the steps over value slots (inputs, statistics, upstream gradients, then
+ * each step's outputs), the slots holding the gradients, and which gradients torch gives as
+ * None (inputs the outputs do not depend on). */
+struct BackwardProgram {
+    struct Step {
+        const LaunchSpec *launch;   /* owned by a Launch the Region keeps alive */
+        std::vector<int> ins;
+    };
+    std::vector<Step> steps;
+    std::vector<int> outputs;       /* one per input that wants a gradient, in input order */
+    std::vector<bool> drop;         /* per input */
+};
+
+struct Region {
+    PyObject_HEAD
+    PyObject *launch;               /* Launch: writes the row statistics the backward reads */
+    PyObject *launch_nograd;        /* Launch without them (no backward follows), or None */
+    PyObject *py_backward;          /* (saved, grads, need) -> gradients; registers programs */
+    PyObject *keep;                 /* list: the Launch objects the programs point into */
+    int ninputs, nsaved;
+    std::vector<bool> *float_in;    /* per input: may get a gradient */
+    std::vector<OutSpec> *outs;     /* the real outputs (statistics excluded): zero gradients */
+    std::mutex *lock;               /* programs are registered under the GIL, read without it */
+    std::unordered_map<uint64_t, std::shared_ptr<const BackwardProgram>> *programs;
+};
+
+const LaunchSpec &spec_of(PyObject *launch) { return ((Launch *)launch)->spec; }
+
+/* The pending Python exception as a C++ one: autograd's engine hands it to the thread that
+ * called backward, where torch raises it again as it was. Needs the GIL. */
+[[noreturn]] void rethrow_python() {
+    python_error e;
+    e.persist();
+    throw std::move(e);
+}
+
+/* Drops a Python reference from a thread that may not hold the GIL. */
+void decref_anywhere(PyObject *o) {
+    if (!o || !Py_IsInitialized() || KB_FINALIZING()) return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_DECREF(o);
+    PyGILState_Release(g);
+}
+
+/* The node: one per forward call that wants gradients. */
+struct RegionNode final : ag::Node {
+    Region *region;                          /* strong reference */
+    std::vector<ag::SavedVariable> saved;    /* the region's inputs */
+    std::vector<at::Tensor> stats;           /* the row statistics the forward wrote */
+    std::vector<int> grad_slot;              /* per real output: its gradient's index, or -1 */
+    bool released = false;
+
+    explicit RegionNode(Region *r) : region(r) { Py_INCREF(r); }
+    ~RegionNode() override { decref_anywhere((PyObject *)region); }
+    std::string name() const override { return "KbenchRegionBackward"; }
+    void release_variables() override {
+        for (auto &s : saved) s.reset_data();
+        stats.clear();
+        released = true;
+    }
+    ag::variable_list apply(ag::variable_list &&grads) override;
+
+    ag::variable_list python_backward(const std::vector<at::Tensor> &inputs, const ag::variable_list &grads,
+                                      const std::vector<bool> &need);
+};
+
+/* Nodes are shared_ptr (torch <= 2.12) or intrusive_ptr (2.13+): whichever an Edge holds. */
+using NodePtr = decltype(ag::Edge::function);
+
+template <typename T>
+auto make_node(std::shared_ptr<ag::Node> *, Region *r) { return std::shared_ptr<T>(new T(r)); }
+template <typename T>
+auto make_node(c10::intrusive_ptr<ag::Node> *, Region *r) { return c10::make_intrusive<T>(r); }
+
+ag::variable_list RegionNode::apply(ag::variable_list &&grads) {
+    Region *r = region;
+    size_t nin = (size_t)r->ninputs;
+    std::vector<bool> need(nin);
+    uint64_t key = 0;
+    bool any = false;
+    for (size_t i = 0; i < nin; i++) {
+        need[i] = (*r->float_in)[i] && task_should_compute_output(i);
+        any |= need[i];
+        if (need[i] && i < 64) key |= uint64_t(1) << i;
+    }
+    ag::variable_list result(nin);
+    if (!any) return result;
+    TORCH_CHECK(!released, "Trying to backward through the graph a second time (or directly access saved tensors "
+                           "after they have already been freed). Specify retain_graph=True if you need to backward "
+                           "a second time or access saved tensors after calling backward.");
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(nin);
+    for (auto &s : saved) inputs.push_back(s.unpack());
+
+    std::shared_ptr<const BackwardProgram> prog;
+    if (!c10::GradMode::is_enabled() && nin <= 64) {   /* create_graph: Python, differentiably */
+        std::lock_guard<std::mutex> g(*r->lock);
+        auto it = r->programs->find(key);
+        if (it != r->programs->end()) prog = it->second;
+    }
+    if (!prog) return python_backward(inputs, grads, need);
+
+    std::vector<at::Tensor> slots(inputs);
+    slots.insert(slots.end(), stats.begin(), stats.end());
+    for (size_t k = 0; k < grad_slot.size(); k++) {
+        const OutSpec &o = (*r->outs)[k];
+        at::Tensor g = grad_slot[k] >= 0 ? grads[(size_t)grad_slot[k]] : at::Tensor();
+        if (!g.defined())
+            g = at::zeros(o.shape, inputs[0].options().dtype(o.dtype));
+        else if (!g.is_contiguous())
+            g = g.contiguous();
+        slots.push_back(std::move(g));
+    }
+    std::vector<at::Tensor> ins;
+    std::string why;
+    for (const auto &step : prog->steps) {
+        ins.clear();
+        for (int s : step.ins) ins.push_back(slots[(size_t)s]);
+        if (run_launch(*step.launch, ins, slots, why) != RAN)
+            return python_backward(inputs, grads, need);   /* it notes why and runs eager */
+    }
+    for (size_t i = 0, k = 0; i < nin; i++)
+        if (need[i]) {
+            at::Tensor g = slots[(size_t)prog->outputs[k++]];
+            if (!prog->drop[i]) result[i] = std::move(g);
+        }
+    return result;
+}
+
+ag::variable_list RegionNode::python_backward(const std::vector<at::Tensor> &inputs, const ag::variable_list &grads,
+                                              const std::vector<bool> &need) {
+    pybind11::gil_scoped_acquire gil;
+    if (!region->py_backward) throw std::runtime_error("kbench: the region's module is gone (collected)");
+    size_t nin = inputs.size();
+    THPObjectPtr saved_t(PyTuple_New((Py_ssize_t)(nin + stats.size())));
+    THPObjectPtr grads_t(PyTuple_New((Py_ssize_t)grad_slot.size()));
+    THPObjectPtr need_t(PyTuple_New((Py_ssize_t)nin));
+    if (!saved_t || !grads_t || !need_t) rethrow_python();
+    for (size_t i = 0; i < nin + stats.size(); i++) {
+        PyObject *t = THPVariable_Wrap(i < nin ? inputs[i] : stats[i - nin]);
+        if (!t) rethrow_python();
+        PyTuple_SET_ITEM(saved_t.get(), (Py_ssize_t)i, t);
+    }
+    for (size_t k = 0; k < grad_slot.size(); k++) {
+        PyObject *t = THPVariable_Wrap(grad_slot[k] >= 0 ? grads[(size_t)grad_slot[k]] : at::Tensor());
+        if (!t) rethrow_python();
+        PyTuple_SET_ITEM(grads_t.get(), (Py_ssize_t)k, t);
+    }
+    for (size_t i = 0; i < nin; i++) PyTuple_SET_ITEM(need_t.get(), (Py_ssize_t)i, PyBool_FromLong(need[i]));
+    THPObjectPtr got(PyObject_CallFunctionObjArgs(region->py_backward, saved_t.get(), grads_t.get(), need_t.get(),
+                                                  nullptr));
+    if (!got) rethrow_python();
+    THPObjectPtr fast(PySequence_Fast(got.get(), "kbench: a region's backward must return a sequence"));
+    if (!fast) rethrow_python();
+    TORCH_CHECK((size_t)PySequence_Fast_GET_SIZE(fast.get()) == nin, "kbench: a region's backward returned ",
+                PySequence_Fast_GET_SIZE(fast.get()), " gradients for ", nin, " inputs");
+    ag::variable_list result(nin);
+    for (size_t i = 0; i < nin; i++) {
+        PyObject *g = PySequence_Fast_GET_ITEM(fast.get(), (Py_ssize_t)i);
+        if (g != Py_None) {
+            TORCH_CHECK(THPVariable_Check(g), "kbench: a region's backward returned a non-tensor gradient");
+            result[i] = THPVariable_Unpack(g);
+        }
+    }
+    return result;
+}
+
+/* ---------------------------------------------------------------- the Python type */
+
+PyObject *region_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static const char *kwlist[] = {"launch", "launch_nograd", "float_in", "nsaved", "outs", "py_backward", nullptr};
+    PyObject *launch, *launch_nograd, *float_in, *outs, *py_backward;
+    int nsaved;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OOiOO", (char **)kwlist, LaunchType, &launch, &launch_nograd,
+                                     &float_in, &nsaved, &outs, &py_backward))
+        return nullptr;
+    if (launch_nograd != Py_None && !PyObject_TypeCheck(launch_nograd, LaunchType)) {
+        PyErr_SetString(PyExc_TypeError, "Region: launch_nograd must be a Launch or None");
+        return nullptr;
+    }
+    if (!PyCallable_Check(py_backward) || nsaved < 0) {
+        PyErr_SetString(PyExc_TypeError, "Region: py_backward must be callable and nsaved >= 0");
+        return nullptr;
+    }
+    Region *self = (Region *)type->tp_alloc(type, 0);
+    if (!self) return nullptr;
+    self->float_in = new std::vector<bool>();
+    self->outs = new std::vector<OutSpec>();
+    self->lock = new std::mutex();
+    self->programs = new std::unordered_map<uint64_t, std::shared_ptr<const BackwardProgram>>();
+    self->launch = Py_NewRef(launch);
+    self->launch_nograd = Py_NewRef(launch_nograd);
+    self->py_backward = Py_NewRef(py_backward);
+    self->keep = PyList_New(0);
+    self->nsaved = nsaved;
+    PyObject *fl = PySequence_Fast(float_in, "Region: float_in must be a sequence of bools");
+    if (!fl || !self->keep) goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fl); i++)
+        self->float_in->push_back(PyObject_IsTrue(PySequence_Fast_GET_ITEM(fl, i)) == 1);
+    Py_DECREF(fl);
+    self->ninputs = (int)self->float_in->size();
+    {
+        /* outs: [(shape, dtype)] of the real outputs; like = -1 */
+        PyObject *fo = PySequence_Fast(outs, "Region: outs must be a sequence of (shape, dtype)");
+        if (!fo) goto fail;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fo); i++) {
+            PyObject *shape, *dtype;
+            OutSpec o;
+            o.like = -1;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fo, i), "OO", &shape, &dtype) || !THPDtype_Check(dtype)) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Region: outs needs (shape, torch.dtype)");
+                Py_DECREF(fo);
+                goto fail;
+            }
+            PyObject *fs = PySequence_Fast(shape, "Region: a shape must be a sequence of ints");
+            if (!fs) {
+                Py_DECREF(fo);
+                goto fail;
+            }
+            for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(fs); j++)
+                o.shape.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fs, j)));
+            Py_DECREF(fs);
+            o.dtype = ((THPDtype *)dtype)->scalar_type;
+            self->outs->push_back(std::move(o));
+        }
+        Py_DECREF(fo);
+        if (PyErr_Occurred()) goto fail;
+    }
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return nullptr;
+}
+
+int region_traverse(Region *self, visitproc visit, void *arg) {
+    Py_VISIT(self->launch);
+    Py_VISIT(self->launch_nograd);
+    Py_VISIT(self->py_backward);
+    Py_VISIT(self->keep);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+int region_clear(Region *self) {
+    /* only what cannot be in use: a live node holds a reference to this object, so the
+     * collector clears it only once no node can run a backward through it */
+    Py_CLEAR(self->py_backward);
+    return 0;
+}
+
+void region_dealloc(Region *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->launch);
+    Py_CLEAR(self->launch_nograd);
+    Py_CLEAR(self->py_backward);
+    delete self->programs;   /* before keep: the programs point into its Launch objects */
+    Py_CLEAR(self->keep);
+    delete self->float_in;
+    delete self->outs;
+    delete self->lock;
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+/* apply(*inputs) -> the region's outputs (row statistics excluded). With gradients wanted they
+ * carry a KbenchRegionBackward node. Raises RegionFallback / Fallback as Launch.run does, before
+ * anything is recorded: the caller then runs the region its slower way. */
+PyObject *region_apply(Region *self, PyObject *const *args, Py_ssize_t nargs) {
+    HANDLE_TH_ERRORS
+    if (nargs != self->ninputs) {
+        PyErr_Format(PyExc_TypeError, "apply: expected %d inputs, got %zd", self->ninputs, nargs);
+        return nullptr;
+    }
+    std::vector<at::Tensor> in;
+    in.reserve((size_t)nargs);
+    bool wants = false;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (!THPVariable_Check(args[i])) {
+            PyErr_Format(PyExc_TypeError, "apply: input %zd is a %.80s, not a tensor", i, Py_TYPE(args[i])->tp_name);
+            return nullptr;
+        }
+        in.push_back(THPVariable_Unpack(args[i]));
+        wants |= (*self->float_in)[(size_t)i] && in.back().requires_grad();
+    }
+    wants &= c10::GradMode::is_enabled();
+    PyObject *which = wants || self->launch_nograd == Py_None ? self->launch : self->launch_nograd;
+    bool with_stats = which == self->launch;
+    std::vector<at::Tensor> outs;
+    std::string why;
+    Outcome o = RAN;
+    std::exception_ptr failed;
+    Py_BEGIN_ALLOW_THREADS
+    try {
+        o = run_launch(spec_of(which), in, outs, why);
+    } catch (...) {
+        failed = std::current_exception();
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) std::rethrow_exception(failed);
+    if (o != RAN) {
+        raise_outcome(o, why);
+        return nullptr;
+    }
+    size_t nreal = outs.size() - (size_t)self->nsaved;
+    if (wants) {
+        auto node = make_node<RegionNode>((NodePtr *)nullptr, self);
+        node->set_next_edges(ag::collect_next_edges(in));
+        node->saved.reserve(in.size());
+        for (const at::Tensor &x : in) node->saved.emplace_back(x, /*is_output=*/false);
+        if (with_stats) node->stats.assign(outs.begin() + (std::ptrdiff_t)nreal, outs.end());
+        int k = 0;
+        for (size_t j = 0; j < nreal; j++) {
+            if (at::isFloatingType(outs[j].scalar_type())) {
+                ag::set_history(outs[j], node);
+                node->grad_slot.push_back(k++);
+            } else {
+                node->grad_slot.push_back(-1);   /* integer outputs are not differentiable */
+            }
+        }
+    }
+    PyObject *tuple = PyTuple_New((Py_ssize_t)nreal);
+    if (!tuple) return nullptr;
+    for (size_t j = 0; j < nreal; j++) {
+        PyObject *t = THPVariable_Wrap(std::move(outs[j]));
+        if (!t) {
+            Py_DECREF(tuple);
+            return nullptr;
+        }
+        PyTuple_SET_ITEM(tuple, (Py_ssize_t)j, t);
+    }
+    return tuple;
+    END_HANDLE_TH_ERRORS
+}
+
+/* set_backward(need, steps, outputs, drop): the generated backward for the inputs flagged in
+ * need (a tuple of bools, one per input), as steps [(Launch, [slot, ...]), ...] over the
+ * slots (inputs, statistics, upstream gradients, then each step's outputs), outputs the slots
+ * of the gradients (one per flagged input), drop the inputs torch gives None. */
+PyObject *region_set_backward(Region *self, PyObject *args) {
+    PyObject *need, *steps, *outputs, *drop;
+    if (!PyArg_ParseTuple(args, "OOOO", &need, &steps, &outputs, &drop)) return nullptr;
+    auto prog = std::make_shared<BackwardProgram>();
+    uint64_t key = 0;
+    THPObjectPtr fneed(PySequence_Fast(need, "need must be a sequence"));
+    THPObjectPtr fdrop(PySequence_Fast(drop, "drop must be a sequence"));
+    THPObjectPtr fsteps(PySequence_Fast(steps, "steps must be a sequence"));
+    THPObjectPtr fout(PySequence_Fast(outputs, "outputs must be a sequence"));
+    if (!fneed || !fdrop || !fsteps || !fout) return nullptr;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fneed.get());
+    if (n != self->ninputs || n > 64 || PySequence_Fast_GET_SIZE(fdrop.get()) != n) {
+        PyErr_SetString(PyExc_ValueError, "set_backward: need and drop need one entry per input (at most 64)");
+        return nullptr;
+    }
+    Py_ssize_t nneed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_IsTrue(PySequence_Fast_GET_ITEM(fneed.get(), i)) == 1) key |= uint64_t(1) << i, nneed++;
+        prog->drop.push_back(PyObject_IsTrue(PySequence_Fast_GET_ITEM(fdrop.get(), i)) == 1);
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fout.get()); i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fout.get(), i));
+        if (v == -1 && PyErr_Occurred()) return nullptr;
+        prog->outputs.push_back((int)v);
+    }
+    if ((Py_ssize_t)prog->outputs.size() != nneed) {
+        PyErr_SetString(PyExc_ValueError, "set_backward: one output slot per input that wants a gradient");
+        return nullptr;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fsteps.get()); i++) {
+        PyObject *launch, *ins;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fsteps.get(), i), "O!O", LaunchType, &launch, &ins))
+            return nullptr;
+        THPObjectPtr fins(PySequence_Fast(ins, "a step's slots must be a sequence"));
+        if (!fins || PyList_Append(self->keep, launch) < 0) return nullptr;
+        BackwardProgram::Step step{&spec_of(launch), {}};
+        for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(fins.get()); j++) {
+            long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fins.get(), j));
+            if (v == -1 && PyErr_Occurred()) return nullptr;
+            step.ins.push_back((int)v);
+        }
+        prog->steps.push_back(std::move(step));
+    }
+    std::lock_guard<std::mutex> g(*self->lock);
+    (*self->programs)[key] = std::move(prog);
+    Py_RETURN_NONE;
+}
+
+PyObject *region_backward_patterns(Region *self, PyObject *) {
+    std::lock_guard<std::mutex> g(*self->lock);
+    return PyLong_FromSize_t(self->programs->size());
+}
+
+PyMethodDef region_methods[] = {
+    {"apply", (PyCFunction)(void (*)(void))region_apply, METH_FASTCALL,
+     "apply(*inputs) -> outputs, recorded for autograd where gradients are wanted"},
+    {"set_backward", (PyCFunction)region_set_backward, METH_VARARGS,
+     "set_backward(need, steps, outputs, drop): run this backward from C++ from now on"},
+    {"backward_patterns", (PyCFunction)region_backward_patterns, METH_NOARGS,
+     "how many backward programs run from C++"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyType_Slot region_slots[] = {
+    {Py_tp_doc, (void *)"A compute region as an autograd node run from C++ (kbench.runtime builds them)."},
+    {Py_tp_new, (void *)region_new},
+    {Py_tp_dealloc, (void *)region_dealloc},
+    {Py_tp_traverse, (void *)region_traverse},
+    {Py_tp_clear, (void *)region_clear},
+    {Py_tp_methods, region_methods},
+    {0, nullptr},
+};
+
+PyType_Spec region_spec = {"kbench._fast.Region", sizeof(Region), 0,
+                           Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, region_slots};
+
+}  // namespace
+
+int init_region(PyObject *module) {
+    PyObject *type = PyType_FromSpec(&region_spec);
+    if (!type) return -1;
+    return PyModule_AddObject(module, "Region", type) < 0 ? -1 : 0;
+}
+
+}  // namespace kbfast

@@ -1,0 +1,33 @@
+/* launch_api.h — what kbench._C lends kbench._fast (C++, csrc/fast/): a kernel launch with no
+ * Python objects and no GIL, so a region's forward and its autograd backward can run from C++.
+ * Handed over as a capsule: kbench._C.launch_api(). Plain C, read by both sides. */
+#ifndef KBENCH_LAUNCH_API_H
+#define KBENCH_LAUNCH_API_H
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KB_LAUNCH_API_CAPSULE "kbench._C.launch_api"
+#define KB_LAUNCH_API_VERSION 1
+
+typedef struct kb_launch_api {
+    int version;           /* KB_LAUNCH_API_VERSION */
+    size_t size;           /* sizeof(kb_launch_api) as kbench._C was built */
+    /* The driver behind a cuda handle (kbench._C.cuda_open()'s capsule), or NULL if `capsule`
+     * is not one. Borrowed: the caller keeps the capsule alive while it uses the result. Needs
+     * the GIL. */
+    void *(*cuda_of)(void *capsule);
+    /* cuLaunchKernel(fn) on stream (a CUstream; NULL: the legacy default stream) with args
+     * pointing at each argument's value. 0, or -1 with the driver's error in err (errlen bytes).
+     * Any thread, GIL or not. */
+    int (*launch)(void *cuda, void *fn, const uint32_t grid[3], int block, int smem, void *stream,
+                  void **args, char *err, size_t errlen);
+} kb_launch_api;
+
+#ifdef __cplusplus
+}
+#endif
+#endif
