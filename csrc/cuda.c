@@ -555,6 +555,7 @@ struct kb_cuda {
     CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void **, void **);
     CUresult (*StreamSynchronize)(CUstream);
+    CUresult (*StreamIsCapturing)(CUstream, int *);
     CUresult (*EventCreate)(CUevent *, unsigned);
     CUresult (*EventRecord)(CUevent, CUstream);
     CUresult (*EventSynchronize)(CUevent);
@@ -589,6 +590,7 @@ static const struct { size_t off; const char *name, *alt; } cuda_syms[] = {
     {offsetof(kb_cuda, FuncSetAttribute), "cuFuncSetAttribute", NULL},
     {offsetof(kb_cuda, LaunchKernel), "cuLaunchKernel", NULL},
     {offsetof(kb_cuda, StreamSynchronize), "cuStreamSynchronize", NULL},
+    {offsetof(kb_cuda, StreamIsCapturing), "cuStreamIsCapturing", NULL},
     {offsetof(kb_cuda, EventCreate), "cuEventCreate", NULL},
     {offsetof(kb_cuda, EventRecord), "cuEventRecord", NULL},
     {offsetof(kb_cuda, EventSynchronize), "cuEventSynchronize", NULL},
@@ -803,6 +805,16 @@ kb_status kb_cuda_launch(kb_ctx *ctx, kb_cuda *c, void *fn, const uint32_t grid[
                             (unsigned)smem_bytes, (CUstream)stream, args, NULL);
     }
     CU_TRY(ctx, c, "cuLaunchKernel", r);
+cleanup:
+    return st;
+}
+
+kb_status kb_cuda_stream_capturing(kb_ctx *ctx, kb_cuda *c, void *stream, int *capturing) {
+    kb_status st = KB_OK;
+    int status = 0;   /* CU_STREAM_CAPTURE_STATUS_NONE */
+    KB_CHECK(ctx, c && capturing, KB_ERR_INVALID, "kb_cuda_stream_capturing: NULL argument");
+    CU_TRY(ctx, c, "cuStreamIsCapturing", c->StreamIsCapturing((CUstream)stream, &status));
+    *capturing = status != 0;   /* active, or invalidated: either way not a plain launch */
 cleanup:
     return st;
 }

@@ -351,6 +351,8 @@ kb_status kb_cuda_launch(kb_ctx *ctx, kb_cuda *c, void *fn, const uint32_t grid[
  * /usr/local/cuda/include. */
 const char *kb_nvrtc_include_dir(const kb_nvrtc *n);
 int kb_cuda_driver_version(const kb_cuda *c);   /* cuDriverGetVersion: 12080 = 12.8 */
+/* Whether stream is being captured into a CUDA graph (cuStreamIsCapturing). */
+kb_status kb_cuda_stream_capturing(kb_ctx *ctx, kb_cuda *c, void *stream, int *capturing);
 /* cuStreamSynchronize(stream), or cuCtxSynchronize when stream is NULL. */
 kb_status kb_cuda_synchronize(kb_ctx *ctx, kb_cuda *c, void *stream);
 /* Device memory in the current (or primary) context, for tests and scratch buffers. */

@@ -25,6 +25,8 @@ typedef struct kb_launch_api {
      * Any thread, GIL or not. */
     int (*launch)(void *cuda, void *fn, const uint32_t grid[3], int block, int smem, void *stream,
                   void **args, char *err, size_t errlen);
+    /* 1 if stream is being captured into a CUDA graph, 0 if not, -1 with err. Any thread. */
+    int (*capturing)(void *cuda, void *stream, char *err, size_t errlen);
 } kb_launch_api;
 
 #ifdef __cplusplus

@@ -464,8 +464,16 @@ static int capi_launch(void *cuda, void *fn, const uint32_t grid[3], int block, 
     return -1;
 }
 
+static int capi_capturing(void *cuda, void *stream, char *err, size_t errlen) {
+    kb_ctx *ctx = thread_ctx_raw();
+    int capturing = 0;
+    if (ctx && kb_cuda_stream_capturing(ctx, cuda, stream, &capturing) == KB_OK) return capturing;
+    snprintf(err, errlen, "%s", ctx ? kb_ctx_error(ctx) : "kbench: no thread-local context");
+    return -1;
+}
+
 static const kb_launch_api launch_api = {
-    KB_LAUNCH_API_VERSION, sizeof(kb_launch_api), capi_cuda_of, capi_launch,
+    KB_LAUNCH_API_VERSION, sizeof(kb_launch_api), capi_cuda_of, capi_launch, capi_capturing,
 };
 
 static PyObject *py_launch_api(PyObject *self, PyObject *unused) {

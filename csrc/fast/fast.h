@@ -10,6 +10,8 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -28,6 +30,12 @@ struct OutSpec {
     at::ScalarType dtype;
 };
 
+/* Column-sum workspaces kept per stream, as torch keeps nothing else of ours between calls. */
+struct WorkspaceCache {
+    std::mutex lock;             /* held from taking the workspace to the finishing launch */
+    std::vector<std::pair<void *, at::Tensor>> by_stream;
+};
+
 /* One kernel (and its finishing kernel, if any) bound to one set of sizes: what
  * cuda_backend.CudaExecutor.launcher used to resolve in a Python closure, once per signature. */
 struct LaunchSpec {
@@ -41,6 +49,7 @@ struct LaunchSpec {
     std::vector<int> check;      /* inputs checked for contiguity (the others are trusted) */
     std::vector<int64_t> ints;   /* the int64 arguments after the pointers */
     std::vector<OutSpec> outs;   /* the outputs it writes */
+    std::unique_ptr<WorkspaceCache> workspaces = std::make_unique<WorkspaceCache>();
 };
 
 /* kbench._fast.Launch: a LaunchSpec as a Python object, callable as .run(inputs). */

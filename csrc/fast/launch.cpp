@@ -73,18 +73,35 @@ Outcome run_launch(const LaunchSpec &l, const std::vector<at::Tensor> &in, std::
     }
     for (int j = 0; j < l.skipped; j++) vals[k++] = 0;
     for (int64_t v : l.ints) vals[k++] = (uint64_t)v;
-    /* A workspace per launch (column-sum partials the finishing kernel adds): the caching
-     * allocator hands a freed block only to later work on the same stream, which runs after the
-     * finishing kernel; under CUDA-graph capture it comes from the graph's pool. */
+    void *stream = current_stream(l.device);
+    char err[512];
+    /* The column-sum partials the finishing kernel adds: one workspace per kernel and stream,
+     * kept (launches on one stream run in order, so the next cannot overwrite partials the
+     * finishing kernel has yet to read; the lock keeps another thread's pair from coming in
+     * between). Under CUDA-graph capture each launch gets its own, from the graph's pool: a
+     * replay may overlap work outside the graph. */
     at::Tensor workspace;
+    std::unique_lock<std::mutex> held;
     if (l.workspace_bytes) {
-        workspace = at::empty({l.workspace_bytes}, opts.dtype(at::kByte));
+        int capturing = api->capturing(l.cuda, stream, err, sizeof err);
+        if (capturing < 0) {
+            outs.resize(first);
+            why = err;
+            return CUDA_FAILED;
+        }
+        if (!capturing) {
+            held = std::unique_lock<std::mutex>(l.workspaces->lock);
+            for (auto &[s, w] : l.workspaces->by_stream)
+                if (s == stream) workspace = w;
+        }
+        if (!workspace.defined()) {
+            workspace = at::empty({l.workspace_bytes}, opts.dtype(at::kByte));
+            if (!capturing) l.workspaces->by_stream.emplace_back(stream, workspace);
+        }
         vals[k++] = (uintptr_t)workspace.data_ptr();
     }
     for (size_t j = 0; j < k; j++) argp[j] = &vals[j];
     argp[k] = nullptr;
-    void *stream = current_stream(l.device);
-    char err[512];
     if (api->launch(l.cuda, l.fn, l.grid, l.block, l.smem, stream, argp, err, sizeof err) != 0 ||
         (l.finish && api->launch(l.cuda, l.finish, l.grid, l.block, 0, stream, argp, err, sizeof err) != 0)) {
         outs.resize(first);
