@@ -68,8 +68,17 @@ extern PyObject *FallbackError, *RegionFallbackError, *CudaError;
  * object: callable from autograd's device threads without the GIL. */
 Outcome run_launch(const LaunchSpec &l, const std::vector<at::Tensor> &inputs, std::vector<at::Tensor> &outs,
                    std::string &why);
-/* Sets the Python exception for a launch that did not run (needs the GIL). */
-void raise_outcome(Outcome o, const std::string &why);
+/* run_launch from a Python call: the GIL released around it, a C++ exception from torch (out
+ * of memory) rethrown once it is held again, a launch that did not run as the Python exception
+ * its outcome names. false: that exception is set. */
+bool run_from_python(const LaunchSpec &l, const std::vector<at::Tensor> &inputs, std::vector<at::Tensor> &outs);
+
+/* Python helpers (the GIL held): items that must be tensors into in (false: TypeError naming
+ * what), ints of a sequence appended to out (-1: the error is set), the first n tensors as a
+ * tuple or a list (undefined ones as None). */
+bool unpack_tensors(PyObject *const *items, Py_ssize_t n, std::vector<at::Tensor> &in, const char *what);
+int as_ints(PyObject *seq, std::vector<int64_t> &out, const char *what);
+PyObject *wrap_tensors(std::vector<at::Tensor> &ts, size_t n, bool as_list);
 
 int init_launch(PyObject *module);
 int init_region(PyObject *module);

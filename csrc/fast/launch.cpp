@@ -12,6 +12,7 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 #include <exception>
 
@@ -112,14 +113,35 @@ Outcome run_launch(const LaunchSpec &l, const std::vector<at::Tensor> &in, std::
     return RAN;
 }
 
-void raise_outcome(Outcome o, const std::string &why) {
+bool run_from_python(const LaunchSpec &l, const std::vector<at::Tensor> &in, std::vector<at::Tensor> &outs) {
+    std::string why;
+    Outcome o = RAN;
+    std::exception_ptr failed;
+    Py_BEGIN_ALLOW_THREADS
+    try {
+        o = run_launch(l, in, outs, why);
+    } catch (...) {
+        failed = std::current_exception();
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) std::rethrow_exception(failed);   /* the caller's HANDLE_TH_ERRORS translates it */
+    if (o == RAN) return true;
     PyObject *type = o == FALLBACK ? FallbackError : o == REGION_FALLBACK ? RegionFallbackError : CudaError;
     PyErr_SetString(type, why.c_str());
+    return false;
 }
 
-/* ---------------------------------------------------------------- the Python type */
-
-namespace {
+bool unpack_tensors(PyObject *const *items, Py_ssize_t n, std::vector<at::Tensor> &in, const char *what) {
+    in.reserve((size_t)n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!THPVariable_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "%s: input %zd is a %.80s, not a tensor", what, i, Py_TYPE(items[i])->tp_name);
+            return false;
+        }
+        in.push_back(THPVariable_Unpack(items[i]));
+    }
+    return true;
+}
 
 int as_ints(PyObject *seq, std::vector<int64_t> &out, const char *what) {
     PyObject *fast = PySequence_Fast(seq, what);
@@ -136,6 +158,27 @@ int as_ints(PyObject *seq, std::vector<int64_t> &out, const char *what) {
     Py_DECREF(fast);
     return 0;
 }
+
+PyObject *wrap_tensors(std::vector<at::Tensor> &ts, size_t n, bool as_list) {
+    PyObject *seq = as_list ? PyList_New((Py_ssize_t)n) : PyTuple_New((Py_ssize_t)n);
+    if (!seq) return nullptr;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *t = THPVariable_Wrap(std::move(ts[i]));   /* None for an undefined one */
+        if (!t) {
+            Py_DECREF(seq);
+            return nullptr;
+        }
+        if (as_list)
+            PyList_SET_ITEM(seq, (Py_ssize_t)i, t);
+        else
+            PyTuple_SET_ITEM(seq, (Py_ssize_t)i, t);
+    }
+    return seq;
+}
+
+/* ---------------------------------------------------------------- the Python type */
+
+namespace {
 
 /* outs: [(like index or -1, shape, torch.dtype), ...] */
 int as_outs(PyObject *seq, std::vector<OutSpec> &out) {
@@ -234,54 +277,18 @@ void launch_dealloc(Launch *self) {
  * refuses. The GIL is released around the allocations and the launch. */
 PyObject *launch_run(Launch *self, PyObject *arg) {
     HANDLE_TH_ERRORS
-    PyObject *fast = PySequence_Fast(arg, "run(inputs): inputs must be a list of tensors");
-    if (!fast) return nullptr;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    std::vector<at::Tensor> in;
-    in.reserve(n);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *x = PySequence_Fast_GET_ITEM(fast, i);
-        if (!THPVariable_Check(x)) {
-            PyErr_Format(PyExc_TypeError, "run(inputs): input %zd is a %.80s, not a tensor", i, Py_TYPE(x)->tp_name);
-            Py_DECREF(fast);
-            return nullptr;
-        }
-        in.push_back(THPVariable_Unpack(x));
-    }
-    Py_DECREF(fast);
-    std::vector<at::Tensor> outs;
-    std::string why;
-    Outcome o = RAN;
-    std::exception_ptr failed;
-    Py_BEGIN_ALLOW_THREADS
-    try {
-        o = run_launch(self->spec, in, outs, why);
-    } catch (...) {
-        failed = std::current_exception();
-    }
-    Py_END_ALLOW_THREADS
-    if (failed) std::rethrow_exception(failed);  /* e.g. out of memory, translated below */
-    if (o != RAN) {
-        raise_outcome(o, why);
+    THPObjectPtr fast(PySequence_Fast(arg, "run(inputs): inputs must be a list of tensors"));
+    std::vector<at::Tensor> in, outs;
+    if (!fast || !unpack_tensors(PySequence_Fast_ITEMS(fast.get()), PySequence_Fast_GET_SIZE(fast.get()), in, "run") ||
+        !run_from_python(self->spec, in, outs))
         return nullptr;
-    }
-    PyObject *list = PyList_New((Py_ssize_t)outs.size());
-    if (!list) return nullptr;
-    for (size_t i = 0; i < outs.size(); i++) {
-        PyObject *t = THPVariable_Wrap(std::move(outs[i]));   /* None for an undefined (skipped) one */
-        if (!t) {
-            Py_DECREF(list);
-            return nullptr;
-        }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
-    }
-    return list;
+    return wrap_tensors(outs, outs.size(), true);
     END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef launch_methods[] = {
     {"run", (PyCFunction)launch_run, METH_O,
-     "run(inputs) -> outputs: checks, allocates, launches on torch's current stream"},
+     "run(inputs) -> outputs (a list): checks, allocates, launches on torch's current stream"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -250,14 +250,10 @@ PyObject *region_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
                 Py_DECREF(fo);
                 goto fail;
             }
-            PyObject *fs = PySequence_Fast(shape, "Region: a shape must be a sequence of ints");
-            if (!fs) {
+            if (as_ints(shape, o.shape, "Region: a shape must be a sequence of ints") < 0) {
                 Py_DECREF(fo);
                 goto fail;
             }
-            for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(fs); j++)
-                o.shape.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fs, j)));
-            Py_DECREF(fs);
             o.dtype = ((THPDtype *)dtype)->scalar_type;
             self->outs->push_back(std::move(o));
         }
@@ -310,36 +306,14 @@ PyObject *region_apply(Region *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Format(PyExc_TypeError, "apply: expected %d inputs, got %zd", self->ninputs, nargs);
         return nullptr;
     }
-    std::vector<at::Tensor> in;
-    in.reserve((size_t)nargs);
+    std::vector<at::Tensor> in, outs;
+    if (!unpack_tensors(args, nargs, in, "apply")) return nullptr;
     bool wants = false;
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        if (!THPVariable_Check(args[i])) {
-            PyErr_Format(PyExc_TypeError, "apply: input %zd is a %.80s, not a tensor", i, Py_TYPE(args[i])->tp_name);
-            return nullptr;
-        }
-        in.push_back(THPVariable_Unpack(args[i]));
-        wants |= (*self->float_in)[(size_t)i] && in.back().requires_grad();
-    }
+    for (Py_ssize_t i = 0; i < nargs; i++) wants |= (*self->float_in)[(size_t)i] && in[(size_t)i].requires_grad();
     wants &= c10::GradMode::is_enabled();
     PyObject *which = wants || self->launch_nograd == Py_None ? self->launch : self->launch_nograd;
     bool with_stats = which == self->launch;
-    std::vector<at::Tensor> outs;
-    std::string why;
-    Outcome o = RAN;
-    std::exception_ptr failed;
-    Py_BEGIN_ALLOW_THREADS
-    try {
-        o = run_launch(spec_of(which), in, outs, why);
-    } catch (...) {
-        failed = std::current_exception();
-    }
-    Py_END_ALLOW_THREADS
-    if (failed) std::rethrow_exception(failed);
-    if (o != RAN) {
-        raise_outcome(o, why);
-        return nullptr;
-    }
+    if (!run_from_python(spec_of(which), in, outs)) return nullptr;
     size_t nreal = outs.size() - (size_t)self->nsaved;
     if (wants) {
         auto node = make_node<RegionNode>((NodePtr *)nullptr, self);
@@ -357,17 +331,7 @@ PyObject *region_apply(Region *self, PyObject *const *args, Py_ssize_t nargs) {
             }
         }
     }
-    PyObject *tuple = PyTuple_New((Py_ssize_t)nreal);
-    if (!tuple) return nullptr;
-    for (size_t j = 0; j < nreal; j++) {
-        PyObject *t = THPVariable_Wrap(std::move(outs[j]));
-        if (!t) {
-            Py_DECREF(tuple);
-            return nullptr;
-        }
-        PyTuple_SET_ITEM(tuple, (Py_ssize_t)j, t);
-    }
-    return tuple;
+    return wrap_tensors(outs, nreal, false);
     END_HANDLE_TH_ERRORS
 }
 
@@ -383,8 +347,7 @@ PyObject *region_set_backward(Region *self, PyObject *args) {
     THPObjectPtr fneed(PySequence_Fast(need, "need must be a sequence"));
     THPObjectPtr fdrop(PySequence_Fast(drop, "drop must be a sequence"));
     THPObjectPtr fsteps(PySequence_Fast(steps, "steps must be a sequence"));
-    THPObjectPtr fout(PySequence_Fast(outputs, "outputs must be a sequence"));
-    if (!fneed || !fdrop || !fsteps || !fout) return nullptr;
+    if (!fneed || !fdrop || !fsteps) return nullptr;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fneed.get());
     if (n != self->ninputs || n > 64 || PySequence_Fast_GET_SIZE(fdrop.get()) != n) {
         PyErr_SetString(PyExc_ValueError, "set_backward: need and drop need one entry per input (at most 64)");
@@ -395,11 +358,9 @@ PyObject *region_set_backward(Region *self, PyObject *args) {
         if (PyObject_IsTrue(PySequence_Fast_GET_ITEM(fneed.get(), i)) == 1) key |= uint64_t(1) << i, nneed++;
         prog->drop.push_back(PyObject_IsTrue(PySequence_Fast_GET_ITEM(fdrop.get(), i)) == 1);
     }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fout.get()); i++) {
-        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fout.get(), i));
-        if (v == -1 && PyErr_Occurred()) return nullptr;
-        prog->outputs.push_back((int)v);
-    }
+    std::vector<int64_t> ints;
+    if (as_ints(outputs, ints, "outputs must be a sequence of slots") < 0) return nullptr;
+    prog->outputs.assign(ints.begin(), ints.end());
     if ((Py_ssize_t)prog->outputs.size() != nneed) {
         PyErr_SetString(PyExc_ValueError, "set_backward: one output slot per input that wants a gradient");
         return nullptr;
@@ -408,15 +369,11 @@ PyObject *region_set_backward(Region *self, PyObject *args) {
         PyObject *launch, *ins;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fsteps.get(), i), "O!O", LaunchType, &launch, &ins))
             return nullptr;
-        THPObjectPtr fins(PySequence_Fast(ins, "a step's slots must be a sequence"));
-        if (!fins || PyList_Append(self->keep, launch) < 0) return nullptr;
-        BackwardProgram::Step step{&spec_of(launch), {}};
-        for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(fins.get()); j++) {
-            long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fins.get(), j));
-            if (v == -1 && PyErr_Occurred()) return nullptr;
-            step.ins.push_back((int)v);
-        }
-        prog->steps.push_back(std::move(step));
+        ints.clear();
+        if (as_ints(ins, ints, "a step's slots must be a sequence of ints") < 0 ||
+            PyList_Append(self->keep, launch) < 0)
+            return nullptr;
+        prog->steps.push_back({&spec_of(launch), std::vector<int>(ints.begin(), ints.end())});
     }
     std::lock_guard<std::mutex> g(*self->lock);
     (*self->programs)[key] = std::move(prog);
