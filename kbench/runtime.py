@@ -428,6 +428,13 @@ def _fast_apply():
 apply_region = _fast_apply()
 
 
+def _fast_launch(launcher):
+    """The kbench._fast.Launch behind a launcher (its bound .run), or None (a Python closure)."""
+    launch = getattr(launcher, "__self__", None)
+    kind = type(launch)
+    return launch if kind.__module__ == "kbench._fast" and kind.__name__ == "Launch" else None
+
+
 class OptimizedModule(torch.nn.Module):
     """The model with its regions swapped for kbench's. Shares the original's parameters and
     buffers (the very same tensors, the same state_dict keys); the original is left as it was."""
@@ -610,12 +617,11 @@ class OptimizedModule(torch.nn.Module):
     def _fast_region(self, step):
         """The step as a kbench._fast.Region (its autograd node in C++), where its launches are
         kbench._fast's; else None and RegionFunction (Python) is the node."""
-        launch = getattr(step.launch, "__self__", None)
-        fast = type(launch).__module__ == "kbench._fast" and type(launch).__name__ == "Launch"
-        if not fast:
+        launch = _fast_launch(step.launch)
+        if launch is None:
             return None
         from . import _fast
-        nograd = getattr(step.launch_nograd, "__self__", None)
+        nograd = _fast_launch(step.launch_nograd)
 
         def backward(saved, grads, need):
             return self._fast_backward(step, saved, grads, need)
@@ -631,8 +637,8 @@ class OptimizedModule(torch.nn.Module):
         if bwd and not torch.is_grad_enabled():
             steps = []
             for s in bwd.steps:
-                launch = getattr(s.launch_nograd or s.launch, "__self__", None)
-                if s.kind != KERNEL or type(launch).__name__ != "Launch":
+                launch = _fast_launch(s.launch_nograd or s.launch) if s.kind == KERNEL else None
+                if launch is None:
                     return got
                 steps.append((launch, s.ins))
             unused, drop, k = self._kbench_unused_grads.get((step.r, need), ()), [], -1
