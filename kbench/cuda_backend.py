@@ -519,7 +519,6 @@ class CudaExecutor(Executor):
         # kernel has none, the statistics are written to buffers of their own and dropped)
         skipped = self.plan.regions[r].saved if not stats and kernel.fn_nostats is not None else 0
         shapes = shapes[:len(shapes) - skipped]
-        no_ptrs, no_outs = (0,) * skipped, [None] * skipped
         check = [j for j in range(len(self.plan.regions[r].inputs)) if not (j < len(trusted) and trusted[j])]
         # an output shaped like an input is allocated with empty_like(input): no size or dtype to
         # parse (a few us per output on a slow host); every input is contiguous by the checks
@@ -535,6 +534,7 @@ class CudaExecutor(Executor):
                 region=r, vec=kernel.vec, check=check, ints=ints, workspace_bytes=workspace_bytes,
                 outs=[(j, s, d) for j, (s, d) in zip(like, shapes)], skipped=skipped).run
         launch, cuda, finish, block, smem = _C.launch, self.cuda, kernel.finish_fn, kernel.block, kernel.smem
+        no_ptrs, no_outs = (0,) * skipped, [None] * skipped
         empty, empty_like, u8 = torch.empty, torch.empty_like, torch.uint8
         stream_of = _stream_getter(device)
         workspaces = kernel.workspaces

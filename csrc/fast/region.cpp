@@ -49,17 +49,22 @@ struct BackwardProgram {
     std::vector<bool> drop;         /* per input */
 };
 
+/* A Region's C++ state, constructed in place in the Python object (as Launch's LaunchSpec). */
+struct RegionState {
+    int ninputs = 0, nsaved = 0;
+    std::vector<bool> float_in;     /* per input: may get a gradient */
+    std::vector<OutSpec> outs;      /* the real outputs (statistics excluded): zero gradients */
+    std::mutex lock;                /* programs are registered under the GIL, read without it */
+    std::unordered_map<uint64_t, std::shared_ptr<const BackwardProgram>> programs;
+};
+
 struct Region {
     PyObject_HEAD
     PyObject *launch;               /* Launch: writes the row statistics the backward reads */
     PyObject *launch_nograd;        /* Launch without them (no backward follows), or None */
     PyObject *py_backward;          /* (saved, grads, need) -> gradients; registers programs */
     PyObject *keep;                 /* list: the Launch objects the programs point into */
-    int ninputs, nsaved;
-    std::vector<bool> *float_in;    /* per input: may get a gradient */
-    std::vector<OutSpec> *outs;     /* the real outputs (statistics excluded): zero gradients */
-    std::mutex *lock;               /* programs are registered under the GIL, read without it */
-    std::unordered_map<uint64_t, std::shared_ptr<const BackwardProgram>> *programs;
+    RegionState s;
 };
 
 const LaunchSpec &spec_of(PyObject *launch) { return ((Launch *)launch)->spec; }
@@ -112,12 +117,12 @@ auto make_node(c10::intrusive_ptr<ag::Node> *, Region *r) { return c10::make_int
 
 ag::variable_list RegionNode::apply(ag::variable_list &&grads) {
     Region *r = region;
-    size_t nin = (size_t)r->ninputs;
+    size_t nin = (size_t)r->s.ninputs;
     std::vector<bool> need(nin);
     uint64_t key = 0;
     bool any = false;
     for (size_t i = 0; i < nin; i++) {
-        need[i] = (*r->float_in)[i] && task_should_compute_output(i);
+        need[i] = r->s.float_in[i] && task_should_compute_output(i);
         any |= need[i];
         if (need[i] && i < 64) key |= uint64_t(1) << i;
     }
@@ -132,16 +137,16 @@ ag::variable_list RegionNode::apply(ag::variable_list &&grads) {
 
     std::shared_ptr<const BackwardProgram> prog;
     if (!c10::GradMode::is_enabled() && nin <= 64) {   /* create_graph: Python, differentiably */
-        std::lock_guard<std::mutex> g(*r->lock);
-        auto it = r->programs->find(key);
-        if (it != r->programs->end()) prog = it->second;
+        std::lock_guard<std::mutex> g(r->s.lock);
+        auto it = r->s.programs.find(key);
+        if (it != r->s.programs.end()) prog = it->second;
     }
     if (!prog) return python_backward(inputs, grads, need);
 
     std::vector<at::Tensor> slots(inputs);
     slots.insert(slots.end(), stats.begin(), stats.end());
     for (size_t k = 0; k < grad_slot.size(); k++) {
-        const OutSpec &o = (*r->outs)[k];
+        const OutSpec &o = r->s.outs[k];
         at::Tensor g = grad_slot[k] >= 0 ? grads[(size_t)grad_slot[k]] : at::Tensor();
         if (!g.defined())
             g = at::zeros(o.shape, inputs[0].options().dtype(o.dtype));
@@ -222,21 +227,18 @@ PyObject *region_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     }
     Region *self = (Region *)type->tp_alloc(type, 0);
     if (!self) return nullptr;
-    self->float_in = new std::vector<bool>();
-    self->outs = new std::vector<OutSpec>();
-    self->lock = new std::mutex();
-    self->programs = new std::unordered_map<uint64_t, std::shared_ptr<const BackwardProgram>>();
+    new (&self->s) RegionState();
     self->launch = Py_NewRef(launch);
     self->launch_nograd = Py_NewRef(launch_nograd);
     self->py_backward = Py_NewRef(py_backward);
     self->keep = PyList_New(0);
-    self->nsaved = nsaved;
+    self->s.nsaved = nsaved;
     PyObject *fl = PySequence_Fast(float_in, "Region: float_in must be a sequence of bools");
     if (!fl || !self->keep) goto fail;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fl); i++)
-        self->float_in->push_back(PyObject_IsTrue(PySequence_Fast_GET_ITEM(fl, i)) == 1);
+        self->s.float_in.push_back(PyObject_IsTrue(PySequence_Fast_GET_ITEM(fl, i)) == 1);
     Py_DECREF(fl);
-    self->ninputs = (int)self->float_in->size();
+    self->s.ninputs = (int)self->s.float_in.size();
     {
         /* outs: [(shape, dtype)] of the real outputs; like = -1 */
         PyObject *fo = PySequence_Fast(outs, "Region: outs must be a sequence of (shape, dtype)");
@@ -255,7 +257,7 @@ PyObject *region_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
                 goto fail;
             }
             o.dtype = ((THPDtype *)dtype)->scalar_type;
-            self->outs->push_back(std::move(o));
+            self->s.outs.push_back(std::move(o));
         }
         Py_DECREF(fo);
         if (PyErr_Occurred()) goto fail;
@@ -288,11 +290,9 @@ void region_dealloc(Region *self) {
     Py_CLEAR(self->launch);
     Py_CLEAR(self->launch_nograd);
     Py_CLEAR(self->py_backward);
-    delete self->programs;   /* before keep: the programs point into its Launch objects */
+    self->s.programs.clear();   /* before keep: the programs point into its Launch objects */
     Py_CLEAR(self->keep);
-    delete self->float_in;
-    delete self->outs;
-    delete self->lock;
+    self->s.~RegionState();
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -302,19 +302,19 @@ void region_dealloc(Region *self) {
  * anything is recorded: the caller then runs the region its slower way. */
 PyObject *region_apply(Region *self, PyObject *const *args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != self->ninputs) {
-        PyErr_Format(PyExc_TypeError, "apply: expected %d inputs, got %zd", self->ninputs, nargs);
+    if (nargs != self->s.ninputs) {
+        PyErr_Format(PyExc_TypeError, "apply: expected %d inputs, got %zd", self->s.ninputs, nargs);
         return nullptr;
     }
     std::vector<at::Tensor> in, outs;
     if (!unpack_tensors(args, nargs, in, "apply")) return nullptr;
     bool wants = false;
-    for (Py_ssize_t i = 0; i < nargs; i++) wants |= (*self->float_in)[(size_t)i] && in[(size_t)i].requires_grad();
+    for (Py_ssize_t i = 0; i < nargs; i++) wants |= self->s.float_in[(size_t)i] && in[(size_t)i].requires_grad();
     wants &= c10::GradMode::is_enabled();
     PyObject *which = wants || self->launch_nograd == Py_None ? self->launch : self->launch_nograd;
     bool with_stats = which == self->launch;
     if (!run_from_python(spec_of(which), in, outs)) return nullptr;
-    size_t nreal = outs.size() - (size_t)self->nsaved;
+    size_t nreal = outs.size() - (size_t)self->s.nsaved;
     if (wants) {
         auto node = make_node<RegionNode>((NodePtr *)nullptr, self);
         node->set_next_edges(ag::collect_next_edges(in));
@@ -349,7 +349,7 @@ PyObject *region_set_backward(Region *self, PyObject *args) {
     THPObjectPtr fsteps(PySequence_Fast(steps, "steps must be a sequence"));
     if (!fneed || !fdrop || !fsteps) return nullptr;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fneed.get());
-    if (n != self->ninputs || n > 64 || PySequence_Fast_GET_SIZE(fdrop.get()) != n) {
+    if (n != self->s.ninputs || n > 64 || PySequence_Fast_GET_SIZE(fdrop.get()) != n) {
         PyErr_SetString(PyExc_ValueError, "set_backward: need and drop need one entry per input (at most 64)");
         return nullptr;
     }
@@ -375,14 +375,14 @@ PyObject *region_set_backward(Region *self, PyObject *args) {
             return nullptr;
         prog->steps.push_back({&spec_of(launch), std::vector<int>(ints.begin(), ints.end())});
     }
-    std::lock_guard<std::mutex> g(*self->lock);
-    (*self->programs)[key] = std::move(prog);
+    std::lock_guard<std::mutex> g(self->s.lock);
+    self->s.programs[key] = std::move(prog);
     Py_RETURN_NONE;
 }
 
 PyObject *region_backward_patterns(Region *self, PyObject *) {
-    std::lock_guard<std::mutex> g(*self->lock);
-    return PyLong_FromSize_t(self->programs->size());
+    std::lock_guard<std::mutex> g(self->s.lock);
+    return PyLong_FromSize_t(self->s.programs.size());
 }
 
 PyMethodDef region_methods[] = {
