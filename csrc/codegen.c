@@ -13,6 +13,7 @@
 static const renderer CUDA_RENDERER = {
     .kernel_prefix = "extern \"C\" __global__ void",
     .launch_bounds = "__launch_bounds__(%d)",
+    .launch_bounds_min = "__launch_bounds__(%d, %d)",
     .barrier = "__syncthreads()",
     .shfl_xor = "__shfl_xor_sync(0xffffffffu, %s, o)",
     .restrict_kw = "__restrict__",
@@ -143,9 +144,17 @@ static void emit_params(cg *c, kb_sb *sb, int decl) {
     }
 }
 
+/* __launch_bounds__: the block size, and with sm_threads the blocks per SM ptxas must fit (it
+ * caps the registers: 40 per thread for 1536 threads, 32 for 2048) */
+static void launch_bounds(const cg *c, char *lb, size_t n) {
+    int min_blocks = c->gn.sm_threads / c->gn.threads;
+    if (min_blocks >= 2) snprintf(lb, n, c->rd->launch_bounds_min, c->gn.threads, min_blocks);
+    else snprintf(lb, n, c->rd->launch_bounds, c->gn.threads);
+}
+
 static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
     char lb[64];
-    snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
+    launch_bounds(c, lb, sizeof lb);
     kb_sb_printf(sb, "%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, suffix);
     emit_params(c, sb, 1);
     kb_sb_puts(sb, ")\n");
@@ -156,7 +165,7 @@ static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
  * stores compiled out, so its registers and schedule are the plain kernel's). */
 static void emit_saving_entries(cg *c, kb_sb *sb) {
     char lb[64];
-    snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
+    launch_bounds(c, lb, sizeof lb);
     for (int save = 1; save >= 0; save--) {
         kb_sb_printf(sb, "\n%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, save ? "" : "_nostats");
         emit_params(c, sb, 1);
@@ -254,30 +263,27 @@ static void row_group_reduce(cg *c, const int32_t *reds, int nred) {
     int nw = c->G / 32;
     /* kb_red has two halves used in turn: the next reduction writes the other half, so no
      * barrier is needed after the reads (the next one's barrier orders them before a rewrite) */
-    cg_line(c, "// across the %d warps of the row, in a fixed order (deterministic)", nw);
+    cg_line(c, "// across the %d warps of the row: the same butterfly, in every warp (deterministic)", nw);
     cg_line(c, "if ((threadIdx.x & 31) == 0) {");
     for (int j = 0; j < nred; j++) cg_line(c, "    kb_red[kb_half][%d][threadIdx.x >> 5] = acc%d;", j, reds[j]);
     cg_line(c, "}");
     cg_line(c, "%s;", c->rd->barrier);
+    /* each warp takes the nw partials into its lanes (lane l holds partial l mod nw; nw is a
+       power of two, as G is) and combines them with the warp's butterfly: lanes l and l^o combine
+       the same two values (a + b == b + a exactly), so every thread ends with the same result,
+       in a fixed order, after log2(nw) shuffles instead of nw shared-memory reads */
     for (int j = 0; j < nred; j++) {
         if (c->online_of[reds[j]] >= 0) continue;
         if (c->partner[reds[j]] >= 0) {
             int js = 0;
             while (js < nred && reds[js] != c->partner[reds[j]]) js++;
-            cg_line(c, "acc%d = kb_red[kb_half][%d][grp * %d], acc%d = kb_red[kb_half][%d][grp * %d];", reds[j], j, nw, reds[js],
-                    js, nw);
-            cg_line(c, "for (int w = 1; w < %d; ++w) kb_online_merge(acc%d, acc%d, kb_red[kb_half][%d][grp * %d + w], "
-                    "kb_red[kb_half][%d][grp * %d + w]);", nw, reds[j], reds[js], j, nw, js, nw);
+            cg_line(c, "acc%d = kb_red[kb_half][%d][grp * %d + (threadIdx.x & %d)];", reds[j], j, nw, nw - 1);
+            cg_line(c, "acc%d = kb_red[kb_half][%d][grp * %d + (threadIdx.x & %d)];", reds[js], js, nw, nw - 1);
+            cg_line(c, "kb_warp_online<%d>(acc%d, acc%d);", nw, reds[j], reds[js]);
             continue;
         }
-        const struct red_render *rr = red_of(kb_graph_node(c->g, reds[j])->op);
-        char comb[128];
-        char acc[32], other[64];
-        snprintf(acc, sizeof acc, "acc%d", reds[j]);
-        snprintf(other, sizeof other, "kb_red[kb_half][%d][grp * %d + w]", j, nw);
-        snprintf(comb, sizeof comb, rr->combine, acc, other);
-        cg_line(c, "acc%d = kb_red[kb_half][%d][grp * %d];", reds[j], j, nw);
-        cg_line(c, "for (int w = 1; w < %d; ++w) acc%d = %s;", nw, reds[j], comb);
+        cg_line(c, "acc%d = kb_red[kb_half][%d][grp * %d + (threadIdx.x & %d)];", reds[j], j, nw, nw - 1);
+        cg_line(c, "acc%d = %s<%d>(acc%d);", reds[j], red_of(kb_graph_node(c->g, reds[j])->op)->warp, nw, reds[j]);
     }
     cg_line(c, "kb_half ^= 1;");
 }
@@ -779,12 +785,12 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     /* grid_units of a split COL region count (column, split) pairs: one partial per reduction */
     k->workspace_bytes_per_unit = c.col_split > 1 ? (int64_t)c.nred_total * (c.dbl ? 8 : 4) : 0;
     if (c.ncolsum) { /* a partial row per column sum and row slot of each block: few blocks, about 1024
-                        threads per SM (persistent=1: 2048, twice the partials) */
+                        threads per SM (persistent=1: 2048, twice the partials; sm_threads: those) */
         int64_t R = 1;
         for (int d = 0; d < c.arank; d++)
             if (c.red & (1u << d)) R *= c.adims[d].coef;
         k->workspace_bytes_per_block = (int64_t)gn->rows * c.ncolsum * R * (c.dbl ? 8 : 4);
-        int per_sm = (gn->persistent ? 2048 : 1024) / gn->threads;
+        int per_sm = (gn->sm_threads ? gn->sm_threads : gn->persistent ? 2048 : 1024) / gn->threads;
         k->max_blocks_per_sm = per_sm > 1 ? per_sm : 1;
     }
     KB_TRY(cg_grid_units(&c, &k->grid_units, &k->units_per_block));
