@@ -13,7 +13,6 @@
 static const renderer CUDA_RENDERER = {
     .kernel_prefix = "extern \"C\" __global__ void",
     .launch_bounds = "__launch_bounds__(%d)",
-    .launch_bounds_min = "__launch_bounds__(%d, %d)",
     .barrier = "__syncthreads()",
     .shfl_xor = "__shfl_xor_sync(0xffffffffu, %s, o)",
     .restrict_kw = "__restrict__",
@@ -144,17 +143,9 @@ static void emit_params(cg *c, kb_sb *sb, int decl) {
     }
 }
 
-/* __launch_bounds__: the block size, and with sm_threads the blocks per SM ptxas must fit (it
- * caps the registers: 40 per thread for 1536 threads, 32 for 2048) */
-static void launch_bounds(const cg *c, char *lb, size_t n) {
-    int min_blocks = c->gn.sm_threads / c->gn.threads;
-    if (min_blocks >= 2) snprintf(lb, n, c->rd->launch_bounds_min, c->gn.threads, min_blocks);
-    else snprintf(lb, n, c->rd->launch_bounds, c->gn.threads);
-}
-
 static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
     char lb[64];
-    launch_bounds(c, lb, sizeof lb);
+    snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
     kb_sb_printf(sb, "%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, suffix);
     emit_params(c, sb, 1);
     kb_sb_puts(sb, ")\n");
@@ -165,7 +156,7 @@ static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
  * stores compiled out, so its registers and schedule are the plain kernel's). */
 static void emit_saving_entries(cg *c, kb_sb *sb) {
     char lb[64];
-    launch_bounds(c, lb, sizeof lb);
+    snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
     for (int save = 1; save >= 0; save--) {
         kb_sb_printf(sb, "\n%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, save ? "" : "_nostats");
         emit_params(c, sb, 1);
@@ -785,12 +776,12 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     /* grid_units of a split COL region count (column, split) pairs: one partial per reduction */
     k->workspace_bytes_per_unit = c.col_split > 1 ? (int64_t)c.nred_total * (c.dbl ? 8 : 4) : 0;
     if (c.ncolsum) { /* a partial row per column sum and row slot of each block: few blocks, about 1024
-                        threads per SM (persistent=1: 2048, twice the partials; sm_threads: those) */
+                        threads per SM (persistent=1: 2048, twice the partials) */
         int64_t R = 1;
         for (int d = 0; d < c.arank; d++)
             if (c.red & (1u << d)) R *= c.adims[d].coef;
         k->workspace_bytes_per_block = (int64_t)gn->rows * c.ncolsum * R * (c.dbl ? 8 : 4);
-        int per_sm = (gn->sm_threads ? gn->sm_threads : gn->persistent ? 2048 : 1024) / gn->threads;
+        int per_sm = (gn->persistent ? 2048 : 1024) / gn->threads;
         k->max_blocks_per_sm = per_sm > 1 ? per_sm : 1;
     }
     KB_TRY(cg_grid_units(&c, &k->grid_units, &k->units_per_block));

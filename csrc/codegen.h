@@ -14,8 +14,7 @@
 
 typedef struct renderer {
     const char *kernel_prefix; /* extern "C" __global__ void */
-    const char *launch_bounds;     /* printf format over the block size */
-    const char *launch_bounds_min; /* ... and the minimum blocks per SM */
+    const char *launch_bounds; /* printf format over the block size */
     const char *barrier;
     const char *shfl_xor;      /* printf format over the value; the lane offset is o */
     const char *restrict_kw;

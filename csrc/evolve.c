@@ -6,7 +6,7 @@
 
 #include <math.h>
 
-enum { G_THREADS, G_VEC, G_ROWS, G_ITEMS, G_CACHE, G_TWO_PASS, G_FAST_MATH, G_PERSISTENT, G_COL_SPLIT, G_SM_THREADS, NGENES };
+enum { G_THREADS, G_VEC, G_ROWS, G_ITEMS, G_CACHE, G_TWO_PASS, G_FAST_MATH, G_PERSISTENT, G_COL_SPLIT, NGENES };
 
 #define MAX_VALUES 16
 #define DEFAULT_POPULATION 12
@@ -14,7 +14,6 @@ enum { G_THREADS, G_VEC, G_ROWS, G_ITEMS, G_CACHE, G_TWO_PASS, G_FAST_MATH, G_PE
 #define ELITES 2
 #define CHILD_TRIES 32    /* GA children tried before a child is drawn from the unseen rest */
 #define RANDOM_TRIES 64   /* random draws before the domain product is walked */
-#define MANY_WAVES (1 << 20) /* elements: at a few per thread, several waves of 2048 threads on 132 SMs */
 
 /* ordinal genes mutate mostly to a neighbouring value (256 -> 128 or 512): small steps in a
  * landscape that is smooth along them; the others (cache, flags) jump. */
@@ -25,7 +24,6 @@ static const struct gene {
     {offsetof(kb_genome, threads), 1},   {offsetof(kb_genome, vec), 1},       {offsetof(kb_genome, rows), 1},
     {offsetof(kb_genome, items), 1},     {offsetof(kb_genome, cache), 0},     {offsetof(kb_genome, two_pass), 0},
     {offsetof(kb_genome, fast_math), 0}, {offsetof(kb_genome, persistent), 0}, {offsetof(kb_genome, col_split), 1},
-    {offsetof(kb_genome, sm_threads), 1},
 };
 
 static int32_t *gene_at(kb_genome *g, int i) { return (int32_t *)((char *)g + GENE[i].off); }
@@ -161,8 +159,6 @@ static int legal_facts(const facts *f, const kb_genome *g) {
     if (g->items != 1 && g->items != 2 && g->items != 4 && g->items != 8) return 0;
     if (g->cache < KB_CACHE_REGS || g->cache > KB_CACHE_REREAD) return 0;
     if ((uint32_t)g->two_pass > 1 || (uint32_t)g->fast_math > 1 || (uint32_t)g->persistent > 1) return 0;
-    /* a register cap for two or more resident blocks (one block is what no bound allows) */
-    if (g->sm_threads && (g->sm_threads < 2 * g->threads || g->sm_threads > 2048)) return 0;
     /* one vector access of the narrowest element is at most 16 bytes */
     if ((int64_t)g->vec * f->minsz > 16) return 0;
     /* ROW and COL step along the last dim in whole vectors */
@@ -202,7 +198,6 @@ static void canonical(const facts *f, const kb_genome *d, kb_genome *g) {
     if (f->kind != KB_REGION_COL) g->col_split = d->col_split;
     if (!f->transcendental) g->fast_math = d->fast_math;
     if (!f->online) g->two_pass = d->two_pass;
-    if (g->sm_threads && g->sm_threads < 2 * g->threads) g->sm_threads = 0; /* bounds nothing */
     if (f->kind != KB_REGION_ROW) {
         g->cache = d->cache; /* where a row lives between passes: ROW only */
     } else {
@@ -383,12 +378,6 @@ static void build_domains(kb_evolve *ev) {
     dom_add(ev, G_COL_SPLIT, 1);
     if (f->kind == KB_REGION_COL && !f->multipass)
         for (int s = 2; s <= 64 && (int64_t)s * 8 <= f->red; s *= 2) dom_add(ev, G_COL_SPLIT, s);
-    /* resident threads per SM the registers must allow (2048 caps them at 32, 1536 at 40): for
-       grids of many waves, where occupancy is what hides the memory's latency */
-    static const int32_t sm_threads[] = {0, 1024, 1536, 2048};
-    dom_add(ev, G_SM_THREADS, 0);
-    if (f->full >= MANY_WAVES)
-        for (size_t i = 1; i < sizeof sm_threads / sizeof sm_threads[0]; i++) dom_add(ev, G_SM_THREADS, sm_threads[i]);
     for (int i = 0; i < NGENES; i++) dom_add(ev, i, gene_get(&c, i));
 }
 

@@ -8,7 +8,7 @@
 
 static const char *const cache_names[] = {"regs", "smem", "reread"};
 
-static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1, 0};
+static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1};
 
 static int64_t pow2_ceil(int64_t x) {
     int64_t p = 1;
@@ -213,13 +213,11 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
 
 int kb_genome_format(const kb_genome *gn, char *buf, size_t n) {
     const char *cache = (unsigned)gn->cache < 3 ? cache_names[gn->cache] : "?";
-    char extra[32] = ""; /* a gene added later: written only when set, so older genomes keep their text */
-    if (gn->sm_threads) snprintf(extra, sizeof extra, " sm_threads=%d", gn->sm_threads);
     int len = snprintf(buf, n,
                        "threads=%d vec=%d rows=%d items=%d cache=%s two_pass=%d fast_math=%d persistent=%d "
-                       "col_split=%d%s",
+                       "col_split=%d",
                        gn->threads, gn->vec, gn->rows, gn->items, cache, gn->two_pass, gn->fast_math,
-                       gn->persistent, gn->col_split, extra);
+                       gn->persistent, gn->col_split);
     if (n > 0 && len >= 0 && (size_t)len >= n) buf[n - 1] = '\0';
     return len < 0 ? 0 : len;
 }
@@ -239,7 +237,6 @@ static const struct gene {
     {"fast_math", offsetof(kb_genome, fast_math), 0, 1},
     {"persistent", offsetof(kb_genome, persistent), 0, 1},
     {"col_split", offsetof(kb_genome, col_split), 1, 4096},
-    {"sm_threads", offsetof(kb_genome, sm_threads), 0, 2048},
 };
 
 kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out) {

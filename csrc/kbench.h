@@ -264,8 +264,6 @@ typedef struct kb_genome {
     int32_t fast_math;      /* __expf and friends */
     int32_t persistent;     /* grid = a few blocks per SM looping over work items */
     int32_t col_split;      /* COL: blocks along the reduced dim (partials, then a finishing kernel) */
-    int32_t sm_threads;     /* threads per SM ptxas must leave room for (launch bounds' minimum
-                               blocks = sm_threads / threads, capping registers); 0: its choice */
 } kb_genome;
 
 typedef struct kb_device_info {
@@ -381,7 +379,6 @@ kb_status kb_cuda_copy_to_host(kb_ctx *ctx, kb_cuda *c, void *dst, uint64_t src,
  *   COL      threads at most max(32, columns / vec rounded up to a power of two)
  *   POINTWISE threads > 256 only when threads * vec <= elements; items > 1 only when
  *            threads * vec * items <= elements
- *   sm_threads 0, or 2 * threads .. 2048 (one block per SM is what no bound already allows)
  * Returns 0 for an illegal genome, an EXTERN or missing region, or when the scratch it needs
  * cannot be allocated (kb_ctx_error then says so). */
 int kb_genome_legal(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,

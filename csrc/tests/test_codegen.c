@@ -162,11 +162,11 @@ static const kb_device_info H100 = {90, 132, 227 * 1024, 65536, 50 * 1024 * 1024
 static kb_status gen_one(const char *name, const kb_partition *p, int r, const kb_genome *gn, int must) {
     kb_kernel *k1 = NULL, *k2 = NULL;
     kb_status s = kb_kernel_generate(p, r, gn, &H100, &k1);
-    char text[256], tag[112];
+    char text[256], tag[96];
     kb_genome_format(gn, text, sizeof text);
-    snprintf(tag, sizeof tag, "t%d_v%d_r%d_i%d_%s_tp%d_fm%d_p%d_cs%d_sm%d", gn->threads, gn->vec, gn->rows, gn->items,
+    snprintf(tag, sizeof tag, "t%d_v%d_r%d_i%d_%s_tp%d_fm%d_p%d_cs%d", gn->threads, gn->vec, gn->rows, gn->items,
              gn->cache == KB_CACHE_REGS ? "regs" : gn->cache == KB_CACHE_SMEM ? "smem" : "reread", gn->two_pass,
-             gn->fast_math, gn->persistent, gn->col_split, gn->sm_threads);
+             gn->fast_math, gn->persistent, gn->col_split);
     if (s == KB_ERR_INVALID && !must) {
         ninvalid++;
         return s;
@@ -225,14 +225,6 @@ static void check_codegen(const char *name, const kb_partition *p, const int64_t
                             gen_one(name, p, r, &v, 0);
                         }
                     }
-                /* a register cap: 1536 threads per SM are 6 blocks of 256 */
-                v.threads = 256, v.rows = 1, v.cache = KB_CACHE_REGS, v.items = 1, v.two_pass = 1, v.sm_threads = 1536;
-                kb_kernel *k = NULL;
-                if (kb_kernel_generate(p, r, &v, &H100, &k) == KB_OK)
-                    CHECK_MSG(strstr(k->source, "__launch_bounds__(256, 6)") != NULL, "%s region %d: no minimum blocks", name, r);
-                kb_kernel_free(ctx, k);
-                gen_one(name, p, r, &v, 0);
-                v.sm_threads = 0;
                 break;
             }
             case KB_REGION_COL:
@@ -470,14 +462,6 @@ static void test_genome_text(void) {
     char tiny[8];
     kb_genome_format(&g, tiny, sizeof tiny);
     CHECK(strlen(tiny) == 7);
-    /* sm_threads, a later gene: written only when set (older genomes keep their text) */
-    CHECK_STATUS(ctx, kb_genome_parse(ctx, "threads=256 sm_threads=1536", &g), KB_OK);
-    CHECK(g.threads == 256 && g.sm_threads == 1536);
-    n = kb_genome_format(&g, buf, sizeof buf);
-    CHECK(n == (int)strlen(buf));
-    CHECK(strcmp(buf, "threads=256 vec=1 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1 "
-                      "sm_threads=1536") == 0);
-    CHECK_STATUS(ctx, kb_genome_parse(ctx, "sm_threads=4096", &g), KB_ERR_INVALID);
 }
 
 

@@ -176,11 +176,6 @@ static void test_legality_rules(void) {
     CHECK(!legal(&f, "threads=96 vec=1 rows=1 items=1 cache=reread " REST));     /* not a power of two */
     CHECK(!legal(&f, "threads=256 vec=2 rows=1 items=3 cache=reread " REST));
     CHECK(legal(&f, "threads=256 vec=1 rows=1 items=8 cache=smem " REST));
-    /* a register cap for 2..8 blocks of 256 threads per SM; one block needs none */
-    CHECK(legal(&f, "threads=256 vec=2 rows=1 items=1 cache=regs " REST " sm_threads=1536"));
-    CHECK(legal(&f, "threads=256 vec=2 rows=1 items=1 cache=regs " REST " sm_threads=2048"));
-    CHECK(!legal(&f, "threads=256 vec=2 rows=1 items=1 cache=regs " REST " sm_threads=256"));
-    CHECK(!legal(&f, "threads=512 vec=2 rows=1 items=1 cache=regs " REST " sm_threads=1000"));
     fx_end(&f);
     /* a row length that may vary: only re-read, and only vec 1 */
     CHECK_STATUS(f.ctx, fx_layernorm(&f, NULL, NULL, KB_F32, 64, "s0"), KB_OK);
@@ -275,12 +270,10 @@ static double log2d(double x) { return log(x) / log(2.0); }
 static double ln_cost(const kb_genome *g) {
     return 1.0 + 0.10 * fabs(log2d(g->threads) - 7) + 0.15 * fabs(log2d(g->vec) - 2) + 0.08 * log2d(g->rows) +
            0.04 * log2d(g->items) + (g->cache == KB_CACHE_REGS ? 0 : g->cache == KB_CACHE_SMEM ? 0.2 : 0.3) +
-           (g->two_pass ? 0.05 : 0) + (g->fast_math ? 0 : 0.05) + (g->persistent ? 0 : 0.03) +
-           (g->sm_threads == 1536 ? 0 : 0.02);
+           (g->two_pass ? 0.05 : 0) + (g->fast_math ? 0 : 0.05) + (g->persistent ? 0 : 0.03);
 }
 
-static const char *const LN_BEST =
-    "threads=128 vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=1 col_split=1 sm_threads=1536";
+static const char *const LN_BEST = "threads=128 vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=1 col_split=1";
 
 typedef struct seen_set {
     char (*text)[256];
@@ -400,7 +393,7 @@ static void test_same_seed_same_asks(void) {
 static int genes_differ(const kb_genome *a, const kb_genome *b) {
     return (a->threads != b->threads) + (a->vec != b->vec) + (a->rows != b->rows) + (a->items != b->items) +
            (a->cache != b->cache) + (a->two_pass != b->two_pass) + (a->fast_math != b->fast_math) +
-           (a->persistent != b->persistent) + (a->col_split != b->col_split) + (a->sm_threads != b->sm_threads);
+           (a->persistent != b->persistent) + (a->col_split != b->col_split);
 }
 
 /* With every seed candidate but the default failed, the next generation can only come from the
@@ -482,19 +475,17 @@ static void test_exhausted_space(void) {
     kb_evolve *ev = NULL;
     CHECK_STATUS(f.ctx, kb_evolve_new(&f.part, 0, f.symvals, &H100, 5, 6, &ev), KB_OK);
     /* brute force over the domains */
-    int32_t dom[10][16];
-    int nd[10];
-    for (int i = 0; i < 10; i++) nd[i] = kb_evolve_domain(ev, i, dom[i], 16);
-    /* vec 1,2; the rest pinned (a register cap for occupancy: not on 64 elements) */
-    CHECK(nd[1] == 2 && nd[2] == 1 && nd[4] == 1 && nd[6] == 1 && nd[8] == 1 && nd[9] == 1);
-    CHECK(kb_evolve_domain(ev, 10, dom[0], 16) == 0);
+    int32_t dom[9][16];
+    int nd[9];
+    for (int i = 0; i < 9; i++) nd[i] = kb_evolve_domain(ev, i, dom[i], 16);
+    CHECK(nd[1] == 2 && nd[2] == 1 && nd[4] == 1 && nd[6] == 1 && nd[8] == 1); /* vec 1,2; the rest pinned */
+    CHECK(kb_evolve_domain(ev, 9, dom[0], 16) == 0);
     int legal_count = 0;
     for (int a = 0; a < nd[0]; a++)
         for (int b = 0; b < nd[1]; b++)
             for (int c = 0; c < nd[3]; c++)
                 for (int d = 0; d < nd[7]; d++) {
-                    kb_genome g = {dom[0][a], dom[1][b], dom[2][0], dom[3][c], dom[4][0], dom[5][0], dom[6][0], dom[7][d], dom[8][0],
-                                   dom[9][0]};
+                    kb_genome g = {dom[0][a], dom[1][b], dom[2][0], dom[3][c], dom[4][0], dom[5][0], dom[6][0], dom[7][d], dom[8][0]};
                     legal_count += kb_genome_legal(&f.part, 0, f.symvals, &H100, &g);
                 }
     CHECK(legal_count == 18);
