@@ -35,7 +35,11 @@ input_configs = [
 
 
 def bytes_moved(cfg, s, backward):
-    """fwd: read logits and targets, write the scalar loss.  fwd+bwd: the same plus the
-    gradient written once (a fused kernel computes it in the forward pass: 2 N V in all)."""
+    """fwd: read logits and targets, write the scalar loss.  fwd+bwd: the logits read again and
+    their gradient written (3 N V in all). The upstream gradient is unknown until the backward
+    (the benchmark draws a random one), and every logit's gradient depends on it, so the
+    backward must read N V values (the logits, or anything the forward kept of that size) and
+    write N V; a gradient written in the forward (2 N V) is only the least for an upstream
+    gradient of exactly 1, and costs 4 N V for any other (the scaling pass)."""
     n, v = cfg["N"], cfg["V"]
-    return s * n * v + 8 * n + s + ((s * n * v + s) if backward else 0)
+    return s * n * v + 8 * n + s + ((2 * s * n * v + 8 * n + s) if backward else 0)
