@@ -2,9 +2,13 @@
 """The floor under kbench's per-call host time (GPU machine): what the pieces a region call is
 made of cost on this host, timed without a profiler (perf_counter loops, no sync inside), next to
 eager LayerNorm and kbench's LayerNorm (kbench._fast's C++ node, and the Python path) at a size
-where the GPU work is negligible.
+where the GPU work is negligible. Then the forward's host time per call (kbench.bench.timing's
+host_overhead_us, the issue's measure) of LayerNorm f32 and residual LayerNorm f32 on tiny
+inputs with the call's prologue in C++ (kbench._fast.Program) and in Python (runtime.py's
+forward and _run, the same kbench._fast launches and nodes), without and with gradients.
 
     python benchmarks/host_floor.py --shape 64,4096 --dtype bfloat16
+    python benchmarks/host_floor.py --prologue-only
 """
 from __future__ import annotations
 
@@ -56,7 +60,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="64,4096")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prologue-only", action="store_true", help="only the C++ vs Python prologue rows")
+    ap.add_argument("--prologue-shape", default="8,1024", help="the tiny inputs of the prologue rows")
     a = ap.parse_args(argv)
+    if not a.prologue_only:
+        floor(a)
+    prologue(tuple(int(s) for s in a.prologue_shape.split(",")))
+
+
+def floor(a):
     shape = tuple(int(s) for s in a.shape.split(","))
     dtype, dev = parse_dtype(a.dtype), "cuda"
     model = torch.nn.LayerNorm(shape[-1]).to(dtype).to(dev)
@@ -103,6 +115,54 @@ def main(argv=None):
         gc.enable()
         print(f"{name:<40} {on:8.1f} us   (gc off {off:8.1f} us)", flush=True)
     where_time(slow, lambda: slow(xg).backward(gy))
+
+
+def prologue(shape, calls=2000, repeats=5):
+    """Forward host us per call, the prologue in C++ (kbench._fast.Program) vs in Python (the
+    same module with its Program switched off), for LayerNorm f32 and residual LayerNorm f32."""
+    from kbench.bench import timing
+    from kbench.bench.tasks.residual_layer_norm import Model as ResidualLayerNorm
+
+    dev = "cuda"
+    torch.manual_seed(0)
+    cases = [("LayerNorm f32", torch.nn.LayerNorm(shape[-1]), 1),
+             ("residual LayerNorm f32", ResidualLayerNorm(shape[-1]), 2)]
+    print(f"\nforward host time per call at {shape} (host_overhead_us: {calls} calls, no sync, best of {repeats})")
+    for name, model, nin in cases:
+        model = model.to(dev)
+        xs = [torch.randn(shape, device=dev) for _ in range(nin)]
+        opt = kbench.optimize(model, tuple(xs), backend="cuda", budget="none", verbose=False)
+        program = opt._kbench_fast_program
+        if program is None:
+            print(f"{name}: no kbench._fast.Program (KBENCH_FAST=0 or not built)")
+            continue
+        opt(*xs)   # binds the signature
+        xg = [x.clone().requires_grad_() for x in xs]
+
+        def host_us(fn, args, cpp):
+            opt.__dict__["_kbench_fast_program"] = program if cpp else None
+            try:
+                return min(timing.host_overhead_us(fn, args, calls=calls, device=torch.device(dev))
+                           for _ in range(repeats))
+            finally:
+                opt.__dict__["_kbench_fast_program"] = program
+
+        def nograd(f):
+            def run(*args):
+                with torch.no_grad():
+                    return f(*args)
+            return run
+
+        served = program.served
+        rows = [("no grad", nograd(opt), xs), ("with grad", opt, xg)]
+        for mode, fn, args in rows:
+            eager = min(timing.host_overhead_us(nograd(model) if mode == "no grad" else model, args, calls=calls,
+                                                device=torch.device(dev)) for _ in range(repeats))
+            cpp, py = host_us(fn, args, True), host_us(fn, args, False)
+            print(f"{name:<24} {mode:<10} eager {eager:7.1f} us   kbench C++ prologue {cpp:7.1f} us   "
+                  f"Python prologue {py:7.1f} us", flush=True)
+        if program.served == served:
+            print(f"  (the Program served none of these calls: {program.why})")
 
 
 def where_time(opt, fn, n=2000):

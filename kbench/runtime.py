@@ -468,6 +468,7 @@ class OptimizedModule(torch.nn.Module):
         # joint program (None: not used) and, for the report, whether and why
         why = joint.scalar_output(plan, captured) if grad_in_forward else "grad_in_forward=False"
         self.__dict__.update(_kbench_loss_why=why, _kbench_loss={}, _kbench_joint={})
+        self.__dict__["_kbench_fast_program"] = self._fast_program()
 
     @property
     def kbench_report(self):
@@ -488,6 +489,16 @@ class OptimizedModule(torch.nn.Module):
         return self._kbench_orig(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        # the common case in C++ (kbench._fast.Program): a bound signature, every region a
+        # generated kernel; NotImplemented for anything else, decided before any launch
+        program = self._kbench_fast_program
+        if program is not None and not kwargs:
+            try:
+                out = program.call(self, args)
+            except Fallback as e:
+                return self._fallback(str(e), args, kwargs)
+            if out is not NotImplemented:
+                return out
         if kwargs:
             return self._fallback("keyword arguments are not captured", args, kwargs)
         # the hot path: sizes bound once per input signature (shapes, dtypes, devices)
@@ -527,10 +538,60 @@ class OptimizedModule(torch.nn.Module):
             if step.kind == KERNEL:
                 step.fast = self._fast_region(step)
         if sig is not None:
+            program = self._kbench_fast_program
             if len(self._kbench_sigs) > 256:   # many shapes: keep the table bounded
                 self._kbench_sigs.clear()
+                if program is not None:
+                    program.clear()
             self._kbench_sigs[sig] = bound
+            if program is not None:
+                entry = self._fast_entry(bound)
+                if entry is not None:
+                    program.add(tuple(args), *entry)
         return bound
+
+    def _fast_program(self):
+        """The kbench._fast.Program that runs the common call from C++, where the executor's
+        launches are kbench._fast's; None: every call takes the Python path."""
+        if self._kbench_executor.name != "cuda":
+            return None
+        from . import cuda_backend
+        fast = cuda_backend._fast   # None under KBENCH_FAST=0 (or where it was not built)
+        if fast is None or not hasattr(fast, "Program"):
+            return None
+        return fast.Program(orig=self._kbench_orig, captured=self._kbench_captured,
+                            ninputs=len(self._kbench_captured.input_names), chains=self._kbench_param_chains,
+                            meta=self._kbench_param_meta, training=self._kbench_captured_training,
+                            grad_ok=bool(self._kbench_loss_why), apply_region=apply_region)
+
+    def _fast_entry(self, bound):
+        """What kbench._fast.Program.add takes for this bound signature: (steps, outputs, build),
+        or None where _run must run every call: a region that is not a kbench._fast launch and
+        Region (eager, EXTERN, a Python launcher), a value torch computes in between, in-place
+        updates to copy back."""
+        captured = self._kbench_captured
+        if captured.mutations:
+            return None
+        steps = []
+        for step in bound.steps:
+            launch = _fast_launch(step.launch_nograd or step.launch) if step.kind == KERNEL else None
+            if launch is None or step.fast is None:
+                return None
+            steps.append((step, launch, step.fast, list(step.ins), len(step.out_meta)))
+        # build_outputs as C++ reproduces it where that is exact: the one output itself, or a
+        # plain tuple of outputs; anything else (a dict, None or a size among them) it calls
+        probe = [object() for _ in bound.outputs]
+        try:
+            shaped = captured.build_outputs(probe, bound.symvals)
+        except Exception:  # noqa: BLE001 - whatever it does with real tensors, the Python path does it
+            return None
+        where = {id(p): i for i, p in enumerate(probe)}
+        if id(shaped) in where:
+            return steps, [bound.outputs[where[id(shaped)]]], "one"
+        if type(shaped) is tuple and shaped and all(id(x) in where for x in shaped):
+            return steps, [bound.outputs[where[id(x)]] for x in shaped], "tuple"
+        symvals, build = bound.symvals, captured.build_outputs
+        return steps, list(bound.outputs), lambda outs: build(outs, symvals)
 
     def _param_chains(self):
         """(module path, table, name) per parameter/buffer input: read through the live modules'

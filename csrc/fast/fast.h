@@ -1,6 +1,7 @@
 /* fast.h — kbench._fast, the C++ hot path of the CUDA backend: a region's launch (checks,
- * allocations, cuLaunchKernel through kbench._C's launch_api.h) and the autograd node whose
- * backward runs the region's generated backward kernels with no Python and no GIL.
+ * allocations, cuLaunchKernel through kbench._C's launch_api.h), the autograd node whose
+ * backward runs the region's generated backward kernels with no Python and no GIL, and a
+ * module's whole forward call (guards and every region) where it needs no Python.
  * C++ only because torch's autograd Node and allocator are C++; the core stays C. */
 #pragma once
 #define PY_SSIZE_T_CLEAN
@@ -80,7 +81,18 @@ bool unpack_tensors(PyObject *const *items, Py_ssize_t n, std::vector<at::Tensor
 int as_ints(PyObject *seq, std::vector<int64_t> &out, const char *what);
 PyObject *wrap_tensors(std::vector<at::Tensor> &ts, size_t n, bool as_list);
 
+/* kbench._fast.Region (region.cpp), as program.cpp drives it. */
+extern PyTypeObject *RegionType;
+/* Region.apply on tensors (the GIL held): the launch and, where gradients are wanted, the node.
+ * outs gets the region's real outputs, then one undefined tensor per row statistic (the slots
+ * runtime.py fills with None). false: a Python exception is set (RegionFallback, Fallback,
+ * kbench.CudaError), nothing was recorded and outs is as it was. */
+bool region_forward(PyObject *region, const std::vector<at::Tensor> &in, std::vector<at::Tensor> &outs);
+/* A Region's inputs, real outputs and row statistics. */
+void region_arity(PyObject *region, size_t &ninputs, size_t &nreal, size_t &nsaved);
+
 int init_launch(PyObject *module);
 int init_region(PyObject *module);
+int init_program(PyObject *module);
 
 }  // namespace kbfast

@@ -307,31 +307,8 @@ PyObject *region_apply(Region *self, PyObject *const *args, Py_ssize_t nargs) {
         return nullptr;
     }
     std::vector<at::Tensor> in, outs;
-    if (!unpack_tensors(args, nargs, in, "apply")) return nullptr;
-    bool wants = false;
-    for (Py_ssize_t i = 0; i < nargs; i++) wants |= self->s.float_in[(size_t)i] && in[(size_t)i].requires_grad();
-    wants &= c10::GradMode::is_enabled();
-    PyObject *which = wants || self->launch_nograd == Py_None ? self->launch : self->launch_nograd;
-    bool with_stats = which == self->launch;
-    if (!run_from_python(spec_of(which), in, outs)) return nullptr;
-    size_t nreal = outs.size() - (size_t)self->s.nsaved;
-    if (wants) {
-        auto node = make_node<RegionNode>((NodePtr *)nullptr, self);
-        node->set_next_edges(ag::collect_next_edges(in));
-        node->saved.reserve(in.size());
-        for (const at::Tensor &x : in) node->saved.emplace_back(x, /*is_output=*/false);
-        if (with_stats) node->stats.assign(outs.begin() + (std::ptrdiff_t)nreal, outs.end());
-        int k = 0;
-        for (size_t j = 0; j < nreal; j++) {
-            if (at::isFloatingType(outs[j].scalar_type())) {
-                ag::set_history(outs[j], node);
-                node->grad_slot.push_back(k++);
-            } else {
-                node->grad_slot.push_back(-1);   /* integer outputs are not differentiable */
-            }
-        }
-    }
-    return wrap_tensors(outs, nreal, false);
+    if (!unpack_tensors(args, nargs, in, "apply") || !region_forward((PyObject *)self, in, outs)) return nullptr;
+    return wrap_tensors(outs, outs.size() - (size_t)self->s.nsaved, false);
     END_HANDLE_TH_ERRORS
 }
 
@@ -410,10 +387,52 @@ PyType_Spec region_spec = {"kbench._fast.Region", sizeof(Region), 0,
 
 }  // namespace
 
+PyTypeObject *RegionType;
+
+bool region_forward(PyObject *region, const std::vector<at::Tensor> &in, std::vector<at::Tensor> &outs) {
+    Region *self = (Region *)region;
+    bool wants = false;
+    for (size_t i = 0; i < in.size(); i++) wants |= self->s.float_in[i] && in[i].requires_grad();
+    wants &= c10::GradMode::is_enabled();
+    PyObject *which = wants || self->launch_nograd == Py_None ? self->launch : self->launch_nograd;
+    bool with_stats = which == self->launch;
+    size_t first = outs.size();
+    if (!run_from_python(spec_of(which), in, outs)) return false;
+    size_t nreal = outs.size() - first - (size_t)self->s.nsaved;
+    if (wants) {
+        auto node = make_node<RegionNode>((NodePtr *)nullptr, self);
+        node->set_next_edges(ag::collect_next_edges(in));
+        node->saved.reserve(in.size());
+        for (const at::Tensor &x : in) node->saved.emplace_back(x, /*is_output=*/false);
+        auto real_end = outs.begin() + (std::ptrdiff_t)(first + nreal);
+        if (with_stats) node->stats.assign(real_end, outs.end());
+        int k = 0;
+        for (size_t j = first; j < first + nreal; j++) {
+            if (at::isFloatingType(outs[j].scalar_type())) {
+                ag::set_history(outs[j], node);
+                node->grad_slot.push_back(k++);
+            } else {
+                node->grad_slot.push_back(-1);   /* integer outputs are not differentiable */
+            }
+        }
+    }
+    /* the statistics are the node's (or nobody's): the caller's slots hold nothing for them */
+    for (size_t j = first + nreal; j < outs.size(); j++) outs[j] = at::Tensor();
+    return true;
+}
+
+void region_arity(PyObject *region, size_t &ninputs, size_t &nreal, size_t &nsaved) {
+    Region *self = (Region *)region;
+    ninputs = (size_t)self->s.ninputs;
+    nreal = self->s.outs.size();
+    nsaved = (size_t)self->s.nsaved;
+}
+
 int init_region(PyObject *module) {
-    PyObject *type = PyType_FromSpec(&region_spec);
-    if (!type) return -1;
-    return PyModule_AddObject(module, "Region", type) < 0 ? -1 : 0;
+    RegionType = (PyTypeObject *)PyType_FromSpec(&region_spec);
+    if (!RegionType) return -1;
+    Py_INCREF(RegionType);
+    return PyModule_AddObject(module, "Region", (PyObject *)RegionType) < 0 ? -1 : 0;
 }
 
 }  // namespace kbfast

@@ -151,3 +151,242 @@ def test_model_dropped_before_backward_and_collected_after():
     del out
     gc.collect()
     assert ref() is None       # and nothing keeps it after: the cycles through C++ are collectable
+
+
+# ------------------------------------------------------------------ kbench._fast.Program
+# The whole forward call in C++ (csrc/fast/program.cpp) where it is the common case; every other
+# call, and every call with the Program switched off (python_path), takes runtime.py's path.
+# Each test runs the same module both ways and wants the same bits, the same exceptions and the
+# same notes.
+
+needs_program = pytest.mark.skipif(cuda_backend._fast is None or not hasattr(cuda_backend._fast, "Program"),
+                                   reason="kbench._fast.Program was not built")
+
+
+class python_path:
+    """Within: the module's calls take runtime.py's Python prologue (kbench._fast's launches and
+    nodes still run)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def __enter__(self):
+        self.program = self.opt.__dict__["_kbench_fast_program"]
+        self.opt.__dict__["_kbench_fast_program"] = None
+
+    def __exit__(self, *exc):
+        self.opt.__dict__["_kbench_fast_program"] = self.program
+
+
+def outcome(f):
+    """What a call gives: its outputs (a tuple of tensors) or the exception it raised."""
+    try:
+        out = f()
+    except Exception as e:  # noqa: BLE001 - compared, not swallowed
+        return ("raised", type(e), str(e))
+    return ("ok", out if isinstance(out, tuple) else (out,))
+
+
+def same_outcome(a, b):
+    assert a[0] == b[0], (a, b)
+    if a[0] == "raised":
+        assert a[1:] == b[1:]
+        return
+    assert len(a[1]) == len(b[1])
+    for x, y in zip(a[1], b[1]):
+        assert type(x) is type(y) and x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x, y) and x.requires_grad == y.requires_grad
+
+
+def both_ways(opt, *args, served):
+    """Calls opt(*args) through the Program, then through the Python path; the same outcome, and
+    the Program served the first call iff `served`."""
+    program = opt._kbench_fast_program
+    before = program.served
+    got = outcome(lambda: opt(*args))
+    assert program.served == before + served, program.why
+    with python_path(opt):
+        want = outcome(lambda: opt(*args))
+    same_outcome(got, want)
+    return got
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self, n=1024):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(n)
+
+    def forward(self, x):
+        return self.ln(x)
+
+
+class ResidualLN(torch.nn.Module):
+    def __init__(self, n=1024):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(n) + 0.5)
+        self.bias = torch.nn.Parameter(torch.rand(n) - 0.5)
+
+    def forward(self, x, r):
+        h = x + r
+        return torch.nn.functional.layer_norm(h, (h.shape[-1],), self.weight, self.bias, 1e-5), h
+
+
+@needs_program
+def test_program_serves_forward_and_grad_calls_with_the_python_paths_bits():
+    model = Wrapped().cuda()
+    x = torch.randn(64, 1024, device="cuda")
+    opt = kbench.optimize(model, (x,), budget="none", verbose=False)
+    program = opt._kbench_fast_program
+    opt(x)   # binds the signature: Python
+    assert program.entries == 1
+    with torch.no_grad():
+        (y,) = both_ways(opt, x, served=1)[1]
+    assert y.grad_fn is None
+    both_ways(opt, x, served=1)   # the parameters want gradients: through the C++ node
+    xg = x.clone().requires_grad_()
+    g = torch.randn_like(x)
+    for _ in range(3):   # the first backward builds the C++ backward; the rest use it
+        before = program.served
+        out = opt(xg)
+        assert program.served == before + 1 and out.grad_fn.name() == "KbenchRegionBackward"
+        got = torch.autograd.grad(out, [xg, *opt.parameters()], g)
+        with python_path(opt):
+            want = torch.autograd.grad(opt(xg), [xg, *opt.parameters()], g)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert not opt._kbench_reasons
+
+
+@needs_program
+def test_program_residual_layer_norm_returns_the_tuple():
+    model = ResidualLN().cuda()
+    x, r = torch.randn(64, 1024, device="cuda"), torch.randn(64, 1024, device="cuda")
+    opt = kbench.optimize(model, (x, r), budget="none", verbose=False)
+    opt(x, r)
+    with torch.no_grad():
+        got = both_ways(opt, x, r, served=1)[1]
+    assert len(got) == 2
+    xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
+    gy, gh = torch.randn_like(x), torch.randn_like(x)
+    y, h = opt(xg, rg)
+    got = torch.autograd.grad((y, h), [xg, rg, *opt.parameters()], (gy, gh))
+    with python_path(opt):
+        y, h = opt(xg, rg)
+        want = torch.autograd.grad((y, h), [xg, rg, *opt.parameters()], (gy, gh))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@needs_program
+def test_program_reads_replaced_parameters_and_submodules():
+    model = Wrapped().cuda()
+    x = torch.randn(64, 1024, device="cuda")
+    opt = kbench.optimize(model, (x,), budget="none", verbose=False)
+    opt(x)
+    with torch.no_grad():
+        model.ln.weight = torch.nn.Parameter(torch.rand(1024, device="cuda") + 0.5)
+        (y,) = both_ways(opt, x, served=1)[1]
+        assert torch.allclose(y, model(x), atol=1e-4)
+        model.ln = torch.nn.LayerNorm(1024).cuda()
+        torch.nn.init.uniform_(model.ln.bias, -1, 1)
+        (y,) = both_ways(opt, x, served=1)[1]
+        assert torch.allclose(y, model(x), atol=1e-4)
+        model.ln.weight = torch.nn.Parameter(torch.ones(512, device="cuda"))   # resized: eager's error
+        both_ways(opt, x, served=0)
+        model.ln.weight = torch.nn.Parameter(torch.ones(1024, device="cuda"))
+        both_ways(opt, x, served=1)
+        del model.ln
+        both_ways(opt, x, served=0)   # gone: the Python path's fallback and its error
+    assert any("gone" in r for r in opt._kbench_reasons)
+
+
+@needs_program
+def test_program_declines_double_train_eval_cpu_inputs_and_new_shapes():
+    model = Wrapped().cuda()
+    x = torch.randn(64, 1024, device="cuda")
+    opt = kbench.optimize(model, (x,), budget="none", verbose=False)
+    program = opt._kbench_fast_program
+    opt(x)
+    with torch.no_grad():
+        opt.eval()   # captured in training mode
+        both_ways(opt, x, served=0)
+        assert "train/eval" in program.why
+        opt.train()
+        both_ways(opt, x, served=1)
+        opt.double()
+        both_ways(opt, x, served=0)            # float inputs, double parameters: eager's outcome
+        both_ways(opt, x.double(), served=0)   # double inputs: not the captured signature
+        opt.float()
+        both_ways(opt, x, served=1)
+        both_ways(opt, x.cpu(), served=0)      # a CPU input: eager's outcome, as before
+        small = torch.randn(8, 1024, device="cuda")
+        entries = program.entries
+        opt(small)                             # a new shape: bound by Python, then served
+        assert program.entries == entries + 1
+        both_ways(opt, small, served=1)
+        both_ways(opt, x, served=1)
+        both_ways(opt, x, x, served=0)         # too many inputs: the Python path's TypeError
+        both_ways(opt, "x", served=0)
+    assert any("train/eval" in r for r in opt._kbench_reasons)
+
+
+@needs_program
+def test_program_region_fallback_inside_the_loop():
+    """A launch that refuses its inputs (not contiguous, misaligned) refuses before it does
+    anything; the Program then runs the step as Python does: step.run (eager, noted) without
+    gradients, apply_region (RegionFunction around eager) with them."""
+    model = Wrapped().cuda()
+    x = torch.randn(64, 1024, device="cuda")
+    opt = kbench.optimize(model, (x,), budget="none", verbose=False)
+    opt(x)
+    strided = x.t().contiguous().t()
+    misaligned = torch.empty(64 * 1024 + 1, device="cuda")[1:].view(64, 1024).copy_(x)
+    with torch.no_grad():
+        for awkward in (strided, misaligned):
+            both_ways(opt, awkward, served=1)
+    assert any("not contiguous" in r for r in opt._kbench_reasons)
+    g = torch.randn_like(x)
+    xg = strided.detach().requires_grad_()
+    out = opt(xg)
+    assert out.grad_fn.name() != "KbenchRegionBackward"   # RegionFunction's node, around eager
+    got = torch.autograd.grad(out, [xg, *opt.parameters()], g)
+    with python_path(opt):
+        out2 = opt(xg)
+        assert out2.grad_fn.name() == out.grad_fn.name()
+        want = torch.autograd.grad(out2, [xg, *opt.parameters()], g)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@needs_program
+def test_program_leaves_python_steps_and_losses_to_python():
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256)).cuda()
+    x = torch.randn(32, 256, device="cuda")
+    opt = kbench.optimize(mlp, (x,), budget="none", verbose=False)
+    opt(x)
+    assert opt._kbench_fast_program.entries == 0   # an EXTERN (the matmul) between the kernels
+    with torch.no_grad():
+        both_ways(opt, x, served=0)
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(1024)
+
+        def forward(self, x):
+            return self.ln(x).square().mean()
+
+    loss = Loss().cuda()
+    x = torch.randn(64, 1024, device="cuda")
+    opt = kbench.optimize(loss, (x,), budget="none", verbose=False)
+    assert not opt._kbench_loss_why   # a loss: its gradients may come from the joint program
+    opt(x)
+    program = opt._kbench_fast_program
+    if program.entries:
+        before = program.served
+        out = opt(x)   # the parameters want gradients: Python's joint path
+        assert program.served == before and "joint" in program.why
+        with python_path(opt):
+            assert torch.equal(out, opt(x))
+        with torch.no_grad():
+            both_ways(opt, x, served=1)

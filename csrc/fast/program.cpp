@@ -1,0 +1,569 @@
+/* program.cpp — kbench._fast.Program: an OptimizedModule's whole forward call in C++ for the
+ * common case (tensors in, a signature already bound, every region a generated kernel), the
+ * guards runtime.OptimizedModule.forward and _run make included. Anything else it declines
+ * (returns NotImplemented) before any launch, and the Python path runs as it always did. */
+#include "fast.h"
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
+
+#include <structmember.h>
+
+#include <algorithm>
+#include <utility>
+
+namespace kbfast {
+
+namespace {
+
+/* A strong reference that an Entry owns (entries are shared with calls in flight, which keep
+ * one alive after a clear(); they are created and dropped with the GIL held). */
+struct Ref {
+    PyObject *o = nullptr;
+    Ref() = default;
+    explicit Ref(PyObject *x) : o(Py_XNewRef(x)) {}
+    Ref(const Ref &) = delete;
+    Ref(Ref &&r) noexcept : o(r.o) { r.o = nullptr; }
+    Ref &operator=(Ref &&r) noexcept {
+        std::swap(o, r.o);
+        return *this;
+    }
+    ~Ref() { Py_XDECREF(o); }
+};
+
+/* One region of a bound call: a KERNEL step whose launches are kbench._fast's. */
+struct StepSpec {
+    Ref step;                 /* runtime.Step: step.run(ins) when the launch refuses the inputs */
+    Ref launch;               /* Launch: step.launch_nograd or step.launch, what step.run runs */
+    Ref region;               /* Region: step.fast, where gradients flow through the region */
+    std::vector<int> ins;     /* slots it reads */
+    size_t nouts = 0;         /* slots it appends (its outputs, statistics included) */
+};
+
+/* One input signature (sizes, dtype, device per input) bound by OptimizedModule._bind. */
+struct Entry {
+    uint64_t hash = 0;
+    std::vector<at::ScalarType> dtypes;
+    std::vector<size_t> ndims;
+    std::vector<int64_t> sizes;   /* every input's sizes, one after another */
+    c10::Device device = c10::Device(c10::DeviceType::CPU);
+    std::vector<StepSpec> steps;
+    std::vector<int> outputs;     /* slots of the graph outputs */
+    Ref build;                    /* None: outputs[0] alone (one) or a tuple; else build(list) */
+    bool one = false;
+    size_t nslots = 0;
+};
+
+/* A parameter, buffer or constant input, read through the live module dicts at every call. */
+struct ParamChain {
+    std::vector<Ref> path;        /* submodule names from the root (empty: the root itself) */
+    Ref table;                    /* "_parameters" or "_buffers"; null: a captured constant */
+    Ref leaf;
+    at::ScalarType dtype = at::kFloat;
+    std::vector<int64_t> shape;
+};
+
+struct ProgramState {
+    std::vector<ParamChain> params;
+    std::vector<std::shared_ptr<const Entry>> entries;
+    size_t ninputs = 0;
+};
+
+struct Program {
+    PyObject_HEAD
+    PyObject *orig;               /* the original module: the root of every parameter chain */
+    PyObject *captured;           /* its .constants hold the lifted constants */
+    PyObject *training;           /* the mode the graph was captured in (compared by identity) */
+    PyObject *apply_region;       /* runtime.apply_region: a region its Region refuses */
+    int grad_ok;                  /* gradients may flow here (no joint program could apply) */
+    Py_ssize_t served, declined;
+    const char *why;              /* why the last declined call was declined */
+    ProgramState s;
+};
+
+PyObject *str_modules, *str_training, *str_constants, *str_run;
+
+uint64_t mix(uint64_t h, uint64_t v) { return (h ^ v) * 0x100000001b3ull; }
+
+/* The tensor behind a Python object, where the object is a plain tensor (or a Parameter): a
+ * subclass may give .shape or .device its own meaning, so the Python path decides. */
+const at::Tensor *plain_tensor(PyObject *o) {
+    if (!THPVariable_CheckExact(o)) return nullptr;
+    const at::Tensor &t = THPVariable_Unpack(o);
+    if (!t.defined() || t.layout() != c10::kStrided || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides())
+        return nullptr;
+    return &t;
+}
+
+/* obj[key] for a dict (the common case, no exception object made for a miss) or any mapping.
+ * New reference, or NULL with no exception set where the key is missing or the lookup fails. */
+PyObject *lookup(PyObject *obj, PyObject *key) {
+    PyObject *v;
+    if (PyDict_CheckExact(obj)) {
+        v = PyDict_GetItemWithError(obj, key);
+        Py_XINCREF(v);
+    } else {
+        v = PyObject_GetItem(obj, key);
+    }
+    if (!v) PyErr_Clear();
+    return v;
+}
+
+/* What _params() reads for one chain: m = orig; m = m._modules[part] ...; getattr(m, table)[leaf]
+ * (or captured.constants[leaf]). New reference, or NULL (no exception set) where Python would
+ * raise or fall back: the Python path then does, with its own message. */
+PyObject *fetch(Program *self, const ParamChain &c) {
+    if (!c.table.o) {
+        THPObjectPtr constants(PyObject_GetAttr(self->captured, str_constants));
+        if (!constants) {
+            PyErr_Clear();
+            return nullptr;
+        }
+        return lookup(constants.get(), c.leaf.o);
+    }
+    THPObjectPtr m(Py_NewRef(self->orig));
+    for (const Ref &part : c.path) {
+        THPObjectPtr modules(PyObject_GetAttr(m.get(), str_modules));
+        if (!modules) {
+            PyErr_Clear();
+            return nullptr;
+        }
+        m = lookup(modules.get(), part.o);
+        if (!m) return nullptr;
+    }
+    THPObjectPtr table(PyObject_GetAttr(m.get(), c.table.o));
+    if (!table) {
+        PyErr_Clear();
+        return nullptr;
+    }
+    return lookup(table.get(), c.leaf.o);
+}
+
+bool same_sizes(const at::Tensor &t, const int64_t *sizes, size_t ndim) {
+    if ((size_t)t.dim() != ndim) return false;
+    c10::IntArrayRef have = t.sizes();
+    for (size_t d = 0; d < ndim; d++)
+        if (have[d] != sizes[d]) return false;
+    return true;
+}
+
+uint64_t signature_hash(const at::Tensor *const *ts, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) {
+        h = mix(h, (uint64_t)ts[i]->scalar_type());
+        for (int64_t d : ts[i]->sizes()) h = mix(h, (uint64_t)d);
+        h = mix(h, (uint64_t)ts[i]->dim());
+    }
+    return h;
+}
+
+bool matches(const Entry &e, uint64_t hash, const at::Tensor *const *ts, size_t n) {
+    if (e.hash != hash) return false;
+    const int64_t *sizes = e.sizes.data();
+    for (size_t i = 0; i < n; i++) {
+        if (ts[i]->scalar_type() != e.dtypes[i] || ts[i]->device() != e.device ||
+            !same_sizes(*ts[i], sizes, e.ndims[i]))
+            return false;
+        sizes += e.ndims[i];
+    }
+    return true;
+}
+
+PyObject *decline(Program *self, const char *why) {
+    self->declined++;
+    self->why = why;
+    Py_RETURN_NOTIMPLEMENTED;
+}
+
+/* A Python fallback's outputs appended to slots (None: undefined); -1 with an exception set. */
+int append_outputs(PyObject *got, size_t want, std::vector<at::Tensor> &slots) {
+    THPObjectPtr fast(PySequence_Fast(got, "kbench: a region's fallback must return a sequence"));
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.get());
+    if ((size_t)n > want) {
+        PyErr_Format(PyExc_RuntimeError, "kbench: a region's fallback returned %zd outputs for %zu slots", n, want);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(fast.get(), i);
+        if (o == Py_None) {
+            slots.emplace_back();
+        } else if (THPVariable_Check(o)) {
+            slots.push_back(THPVariable_Unpack(o));
+        } else {
+            PyErr_SetString(PyExc_TypeError, "kbench: a region's fallback returned a non-tensor");
+            return -1;
+        }
+    }
+    /* the statistics slots apply_region's outputs leave out (runtime: step.no_stats) */
+    for (size_t i = (size_t)n; i < want; i++) slots.emplace_back();
+    return 0;
+}
+
+/* One KERNEL step, as _run runs it. A launch refuses (RegionFallback) before it allocates or
+ * launches anything, so the Python fallback that then runs (step.run, which tries the same
+ * launch, is refused the same way, notes why and runs the region in eager; or apply_region,
+ * RegionFunction's node around the same) starts from exactly the state the Python path has. */
+bool run_step(Program *self, const StepSpec &st, bool grad, std::vector<at::Tensor> &ins,
+              std::vector<at::Tensor> &slots) {
+    bool wants = false;
+    if (grad)
+        for (const at::Tensor &x : ins) wants |= x.requires_grad();
+    bool ok = wants ? region_forward(st.region.o, ins, slots) : run_from_python(((Launch *)st.launch.o)->spec, ins, slots);
+    if (ok) return true;
+    if (!PyErr_ExceptionMatches(RegionFallbackError)) return false;   /* Fallback, CudaError: as Python */
+    PyErr_Clear();
+    THPObjectPtr got;
+    if (wants) {   /* apply_region(step, *ins) */
+        if (!self->apply_region) {
+            PyErr_SetString(PyExc_RuntimeError, "kbench: the Program was cleared");
+            return false;
+        }
+        THPObjectPtr call(PyTuple_New((Py_ssize_t)ins.size() + 1));
+        if (!call) return false;
+        PyTuple_SET_ITEM(call.get(), 0, Py_NewRef(st.step.o));
+        for (size_t i = 0; i < ins.size(); i++) {
+            PyObject *x = THPVariable_Wrap(ins[i]);   /* the very object, where it has one */
+            if (!x) return false;
+            PyTuple_SET_ITEM(call.get(), (Py_ssize_t)i + 1, x);
+        }
+        got = PyObject_Call(self->apply_region, call.get(), nullptr);
+    } else {       /* step.run(ins) */
+        std::vector<at::Tensor> copy(ins);
+        THPObjectPtr list(wrap_tensors(copy, copy.size(), true));
+        if (!list) return false;
+        got = PyObject_CallMethodOneArg(st.step.o, str_run, list.get());
+    }
+    return got && append_outputs(got.get(), st.nouts, slots) == 0;
+}
+
+/* call(module, args) -> the forward's result, or NotImplemented where the Python path must run.
+ * The checks, in _run's order: the inputs (plain tensors, as many as captured, a bound
+ * signature), the train/eval mode, each parameter or buffer (present, a plain tensor, its
+ * captured dtype and shape, on the inputs' device), whether gradients are wanted where only
+ * the joint program may run them. Nothing is launched before all of them pass. */
+PyObject *program_call(Program *self, PyObject *const *args, Py_ssize_t nargs) {
+    HANDLE_TH_ERRORS
+    if (nargs != 2 || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "call(module, args): args must be a tuple");
+        return nullptr;
+    }
+    PyObject *module = args[0], *inputs = args[1];
+    size_t n = (size_t)PyTuple_GET_SIZE(inputs);
+    if (n == 0 || n != self->s.ninputs) return decline(self, "not as many inputs as captured");
+    const at::Tensor *ts[64];
+    if (n > 64) return decline(self, "more than 64 inputs");
+    for (size_t i = 0; i < n; i++)
+        if (!(ts[i] = plain_tensor(PyTuple_GET_ITEM(inputs, (Py_ssize_t)i))))
+            return decline(self, "an input is not a plain tensor");
+    /* a copy of the entry's pointer: a launch releases the GIL, and another thread may clear
+     * or replace the entries meanwhile */
+    std::shared_ptr<const Entry> held;
+    uint64_t hash = signature_hash(ts, n);
+    for (const auto &e : self->s.entries)
+        if (matches(*e, hash, ts, n)) {
+            held = e;
+            break;
+        }
+    if (!held) return decline(self, "no bound signature matches");
+    const Entry &e = *held;
+    {
+        THPObjectPtr training(PyObject_GetAttr(module, str_training));
+        if (!training) {
+            PyErr_Clear();
+            return decline(self, "the module has no training flag");
+        }
+        if (training.get() != self->training) return decline(self, "the train/eval mode differs from the captured one");
+    }
+    std::vector<at::Tensor> slots;
+    slots.reserve(e.nslots);
+    for (size_t i = 0; i < n; i++) slots.push_back(*ts[i]);
+    for (const ParamChain &c : self->s.params) {
+        THPObjectPtr t(fetch(self, c));
+        const at::Tensor *p = t ? plain_tensor(t.get()) : nullptr;
+        if (!p) return decline(self, "a parameter or buffer is gone, None or not a plain tensor");
+        if (p->scalar_type() != c.dtype || p->device() != e.device || !same_sizes(*p, c.shape.data(), c.shape.size()))
+            return decline(self, "a parameter or buffer changed dtype, shape or device");
+        slots.push_back(*p);
+    }
+    bool grad = false;
+    if (c10::GradMode::is_enabled())
+        for (const at::Tensor &t : slots) grad |= t.requires_grad();
+    if (grad && !self->grad_ok) return decline(self, "gradients wanted where a joint program may apply");
+
+    std::vector<at::Tensor> ins;
+    for (const StepSpec &st : e.steps) {
+        ins.clear();
+        for (int i : st.ins) ins.push_back(slots[(size_t)i]);
+        if (!run_step(self, st, grad, ins, slots)) return nullptr;
+    }
+    self->served++;
+    if (e.one) return THPVariable_Wrap(slots[(size_t)e.outputs[0]]);
+    std::vector<at::Tensor> outs;
+    outs.reserve(e.outputs.size());
+    for (int i : e.outputs) outs.push_back(slots[(size_t)i]);
+    if (e.build.o == Py_None) return wrap_tensors(outs, outs.size(), false);
+    THPObjectPtr list(wrap_tensors(outs, outs.size(), true));
+    return list ? PyObject_CallOneArg(e.build.o, list.get()) : nullptr;
+    END_HANDLE_TH_ERRORS
+}
+
+/* ---------------------------------------------------------------- building */
+
+int parse_ints(PyObject *seq, std::vector<int> &out, const char *what) {
+    std::vector<int64_t> v;
+    if (as_ints(seq, v, what) < 0) return -1;
+    for (int64_t x : v) out.push_back((int)x);
+    return 0;
+}
+
+/* add(args, steps, outputs, build) -> True, or False where this call's shape of program is not
+ * one it runs (the entry is not added; the Python path keeps serving the signature).
+ * args: the inputs the signature is taken from; steps: [(step, launch, region, ins, nouts)];
+ * outputs: the graph outputs' slots; build: "one" (outputs[0] itself), "tuple", or a callable
+ * making the result from the list of outputs. */
+PyObject *program_add(Program *self, PyObject *a) {
+    HANDLE_TH_ERRORS
+    PyObject *args, *steps, *outputs, *build;
+    if (!PyArg_ParseTuple(a, "O!OOO", &PyTuple_Type, &args, &steps, &outputs, &build)) return nullptr;
+    auto e = std::make_shared<Entry>();
+    size_t n = (size_t)PyTuple_GET_SIZE(args);
+    if (n == 0 || n != self->s.ninputs || n > 64) Py_RETURN_FALSE;
+    const at::Tensor *ts[64];
+    for (size_t i = 0; i < n; i++) {
+        if (!(ts[i] = plain_tensor(PyTuple_GET_ITEM(args, (Py_ssize_t)i)))) Py_RETURN_FALSE;
+        if (ts[i]->device() != ts[0]->device()) Py_RETURN_FALSE;   /* _run falls back: Python says why */
+        e->dtypes.push_back(ts[i]->scalar_type());
+        e->ndims.push_back((size_t)ts[i]->dim());
+        for (int64_t d : ts[i]->sizes()) e->sizes.push_back(d);
+    }
+    e->hash = signature_hash(ts, n);
+    e->device = ts[0]->device();
+    /* slots: inputs, parameters, then each step's outputs; a statistic's slot may be left
+     * undefined, so nothing may read one */
+    size_t nslots = n + self->s.params.size();
+    std::vector<bool> maybe_empty(nslots, false);
+    THPObjectPtr fsteps(PySequence_Fast(steps, "steps must be a sequence"));
+    if (!fsteps) return nullptr;
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(fsteps.get()); k++) {
+        PyObject *step, *launch, *region, *ins;
+        Py_ssize_t nouts;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fsteps.get(), k), "OO!O!On", &step, LaunchType, &launch,
+                              RegionType, &region, &ins, &nouts))
+            return nullptr;
+        StepSpec st;
+        st.step = Ref(step), st.launch = Ref(launch), st.region = Ref(region), st.nouts = (size_t)nouts;
+        if (parse_ints(ins, st.ins, "a step's slots must be a sequence of ints") < 0) return nullptr;
+        size_t rin, rreal, rsaved;
+        region_arity(region, rin, rreal, rsaved);
+        const LaunchSpec &l = ((Launch *)launch)->spec;
+        if (nouts < 0 || rin != st.ins.size() || rreal + rsaved != st.nouts ||
+            l.outs.size() + (size_t)l.skipped != st.nouts) {
+            PyErr_SetString(PyExc_ValueError, "add: a step's launch, region and slot counts disagree");
+            return nullptr;
+        }
+        for (int i : st.ins)
+            if (i < 0 || (size_t)i >= nslots || maybe_empty[(size_t)i]) Py_RETURN_FALSE;
+        /* the trailing outputs a launch skips, or a Region keeps for its node, stay empty */
+        size_t empty_from = st.nouts - std::max((size_t)l.skipped, rsaved);
+        for (size_t j = 0; j < st.nouts; j++) maybe_empty.push_back(j >= empty_from);
+        nslots += st.nouts;
+        e->steps.push_back(std::move(st));
+    }
+    if (parse_ints(outputs, e->outputs, "outputs must be a sequence of slots") < 0) return nullptr;
+    if (e->outputs.empty()) Py_RETURN_FALSE;
+    for (int i : e->outputs)
+        if (i < 0 || (size_t)i >= nslots || maybe_empty[(size_t)i]) Py_RETURN_FALSE;
+    if (PyUnicode_Check(build) && PyUnicode_CompareWithASCIIString(build, "one") == 0) {
+        e->one = true;
+        e->build = Ref(Py_None);
+    } else if (PyUnicode_Check(build) && PyUnicode_CompareWithASCIIString(build, "tuple") == 0) {
+        e->build = Ref(Py_None);
+    } else if (PyCallable_Check(build)) {
+        e->build = Ref(build);
+    } else {
+        PyErr_SetString(PyExc_TypeError, "add: build must be 'one', 'tuple' or a callable");
+        return nullptr;
+    }
+    e->nslots = nslots;
+    /* a signature bound again (after the Python table was cleared) replaces the old entry */
+    auto &entries = self->s.entries;
+    for (auto it = entries.begin(); it != entries.end(); ++it)
+        if (matches(**it, e->hash, ts, n)) {
+            entries.erase(it);
+            break;
+        }
+    entries.push_back(std::move(e));
+    Py_RETURN_TRUE;
+    END_HANDLE_TH_ERRORS
+}
+
+/* clear(): forget every bound signature (OptimizedModule._bind clears its own table too). */
+PyObject *program_clear_entries(Program *self, PyObject *) {
+    self->s.entries.clear();
+    Py_RETURN_NONE;
+}
+
+PyObject *program_entries(Program *self, void *) { return PyLong_FromSize_t(self->s.entries.size()); }
+
+PyObject *program_why(Program *self, void *) {
+    if (!self->why) Py_RETURN_NONE;
+    return PyUnicode_FromString(self->why);
+}
+
+/* Program(orig, captured, ninputs, chains, meta, training, grad_ok, apply_region)
+ * chains: per parameter/buffer/constant input, (path, table, leaf) as
+ * OptimizedModule._param_chains gives them (path None: captured.constants[leaf]);
+ * meta: (name, dtype, shape) per chain as captured. */
+PyObject *program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static const char *kwlist[] = {"orig", "captured", "ninputs", "chains", "meta", "training", "grad_ok",
+                                   "apply_region", nullptr};
+    PyObject *orig, *captured, *chains, *meta, *training, *apply_region;
+    Py_ssize_t ninputs;
+    int grad_ok;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnOOOpO", (char **)kwlist, &orig, &captured, &ninputs, &chains,
+                                     &meta, &training, &grad_ok, &apply_region))
+        return nullptr;
+    if (!PyCallable_Check(apply_region) || ninputs < 0) {
+        PyErr_SetString(PyExc_TypeError, "Program: apply_region must be callable and ninputs >= 0");
+        return nullptr;
+    }
+    THPObjectPtr fchains(PySequence_Fast(chains, "Program: chains must be a sequence"));
+    THPObjectPtr fmeta(PySequence_Fast(meta, "Program: meta must be a sequence"));
+    if (!fchains || !fmeta) return nullptr;
+    Py_ssize_t np = PySequence_Fast_GET_SIZE(fchains.get());
+    if (PySequence_Fast_GET_SIZE(fmeta.get()) != np) {
+        PyErr_SetString(PyExc_ValueError, "Program: one meta entry per chain");
+        return nullptr;
+    }
+    Program *self = (Program *)type->tp_alloc(type, 0);
+    if (!self) return nullptr;
+    new (&self->s) ProgramState();
+    self->orig = Py_NewRef(orig);
+    self->captured = Py_NewRef(captured);
+    self->training = Py_NewRef(training);
+    self->apply_region = Py_NewRef(apply_region);
+    self->grad_ok = grad_ok;
+    self->s.ninputs = (size_t)ninputs;
+    for (Py_ssize_t i = 0; i < np; i++) {
+        PyObject *path, *table, *leaf, *name, *dtype, *shape;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fchains.get(), i), "OOU", &path, &table, &leaf) ||
+            !PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fmeta.get(), i), "OOO", &name, &dtype, &shape))
+            goto fail;
+        if (!THPDtype_Check(dtype) || (path == Py_None) != (table == Py_None) ||
+            (table != Py_None && !PyUnicode_Check(table))) {
+            PyErr_SetString(PyExc_TypeError, "Program: a chain is (path, table, leaf) with path and table both "
+                                             "None or a tuple of names and a name; meta has a torch.dtype");
+            goto fail;
+        }
+        ParamChain c;
+        c.leaf = Ref(leaf);
+        if (table != Py_None) {
+            c.table = Ref(table);
+            THPObjectPtr fpath(PySequence_Fast(path, "Program: a chain's path must be a sequence of names"));
+            if (!fpath) goto fail;
+            for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(fpath.get()); k++) {
+                PyObject *part = PySequence_Fast_GET_ITEM(fpath.get(), k);
+                if (!PyUnicode_Check(part)) {
+                    PyErr_SetString(PyExc_TypeError, "Program: a chain's path must be a sequence of names");
+                    goto fail;
+                }
+                c.path.emplace_back(part);
+            }
+        }
+        c.dtype = ((THPDtype *)dtype)->scalar_type;
+        if (as_ints(shape, c.shape, "Program: a shape must be a sequence of ints") < 0) goto fail;
+        self->s.params.push_back(std::move(c));
+    }
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return nullptr;
+}
+
+int program_traverse(Program *self, visitproc visit, void *arg) {
+    Py_VISIT(self->orig);
+    Py_VISIT(self->captured);
+    Py_VISIT(self->apply_region);
+    for (const auto &e : self->s.entries) {
+        for (const StepSpec &st : e->steps) {
+            Py_VISIT(st.step.o);
+            Py_VISIT(st.launch.o);
+            Py_VISIT(st.region.o);
+        }
+        Py_VISIT(e->build.o);
+    }
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+int program_clear(Program *self) {
+    /* the entries hold the Steps, whose owner holds this Program: the cycle is broken here */
+    self->s.entries.clear();
+    Py_CLEAR(self->orig);
+    Py_CLEAR(self->captured);
+    Py_CLEAR(self->apply_region);
+    return 0;
+}
+
+void program_dealloc(Program *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    program_clear(self);
+    Py_CLEAR(self->training);
+    self->s.~ProgramState();
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+PyMethodDef program_methods[] = {
+    {"call", (PyCFunction)(void (*)(void))program_call, METH_FASTCALL,
+     "call(module, args) -> the forward's result, or NotImplemented where the Python path must run"},
+    {"add", (PyCFunction)program_add, METH_VARARGS,
+     "add(args, steps, outputs, build) -> whether the signature of args is now served from C++"},
+    {"clear", (PyCFunction)program_clear_entries, METH_NOARGS, "clear(): forget every bound signature"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyMemberDef program_members[] = {
+    {"served", T_PYSSIZET, offsetof(Program, served), READONLY, "calls run from C++"},
+    {"declined", T_PYSSIZET, offsetof(Program, declined), READONLY, "calls left to the Python path"},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+PyGetSetDef program_getset[] = {
+    {"entries", (getter)program_entries, nullptr, "bound signatures served from C++", nullptr},
+    {"why", (getter)program_why, nullptr, "why the last declined call was declined (None: none was)", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot program_slots[] = {
+    {Py_tp_doc, (void *)"An OptimizedModule's forward call in C++ for its common case (kbench.runtime builds it)."},
+    {Py_tp_new, (void *)program_new},
+    {Py_tp_dealloc, (void *)program_dealloc},
+    {Py_tp_traverse, (void *)program_traverse},
+    {Py_tp_clear, (void *)program_clear},
+    {Py_tp_methods, program_methods},
+    {Py_tp_members, program_members},
+    {Py_tp_getset, program_getset},
+    {0, nullptr},
+};
+
+PyType_Spec program_spec = {"kbench._fast.Program", sizeof(Program), 0,
+                            Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, program_slots};
+
+}  // namespace
+
+int init_program(PyObject *module) {
+    for (auto [ptr, name] : {std::pair{&str_modules, "_modules"}, {&str_training, "training"},
+                             {&str_constants, "constants"}, {&str_run, "run"}})
+        if (!*ptr && !(*ptr = PyUnicode_InternFromString(name))) return -1;
+    PyObject *type = PyType_FromSpec(&program_spec);
+    if (!type) return -1;
+    return PyModule_AddObject(module, "Program", type) < 0 ? -1 : 0;
+}
+
+}  // namespace kbfast
