@@ -360,7 +360,8 @@ class CudaExecutor(Executor):
         plan = self.plan
         info = plan.regions[r]
         ins = {v: (x.double() if x.is_floating_point() else x) for v, x in zip(info.inputs, inputs)}
-        out = torch_eval.evaluate(plan.graph, plan, ins, symvals, nodes=info.nodes, dtype=torch.float64)
+        out = torch_eval.evaluate(plan.graph, plan, ins, symvals, nodes=info.nodes, dtype=torch.float64,
+                                  device=self.device)
         return [out[v] for v in info.outputs]
 
     def _verify(self, r, kernel, example_symvals) -> verify.Verdict:
@@ -591,7 +592,8 @@ class CudaExecutor(Executor):
         kernel = self.kernels[r]
 
         def eager():
-            torch_eval.evaluate(plan.graph, plan, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes)
+            torch_eval.evaluate(plan.graph, plan, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes,
+                                device=self.device)
 
         def ours():
             self._launch(kernel, r, symvals, inputs)

@@ -32,21 +32,23 @@ def _axes(mask, rank):
     return [d for d in range(rank) if mask >> d & 1]
 
 
-def evaluate(graph, captured, inputs_by_value: dict, symvals, *, nodes=None, dtype=None):
+def evaluate(graph, captured, inputs_by_value: dict, symvals, *, nodes=None, dtype=None, device=None):
     """Runs the IR nodes (all of the graph's, or `nodes`, a topologically ordered list of ids)
     on torch tensors. inputs_by_value maps value ids (graph inputs, or a region's inputs) to
     tensors; returns a dict value id -> tensor holding those and every value computed.
-    dtype=torch.float64 computes every floating value in float64 (a reference)."""
+    dtype=torch.float64 computes every floating value in float64 (a reference). Values are made
+    on the inputs' device; device says where, for nodes with no tensor input at all (a constant
+    region of a loss's joint graph), else the CPU."""
     symvals = list(symvals)
     f64 = dtype == torch.float64
     env = {}
-    device = None
+    first = None
     for v, t in inputs_by_value.items():
         if f64 and t.is_floating_point():
             t = t.to(torch.float64)
         env[v] = t
-        device = device or t.device
-    device = device or torch.device("cpu")
+        first = first or t.device
+    device = first or device or torch.device("cpu")
     ids = range(graph.num_nodes) if nodes is None else nodes
     extern_cache = {}
     for i in ids:

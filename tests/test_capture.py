@@ -442,3 +442,21 @@ def test_in_place_ops():
                 assert_close(run_graph(cap, m, (a,)), m(b), 2e-5)
             assert torch.equal(a, b)      # the input written in place, like eager
     assert [k for _, k, _ in cap.mutations] == ["user"]
+
+
+def test_evaluate_places_input_free_values_on_the_given_device():
+    """A node with no tensor input (a constant region of a loss's joint graph) is made on the
+    device evaluate() is given, so a reference computed for a GPU kernel sits on that GPU; values
+    with inputs follow the inputs."""
+    from kbench import _C
+    g = _C.Graph()
+    x = g.add_input("x", "user", "f32", [4, 8])
+    c = g.add_node("const", [], "f32", [4, 8], scalars=(0.25, 0.0))
+    y = g.add_node("add", [x, c], "f32", [4, 8])
+    g.add_output(y)
+    alone = evaluate(g, None, {}, [], nodes=[c], device=torch.device("meta"))
+    assert alone[c].device.type == "meta"
+    assert evaluate(g, None, {}, [], nodes=[c])[c].device.type == "cpu"
+    xs = torch.ones(4, 8)
+    both = evaluate(g, None, {x: xs}, [], nodes=[c, y], device=torch.device("meta"))
+    assert both[y].device.type == "cpu" and torch.equal(both[y], xs + 0.25)
