@@ -260,7 +260,9 @@ def test_saved_statistics_train_and_inference_entry_points(kind):
     """A row region saves its statistics for the backward: a training forward runs the entry
     point that writes them and the backward is one row kernel that reads them (no reduction pass
     for them); a no-grad forward runs the `_nostats` entry point (no buffers allocated, nothing
-    stored), gated by itself. All of it matches eager, bf16 rows of 4096 as in the benchmark."""
+    stored), gated by itself, unless it times slower than the entry that writes them (both are
+    timed at the example size; the report's extra says which runs). All of it matches eager, bf16
+    rows of 4096 as in the benchmark."""
     torch.manual_seed(0)
     if kind == "layer_norm":
         model = torch.nn.LayerNorm(4096)
@@ -274,7 +276,9 @@ def test_saved_statistics_train_and_inference_entry_points(kind):
     info = fast._kbench_plan.regions[0]
     assert info.kind == "ROW" and info.saved >= 1 and info.status.startswith("kernel"), (info.saved, info.status)
     kernel = fast._kbench_executor.kernels[0]
-    assert kernel.fn_nostats is not None and "KB_SAVE" in kernel.source
+    assert "KB_SAVE" in kernel.source
+    timed = info.extra["inference_entry"]   # 256 x 4096 elements: large enough to time both entries
+    assert (kernel.fn_nostats is None) == timed.endswith("the one with statistics runs"), timed
 
     with torch.no_grad():
         y = fast(x)
@@ -282,7 +286,11 @@ def test_saved_statistics_train_and_inference_entry_points(kind):
     assert step.launch_nograd is not None
     slots = [x, *fast._params()]
     outs = step.launch_nograd([slots[i] for i in step.ins])
-    assert outs[len(outs) - step.nsaved:] == [None] * step.nsaved   # no statistics written
+    stats = outs[len(outs) - step.nsaved:]
+    if kernel.fn_nostats is not None:
+        assert stats == [None] * step.nsaved   # no statistics written
+    else:                                      # written to buffers of their own, dropped by the runtime
+        assert all(isinstance(t, torch.Tensor) and t.shape[0] == 256 for t in stats), stats
     assert rel_err(y, model(x)) <= 3e-2
 
     xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
