@@ -204,8 +204,8 @@ class CudaExecutor(Executor):
         extra = {"search_s": 0.0, "candidates": 0, "cache": "hit"}
         if w.eager_ms is not None and w.kernel_ms is not None:
             # the report's eager and kernel times as measured when the kernel was tuned: a hit
-            # launches nothing beyond the gate above (an entry from before they were stored is
-            # timed once here and the times added to it)
+            # times nothing for the report (an entry from before they were stored is timed once
+            # here and the times added to it); only a large region's two entry points are timed
             self._times[key] = (w.eager_ms, w.kernel_ms)
             extra["times"] = "from cache"
         return kernel, "kernel (cached)", w.envelope, extra
@@ -310,7 +310,8 @@ class CudaExecutor(Executor):
         softmax 58 -> 52 us) or worse (residual LayerNorm f32 in shared memory: 0.26 ms against
         0.185 ms with the stores). Both are timed, interleaved, at the example sizes of large
         regions, and the one that writes the statistics (to buffers dropped at once) is kept
-        where it is faster by more than NOSTATS_SLOWER."""
+        where it is faster by more than NOSTATS_SLOWER. The choice is not stored with a cached
+        winner: a cache hit times the two again (2 x NOSTATS_REPS launches)."""
         plan = self.plan
         if max(math.prod(plan.graph.sizes(v, symvals)) for v in plan.regions[r].inputs) < NOSTATS_TIMED_MIN:
             return

@@ -231,11 +231,16 @@ class ResidualLN(torch.nn.Module):
         return torch.nn.functional.layer_norm(h, (h.shape[-1],), self.weight, self.bias, 1e-5), h
 
 
-@needs_program
-def test_program_serves_forward_and_grad_calls_with_the_python_paths_bits():
+def optimized_wrapped():
+    """(model, x, its optimized module): a LayerNorm of 64 x 1024, default genomes."""
     model = Wrapped().cuda()
     x = torch.randn(64, 1024, device="cuda")
-    opt = kbench.optimize(model, (x,), budget="none", verbose=False)
+    return model, x, kbench.optimize(model, (x,), budget="none", verbose=False)
+
+
+@needs_program
+def test_program_serves_forward_and_grad_calls_with_the_python_paths_bits():
+    model, x, opt = optimized_wrapped()
     program = opt._kbench_fast_program
     opt(x)   # binds the signature: Python
     assert program.entries == 1
@@ -279,9 +284,7 @@ def test_program_residual_layer_norm_returns_the_tuple():
 
 @needs_program
 def test_program_reads_replaced_parameters_and_submodules():
-    model = Wrapped().cuda()
-    x = torch.randn(64, 1024, device="cuda")
-    opt = kbench.optimize(model, (x,), budget="none", verbose=False)
+    model, x, opt = optimized_wrapped()
     opt(x)
     with torch.no_grad():
         model.ln.weight = torch.nn.Parameter(torch.rand(1024, device="cuda") + 0.5)
@@ -302,9 +305,7 @@ def test_program_reads_replaced_parameters_and_submodules():
 
 @needs_program
 def test_program_declines_double_train_eval_cpu_inputs_and_new_shapes():
-    model = Wrapped().cuda()
-    x = torch.randn(64, 1024, device="cuda")
-    opt = kbench.optimize(model, (x,), budget="none", verbose=False)
+    model, x, opt = optimized_wrapped()
     program = opt._kbench_fast_program
     opt(x)
     with torch.no_grad():
@@ -335,9 +336,7 @@ def test_program_region_fallback_inside_the_loop():
     """A launch that refuses its inputs (not contiguous, misaligned) refuses before it does
     anything; the Program then runs the step as Python does: step.run (eager, noted) without
     gradients, apply_region (RegionFunction around eager) with them."""
-    model = Wrapped().cuda()
-    x = torch.randn(64, 1024, device="cuda")
-    opt = kbench.optimize(model, (x,), budget="none", verbose=False)
+    model, x, opt = optimized_wrapped()
     opt(x)
     strided = x.t().contiguous().t()
     misaligned = torch.empty(64 * 1024 + 1, device="cuda")[1:].view(64, 1024).copy_(x)
