@@ -43,10 +43,10 @@ SWEEP = {
 }
 
 
-def variants(p, r, symvals, extra, profile=False):
+def variants(p, r, symvals, extra, no_sweep=False):
     base = dict(kv.split("=") for kv in _C.genome_default(p, r, symvals).split())
     out = [" ".join(f"{k}={v}" for k, v in base.items())]
-    for s in ([] if profile else SWEEP.get(p.region(r)["kind"], [])) + extra:
+    for s in ([] if no_sweep else SWEEP.get(p.region(r)["kind"], [])) + extra:
         text = " ".join(f"{k}={v}" for k, v in {**base, **{k: str(v) for k, v in s.items()}}.items())
         if text not in out:
             out.append(text)
@@ -59,7 +59,7 @@ def region_bytes(plan, r, symvals):
     return sum(math.prod(g.sizes(v, symvals)) * torch_dtype(plan.nodes[v]["dtype"]).itemsize for v in vals)
 
 
-def sweep(label, executor, plan, symvals, extra, reps, profile=False):
+def sweep(label, executor, plan, symvals, extra, reps, profile=False, no_sweep=False):
     p = plan.partition
     for r, info in enumerate(plan.regions):
         if info.kind == "EXTERN":
@@ -68,7 +68,7 @@ def sweep(label, executor, plan, symvals, extra, reps, profile=False):
         print(f"\n{label} region {r} {info.kind}: {info.ops}  ({nbytes / 1e6:.1f} MB moved)")
         bench = search.CudaRegionBench(executor, r, symvals)
         rows = []
-        for text in variants(p, r, symvals, extra, profile):
+        for text in variants(p, r, symvals, extra, profile or no_sweep):
             try:
                 k = bench.generate(text)
                 bench.compile(k)
@@ -126,6 +126,7 @@ def main(argv=None):
     ap.add_argument("--joint", action="store_true",
                     help="a loss: the regions of its joint forward+backward graph (kbench/joint.py) instead")
     ap.add_argument("--profile", action="store_true", help="no sweep; each genome once in a profiler window")
+    ap.add_argument("--no-sweep", action="store_true", help="the default genome and the --genome variants only")
     ap.add_argument("--status", default=None, metavar="BUDGET",
                     help="no sweep: optimize with BUDGET, run forward+backward once, print what runs each region")
     a = ap.parse_args(argv)
@@ -143,10 +144,10 @@ def main(argv=None):
             for need, jp in opt._kbench_joint.items():
                 print(f"joint {need}: {opt._kbench_loss}")
                 if jp is not None:
-                    sweep("joint", jp.program.executor, jp.program.plan, symvals, extra, a.reps, a.profile)
+                    sweep("joint", jp.program.executor, jp.program.plan, symvals, extra, a.reps, a.profile, a.no_sweep)
             return
         if not a.no_forward:
-            sweep("forward", executor, plan, symvals, extra, a.reps, a.profile)
+            sweep("forward", executor, plan, symvals, extra, a.reps, a.profile, a.no_sweep)
         if a.no_backward:
             return
         for r, info in enumerate(plan.regions):
@@ -158,7 +159,7 @@ def main(argv=None):
             if prog is None:
                 print(f"\nbackward of region {r}: eager")
                 continue
-            sweep(f"backward of {r}:", prog.executor, prog.plan, symvals, extra, a.reps, a.profile)
+            sweep(f"backward of {r}:", prog.executor, prog.plan, symvals, extra, a.reps, a.profile, a.no_sweep)
 
 
 if __name__ == "__main__":

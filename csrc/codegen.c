@@ -61,6 +61,7 @@ static void emit_preamble(cg *c, kb_sb *sb) {
     for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++)
         kb_sb_printf(sb, "// s%d = %s\n", s, kb_graph_symbol_name(c->g, s));
     if (c->use_bf16) kb_sb_puts(sb, "#include <cuda_bf16.h>\n");
+    int bf16_words = c->use_bf16 && c->vec > 1;
     if (c->use_f16) kb_sb_puts(sb, "#include <cuda_fp16.h>\n");
     kb_sb_puts(sb,
                "\n#define KB_INF __int_as_float(0x7f800000)\n"
@@ -79,11 +80,47 @@ static void emit_preamble(cg *c, kb_sb *sb) {
                "#pragma unroll\n"
                "    for (int j = 0; j < N; j += C) *reinterpret_cast<kb_vec<T, C> *>(p + j) = *reinterpret_cast<const kb_vec<T, C> *>(&r.v[j]);\n"
                "}\n"
-               "// max / min that propagate NaN like torch\n"
-               "__device__ __forceinline__ float kb_maxf(float a, float b) { return (a > b || a != a) ? a : b; }\n"
-               "__device__ __forceinline__ float kb_minf(float a, float b) { return (a < b || a != a) ? a : b; }\n"
+               "// the same bytes as another vector type: registers carried from one row to the next stay\n"
+               "// whole 32-bit words (16-bit elements would be unpacked and packed again with byte permutes)\n"
+               "template <typename T, int N, typename W, int M> __device__ __forceinline__ kb_vec<T, N> kb_bits(const kb_vec<W, M> &w) {\n"
+               "    return *reinterpret_cast<const kb_vec<T, N> *>(&w);\n"
+               "}\n"
+               "// max / min that propagate NaN like torch (sm_80+: one instruction)\n"
+               "__device__ __forceinline__ float kb_maxf(float a, float b) {\n"
+               "#if __CUDA_ARCH__ >= 800\n"
+               "    float r;\n"
+               "    asm(\"max.NaN.f32 %0, %1, %2;\" : \"=f\"(r) : \"f\"(a), \"f\"(b));\n"
+               "    return r;\n"
+               "#else\n"
+               "    return (a > b || a != a) ? a : b;\n"
+               "#endif\n"
+               "}\n"
+               "__device__ __forceinline__ float kb_minf(float a, float b) {\n"
+               "#if __CUDA_ARCH__ >= 800\n"
+               "    float r;\n"
+               "    asm(\"min.NaN.f32 %0, %1, %2;\" : \"=f\"(r) : \"f\"(a), \"f\"(b));\n"
+               "    return r;\n"
+               "#else\n"
+               "    return (a < b || a != a) ? a : b;\n"
+               "#endif\n"
+               "}\n"
                "__device__ __forceinline__ double kb_maxf(double a, double b) { return (a > b || a != a) ? a : b; }\n"
                "__device__ __forceinline__ double kb_minf(double a, double b) { return (a < b || a != a) ? a : b; }\n");
+    if (c->gn.fast_math && !c->dbl)
+        kb_sb_puts(sb, "// fast-math exp: ex2.approx with denormal results flushed to zero, two instructions (__expf\n"
+                       "// without -ftz wraps the same approximation in a denormal fix-up)\n"
+                       "__device__ __forceinline__ float kb_fexp(float x) {\n"
+                       "    float y;\n"
+                       "    asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x * 1.44269504088896341f));\n"
+                       "    return y;\n"
+                       "}\n");
+    if (bf16_words)
+        kb_sb_puts(sb, "// element k of a bf16 vector as float, from its 32-bit word: the upper element is one mask (a\n"
+                       "// byte permute and a shift otherwise)\n"
+                       "template <int N> __device__ __forceinline__ float kb_bf16_at(const kb_vec<__nv_bfloat16, N> &x, int k) {\n"
+                       "    const unsigned w = *reinterpret_cast<const unsigned *>(&x.v[k & ~1]);\n"
+                       "    return __uint_as_float(k & 1 ? w & 0xffff0000u : w << 16);\n"
+                       "}\n");
     /* warp reductions over W lanes (xor butterflies stay inside aligned groups of W) */
     static const char *const warp_ops[][2] = {{"kb_warp_sum", "v + w"}, {"kb_warp_max", "kb_maxf(v, w)"},
                                               {"kb_warp_min", "kb_minf(v, w)"}};
@@ -109,16 +146,21 @@ static void emit_preamble(cg *c, kb_sb *sb) {
                      "    else if (x > m) { s = s * kb_exp(m - x) + (T)1; m = x; }\n"
                      "    else if (x != -(T)KB_INF) s += kb_exp(x - m);\n"
                      "}\n"
+                     "// branch-free, one exp: the smaller max's sum is scaled by exp(min - max); equal maxima (±inf\n"
+                     "// included, where min - max is NaN) need no factor; a NaN max makes the sum NaN. Lanes l and\n"
+                     "// l^o compute the same fma of the same values, so a butterfly leaves equal bits everywhere.\n"
                      "template <typename T> __device__ __forceinline__ void kb_online_merge(T &m, T &s, T m2, T s2) {\n"
-                     "    if (m2 != m2 || m != m) { m = m + m2; s = m; }\n"
-                     "    else if (m2 > m) { s = s * kb_exp(m - m2) + s2; m = m2; }\n"
-                     "    else if (m2 != -(T)KB_INF) s += s2 * kb_exp(m2 - m);\n"
+                     "    const bool first = m >= m2;\n"
+                     "    const T mx = kb_maxf(m, m2), mn = first ? m2 : m;\n"
+                     "    const T e = mn == mx ? (T)1 : kb_exp(mn - mx);\n"
+                     "    s = first ? s + s2 * e : s * e + s2;\n"
+                     "    m = mx;\n"
                      "}\n"
                      "template <int W, typename T> __device__ __forceinline__ void kb_warp_online(T &m, T &s) {\n"
                      "#pragma unroll\n"
                      "    for (int o = W / 2; o > 0; o >>= 1) { const T m2 = %s; const T s2 = %s; kb_online_merge(m, s, m2, s2); }\n"
                      "}\n",
-                     c->gn.fast_math ? "__expf" : "expf", shm, shs);
+                     c->gn.fast_math ? "kb_fexp" : "expf", shm, shs);
     kb_sb_puts(sb, "\n");
 }
 
@@ -209,6 +251,7 @@ static void plan_passes(cg *c) {
         }
         c->dp[v] = (int8_t)d;
     }
+    c->online_local = c->has_online && c->rg->kind == KB_REGION_ROW && c->gn.cache == KB_CACHE_REGS;
 }
 
 /* A FULL output is written in the first pass after the reductions it depends on. */
@@ -279,6 +322,31 @@ static void row_group_reduce(cg *c, const int32_t *reds, int nred) {
     cg_line(c, "kb_half ^= 1;");
 }
 
+/* online_local: after the chunk loop has taken each thread's max of y and kept y in ol<S>, the
+ * thread's share of S = sum(exp(y - M)) relative to its own max (one exp per element, none per
+ * merge step); row_group_reduce then merges the (max, sum) pairs once per row. */
+static void online_local_sums(cg *c, const int32_t *reds, int nred) {
+    for (int j = 0; j < nred; j++) {
+        int32_t s = reds[j], m = c->online_of[s];
+        if (m < 0) continue;
+        cg_line(c, "// %%%d: this thread's exp(%%%d - its own max), kept for the passes after", kb_graph_node(c->g, s)->inputs[0],
+                kb_graph_node(c->g, m)->inputs[0]);
+        cg_line(c, "const %s olm%d = acc%d;", c->ct, s, m);
+        cg_line(c, "const %s olr%d = olm%d == -KB_INF ? 0 : olm%d;  // all -inf: exp(-inf - 0) = 0", c->ct, s, s, s);
+        row_chunk_loop_open(c);
+        if (c->vec > 1) {
+            cg_line(c, "#pragma unroll");
+            cg_line(c, "for (int k = 0; k < %d; ++k) {", c->vec);
+        } else {
+            cg_line(c, "{");
+        }
+        cg_line(c, "    ol%d[u][%s] = kb_exp(ol%d[u][%s] - olr%d);", s, c->kvar, s, c->kvar, s);
+        cg_line(c, "    acc%d += ol%d[u][%s];", s, s, c->kvar);
+        cg_line(c, "}");
+        row_chunk_loop_close(c);
+    }
+}
+
 /* The reductions and FULL outputs of one pass, and the statistics it finishes. */
 static void row_pass(cg *c, int pass) {
     int32_t reds[64], outs[64], csums[16];
@@ -303,7 +371,7 @@ static void row_pass(cg *c, int pass) {
     for (int j = 0; j < nred; j++) {
         const kb_node *nd = kb_graph_node(c->g, reds[j]);
         if (c->online_of[reds[j]] >= 0)
-            cg_line(c, "//   %s of %%%d, online with %%%d (rescaled as the max grows)", kb_op_get(nd->op)->name, nd->inputs[0],
+            cg_line(c, c->online_local ? "//   %s of %%%d, online with %%%d (each thread's own max first, merged once per row)" : "//   %s of %%%d, online with %%%d (rescaled as the max grows)", kb_op_get(nd->op)->name, nd->inputs[0],
                     c->online_of[reds[j]]);
         else
             cg_line(c, "//   %s of %%%d", kb_op_get(nd->op)->name, nd->inputs[0]);
@@ -316,11 +384,12 @@ static void row_pass(cg *c, int pass) {
     row_chunk_loop_open(c);
     cg_chunk(c, reds, nred, outs, nout, csums, ncs);
     row_chunk_loop_close(c);
-    if (c->prefetch && pass == c->pf_pass && c->npf) {
+    if (c->prefetch && pass == c->pf_pass && (c->npf || c->nps)) {
         char next[EXPR_LEN];
         snprintf(next, sizeof next, "row + (long long)gridDim.x * %d", c->gn.rows);
         cg_prefetch_rows(c, next, "the next row's loads: in flight while this row is reduced");
     }
+    if (c->online_local) online_local_sums(c, reds, nred);
     row_group_reduce(c, reds, nred);
     for (int j = 0; j < nred; j++) {
         const kb_node *nd = kb_graph_node(c->g, reds[j]);
@@ -331,6 +400,16 @@ static void row_pass(cg *c, int pass) {
         cg_bind_stat(c, reds[j]);
         cg_saved_stat_store(c, reds[j]);
     }
+    if (c->online_local)
+        for (int j = 0; j < nred; j++) {
+            int32_t s = reds[j], m = c->online_of[s];
+            if (m < 0) continue;
+            /* the factor that takes this thread's exp(y - its max) to exp(y - M), inf and NaN as
+               exp(y - M) itself: a thread whose elements are all -inf holds zeros (NaN where M is
+               -inf too), and a thread that holds M (+inf included) needs no factor */
+            cg_line(c, "const %s olc%d = olm%d == -KB_INF ? (v%d == -KB_INF ? KB_NAN : 0) : olm%d == v%d ? 1 : kb_exp(olm%d - v%d);",
+                    c->ct, s, s, m, s, m, s, m);
+        }
     /* statistics derived only from finished reductions: once per row, not per element */
     if (nred) cg_eager_stats(c, pass);
 }
@@ -359,7 +438,7 @@ static void emit_row_body(cg *c) {
      * (the loads ahead go to registers indexed by chunk: the unrolled chunk loop) */
     c->prefetch = c->trailing && (c->ncolsum > 0 || (c->gn.persistent && c->gn.cache == KB_CACHE_REGS));
     c->pf_pass = -1;
-    c->npf = 0;
+    c->npf = c->nps = 0;
     kb_sb *outer = c->out, loop;   /* the loop first: which inputs are loaded ahead is known after it */
     kb_sb_init(&loop, c->ctx);
     c->out = &loop;
@@ -371,19 +450,33 @@ static void emit_row_body(cg *c) {
     cg_line(c, "const long long Rl = row < O ? R : 0;  // idle row slots still join the reductions");
     cg_decl_vars(c, "row", ~c->red, 0);
     if (c->trailing) cg_line(c, "const long long rb = row * R;");
+    kb_sb passes;   /* the passes apart: the per-row inputs loaded ahead are known after them */
+    kb_sb_init(&passes, c->ctx);
+    c->out = &passes;
     if (c->gn.cache == KB_CACHE_REGS) cg_regs_arrays(c);
     int last = c->npasses;
     for (int p = 0; p <= last; p++) row_pass(c, p);
     cg_stat_outputs(c);
+    c->out = &loop;
+    for (int j = 0; j < c->nps; j++)
+        cg_line(c, "const %s rs%d = pfs%d;  // this row's, loaded ahead", cg_storage(kb_graph_node(c->g, c->ps[j])->dtype),
+                (int)c->ps[j], (int)c->ps[j]);
+    if (passes.oom) c->st = KB_FAIL(c->ctx, KB_ERR_OOM, "out of memory");
+    else if (passes.buf) kb_sb_puts(&loop, passes.buf);
+    kb_sb_discard(&passes);
     cg_scope_pop(c);
     c->ind--;
     cg_line(c, "}");
     c->out = outer;
-    if (c->npf) {
+    if (c->npf || c->nps) {
         cg_line(c, "// the first pass's loads, one row ahead of the row being reduced");
-        for (int j = 0; j < c->npf; j++)
-            cg_line(c, "kb_vec<%s, %d> pf%d[%d];", cg_storage(kb_graph_node(c->g, c->pf[j])->dtype), c->vec, (int)c->pf[j],
-                    c->U);
+        for (int j = 0; j < c->npf; j++) {
+            char T[40];
+            cg_prefetch_type(c, c->pf[j], T, sizeof T);
+            cg_line(c, "%s pf%d[%d];", T, (int)c->pf[j], c->U);
+        }
+        for (int j = 0; j < c->nps; j++)
+            cg_line(c, "%s pfs%d;", cg_storage(kb_graph_node(c->g, c->ps[j])->dtype), (int)c->ps[j]);
         char first[EXPR_LEN];
         snprintf(first, sizeof first, "(long long)blockIdx.x * %d + grp", c->gn.rows);
         cg_prefetch_rows(c, first, "this block's first row");

@@ -110,6 +110,10 @@ typedef struct cg {
     int32_t *partner;   /* M -> S, else -1 */
     int32_t *online_of; /* S -> M, else -1 */
     int has_online;
+    /* ... and with the row in registers (cache=regs), each thread first takes the max of its own
+     * elements, then exp(y - that max) once per element into ol<S>[u][k] (kept: a later pass
+     * reads exp(y - M) as ol<S> * olc<S>), and the pairs merge once per row (online_local) */
+    int online_local;
     /* ROW: column sums (sums over the rows, COLSUM in fuse.c) kept as per-thread partials */
     uint8_t *colsum;    /* 1: a column sum; 2: a reshape of one (same elements) */
     int32_t colsums[16];
@@ -122,6 +126,11 @@ typedef struct cg {
     int pf_pass;        /* the pass that reads pf (the first one emitted); -1 until known */
     int32_t pf[16];     /* the inputs loaded ahead */
     int npf;
+    /* ... and the per-row inputs the first pass reads (a backward's saved mean and rstd): pfs<v>
+     * holds the next row's value, rs<v> this row's (a load of them at the start of each row
+     * would stall its first pass on a DRAM round trip) */
+    int32_t ps[16];
+    int nps;
     /* emission */
     kb_sb *out;
     int ind, scope, counter;
@@ -161,6 +170,8 @@ void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nou
 /* ROW column sums: the register partials, the per-block write-out, the finishing kernel */
 void cg_colsum_decl(cg *c);
 void cg_prefetch_rows(cg *c, const char *row, const char *why);
+int cg_row_stat_ahead(cg *c, int32_t v);
+void cg_prefetch_type(cg *c, int32_t v, char *T, size_t n);
 void cg_colsum_store(cg *c);
 void cg_colsum_finish(cg *c);
 void cg_bind_stat(cg *c, int32_t reduce);

@@ -22,6 +22,24 @@ static int prefetched(cg *c, const cg_vreq *r) {
     return 1;
 }
 
+/* Is this per-row input (read at the row's own index) one loaded a row ahead into pfs<v>, read
+ * as rs<v>? Registers it where the first pass's elements read it; later passes find it there. */
+int cg_row_stat_ahead(cg *c, int32_t v) {
+    if (!c->prefetch || c->guard.on) return 0;
+    for (int j = 0; j < c->nps; j++)
+        if (c->ps[j] == v) return 1;
+    if (c->pass != c->pf_pass || !c->in_element || c->nps == (int)(sizeof c->ps / sizeof c->ps[0])) return 0;
+    c->ps[c->nps++] = v;
+    return 1;
+}
+
+/* pf<v>'s type: the vector as 32-bit words where it is a whole number of them (kb_bits). */
+void cg_prefetch_type(cg *c, int32_t v, char *T, size_t n) {
+    int bytes = c->vec * (int)kb_dtype_size(NODE(c, v)->dtype);
+    if (bytes % 4 == 0) snprintf(T, n, "kb_vec<unsigned, %d>", bytes / 4);
+    else snprintf(T, n, "kb_vec<%s, %d>", cg_storage(NODE(c, v)->dtype), c->vec);
+}
+
 /* The loads of row `row` (an expression) into pf<v>[u], for every prefetched input. */
 void cg_prefetch_rows(cg *c, const char *row, const char *why) {
     cg_line(c, "{  // %s", why);
@@ -35,10 +53,17 @@ void cg_prefetch_rows(cg *c, const char *row, const char *why) {
     for (int j = 0; j < c->npf; j++) {
         int32_t v = c->pf[j];
         const char *T = cg_storage(NODE(c, v)->dtype);
-        cg_line(c, "            pf%d[u] = kb_ld<%s, %d>(p%d + (prow * R + c0));", (int)v, T, c->vec, (int)v);
+        int bytes = c->vec * (int)kb_dtype_size(NODE(c, v)->dtype);
+        if (bytes % 4 == 0)
+            cg_line(c, "            pf%d[u] = kb_ld<unsigned, %d>(reinterpret_cast<const unsigned *>(p%d + (prow * R + c0)));", (int)v,
+                    bytes / 4, (int)v);
+        else
+            cg_line(c, "            pf%d[u] = kb_ld<%s, %d>(p%d + (prow * R + c0));", (int)v, T, c->vec, (int)v);
     }
     cg_line(c, "        }");
     cg_line(c, "    }");
+    for (int j = 0; j < c->nps; j++)
+        cg_line(c, "    pfs%d = p%d[prow];", (int)c->ps[j], (int)c->ps[j]);
     cg_line(c, "}");
     c->ind--;
     cg_line(c, "}");
@@ -78,7 +103,12 @@ void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nou
             char accs[NAME_LEN];
             if (kind == KB_REGION_COL) snprintf(accs, sizeof accs, "acc%d[%s]", (int)c->partner[reds[j]], c->kvar);
             else snprintf(accs, sizeof accs, "acc%d", (int)c->partner[reds[j]]);
-            cg_line(c, "kb_online_add(%s, %s, %s);", acc, accs, val);
+            if (c->online_local) { /* the max here, the sum after the loop (online_local_sums) */
+                cg_line(c, "%s = kb_maxf(%s, %s);", acc, acc, val);
+                cg_line(c, "ol%d[u][%s] = %s;", (int)c->partner[reds[j]], c->kvar, val);
+            } else {
+                cg_line(c, "kb_online_add(%s, %s, %s);", acc, accs, val);
+            }
             continue;
         }
         const char *f = (nd->op == KB_OP_RMAX) ? "kb_maxf(%s, %s)" : (nd->op == KB_OP_RMIN) ? "kb_minf(%s, %s)" : "%s + %s";
@@ -111,7 +141,8 @@ void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nou
         const cg_vreq *r = &c->vr[i];
         const char *T = cg_storage(NODE(c, r->v)->dtype);
         if (r->smem) cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(sm%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
-        else if (prefetched(c, r)) cg_line(c, "const kb_vec<%s, %d> %s = pf%d[u];  // loaded a row ahead", T, V, r->name, (int)r->v);
+        else if (prefetched(c, r))
+            cg_line(c, "const kb_vec<%s, %d> %s = kb_bits<%s, %d>(pf%d[u]);  // loaded a row ahead", T, V, r->name, T, V, (int)r->v);
         else if (r->guard[0]) /* a where() branch's read: only chunks it selects load */
             cg_line(c, "const kb_vec<%s, %d> %s = %s ? kb_ld<%s, %d>(p%d + %s) : kb_vec<%s, %d>{};", T, V, r->name, r->guard,
                     T, V, (int)r->v, r->base, T, V);
@@ -238,9 +269,12 @@ void cg_smem_pointers(cg *c) {
 }
 
 void cg_regs_arrays(cg *c) {
-    for (int32_t v = 0; v < c->n; v++)
+    for (int32_t v = 0; v < c->n; v++) {
         if (c->cached[v])
             cg_line(c, "%s rc%d[%d][%d];  // %%%d's share of the row, in registers", c->ct, (int)v, c->U, c->vec, (int)v);
+        if (c->online_local && c->online_of[v] >= 0)
+            cg_line(c, "%s ol%d[%d][%d];  // %%%d's operand, this thread's share", c->ct, (int)v, c->U, c->vec, (int)v);
+    }
 }
 
 /* Registers may hold any value a later pass reads again (softmax keeps exp(x - max), not x);

@@ -146,7 +146,7 @@ static void literal(cg *c, double x, char *out) {
 /* float spelling → double spelling (expf → exp, 0.5f → 0.5), or fast-math intrinsics */
 static const char *const FLOAT_FUNCS[] = {"expf", "logf", "log1pf", "expm1f", "sqrtf", "rsqrtf", "sinf", "cosf",
                                           "tanhf", "erff", "fabsf", "fmaxf", "fminf", "powf"};
-static const char *const FAST[][2] = {{"expf", "__expf"}, {"logf", "__logf"}, {"sinf", "__sinf"}, {"cosf", "__cosf"},
+static const char *const FAST[][2] = {{"expf", "kb_fexp"}, {"logf", "__logf"}, {"sinf", "__sinf"}, {"cosf", "__cosf"},
                                       {"powf", "__powf"}};
 static const char *const EXACT[][2] = {{"0.70710678", "0.70710678118654752"}, {"0.79788456", "0.79788456080286536"}};
 
@@ -310,7 +310,7 @@ static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
     int regs = c->gn.cache == KB_CACHE_REGS;
     char name[NAME_LEN], raw[EXPR_LEN], conv[EXPR_LEN * 2], base[EXPR_LEN];
     var_name(c, v, x, name);
-    const char *vn;
+    const char *vn = NULL;
     if (cached && c->pass > c->fill_pass[v]) { /* shared-memory row cache (registers: see ev) */
         if (c->pass < 32) c->reads[v] |= 1u << c->pass;
         if (c->vec > 1 && (vn = vector_request(c, v, 1, 0, "c0", "")) != NULL) cg_fmt(c, raw, sizeof raw, "%s.v[k]", vn);
@@ -321,6 +321,8 @@ static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
         int vec_ok = !c->guard.on || cg_chunk_guard(c, guard); /* guarded: whole chunks in or out */
         if (vec_ok && vector_base(c, nd, x, base) && (vn = vector_request(c, v, 0, fill, base, guard)) != NULL) {
             cg_fmt(c, raw, sizeof raw, "%s.v[k]", vn);
+        } else if (!fill && x->lin && c->stat_lin[0] && strcmp(x->e[0], c->stat_lin) == 0 && cg_row_stat_ahead(c, v)) {
+            cg_fmt(c, raw, sizeof raw, "rs%d", (int)v);  /* loaded a row ahead */
         } else {
             char lin[EXPR_LEN];
             cg_to_lin(c, nd, x, lin, NULL);
@@ -334,7 +336,10 @@ static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
             }
         }
     }
-    convert_load(c, nd->dtype, raw, conv);
+    if (nd->dtype == KB_BF16 && vn && strncmp(raw, vn, strlen(vn)) == 0 && strcmp(raw + strlen(vn), ".v[k]") == 0)
+        cg_fmt(c, conv, sizeof conv, c->dbl ? "(double)kb_bf16_at(%s, k)" : "kb_bf16_at(%s, k)", vn);
+    else
+        convert_load(c, nd->dtype, raw, conv);
     cg_line(c, "const %s %s = %s;", c->ct, name, conv);
     if (cached && regs && c->pass == c->fill_pass[v]) cg_line(c, "rc%d[u][%s] = %s;", (int)v, c->kvar, name);
     insert(c, v, key, name);
@@ -394,6 +399,23 @@ static void where_branches(cg *c, int32_t v, const kb_node *nd, const idx *x, co
     cg_fmt(c, out, EXPR_LEN, "%s", name);
 }
 
+/* exp(y - M) of an online pair, after its pass: the thread's kept exp(y - its max), rescaled
+ * (online_local in codegen.h) — no second exp per element. */
+static int online_kept(cg *c, int32_t v, const idx *x, const char *key, char *out) {
+    for (int32_t k = 0; k < c->rg->nnodes; k++) {
+        int32_t s = c->rg->nodes[k];
+        if (c->online_of[s] < 0 || NODE(c, s)->inputs[0] != v || c->pass <= c->dp[s]) continue;
+        char name[NAME_LEN];
+        var_name(c, v, x, name);
+        cg_line(c, "const %s %s = ol%d[u][%s] * olc%d;  // exp(y - M), kept from pass %d", c->ct, name, (int)s, c->kvar, (int)s,
+                c->dp[s] + 1);
+        insert(c, v, key, name);
+        cg_fmt(c, out, EXPR_LEN, "%s", name);
+        return 1;
+    }
+    return 0;
+}
+
 static void ev(cg *c, int32_t v, const idx *ix, char *out) {
     if (c->st != KB_OK) {
         snprintf(out, EXPR_LEN, "0");
@@ -428,6 +450,7 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
     }
     /* the row cache: a value evaluated in several passes is kept from its first one */
     int canon = c->in_element && x.lin && strcmp(x.e[0], c->full_lin) == 0;
+    if (canon && c->online_local && nd->op == KB_OP_EXP && online_kept(c, v, &x, key, out)) return;
     if (canon && c->pass < 32) c->uses[v] |= 1u << c->pass;
     if (canon && c->cached[v] && c->pass > c->fill_pass[v] && c->gn.cache == KB_CACHE_REGS) {
         char name[NAME_LEN];

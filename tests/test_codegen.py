@@ -563,3 +563,71 @@ def test_kernels_match_interpreter(name, dt):
                 for v, o in zip(rg["outputs"], outs):
                     assert_close(o.cpu(), want[v], f"{name}/{dt} region {r} [{text}] sizes {sv} output %{v}")
             values.update(want)
+
+
+def g_softmax_parts(dt):
+    """exp(x - max), softmax and log-softmax of one row: every consumer of the online pair."""
+    b = Builder(s0=9)
+    x = b.input("x", dt, ["s0", 1000])
+    full, keep = ["s0", 1000], ["s0", 1]
+    m = b.op("expand", [b.op("max", [x], dt, keep, axes=2)], dt, full)
+    d = b.op("sub", [x, m], dt, full)
+    e = b.op("exp", [d], dt, full)
+    s = b.op("sum", [e], dt, keep, axes=2)
+    b.g.add_output(e)
+    b.g.add_output(b.op("div", [e, b.op("expand", [s], dt, full)], dt, full))
+    b.g.add_output(b.op("sub", [d, b.op("expand", [b.op("log", [s], dt, keep)], dt, full)], dt, full))
+    return b
+
+
+def special_rows(n, gen):
+    """Rows where the online normalizer's edge cases live: whole threads of -inf beside finite
+    values, all -inf, +inf, NaN, exp underflow, large magnitudes."""
+    x = torch.randn(9, n, generator=gen, dtype=torch.float64)
+    x[1, :] = -math.inf                       # all -inf: NaN everywhere, as torch
+    x[2, : n // 2] = -math.inf                # threads whose elements are all -inf, M finite
+    x[3, :] = -math.inf
+    x[3, n - 3] = 2.0                         # one finite value
+    x[4, 17] = math.inf                       # +inf: NaN row (inf - inf)
+    x[5, 400] = math.nan                      # NaN propagates
+    x[6] = torch.linspace(-300.0, 0.0, n, dtype=torch.float64)  # most exps underflow
+    x[7] *= 1e30                              # large magnitudes
+    x[8, 1::2] = -math.inf
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_online_normalizer_special_values(dt):
+    """Each ROW genome (two_pass=0 is the online max and sum; with the row in registers, each
+    thread's own max first, its exps kept and rescaled) gives torch's values, NaN where torch has
+    NaN, on rows of -inf, +inf, NaN and underflow."""
+    from kbench import nvrtc as nv
+    from kbench.verify import poison_like
+    cuda = _C.cuda_open()
+    dev = _C.device_info(cuda, torch.cuda.current_device())
+    b = g_softmax_parts(dt)
+    g, p, n = b.g, b.g.partition(), 1000
+    x64 = special_rows(n, torch.Generator().manual_seed(3))
+    x = x64.to(DT[dt])
+    xr = x.double()
+    m = xr.max(dim=-1, keepdim=True).values
+    e = torch.exp(xr - m)
+    s = e.sum(-1, keepdim=True)
+    wants = [e, e / s, xr - m - torch.log(s)]
+    texts = variants(p, 0, [9])
+    assert any("two_pass=0" in t and "cache=regs" in t for t in texts)
+    for text in texts:
+        k = _C.generate(p, 0, dev["sm"], text, dev)
+        fn, _, _ = _C.get_function(cuda, _C.module_load(cuda, nv.compile(k["source"], f"sm_{dev['sm']}")), k["name"], k["smem"])
+        outs = [poison_like((9, n), DT[dt], "cuda") for _ in wants]
+        launch(cuda, k, fn, None, [9], [x.cuda()], outs)
+        for j, (o, w) in enumerate(zip(outs, wants)):
+            o, w = o.cpu().double(), w.to(DT[dt]).double()
+            what = f"{dt} [{text}] output {j}"
+            assert torch.equal(o.isnan(), w.isnan()), f"{what}: NaN at other places"
+            inf = w.isinf()
+            assert torch.equal(o.isinf(), inf) and torch.equal(o[inf], w[inf]), f"{what}: infinities differ"
+            for i in range(9):   # row by row: a row of 1e30 does not loosen the others' tolerance
+                ok = w[i].isfinite()
+                assert_close(o[i][ok], w[i][ok], f"{what} row {i}")

@@ -26,11 +26,38 @@ template <typename T, int N> __device__ __forceinline__ void kb_st(T *p, const k
 #pragma unroll
     for (int j = 0; j < N; j += C) *reinterpret_cast<kb_vec<T, C> *>(p + j) = *reinterpret_cast<const kb_vec<T, C> *>(&r.v[j]);
 }
-// max / min that propagate NaN like torch
-__device__ __forceinline__ float kb_maxf(float a, float b) { return (a > b || a != a) ? a : b; }
-__device__ __forceinline__ float kb_minf(float a, float b) { return (a < b || a != a) ? a : b; }
+// the same bytes as another vector type: registers carried from one row to the next stay
+// whole 32-bit words (16-bit elements would be unpacked and packed again with byte permutes)
+template <typename T, int N, typename W, int M> __device__ __forceinline__ kb_vec<T, N> kb_bits(const kb_vec<W, M> &w) {
+    return *reinterpret_cast<const kb_vec<T, N> *>(&w);
+}
+// max / min that propagate NaN like torch (sm_80+: one instruction)
+__device__ __forceinline__ float kb_maxf(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return (a > b || a != a) ? a : b;
+#endif
+}
+__device__ __forceinline__ float kb_minf(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return (a < b || a != a) ? a : b;
+#endif
+}
 __device__ __forceinline__ double kb_maxf(double a, double b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ double kb_minf(double a, double b) { return (a < b || a != a) ? a : b; }
+// element k of a bf16 vector as float, from its 32-bit word: the upper element is one mask (a
+// byte permute and a shift otherwise)
+template <int N> __device__ __forceinline__ float kb_bf16_at(const kb_vec<__nv_bfloat16, N> &x, int k) {
+    const unsigned w = *reinterpret_cast<const unsigned *>(&x.v[k & ~1]);
+    return __uint_as_float(k & 1 ? w & 0xffff0000u : w << 16);
+}
 template <int W, typename T> __device__ __forceinline__ T kb_warp_sum(T v) {
 #pragma unroll
     for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = v + w; }
@@ -62,8 +89,8 @@ extern "C" __global__ void __launch_bounds__(256) kb_r0_pointwise(const __nv_bfl
                 kb_vec<__nv_bfloat16, 8> y5;
                 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
-                    const float v0 = __bfloat162float(x0_1.v[k]);
-                    const float v1_2 = __bfloat162float(x1_3.v[k]);
+                    const float v0 = kb_bf16_at(x0_1, k);
+                    const float v1_2 = kb_bf16_at(x1_3, k);
                     const float v4 = (v0 + v1_2);
                     const float v5 = (0.5f * v4 * (1.f + tanhf(0.79788456f * (v4 + 0.044715f * v4 * v4 * v4))));
                     y5.v[k] = __float2bfloat16_rn((float)(v5));

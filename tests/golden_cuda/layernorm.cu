@@ -39,11 +39,38 @@ template <typename T, int N> __device__ __forceinline__ void kb_st(T *p, const k
 #pragma unroll
     for (int j = 0; j < N; j += C) *reinterpret_cast<kb_vec<T, C> *>(p + j) = *reinterpret_cast<const kb_vec<T, C> *>(&r.v[j]);
 }
-// max / min that propagate NaN like torch
-__device__ __forceinline__ float kb_maxf(float a, float b) { return (a > b || a != a) ? a : b; }
-__device__ __forceinline__ float kb_minf(float a, float b) { return (a < b || a != a) ? a : b; }
+// the same bytes as another vector type: registers carried from one row to the next stay
+// whole 32-bit words (16-bit elements would be unpacked and packed again with byte permutes)
+template <typename T, int N, typename W, int M> __device__ __forceinline__ kb_vec<T, N> kb_bits(const kb_vec<W, M> &w) {
+    return *reinterpret_cast<const kb_vec<T, N> *>(&w);
+}
+// max / min that propagate NaN like torch (sm_80+: one instruction)
+__device__ __forceinline__ float kb_maxf(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return (a > b || a != a) ? a : b;
+#endif
+}
+__device__ __forceinline__ float kb_minf(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return (a < b || a != a) ? a : b;
+#endif
+}
 __device__ __forceinline__ double kb_maxf(double a, double b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ double kb_minf(double a, double b) { return (a < b || a != a) ? a : b; }
+// element k of a bf16 vector as float, from its 32-bit word: the upper element is one mask (a
+// byte permute and a shift otherwise)
+template <int N> __device__ __forceinline__ float kb_bf16_at(const kb_vec<__nv_bfloat16, N> &x, int k) {
+    const unsigned w = *reinterpret_cast<const unsigned *>(&x.v[k & ~1]);
+    return __uint_as_float(k & 1 ? w & 0xffff0000u : w << 16);
+}
 template <int W, typename T> __device__ __forceinline__ T kb_warp_sum(T v) {
 #pragma unroll
     for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = v + w; }
@@ -82,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const __nv_bfloat16 
                 const kb_vec<__nv_bfloat16, 8> x0_1 = kb_ld<__nv_bfloat16, 8>(p0 + (rb + c0));
                 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
-                    const float v0 = __bfloat162float(x0_1.v[k]);
+                    const float v0 = kb_bf16_at(x0_1, k);
                     rc0[u][k] = v0;
                     acc3 = acc3 + v0;
                 }
@@ -127,9 +154,9 @@ extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const __nv_bfloat16 
                 for (int k = 0; k < 8; ++k) {
                     const float v5 = rc5[u][k];  // from the row cache
                     const float v12 = (v5 * v10);
-                    const float v1_2 = __bfloat162float(x1_3.v[k]);
+                    const float v1_2 = kb_bf16_at(x1_3, k);
                     const float v17 = (v12 * v1_2);
-                    const float v2_4 = __bfloat162float(x2_5.v[k]);
+                    const float v2_4 = kb_bf16_at(x2_5, k);
                     const float v18 = (v17 + v2_4);
                     y18.v[k] = __float2bfloat16_rn((float)(v18));
                 }

@@ -28,9 +28,30 @@ template <typename T, int N> __device__ __forceinline__ void kb_st(T *p, const k
 #pragma unroll
     for (int j = 0; j < N; j += C) *reinterpret_cast<kb_vec<T, C> *>(p + j) = *reinterpret_cast<const kb_vec<T, C> *>(&r.v[j]);
 }
-// max / min that propagate NaN like torch
-__device__ __forceinline__ float kb_maxf(float a, float b) { return (a > b || a != a) ? a : b; }
-__device__ __forceinline__ float kb_minf(float a, float b) { return (a < b || a != a) ? a : b; }
+// the same bytes as another vector type: registers carried from one row to the next stay
+// whole 32-bit words (16-bit elements would be unpacked and packed again with byte permutes)
+template <typename T, int N, typename W, int M> __device__ __forceinline__ kb_vec<T, N> kb_bits(const kb_vec<W, M> &w) {
+    return *reinterpret_cast<const kb_vec<T, N> *>(&w);
+}
+// max / min that propagate NaN like torch (sm_80+: one instruction)
+__device__ __forceinline__ float kb_maxf(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return (a > b || a != a) ? a : b;
+#endif
+}
+__device__ __forceinline__ float kb_minf(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return (a < b || a != a) ? a : b;
+#endif
+}
 __device__ __forceinline__ double kb_maxf(double a, double b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ double kb_minf(double a, double b) { return (a < b || a != a) ? a : b; }
 template <int W, typename T> __device__ __forceinline__ T kb_warp_sum(T v) {
