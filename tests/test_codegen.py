@@ -619,7 +619,8 @@ def test_online_normalizer_special_values(dt):
     assert any("two_pass=0" in t and "cache=regs" in t for t in texts)
     for text in texts:
         k = _C.generate(p, 0, dev["sm"], text, dev)
-        fn, _, _ = _C.get_function(cuda, _C.module_load(cuda, nv.compile(k["source"], f"sm_{dev['sm']}")), k["name"], k["smem"])
+        module = _C.module_load(cuda, nv.compile(k["source"], f"sm_{dev['sm']}"))  # kept: its functions live with it
+        fn, _, _ = _C.get_function(cuda, module, k["name"], k["smem"])
         outs = [poison_like((9, n), DT[dt], "cuda") for _ in wants]
         launch(cuda, k, fn, None, [9], [x.cuda()], outs)
         for j, (o, w) in enumerate(zip(outs, wants)):
