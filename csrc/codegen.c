@@ -143,7 +143,7 @@ static void emit_preamble(cg *c, kb_sb *sb) {
                      "__device__ __forceinline__ double kb_exp(double x) { return exp(x); }\n"
                      "template <typename T> __device__ __forceinline__ void kb_online_add(T &m, T &s, T x) {\n"
                      "    if (x != x) { m = x; s = x; }\n"
-                     "    else if (x > m) { s = s * kb_exp(m - x) + (T)1; m = x; }\n"
+                     "    else if (x > m) { s = x == (T)KB_INF ? (T)KB_NAN : s * kb_exp(m - x) + (T)1; m = x; }  // inf - inf\n"
                      "    else if (x != -(T)KB_INF) s += kb_exp(x - m);\n"
                      "}\n"
                      "// branch-free, one exp: the smaller max's sum is scaled by exp(min - max); equal maxima (±inf\n"

@@ -550,29 +550,22 @@ void cg_colsum_finish(cg *c) {
     cg_line(c, "const %s *ws = static_cast<const %s *>(kb_ws);", c->ct, c->ct);
     cg_line(c, "__shared__ %s kb_fin[%d][%d][32];", c->ct, c->ncolsum, W);
     cg_line(c, "const int lane = threadIdx.x & 31, w0 = threadIdx.x >> 5;");
-    /* C columns per block, C as small as 4: a block for each column group where R / 32 would
-       leave most of the grid idle; a warp reads 32 / C partial rows at once */
-    cg_line(c, "int C = 32;  // columns per block");
-    cg_line(c, "while (C > 4 && (R + C - 1) / C < (long long)gridDim.x) C >>= 1;");
-    cg_line(c, "const int S = 32 / C, cl = lane %% C, sub = lane / C;");
-    cg_line(c, "for (long long cb = blockIdx.x; cb * C < R; cb += gridDim.x) {");
+    cg_line(c, "for (long long cb = blockIdx.x; cb * 32 < R; cb += gridDim.x) {");
     c->ind++;
-    cg_line(c, "const long long col = cb * C + cl;");
+    cg_line(c, "const long long col = cb * 32 + lane;");
     for (int j = 0; j < c->ncolsum; j++) cg_line(c, "%s t%d = 0;", c->ct, j);
     cg_line(c, "if (col < R)");
-    cg_line(c, "    #pragma unroll 4");
-    cg_line(c, "    for (long long s = w0 * S + sub; s < P; s += %d * S) {", W);
+    cg_line(c, "    for (long long s = w0; s < P; s += %d) {", W);
     for (int j = 0; j < c->ncolsum; j++) cg_line(c, "        t%d += ws[(s * %d + %d) * R + col];", j, c->ncolsum, j);
     cg_line(c, "    }");
     for (int j = 0; j < c->ncolsum; j++) cg_line(c, "kb_fin[%d][w0][lane] = t%d;", j, j);
     cg_line(c, "%s;", c->rd->barrier);
-    cg_line(c, "if (w0 == 0 && lane < C && col < R) {  // a fixed order: the same sums every run");
+    cg_line(c, "if (w0 == 0 && col < R) {");
     c->ind++;
     for (int j = 0; j < c->ncolsum; j++) {
         int32_t v = c->colsums[j];
-        cg_line(c, "%s v%d = 0;", c->ct, (int)v);
-        cg_line(c, "for (int w = 0; w < %d; ++w)", W);
-        cg_line(c, "    for (int q = 0; q < S; ++q) v%d += kb_fin[%d][w][q * C + lane];", (int)v, j);
+        cg_line(c, "%s v%d = kb_fin[%d][0][lane];", c->ct, (int)v, j);
+        cg_line(c, "for (int w = 1; w < %d; ++w) v%d += kb_fin[%d][w][lane];", W, (int)v, j);
         if (NODE(c, v)->op == KB_OP_MEAN) cg_line(c, "v%d = v%d / (%s)O;", (int)v, (int)v, c->ct);
     }
     idx x; /* the column sums' own index: the position in the row */
