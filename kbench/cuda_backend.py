@@ -332,7 +332,7 @@ class CudaExecutor(Executor):
         ms = {k: statistics.median(a.elapsed_time(b) for a, b in v) for k, v in times.items()}
         info.extra["inference_entry"] = f"nostats {ms[True]:.4f} ms, with statistics {ms[False]:.4f} ms"
         if ms[True] > ms[False] * (1 + NOSTATS_SLOWER):
-            kernel.fn_nostats = None   # the launcher then writes the statistics and drops them
+            kernel.fn_nostats = None   # the launcher then writes them into scratch buffers of its own
             info.extra["inference_entry"] += ": the one with statistics runs"
 
     def _envelope(self, verdict) -> str:
@@ -556,7 +556,13 @@ class CudaExecutor(Executor):
             return None   # run() refuses every call, with the reason
         # stats=False: the entry point that does not write the saved statistics (where the
         # kernel has none, the statistics are written to buffers of their own and dropped)
-        skipped = self.plan.regions[r].saved if not stats and kernel.fn_nostats is not None else 0
+        skipped = self.plan.regions[r].saved if not stats else 0
+        scratch = []
+        if skipped and kernel.fn_nostats is None:
+            # the entry point that writes them (_choose_inference_entry found it faster) writes
+            # into buffers of its own, allocated once here: nothing reads them, so launches on
+            # several streams may write them at once
+            scratch = [torch.empty(s, dtype=d, device=self.device) for s, d in shapes[len(shapes) - skipped:]]
         shapes = shapes[:len(shapes) - skipped]
         check = [j for j in range(len(self.plan.regions[r].inputs)) if not (j < len(trusted) and trusted[j])]
         # an output shaped like an input is allocated with empty_like(input): no size or dtype to
@@ -565,15 +571,18 @@ class CudaExecutor(Executor):
                    for v in self.plan.regions[r].inputs]
         like = [in_meta.index(m) if m in in_meta else -1 for m in shapes]
         device, align = self.device, kernel.vec > 1
-        fn = kernel.fn_nostats if skipped else kernel.fn
+        fn = kernel.fn_nostats if skipped and not scratch else kernel.fn
         if _fast is not None:   # the same steps in C++ (csrc/fast/launch.cpp)
             return _fast.Launch(
-                cuda=self.cuda, keep=kernel, fn=fn, finish=kernel.finish_fn, grid=grid, block=kernel.block,
-                smem=kernel.smem, device=device.index if device.index is not None else torch.cuda.current_device(),
+                cuda=self.cuda, keep=(kernel, scratch), fn=fn, finish=kernel.finish_fn, grid=grid,
+                block=kernel.block, smem=kernel.smem,
+                device=device.index if device.index is not None else torch.cuda.current_device(),
                 region=r, vec=kernel.vec, check=check, ints=ints, workspace_bytes=workspace_bytes,
-                outs=[(j, s, d) for j, (s, d) in zip(like, shapes)], skipped=skipped).run
+                outs=[(j, s, d) for j, (s, d) in zip(like, shapes)], skipped=skipped,
+                scratch=[t.data_ptr() for t in scratch]).run
         launch, cuda, finish, block, smem = _C.launch, self.cuda, kernel.finish_fn, kernel.block, kernel.smem
-        no_ptrs, no_outs = (0,) * skipped, [None] * skipped
+        no_ptrs = tuple(t.data_ptr() for t in scratch) if scratch else (0,) * skipped
+        no_outs = [None] * skipped
         empty, empty_like, u8 = torch.empty, torch.empty_like, torch.uint8
         stream_of = _stream_getter(device)
         workspaces = kernel.workspaces

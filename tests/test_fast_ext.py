@@ -22,6 +22,8 @@ def test_malformed_launches_are_refused():
         fast.Launch(**{**good, "outs": [(-1, (2, 3), "float32")]})
     with pytest.raises(TypeError):
         fast.Launch(**{**good, "grid": None})
+    with pytest.raises(TypeError, match="scratch"):
+        fast.Launch(**{**good, "scratch": None})
     with pytest.raises(TypeError):
         fast.Region(object(), None, (True,), 0, [((2,), torch.float32)], lambda *a: None)
     with pytest.raises(TypeError, match="exception classes"):

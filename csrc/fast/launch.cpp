@@ -72,7 +72,7 @@ Outcome run_launch(const LaunchSpec &l, const std::vector<at::Tensor> &in, std::
         outs.push_back(o.like >= 0 ? at::empty_like(in[o.like]) : at::empty(o.shape, opts.dtype(o.dtype)));
         vals[k++] = (uintptr_t)outs.back().data_ptr();
     }
-    for (int j = 0; j < l.skipped; j++) vals[k++] = 0;
+    for (int j = 0; j < l.skipped; j++) vals[k++] = (size_t)j < l.scratch.size() ? l.scratch[(size_t)j] : 0;
     for (int64_t v : l.ints) vals[k++] = (uint64_t)v;
     void *stream = current_stream(l.device);
     char err[512];
@@ -205,13 +205,13 @@ int as_outs(PyObject *seq, std::vector<OutSpec> &out) {
 
 PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static const char *kwlist[] = {"cuda", "keep", "fn", "finish", "grid", "block", "smem", "device", "region",
-                                   "vec", "check", "ints", "workspace_bytes", "outs", "skipped", nullptr};
-    PyObject *cuda, *keep, *fn, *finish, *grid, *check, *ints, *outs;
+                                   "vec", "check", "ints", "workspace_bytes", "outs", "skipped", "scratch", nullptr};
+    PyObject *cuda, *keep, *fn, *finish, *grid, *check, *ints, *outs, *scratch = nullptr;
     int block, smem, device, region, vec, skipped;
     long long workspace_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOiiiiiOOLOi", (char **)kwlist, &cuda, &keep, &fn, &finish,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOiiiiiOOLOi|O", (char **)kwlist, &cuda, &keep, &fn, &finish,
                                      &grid, &block, &smem, &device, &region, &vec, &check, &ints,
-                                     &workspace_bytes, &outs, &skipped))
+                                     &workspace_bytes, &outs, &skipped, &scratch))
         return nullptr;
     if (!api) {
         PyErr_SetString(PyExc_RuntimeError, "kbench._fast.init() has not been called");
@@ -225,8 +225,9 @@ PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     l.cuda = self->keep ? api->cuda_of(cuda) : nullptr;
     l.fn = PyLong_AsVoidPtr(fn);
     l.finish = finish == Py_None ? nullptr : PyLong_AsVoidPtr(finish);
-    std::vector<int64_t> g, chk;
+    std::vector<int64_t> g, chk, scr;
     if (PyErr_Occurred() || as_ints(grid, g, "grid must be a sequence of ints") < 0 ||
+        (scratch && as_ints(scratch, scr, "scratch must be a sequence of ints (pointers)") < 0) ||
         as_ints(check, chk, "check must be a sequence of ints") < 0 ||
         as_ints(ints, l.ints, "ints must be a sequence of ints") < 0 || as_outs(outs, l.outs) < 0)
         goto fail;
@@ -244,6 +245,11 @@ PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         l.grid[i] = (uint32_t)g[i];
     }
     for (int64_t c : chk) l.check.push_back((int)c);
+    for (int64_t p : scr) l.scratch.push_back((uint64_t)p);
+    if (l.scratch.size() > (size_t)skipped) {
+        PyErr_SetString(PyExc_ValueError, "Launch: more scratch buffers than skipped outputs");
+        goto fail;
+    }
     l.block = block, l.smem = smem, l.device = device, l.region = region, l.vec = vec, l.skipped = skipped;
     l.workspace_bytes = workspace_bytes;
     return (PyObject *)self;
