@@ -172,6 +172,7 @@ void cg_colsum_decl(cg *c);
 void cg_prefetch_rows(cg *c, const char *row, const char *why);
 int cg_row_stat_ahead(cg *c, int32_t v);
 void cg_prefetch_type(cg *c, int32_t v, char *T, size_t n);
+void cg_emit_preamble(cg *c, kb_sb *sb);
 void cg_colsum_store(cg *c);
 void cg_colsum_finish(cg *c);
 void cg_bind_stat(cg *c, int32_t reduce);
