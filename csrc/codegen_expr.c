@@ -310,7 +310,7 @@ static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
     int regs = c->gn.cache == KB_CACHE_REGS;
     char name[NAME_LEN], raw[EXPR_LEN], conv[EXPR_LEN * 2], base[EXPR_LEN];
     var_name(c, v, x, name);
-    const char *vn = NULL;
+    const char *vn = NULL;   /* the vector the element comes from, if it does */
     if (cached && c->pass > c->fill_pass[v]) { /* shared-memory row cache (registers: see ev) */
         if (c->pass < 32) c->reads[v] |= 1u << c->pass;
         if (c->vec > 1 && (vn = vector_request(c, v, 1, 0, "c0", "")) != NULL) cg_fmt(c, raw, sizeof raw, "%s.v[k]", vn);
@@ -336,7 +336,7 @@ static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
             }
         }
     }
-    if (nd->dtype == KB_BF16 && vn && strncmp(raw, vn, strlen(vn)) == 0 && strcmp(raw + strlen(vn), ".v[k]") == 0)
+    if (nd->dtype == KB_BF16 && vn) /* from its 32-bit word (kb_bf16_at in the preamble) */
         cg_fmt(c, conv, sizeof conv, c->dbl ? "(double)kb_bf16_at(%s, k)" : "kb_bf16_at(%s, k)", vn);
     else
         convert_load(c, nd->dtype, raw, conv);
