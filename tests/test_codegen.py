@@ -632,3 +632,29 @@ def test_online_normalizer_special_values(dt):
             for i in range(9):   # row by row: a row of 1e30 does not loosen the others' tolerance
                 ok = w[i].isfinite()
                 assert_close(o[i][ok].to(DT[dt]), w[i][ok].to(DT[dt]), f"{what} row {i}")
+
+
+def test_backward_row_kernel_loads_ahead_in_words():
+    """LayerNorm bf16's backward as optimize() builds it (torch.nn.LayerNorm captured; the
+    forward's saved mean and rstd are inputs): with its column sums the grid is capped and each
+    block walks rows, so the next row's vectors and its saved statistics are loaded while this row
+    is reduced (no load of a statistic where a row starts), the vectors carried as 32-bit words,
+    and bf16 elements read from their words."""
+    from kbench import api
+    x = torch.randn(64, 4096, dtype=torch.bfloat16)
+    with torch.no_grad():
+        g = api._fresh_capture(torch.nn.LayerNorm(4096).to(torch.bfloat16), (x,), "cuda").graph
+    p = g.partition()
+    p.save_stats(0)
+    region = p.region(0)
+    assert region["kind"] == "ROW" and region["saved"], region
+    bp = p.region_graph(0).grad([True] * len(region["inputs"]), saved=region["saved"]).partition()
+    r = next(i for i in range(len(bp)) if bp.region(i)["kind"] == "ROW")
+    src = _C.generate(bp, r, 90, None)["source"]
+    stats = [int(v) for v in re.findall(r"// in  p(\d+) = %\d+ = input user \"saved\d+\" : f32\[s0,1\]", src)]
+    assert len(stats) == 2, src[:1500]                      # mean and rstd
+    for v in stats:
+        assert f"pfs{v} = p{v}[prow];" in src and f"const float rs{v} = pfs{v};" in src
+        assert f"p{v}[row]" not in src                      # no load of it where a row starts
+    assert re.search(r"kb_vec<unsigned, 4> pf\d+\[1\];", src) and "kb_bits<__nv_bfloat16, 8>(pf" in src
+    assert "kb_bf16_at(" in src and "__bfloat162float(x" not in src
