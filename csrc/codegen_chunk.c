@@ -33,10 +33,16 @@ int cg_row_stat_ahead(cg *c, int32_t v) {
     return 1;
 }
 
-/* pf<v>'s type: the vector as 32-bit words where it is a whole number of them (kb_bits). */
-void cg_prefetch_type(cg *c, int32_t v, char *T, size_t n) {
+/* pf<v> holds the vector as 32-bit words where it is a whole number of them (kb_bits): how many,
+ * else 0 (it keeps its element type). */
+static int prefetch_words(const cg *c, int32_t v) {
     int bytes = c->vec * (int)kb_dtype_size(NODE(c, v)->dtype);
-    if (bytes % 4 == 0) snprintf(T, n, "kb_vec<unsigned, %d>", bytes / 4);
+    return bytes % 4 == 0 ? bytes / 4 : 0;
+}
+
+void cg_prefetch_type(cg *c, int32_t v, char *T, size_t n) {
+    int words = prefetch_words(c, v);
+    if (words) snprintf(T, n, "kb_vec<unsigned, %d>", words);
     else snprintf(T, n, "kb_vec<%s, %d>", cg_storage(NODE(c, v)->dtype), c->vec);
 }
 
@@ -53,10 +59,10 @@ void cg_prefetch_rows(cg *c, const char *row, const char *why) {
     for (int j = 0; j < c->npf; j++) {
         int32_t v = c->pf[j];
         const char *T = cg_storage(NODE(c, v)->dtype);
-        int bytes = c->vec * (int)kb_dtype_size(NODE(c, v)->dtype);
-        if (bytes % 4 == 0)
+        int words = prefetch_words(c, v);
+        if (words)
             cg_line(c, "            pf%d[u] = kb_ld<unsigned, %d>(reinterpret_cast<const unsigned *>(p%d + (prow * R + c0)));", (int)v,
-                    bytes / 4, (int)v);
+                    words, (int)v);
         else
             cg_line(c, "            pf%d[u] = kb_ld<%s, %d>(p%d + (prow * R + c0));", (int)v, T, c->vec, (int)v);
     }
