@@ -7,6 +7,7 @@ genome can be checked against its neighbours in one call.
 
     python benchmarks/bench_genomes.py layer_norm --dtype bfloat16
     python benchmarks/bench_genomes.py layer_norm --genome "threads=256 vec=8 rows=1 cache=reread"
+    python benchmarks/bench_genomes.py layer_norm --shape 16384,2048 --no-forward --no-sweep
     python benchmarks/bench_genomes.py cross_entropy --joint   # a loss's forward+backward graph
     ncu --profile-from-start off --section WarpStateStats \
         python benchmarks/bench_genomes.py layer_norm --dtype bfloat16 --profile --no-forward
@@ -121,6 +122,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--genome", action="append", default=[], help="extra variant: 'key=value ...' over the default")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--shape", default=None, metavar="R,C",
+                    help="another size than the benchmark's (tasks sized by shape), e.g. 16384,2048")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-forward", action="store_true")
     ap.add_argument("--joint", action="store_true",
@@ -130,7 +133,8 @@ def main(argv=None):
     ap.add_argument("--status", default=None, metavar="BUDGET",
                     help="no sweep: optimize with BUDGET, run forward+backward once, print what runs each region")
     a = ap.parse_args(argv)
-    model, inputs = task_model(a.task, parse_dtype(a.dtype))
+    cfg = None if a.shape is None else dict(shape=tuple(int(d) for d in a.shape.split(",")))
+    model, inputs = task_model(a.task, parse_dtype(a.dtype), cfg)
     extra = [dict(kv.split("=") for kv in g.split()) for g in a.genome]
     if a.status:
         return status(model, inputs, a.status)

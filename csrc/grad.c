@@ -403,6 +403,7 @@ static void mark_required(gradctx *gc, const uint8_t *wrt)
 }
 
 static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, int joint, kb_graph **out);
+#define KB_MAX_SAVED_MEANS 8
 
 /* g with its nodes reordered: inputs, then the work that does not read the largest input
  * (largest at the symbols' example values), then the rest, each in id order. The partitioner
@@ -504,6 +505,14 @@ static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsave
         snprintf(t.name, sizeof t.name, "saved%d", (int)(k - nreal));
         KB_TRY(gb_emit(&gc.b, &t, &gc.map[o]));
     }
+    /* a saved row mean stays known as one (simplify: the deviations from it sum to 0) */
+    kb_mean_fact means[KB_MAX_SAVED_MEANS];
+    int nmeans = 0;
+    for (int32_t k = nreal; k < kb_graph_noutputs(g) && nmeans < KB_MAX_SAVED_MEANS; k++) {
+        const kb_node *on = kb_graph_node(g, kb_graph_output(g, k));
+        if (on->op == KB_OP_MEAN && on->rank == kb_graph_node(g, on->inputs[0])->rank)
+            means[nmeans++] = (kb_mean_fact){gc.map[kb_graph_output(g, k)], on->inputs[0], on->axes};
+    }
     for (int32_t v = 0; v < n; v++) {
         kb_node t = *kb_graph_node(g, v);
         if (t.op == KB_OP_INPUT) continue;
@@ -548,7 +557,8 @@ static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsave
         if (r < 0) KB_TRY(gb_const(&gc.b, in->dtype, in->rank, in->dims, 0.0, &r)); /* unused input */
         KB_TRY(kb_graph_add_output(gc.b.g, r));
     }
-    KB_TRY(kb_graph_simplify(gc.b.g, out)); /* rewrites (a one-hot's row sum), dead nodes dropped */
+    for (int i = 0; i < nmeans; i++) means[i].of = gc.map[means[i].of]; /* emitted by now */
+    KB_TRY(kb_graph_simplify_means(gc.b.g, means, nmeans, out)); /* rewrites, dead nodes dropped */
     if (joint) {
         kb_graph *simple = *out;
         *out = NULL;

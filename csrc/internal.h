@@ -109,6 +109,16 @@ static inline int kb_op_spelled_with(const kb_op_info *info, const char *const *
 
 kb_node kb_node_template(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims);
 
+/* Node `value` of a graph holds the mean of node `of` along axes (keepdim), though it is not a
+ * MEAN node there: a saved statistic, an input of the backward (grad.c tells simplify.c). */
+typedef struct kb_mean_fact {
+    int32_t value, of;
+    uint32_t axes;
+} kb_mean_fact;
+
+/* kb_graph_simplify, knowing these means too (sum_a(x - mean_a(x)) is 0; simplify.c). */
+kb_status kb_graph_simplify_means(const kb_graph *g, const kb_mean_fact *means, int nmeans, kb_graph **out);
+
 /* The element count of the dims whose bit is in mask, as one monomial: coef times a sorted
  * multiset of symbols. Two shapes hold as many elements for every binding of the symbols exactly
  * when their monomials are equal (ir.c; reshape checks, fusion, codegen). */

@@ -234,7 +234,10 @@ kb_status kb_graph_grad_joint(const kb_graph *g, const uint8_t *wrt, kb_graph **
  * (integer) and D the same all along a and f a chain of neg, float casts, products with finite
  * constants and quotients by finite nonzero ones, becomes f(where(0 <= T < size_a, D, 0)) per
  * row, exactly, for any T (a backward's cross-entropy loses a pass over the row; an axis of
- * length 0 aside, see simplify.c). kb_graph_grad's result has been through it. The caller owns
+ * length 0 aside, see simplify.c); a sum over one axis of per-row multiples of terms is split into
+ * per-row multiples of the terms' sums where that nests reductions less deeply, and a term that
+ * is a deviation from its own mean along that axis, x - mean_a(x), sums to 0 and is dropped.
+ * kb_graph_grad's result has been through it (knowing which saved statistics are means). The caller owns
  * *out (kb_graph_free); same ctx as g. */
 kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out);
 

@@ -290,14 +290,53 @@ cleanup:
     return st;
 }
 
+/* ---------------------------------------------------------------- deviations from a mean */
+
+/* sum_a(x - mean_a(x)) is 0: deviations from a row's mean add up to nothing (a computed sum of
+ * them holds only rounding). LayerNorm's backward has k * sum(x - mean), the variance's adjoint
+ * through the mean: as a sum it is a third row reduction (an add per element and a shuffle chain
+ * per row); torch's LayerNorm backward has no such term. A mean is a MEAN node, or a value the
+ * caller knows to hold one (grad.c: a statistic the forward saved is an input of the backward). */
+typedef struct known_means {
+    const kb_mean_fact *facts;   /* in the caller's graph's ids */
+    int nfacts;
+    const int32_t *map;          /* the caller's ids -> the graph being rebuilt's (-1: not yet) */
+} known_means;
+
+/* Is m (size 1 along a) the mean of x along a, and only a? */
+static int is_mean_of(const kb_graph *w, const known_means *km, int32_t m, int32_t x, int a)
+{
+    const kb_node *mn = N(w, m);
+    if (mn->op == KB_OP_MEAN) return mn->inputs[0] == x && mn->axes == (1u << a);
+    for (int i = 0; km && i < km->nfacts; i++) {
+        const kb_mean_fact *f = &km->facts[i];
+        if (f->axes == (1u << a) && km->map[f->value] == m && km->map[f->of] == x) return 1;
+    }
+    return 0;
+}
+
+/* Is v = x - expand(mean_a(x)), x full along a? */
+static int deviation_from_mean(const kb_graph *w, const known_means *km, int32_t v, int a)
+{
+    const kb_node *n = N(w, v);
+    if (n->op != KB_OP_SUB) return 0;
+    const kb_node *x = N(w, n->inputs[0]), *e = N(w, n->inputs[1]);
+    if (e->op != KB_OP_EXPAND || !has_dims(x, n->rank, n->dims)) return 0;
+    int32_t m = e->inputs[0];
+    const kb_node *mn = N(w, m);
+    if (mn->rank != n->rank || !is_one(mn->dims[a]) || mn->dtype != x->dtype) return 0;
+    return is_mean_of(w, km, m, n->inputs[0], a);
+}
+
 /* ---------------------------------------------------------------- sums of row-constant multiples */
 
 /* sum_a(c * X + d * Y ...) with c, d the same all along a is c * sum_a(X) + d * sum_a(Y): the
  * sum no longer waits for c and d. LayerNorm's backward has sum_a(-(g * rstd + 2 * k * xc))
  * with k from the sum before it: as written it is a third reduction pass over every row; split,
  * sum(g) and sum(xc) join the passes of the mean and the variance (one barrier fewer per row,
- * no third pass). Rewritten only where that lowers the nesting of reductions, since it changes
- * rounding (by a few ulps: products by a per-row value, sums regrouped). */
+ * no third pass). Rewritten only where that lowers the nesting of reductions or drops a
+ * deviation from a mean (above), since it changes rounding (by a few ulps: products by a per-row
+ * value, sums regrouped). */
 
 #define MAX_TERMS 6
 #define MAX_FACTORS 4
@@ -312,10 +351,12 @@ typedef struct lin_term {
 
 typedef struct lin_sum {
     const kb_graph *w;
+    const known_means *means;
     int a;
     kb_dtype dt;
     lin_term t[MAX_TERMS];
     int n;
+    int zeros;                   /* terms dropped as sums of deviations from a mean */
 } lin_sum;
 
 static int same_factors(const lin_term *x, const lin_term *y)
@@ -353,6 +394,10 @@ static int decompose(lin_sum *L, int32_t v, double sign, const lin_term *cur, in
     default: break;
     }
 atom:
+    if (deviation_from_mean(L->w, L->means, v, L->a)) { /* its sum is 0 */
+        L->zeros++;
+        return 1;
+    }
     t.atom = v;
     t.k = sign;
     for (int i = 0; i < L->n; i++)
@@ -388,7 +433,7 @@ static kb_status reduce_depth(const kb_graph *w, const int32_t *vs, int nv, int 
 
 /* s: a node about to be added to w. *out = c * sum(X) + ..., or -1 where that does not lower
  * the reduction's nesting. */
-static kb_status linear_sum(kb_graph *w, const kb_node *s, int32_t *out)
+static kb_status linear_sum(kb_graph *w, const known_means *km, const kb_node *s, int32_t *out)
 {
     kb_status st = KB_OK;
     kb_dim kd[KB_MAX_RANK];
@@ -397,7 +442,7 @@ static kb_status linear_sum(kb_graph *w, const kb_node *s, int32_t *out)
     if (a < 0) return KB_OK;
     const kb_node *x = N(w, s->inputs[0]);
     if (!kb_dtype_is_float(x->dtype)) return KB_OK;
-    lin_sum L = {w, a, x->dtype, {{0}}, 0};
+    lin_sum L = {w, km, a, x->dtype, {{0}}, 0, 0};
     lin_term one = {-1, {0}, {0}, 0, 1.0};  /* the empty product */
     if (!decompose(&L, s->inputs[0], 1.0, &one, MAX_LINEAR_STEPS)) return KB_OK;
     int32_t atoms[MAX_TERMS];
@@ -407,10 +452,10 @@ static kb_status linear_sum(kb_graph *w, const kb_node *s, int32_t *out)
         for (int j = 0; j < natoms; j++) seen |= atoms[j] == L.t[i].atom;
         if (!seen) atoms[natoms++] = L.t[i].atom;
     }
-    if (natoms == 0 || natoms > 3) return KB_OK;
+    if ((natoms == 0 && !L.zeros) || natoms > 3) return KB_OK;
     KB_TRY(reduce_depth(w, &s->inputs[0], 1, &before));
     KB_TRY(reduce_depth(w, atoms, natoms, &after));
-    if (after >= before) return KB_OK; /* the sum would wait as long as before */
+    if (after >= before && !L.zeros) return KB_OK; /* the sum would wait as long as before */
 
     int32_t rank = x->rank, r = -1;
     kb_dtype dt = x->dtype;  /* x dies at the first put */
@@ -478,7 +523,9 @@ cleanup:
     return st;
 }
 
-kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out)
+kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out) { return kb_graph_simplify_means(g, NULL, 0, out); }
+
+kb_status kb_graph_simplify_means(const kb_graph *g, const kb_mean_fact *means, int nmeans, kb_graph **out)
 {
     if (!out) return KB_ERR_INVALID;
     *out = NULL;
@@ -490,6 +537,11 @@ kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out)
     kb_graph *w = NULL;
     int32_t *map = kb_malloc(ctx, cnt * sizeof(int32_t));
     KB_CHECK(ctx, map != NULL, KB_ERR_OOM, "simplify: out of memory for %d nodes", (int)n);
+    for (int32_t v = 0; v < n; v++) map[v] = -1;
+    for (int i = 0; i < nmeans; i++)
+        KB_CHECK(ctx, means[i].value >= 0 && means[i].value < n && means[i].of >= 0 && means[i].of < n,
+                 KB_ERR_INVALID, "simplify: mean fact %d names a node outside the graph", i);
+    known_means km = {means, nmeans, map};
     KB_TRY(kb_graph_new(ctx, &w));
     KB_TRY(kb_graph_copy_symbols(g, w));
     /* in id order, so the inputs keep theirs; a rule's replacement stands for the node */
@@ -498,7 +550,7 @@ kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out)
         int32_t r = -1;
         for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
         if (t.op == KB_OP_SUM) KB_TRY(onehot_sum(w, &t, &r));
-        if (t.op == KB_OP_SUM && r < 0) KB_TRY(linear_sum(w, &t, &r));
+        if (t.op == KB_OP_SUM && r < 0) KB_TRY(linear_sum(w, &km, &t, &r));
         if (r < 0) KB_TRY(kb_graph_add(w, &t, &r));
         map[v] = r;
     }

@@ -663,18 +663,21 @@ def test_layernorm_backward_sums_wait_for_one_statistic_only():
 
 def test_linear_sum_rule_keeps_sums_that_would_not_move():
     """sum(c * X) with c a per-row value that waits on no reduction stays as it is (splitting it
-    would only change rounding), and so does sum(x - mean) (no expansion into sum(x) - n * mean)."""
+    would only change rounding), and so does sum(y - mean(x)) (no expansion into sum(y) - n *
+    mean); sum(x - mean(x)) is 0."""
     gb = GB(1)
     full, keep = [S0, 8], [S0, 1]
-    x, c = gb.input("x", full), gb.input("c", keep)
+    x, y, c = gb.input("x", full), gb.input("y", full), gb.input("c", keep)
     s1 = gb.reduce("sum", gb.op("mul", x, gb.view("expand", c, full)), (1,), True)
     m = gb.reduce("mean", x, (1,), True)
-    xc = gb.op("sub", x, gb.view("expand", m, full))
-    s2 = gb.reduce("sum", xc, (1,), True)
-    gb.out(s1, s2)
+    s2 = gb.reduce("sum", gb.op("sub", y, gb.view("expand", m, full)), (1,), True)
+    s3 = gb.reduce("sum", gb.op("sub", x, gb.view("expand", m, full)), (1,), True)
+    gb.out(s1, s2, s3)
     simple = gb.g.simplify()
     assert str(simple) == str(gb.g.simplify()) and str(simple).count("sum ") == 2, str(simple)
     assert "mul %" in str(simple) and _reduce_depth(simple) == 2
+    last = simple.outputs[2]
+    assert simple.node(last)["op"] == "const" and simple.node(last)["dims"] == [S0, 1], str(simple)
     # the same, but the multiplier comes from a sum: split, the sums are one level shallower
     gb = GB(1)
     x, y = gb.input("x", full), gb.input("y", full)
@@ -687,6 +690,63 @@ def test_linear_sum_rule_keeps_sums_that_would_not_move():
         xv, yv = torch.randn(sv[0], 8, dtype=torch.float64), torch.randn(sv[0], 8, dtype=torch.float64)
         a, b = run(gb.g, sv, [xv, yv])[0], run(simple, sv, [xv, yv])[0]
         assert rel_err(b, a) < 1e-12, (a, b)
+
+
+def test_deviation_from_a_mean_sums_to_zero():
+    """simplify(): sum_a(x - mean_a(x)) is 0, also inside a sum of per-row multiples (LayerNorm's
+    backward has k * sum(x - mean), a third row reduction as written); not for a mean along
+    another axis, of another value, or a sum over another axis."""
+    gb = GB(1)
+    full, keep = [S0, 8], [S0, 1]
+    x, y, c = gb.input("x", full), gb.input("y", full), gb.input("c", keep)
+    m = gb.reduce("mean", x, (1,), True)
+    xc = gb.op("sub", x, gb.view("expand", m, full))
+    k = gb.reduce("sum", y, (1,), True)
+    t = gb.op("add", gb.op("mul", y, gb.view("expand", c, full)), gb.op("mul", xc, gb.view("expand", k, full)))
+    gb.out(gb.reduce("sum", t, (1,), True))
+    gb.out(gb.reduce("sum", xc, (0,), True))     # down the columns: not 0
+    m0 = gb.reduce("mean", x, (0,), True)
+    gb.out(gb.reduce("sum", gb.op("sub", x, gb.view("expand", m0, full)), (1,), True))  # another axis's mean
+    simple = gb.g.simplify()
+    rows = [s for s in str(simple).splitlines() if " sum " in s or "= sum" in s]
+    assert len(rows) == 3, str(simple)   # sum(y) (one, shared), sum(y * c)'s sum(y), the column and other sums
+    for sv in ([3], [5]):
+        xs = [torch.randn(sv[0], 8, dtype=torch.float64) * 3 + 50 for _ in range(2)] + [torch.randn(sv[0], 1, dtype=torch.float64)]
+        want, got = run(gb.g, sv, xs), run(simple, sv, xs)
+        assert rel_err(got[0], want[0]) < 1e-9 and (got[1] - want[1]).abs().max() < 1e-9
+        assert (got[2] - want[2]).abs().max() < 1e-9
+
+
+def test_saved_mean_is_known_as_one():
+    """grad(saved=k) of LayerNorm: the saved mean is an input of the backward, and the sum of
+    the deviations from it (the variance's adjoint through the mean) is still known to be 0, so
+    the backward sums two things per row, not three, and matches torch."""
+    gb = GB()
+    x, w, b = gb.input("x", [S0, 8]), gb.input("weight", [8], kind="param"), gb.input("bias", [8], kind="param")
+    full, keep = gb.dims[x], [S0, 1]
+    mean = gb.reduce("mean", x, (1,), True)
+    xc = gb.op("sub", x, gb.view("expand", mean, full))
+    var = gb.reduce("mean", gb.op("mul", xc, xc), (1,), True)
+    xn = gb.op("mul", xc, gb.view("expand", gb.op("rsqrt", gb.op("add", var, gb.const(1e-5, keep))), full))
+    we = gb.view("expand", gb.view("reshape", w, [1, 8]), full)
+    be = gb.view("expand", gb.view("reshape", b, [1, 8]), full)
+    gb.out(gb.op("add", gb.op("mul", xn, we), be))
+    gb.out(mean)
+    gb.out(var)
+    bwd = gb.g.grad([True, True, True], saved=2)
+    row_sums = [v for v in range(bwd.num_nodes)
+                if bwd.node(v)["op"] == "sum" and bwd.node(v)["axes"] == 2]
+    assert len(row_sums) == 2, str(bwd)
+    torch.manual_seed(0)
+    x_ = (torch.randn(4, 8, dtype=torch.float64) * 3 + 100).requires_grad_(True)
+    w_, b_ = torch.randn(8, dtype=torch.float64, requires_grad=True), torch.randn(8, dtype=torch.float64, requires_grad=True)
+    out = F.layer_norm(x_, (8,), w_, b_, 1e-5)
+    up = torch.randn_like(out)
+    want = torch.autograd.grad(out, [x_, w_, b_], up)
+    m_, v_ = x_.mean(1, keepdim=True), x_.var(1, unbiased=False, keepdim=True)
+    got = run(bwd, [4], [x_.detach(), w_.detach(), b_.detach(), m_.detach(), v_.detach(), up])
+    for g_, w2 in zip(got, want):
+        assert rel_err(g_, w2) < 1e-9, (rel_err(g_, w2), g_, w2)
 
 
 @pytest.mark.parametrize("task,width", [("layer_norm", 4096), ("layer_norm", 16384), ("rms_norm", 4096),
