@@ -4,6 +4,11 @@ CUDA activity): which kernels run, and how long each takes, at a benchmark task'
 Where the device-time roofline of a row is low, this says which kernel holds the time.
 
     python benchmarks/kernel_trace.py swiglu_two --dtype bfloat16
+    python benchmarks/kernel_trace.py swiglu_two --dtype bfloat16 --graph 4
+
+--graph N: also the kernels of N calls captured in one CUDA graph, each after an L2 flush, as
+the benchmark's device timing (kbench.bench.timing.time_graph) replays them, per call: where the
+device time of a row is longer than its calls timed one by one, this says which kernel grows.
 """
 from __future__ import annotations
 
@@ -31,6 +36,35 @@ def fwd_bwd(model, inputs):
     torch.autograd.backward([o for o in outs if o.requires_grad], grads)
 
 
+def graph_trace(label, model, inputs, calls):
+    """The kernels of one replay of a graph of `calls` forward+backward calls, each after an L2
+    flush: the benchmark's own device timing (timed_fn, time_graph's warm-up and capture)."""
+    from kbench.bench import timing
+    from bench_ops import timed_fn
+    dev = inputs[0].device
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        outs = model(*xs)
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    gouts = [torch.randn_like(o) for o in outs]
+    tfn = timed_fn(model, params, gouts, True)
+    timing._warm_on_side_stream(tfn, [xs], dev, 3, True)
+    g = timing._capture(tfn, [xs], dev, calls, True, "the calls")
+    g.replay()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels)
+    print(f"\n{label}, {calls} calls in a CUDA graph: {len(kernels)} kernel(s), {total / calls:.1f} us per call")
+    for e in kernels:
+        print(f"  {e.device_time:9.1f} us  {e.name[:110]}")
+    del g
+
+
 def trace(label, model, inputs):
     for _ in range(3):
         fwd_bwd(model, inputs)
@@ -51,11 +85,16 @@ def main(argv=None):
     ap.add_argument("task", choices=sorted(OPS))
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--budget", default="fast")
+    ap.add_argument("--graph", type=int, default=0, metavar="N", help="also N calls replayed from a CUDA graph")
     a = ap.parse_args(argv)
     model, inputs = task_model(a.task, parse_dtype(a.dtype))
     trace("eager", model, inputs)
+    if a.graph:
+        graph_trace("eager", model, inputs, a.graph)
     opt = kbench.optimize(model, tuple(inputs), backend="cuda", budget=a.budget, verbose=False)
     trace("kbench", opt, inputs)
+    if a.graph:
+        graph_trace("kbench", opt, inputs, a.graph)
 
 
 if __name__ == "__main__":
