@@ -85,10 +85,7 @@ TIMING_METHODS = {
     "device": "timing.time_graph: one CUDA graph of graph_calls calls, each after an L2 flush, "
               "minus a graph of the flushes alone, per call, median of graph_replays replays; "
               "host overhead removed. Fields graph_ms, graph_roofline_fraction (or graph_error "
-              "when the call cannot be captured); table column 'device-time roofline'. The "
-              "fraction is the row's copy_graph (a copy of the row's bytes timed the same way, "
-              "timing.copy_graph) over graph_ms; graph_roofline_fraction_events_copy is the "
-              "row's bytes at the events copy's bandwidth over graph_ms.",
+              "when the call cannot be captured); table column 'device-time roofline'.",
 }
 # a "searched vs default" gain at or above this counts as the search paying off
 SEARCH_GAIN_GOOD = 1.10
@@ -294,7 +291,6 @@ def bench_task(op, dtype, args, env):
             for x in arg_sets:
                 for t in leaves_of(x):
                     t.requires_grad_()
-        row["copy_graph"] = copy_graph(nbytes, args)
         for name in args.impls:
             fn, build_s, err = built[name]
             cell = {"build_s": build_s, "error": err}
@@ -322,7 +318,7 @@ def bench_task(op, dtype, args, env):
                     cell["peak_mb"] = peak_mb(tfn, arg_sets[0], dev)
                 # after peak_mb, which its graphs' memory must not reach; before the input check,
                 # which then covers the replays too
-                device_time(cell, tfn, arg_sets, nbytes, env, args, row["copy_graph"])
+                device_time(cell, tfn, arg_sets, nbytes, env, args)
                 for a, p in zip(arg_sets, pristine):
                     if any(isinstance(x, torch.Tensor) and not torch.equal(x.detach(), y)
                            for x, y in zip(a, p)):
@@ -352,26 +348,11 @@ def bench_task(op, dtype, args, env):
     return rows
 
 
-def copy_graph(nbytes, args):
-    """A copy of the row's bytes timed as the cells' device time is (timing.copy_graph): its
-    milliseconds, or None (on the CPU, or where it cannot be timed)."""
-    if torch.device(args.device).type != "cuda":
-        return None
-    try:
-        t = timing.copy_graph(args.device, nbytes, calls=args.graph_calls, reps=args.graph_replays)
-    except Exception:  # noqa: BLE001 - the cells fall back to the events copy's bandwidth
-        return None
-    return None if t is None else {"ms": t.median_ms, "bytes": nbytes, "method": t.method}
-
-
-def device_time(cell, tfn, arg_sets, nbytes, env, args, copy_g=None):
+def device_time(cell, tfn, arg_sets, nbytes, env, args):
     """The call's device time from CUDA-graph replay, host overhead removed: graph_ms and
-    graph_roofline_fraction, or graph_error when it cannot be captured (it syncs, reads a value
-    on the host...), which leaves the rest of the cell as it was. Nothing on the CPU, where host
-    time is device time. The fraction is a copy of the same bytes timed the same way over this
-    time (copy_g, timing.copy_graph): in a graph both pay for the L2 the flush leaves dirty;
-    graph_roofline_fraction_events_copy keeps the per-call formula (the events copy's
-    bandwidth), which charges that to the call alone."""
+    graph_roofline_fraction (the per-call roofline's formula), or graph_error when it cannot be
+    captured (it syncs, reads a value on the host...), which leaves the rest of the cell as it
+    was. Nothing on the CPU, where host time is device time."""
     try:
         t = timing.time_graph(tfn, arg_sets, device=args.device, calls=args.graph_calls,
                               reps=args.graph_replays)
@@ -382,9 +363,8 @@ def device_time(cell, tfn, arg_sets, nbytes, env, args, copy_g=None):
         return
     cell["graph_ms"] = t.median_ms
     cell["graph_timing"] = t.as_dict()
-    by_events = timing.roofline(nbytes, t.median_ms, env["copy"]["bytes_per_s"])["fraction"]
-    cell["graph_roofline_fraction_events_copy"] = by_events
-    cell["graph_roofline_fraction"] = copy_g["ms"] / t.median_ms if copy_g else by_events
+    cell["graph_roofline_fraction"] = timing.roofline(nbytes, t.median_ms,
+                                                      env["copy"]["bytes_per_s"])["fraction"]
 
 
 def schedules(fn):

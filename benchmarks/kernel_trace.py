@@ -57,11 +57,16 @@ def graph_trace(label, model, inputs, calls):
     with torch.profiler.profile(activities=acts) as prof:
         g.replay()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
     total = sum(e.device_time for e in kernels)
-    print(f"\n{label}, {calls} calls in a CUDA graph: {len(kernels)} kernel(s), {total / calls:.1f} us per call")
+    t0 = kernels[0].time_range.start if kernels else 0
+    span = (kernels[-1].time_range.end - t0) if kernels else 0
+    print(f"\n{label}, {calls} calls in a CUDA graph: {len(kernels)} kernel(s), {total / calls:.1f} us per call "
+          f"of kernels, {span / calls:.1f} us per call from the first start to the last end")
+    print("      start       end   duration")   # overlapping ranges: kernels that ran at once
     for e in kernels:
-        print(f"  {e.device_time:9.1f} us  {e.name[:110]}")
+        print(f"  {e.time_range.start - t0:9.1f} {e.time_range.end - t0:9.1f} {e.device_time:9.1f} us  {e.name[:90]}")
     del g
 
 

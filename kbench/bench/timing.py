@@ -291,22 +291,6 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> dict:
             "bytes_per_s": moved / (t.median_ms * 1e-3), "method": t.method}
 
 
-def copy_graph(device, nbytes: int, calls: int = 16, reps: int = 5) -> Optional["GraphTiming"]:
-    """A device-to-device copy moving nbytes (read plus written), timed as time_graph times a
-    call: the device-time roofline's yardstick, so that both sides pay the same. Back to back in
-    a graph, a call starts with the flush's dirty lines in L2 to write back, and its own last
-    writes are written back inside the next flush; timed by events with the host's gaps around
-    it, neither shows (a gap drains L2). Bandwidth-bound kernels see the difference: on an H100 a
-    kernel moving 256 MB takes ~20% longer in the graph. None where time_graph gives None."""
-    n = max(1, nbytes // 8)  # float32 elements each side: n * 4 read, n * 4 written
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    try:
-        return time_graph(lambda: dst.copy_(src), [()], device=device, calls=calls, reps=reps)
-    finally:
-        del src, dst
-
-
 def matmul_flops(device, dtype: torch.dtype, n: int = 8192, reps: int = 10) -> dict:
     """FLOP/s of one large square matmul in `dtype`: the compute roof for tasks that declare
     their FLOPs (GEMM and conv chains), measured rather than taken from a datasheet."""
