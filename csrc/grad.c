@@ -403,7 +403,6 @@ static void mark_required(gradctx *gc, const uint8_t *wrt)
 }
 
 static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, int joint, kb_graph **out);
-#define KB_MAX_SAVED_MEANS 8
 
 /* g with its nodes reordered: inputs, then the work that does not read the largest input
  * (largest at the symbols' example values), then the rest, each in id order. The partitioner
@@ -458,6 +457,8 @@ kb_status kb_graph_grad_joint(const kb_graph *g, const uint8_t *wrt, kb_graph **
 
 /* joint: the upstream gradients are constants 1 instead of inputs, and g's outputs come first
  * among the outputs (forward and backward in one graph, for the partitioner to fuse). */
+#define KB_MAX_SAVED_MEANS 8 /* a region saves a statistic or two per row */
+
 static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, int joint, kb_graph **out)
 {
     if (!out) return KB_ERR_INVALID;
