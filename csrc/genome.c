@@ -160,8 +160,8 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
             gn.threads = (int32_t)(rows * group);
         } else { /* a block per row, ~16 elements per thread (never more threads than vectors); with
                     column sums one 16-byte vector per thread, whose partials also live in
-                    registers. H100, rows of 4096 f32 (bench_genomes): 1024 threads of 4 beat 512
-                    of 8 on every backward with column sums, LayerNorm 152 -> 143 us, residual
+                    registers. H100, rows of 4096 f32 (bench_genomes): 1024 threads of 4 beat or tie
+                    512 of 8 on every backward with column sums, LayerNorm 152 -> 143 us, residual
                     LayerNorm 245 -> 230, RMSNorm 145 -> 139, bias+GELU(erf) 141 -> 138. */
             group = clamp64(pow2_floor(f.red / (f.ncolsum ? 16 / f.maxsz : 16)), 128, 1024);
             if (group > pow2_ceil(chunks)) group = pow2_ceil(chunks);

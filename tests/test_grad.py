@@ -709,7 +709,8 @@ def test_deviation_from_a_mean_sums_to_zero():
     gb.out(gb.reduce("sum", gb.op("sub", x, gb.view("expand", m0, full)), (1,), True))  # another axis's mean
     simple = gb.g.simplify()
     rows = [s for s in str(simple).splitlines() if " sum " in s or "= sum" in s]
-    assert len(rows) == 3, str(simple)   # sum(y) (one, shared), sum(y * c)'s sum(y), the column and other sums
+    # left: sum(y) (c * sum(y), the deviation's term dropped), the column sum, the other axis's mean's sum
+    assert len(rows) == 3, str(simple)
     for sv in ([3], [5]):
         xs = [torch.randn(sv[0], 8, dtype=torch.float64) * 3 + 50 for _ in range(2)] + [torch.randn(sv[0], 1, dtype=torch.float64)]
         want, got = run(gb.g, sv, xs), run(simple, sv, xs)
