@@ -40,8 +40,8 @@ def kernels_of(g, n):
     return " ".join(f"{e.name[:12]}:{e.device_time:.0f}" for e in ks[:n])
 
 def graph(fn, calls=4, flush=True):
-    timing._warm_on_side_stream(fn, [xs], dev, 3, flush)
-    return timing._capture(fn, [xs], dev, calls, flush, "x")
+    timing._warm_on_side_stream(fn, [xs], dev, 3, "write" if flush else None)
+    return timing._capture(fn, [xs], dev, calls, "write" if flush else None, "x")
 
 def poll(stop, out):
     while not stop.is_set():

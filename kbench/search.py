@@ -60,7 +60,7 @@ GATE_TIMEOUT_S = 10.0    # a kernel still running after this long is taken as hu
 DUPLICATE_FACTOR = 4     # asks (kernels generated more than once included) per budgeted candidate
 FINALIST_BAND = 2 * KEEP_DEFAULT   # re-timed: every candidate within this of the fastest, but
 FINALIST_CAP_FACTOR = 2  # at most this many times the budget's finalists
-MAX_ROUNDS_FACTOR = 4    # unclear decisions: more interleaved rounds, up to this many times the budget's
+MAX_ROUNDS_FACTOR = 16   # unclear decisions: more interleaved rounds, up to this many times the budget's
 RETIME_EXTRA_S = 2.0     # and this many seconds of extra rounds
 ALPHA = 1e-4             # a decision is clear when the two-sided 1 - ALPHA interval is on one side
 

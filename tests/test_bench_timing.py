@@ -178,6 +178,13 @@ def test_time_graph_on_cpu_returns_none():
     assert issubclass(timing.GraphTimingError, RuntimeError)
 
 
+def test_flush_kinds():
+    assert timing.FLUSH_KINDS == ("write", "read")
+    timing.flush_l2("cpu", "read")   # nothing to flush on the CPU
+    with pytest.raises(ValueError, match="flush kind 'clean'"):
+        timing.flush_l2("cpu", "clean")
+
+
 def _big(n_bytes=64 << 20):
     return torch.randn(n_bytes // 4, device="cuda")
 
@@ -197,6 +204,22 @@ def test_time_graph_elementwise_is_below_per_call():
     # 128 MB moved: not faster than 10 TB/s (no H100/H200 is), so the call was really timed
     assert g.median_ms > 128e6 / 10e12 * 1e3
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("flush_kind", ["read", "write"])
+def test_time_graph_charges_writes_that_fit_in_l2(flush_kind):
+    """16 MB written, well inside the L2: with a flush that reads, the lines stay dirty past the
+    call and are written back during the next flush, which the calls' graph pays for, not the
+    flushes'. Unflushed, the same buffer rewritten would stay in the L2 and look far faster."""
+    y = _big(16 << 20)
+    fill = lambda: y.fill_(1.0)   # noqa: E731
+    g = timing.time_graph(fill, [()], device="cuda", calls=16, reps=5, flush_kind=flush_kind)
+    assert g.flush == flush_kind
+    copy = timing.copy_bandwidth("cuda", 256 << 20)["bytes_per_s"]
+    # DRAM takes 16 MB of writes at about the copy's rate; the L2 alone takes them ~2x faster
+    assert g.median_ms > 0.7 * (16 << 20) / copy * 1e3, (g, copy)
 
 
 @gpu

@@ -66,19 +66,32 @@ def l2_bytes(device) -> int:
 
 
 _flush_cache: dict = {}
+FLUSH_KINDS = ("write", "read")
 
 
-def flush_l2(device) -> None:
-    """Write a buffer of twice the L2 size so that nothing the timed call reads is cached.
-    Called outside the timed window (before the start event is recorded)."""
+def flush_l2(device, kind: str = "write") -> None:
+    """Evict the L2 so that nothing the timed call reads is cached. Called outside the timed
+    window (before the start event is recorded, or between the calls of a timed graph).
+
+    "write" zeroes a buffer of twice the L2 size, as triton's do_bench does: the L2 is left full
+    of dirty lines, written back by whatever evicts them next. Timed by events, the call does, and
+    that pays, on average, for its own dirty lines left behind at its end event. "read" sums the
+    buffer into a scalar: the L2 is left holding clean lines only, and the call's own dirty lines
+    are written back during the next flush."""
+    if kind not in FLUSH_KINDS:
+        raise ValueError(f"flush kind {kind!r}: expected one of {FLUSH_KINDS}")
     if not is_cuda(device):
         return
     key = str(torch.device(device))
-    buf = _flush_cache.get(key)
-    if buf is None:
-        buf = torch.empty(2 * l2_bytes(device) // 4, dtype=torch.float32, device=device)
-        _flush_cache[key] = buf
-    buf.zero_()
+    bufs = _flush_cache.get(key)
+    if bufs is None:
+        bufs = (torch.zeros(2 * l2_bytes(device) // 4, dtype=torch.float32, device=device),
+                torch.zeros((), dtype=torch.float32, device=device))
+        _flush_cache[key] = bufs
+    if kind == "write":
+        bufs[0].zero_()
+    else:
+        torch.sum(bufs[0], dim=0, out=bufs[1])
 
 
 def time_fn(fn: Callable, arg_sets: Sequence[Sequence], *, device, reps: int = 50,
@@ -159,23 +172,32 @@ class GraphTiming:
     """Device time of one call from CUDA-graph replay, in milliseconds per call."""
 
     method: str        # "cuda-graph"
-    calls: int         # calls captured in one graph (each after an L2 flush)
+    calls: int         # calls captured in one graph (each between two L2 flushes)
     replays: int       # timed replays of each graph
     median_ms: float   # median over replays of (calls graph - flushes graph) / calls
     min_ms: float
     max_ms: float
-    flush_ms: float    # one L2 flush alone (median), the part subtracted
+    flush_ms: float    # the flushes alone per call (median of replays / calls), the part subtracted
+    flush: str = "read"  # how the L2 was flushed (flush_l2's kinds, or "none")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def time_graph(fn: Callable, arg_sets: Sequence[Sequence], *, device, reps: int = 5,
-               warmup: int = 3, flush: bool = True, calls: int = 16) -> Optional[GraphTiming]:
+               warmup: int = 3, flush: bool = True, calls: int = 16,
+               flush_kind: str = "read") -> Optional[GraphTiming]:
     """Device time per call of fn(*arg_sets[i % len(arg_sets)]), host overhead removed: like
     triton.testing.do_bench_cudagraph, with the L2 flush kept. One graph holds `calls` calls,
-    each after an L2 flush; a second graph holds the flushes alone; both are replayed
+    each between two L2 flushes; a second graph holds the flushes alone; both are replayed
     `reps` times, interleaved, and per call = (t_calls - t_flushes) / calls, median.
+
+    The flush reads (flush_l2): the flushes alone then write nothing back, and each call's dirty
+    lines are written back during the flush after it, in the calls' graph, so the subtraction
+    charges every call its own writes and nothing else. A written flush leaves the L2 full of its
+    own dirty lines, and how many of them a call writes back depends on where its buffers fall:
+    the same kbench forward+backward measured 15% slower in one graph than in the next
+    (benchmarks/flush_kind_probe.py; NOTES session 13).
 
     Returns None where the device is not CUDA (no graphs; host time is device time there).
     Raises GraphTimingError when fn cannot be captured or replayed; CUDA is usable afterwards
@@ -188,11 +210,14 @@ def time_graph(fn: Callable, arg_sets: Sequence[Sequence], *, device, reps: int 
         return None
     if not arg_sets:
         raise ValueError("time_graph needs at least one argument set")
+    fk = flush_kind if flush else None
+    if fk is not None and fk not in FLUSH_KINDS:
+        raise ValueError(f"flush kind {fk!r}: expected one of {FLUSH_KINDS}")
     graphs = []
     try:
-        _warm_on_side_stream(fn, arg_sets, device, warmup, flush)
-        graphs.append(_capture(fn, arg_sets, device, calls, flush, "the calls"))
-        graphs.append(_capture(None, arg_sets, device, calls, flush, "the flushes"))
+        _warm_on_side_stream(fn, arg_sets, device, warmup, fk)
+        graphs.append(_capture(fn, arg_sets, device, calls, fk, "the calls"))
+        graphs.append(_capture(None, arg_sets, device, calls, fk, "the flushes"))
         try:
             t_calls, t_flush = _replay_ms(graphs, reps, device)
         except RuntimeError as e:
@@ -207,10 +232,10 @@ def time_graph(fn: Callable, arg_sets: Sequence[Sequence], *, device, reps: int 
         raise GraphTimingError(f"device time {med * 1e3:.2f} us <= 0: the call is lost in the "
                                f"noise of the flushes ({statistics.median(t_flush) / calls:.4f} ms each)")
     return GraphTiming("cuda-graph", calls, reps, med, min(per_call), max(per_call),
-                       statistics.median(t_flush) / calls)
+                       statistics.median(t_flush) / calls, fk or "none")
 
 
-def _warm_on_side_stream(fn, arg_sets, device, warmup, flush):
+def _warm_on_side_stream(fn, arg_sets, device, warmup, flush_kind):
     """torch.cuda.graph wants lazy initialization (autograd's, torch.compile's, workspaces,
     the flush buffer) done before capture, on a side stream (the CUDA graphs notes on
     whole-network capture)."""
@@ -219,8 +244,8 @@ def _warm_on_side_stream(fn, arg_sets, device, warmup, flush):
     try:
         with torch.cuda.stream(side):
             for i in range(max(1, warmup)):
-                if flush:
-                    flush_l2(device)
+                if flush_kind:
+                    flush_l2(device, flush_kind)
                 fn(*arg_sets[i % len(arg_sets)])
     except Exception as e:  # noqa: BLE001 - said as a timing failure, like the capture's
         raise GraphTimingError(f"warm-up on a side stream failed: {_short(f'{type(e).__name__}: {e}')}") from e
@@ -228,8 +253,10 @@ def _warm_on_side_stream(fn, arg_sets, device, warmup, flush):
         torch.cuda.current_stream(device).wait_stream(side)
 
 
-def _capture(fn, arg_sets, device, calls, flush, what) -> "torch.cuda.CUDAGraph":
-    """One graph of `calls` calls of fn (or none, fn=None), each after an L2 flush."""
+def _capture(fn, arg_sets, device, calls, flush_kind, what) -> "torch.cuda.CUDAGraph":
+    """One graph of `calls` calls of fn (or none, fn=None), each between two L2 flushes of that
+    kind (calls + 1 flushes; None: no flush). The last flush writes back the last call's dirty
+    lines inside its own graph, not in the next one replayed."""
     k = len(arg_sets)
     g = torch.cuda.CUDAGraph()
     # torch.cuda.graph's exit does not restore the stream when ending the capture raises
@@ -237,10 +264,12 @@ def _capture(fn, arg_sets, device, calls, flush, what) -> "torch.cuda.CUDAGraph"
     try:
         with torch.cuda.graph(g):
             for i in range(calls):
-                if flush:
-                    flush_l2(device)
+                if flush_kind:
+                    flush_l2(device, flush_kind)
                 if fn is not None:
                     fn(*arg_sets[i % k])  # the outputs are dropped here, inside the capture
+            if flush_kind:
+                flush_l2(device, flush_kind)
     except Exception as e:  # noqa: BLE001
         torch.cuda.set_stream(stream)
         cause = e.__context__  # fn's own error, when ending the aborted capture raised again
@@ -285,10 +314,14 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> dict:
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     t = time_fn(lambda: dst.copy_(src), [()], device=device, reps=reps, warmup=3)
+    # the same copy timed as the device-time column times a call, for reference only: the
+    # roofline of both columns stays the per-call copy
+    g = time_graph(lambda: dst.copy_(src), [()], device=device, calls=4)
     moved = 2 * n * 4
     del src, dst
     return {"bytes": moved, "median_ms": t.median_ms,
-            "bytes_per_s": moved / (t.median_ms * 1e-3), "method": t.method}
+            "bytes_per_s": moved / (t.median_ms * 1e-3), "method": t.method,
+            "graph_bytes_per_s": moved / (g.median_ms * 1e-3) if g else None}
 
 
 def matmul_flops(device, dtype: torch.dtype, n: int = 8192, reps: int = 10) -> dict:
