@@ -83,10 +83,10 @@ TIMING_METHODS = {
                 "(autograd engine, Python autograd.Function). Fields median_ms, "
                 "roofline_fraction; table columns '<impl> ms' and 'roofline'.",
     "device": "timing.time_graph: one CUDA graph of graph_calls calls, each between two L2 "
-              "flushes that read (so the L2 holds no dirty lines of the flush's own), minus a "
-              "graph of the flushes alone, per call, median of graph_replays replays; host "
-              "overhead removed. Fields graph_ms, graph_roofline_fraction (or graph_error when "
-              "the call cannot be captured); table column 'device-time roofline'.",
+              "flushes, minus a graph of the flushes alone, per call, median of graph_replays "
+              "replays after 0.1 s of untimed ones; host overhead removed. Fields graph_ms, "
+              "graph_roofline_fraction (or graph_error when the call cannot be captured); table "
+              "column 'device-time roofline'.",
 }
 # a "searched vs default" gain at or above this counts as the search paying off
 SEARCH_GAIN_GOOD = 1.10

@@ -49,8 +49,8 @@ def graph_trace(label, model, inputs, calls):
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     gouts = [torch.randn_like(o) for o in outs]
     tfn = timed_fn(model, params, gouts, True)
-    timing._warm_on_side_stream(tfn, [xs], dev, 3, "read")
-    g = timing._capture(tfn, [xs], dev, calls, "read", "the calls")
+    timing._warm_on_side_stream(tfn, [xs], dev, 3, "write")
+    g = timing._capture(tfn, [xs], dev, calls, "write", "the calls")
     g.replay()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

@@ -27,6 +27,8 @@ WALL_OVER_EVENT_LIMIT = 3.0
 # The margin covers read-mostly kernels, which run somewhat faster than a read+write copy.
 ROOFLINE_LIMIT = 1.25
 _DEFAULT_L2 = 50 * 2**20  # H100's L2, when the device does not say
+# time_graph replays its graphs untimed for this long first (see time_graph)
+GRAPH_WARM_S = 0.1
 
 
 @dataclasses.dataclass
@@ -178,7 +180,7 @@ class GraphTiming:
     min_ms: float
     max_ms: float
     flush_ms: float    # the flushes alone per call (median of replays / calls), the part subtracted
-    flush: str = "read"  # how the L2 was flushed (flush_l2's kinds, or "none")
+    flush: str = "write"  # how the L2 was flushed (flush_l2's kinds, or "none")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -186,18 +188,17 @@ class GraphTiming:
 
 def time_graph(fn: Callable, arg_sets: Sequence[Sequence], *, device, reps: int = 5,
                warmup: int = 3, flush: bool = True, calls: int = 16,
-               flush_kind: str = "read") -> Optional[GraphTiming]:
+               flush_kind: str = "write") -> Optional[GraphTiming]:
     """Device time per call of fn(*arg_sets[i % len(arg_sets)]), host overhead removed: like
     triton.testing.do_bench_cudagraph, with the L2 flush kept. One graph holds `calls` calls,
-    each between two L2 flushes; a second graph holds the flushes alone; both are replayed
-    `reps` times, interleaved, and per call = (t_calls - t_flushes) / calls, median.
+    each between two L2 flushes (flush_l2, written by default as in time_fn); a second graph
+    holds the flushes alone; both are replayed interleaved, first untimed for GRAPH_WARM_S, then
+    `reps` times timed, and per call = (t_calls - t_flushes) / calls, median.
 
-    The flush reads (flush_l2): the flushes alone then write nothing back, and each call's dirty
-    lines are written back during the flush after it, in the calls' graph, so the subtraction
-    charges every call its own writes and nothing else. A written flush leaves the L2 full of its
-    own dirty lines, and how many of them a call writes back depends on where its buffers fall:
-    the same kbench forward+backward measured 15% slower in one graph than in the next
-    (benchmarks/flush_kind_probe.py; NOTES session 13).
+    The untimed replays are there because the first milliseconds of replays after a capture can
+    run slow, the flushes alone as much as the calls: a kbench forward+backward's graph read 15%
+    slower in its first three rounds than in the next nine, at the same SM clock
+    (benchmarks/clock_probe.py; NOTES session 13).
 
     Returns None where the device is not CUDA (no graphs; host time is device time there).
     Raises GraphTimingError when fn cannot be captured or replayed; CUDA is usable afterwards
@@ -282,13 +283,20 @@ def _capture(fn, arg_sets, device, calls, flush_kind, what) -> "torch.cuda.CUDAG
 
 def _replay_ms(graphs, replays, device):
     """Milliseconds of each replay of each graph, interleaved so that both see the same clocks.
-    The first replay of a graph uploads it: done once, untimed. Then one untimed replay of the
-    last graph keeps the device busy while the host enqueues the timed ones, so no timed replay
-    waits for its own launch."""
+    The first replay of a graph uploads it: done once, untimed. Then rounds of untimed replays
+    until GRAPH_WARM_S have passed (at least two), and one more untimed replay of the last graph
+    keeps the device busy while the host enqueues the timed ones, so no timed replay waits for
+    its own launch."""
     stream = torch.cuda.current_stream(device)
     for g in graphs:
         g.replay()
     sync(device)
+    t0, rounds = time.perf_counter(), 0
+    while rounds < 2 or time.perf_counter() - t0 < GRAPH_WARM_S:
+        for g in graphs:
+            g.replay()
+        sync(device)
+        rounds += 1
     ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
            for _ in range(replays)] for _ in graphs]
     graphs[-1].replay()
