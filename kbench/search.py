@@ -60,7 +60,7 @@ GATE_TIMEOUT_S = 10.0    # a kernel still running after this long is taken as hu
 DUPLICATE_FACTOR = 4     # asks (kernels generated more than once included) per budgeted candidate
 FINALIST_BAND = 2 * KEEP_DEFAULT   # re-timed: every candidate within this of the fastest, but
 FINALIST_CAP_FACTOR = 2  # at most this many times the budget's finalists
-MAX_ROUNDS_FACTOR = 16   # unclear decisions: more interleaved rounds, up to this many times the budget's
+MAX_ROUNDS_FACTOR = 32   # unclear decisions: more interleaved rounds, up to this many times the budget's
 RETIME_EXTRA_S = 2.0     # and this many seconds of extra rounds
 ALPHA = 1e-4             # a decision is clear when the two-sided 1 - ALPHA interval is on one side
 
@@ -225,6 +225,24 @@ class CudaRegionBench:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             self._launch(kernel)
+            b.record()
+            pairs.append((a, b))
+        self._sync()
+        return [a.elapsed_time(b) for a, b in pairs]
+
+    def time_each(self, kernels) -> list:
+        """One repetition of each kernel, in order, each after the L2 flush, in ms; one sync for
+        them all. The finalists' rounds: a sync per repetition made a round of two 23 µs kernels
+        take ~7 ms of host time, so the time cap on extra rounds bit before the rounds' cap did."""
+        if not self.cuda:
+            return [self.time(k, 1, warmup=0)[0] for k in kernels]
+        torch = self.torch
+        pairs = []
+        for k in kernels:
+            self.flush_l2()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self._launch(k)
             b.record()
             pairs.append((a, b))
         self._sync()
@@ -434,8 +452,8 @@ class _Search:
             for _ in range(min(b.rounds, cap - n)):
                 if deadline is not None and time.perf_counter() >= deadline:
                     return samples
-                for g in timing:
-                    samples[g][n] = self.bench.time(self.kernels[g], 1, warmup=0)[0]
+                for g, ms in zip(timing, self.bench.time_each([self.kernels[g] for g in timing])):
+                    samples[g][n] = ms
                 n += 1
             if n >= cap:
                 break

@@ -229,6 +229,9 @@ class FakeBench:
         c = self.cost(kernel.genome)
         return [c * (1 + self.noise * (self.rng.random() - 0.5)) for _ in range(reps)]
 
+    def time_each(self, kernels):
+        return [self.time(k, 1, warmup=0)[0] for k in kernels]
+
     def verify(self, kernel):
         self.calls.append(("verify", kernel.genome))
         if kernel.genome in self.verify_fail:
@@ -523,6 +526,8 @@ def test_cuda_bench_plumbing_on_cpu():
     assert bench.gate(kern).startswith("output 0: error")
     times = bench.time(kern, 3)
     assert len(times) == 3 and all(t >= 0 for t in times)
+    each = bench.time_each([kern, kern])    # the finalists' round: one repetition of each
+    assert len(each) == 2 and all(t >= 0 for t in each)
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not found")
