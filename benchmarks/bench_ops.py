@@ -561,9 +561,7 @@ def main(argv=None) -> int:
         meta["kbench"] = {"version": None, "error": KBENCH_IMPORT_ERROR}
     copy_bytes = (16 << 20) if args.quick else (1 << 30)
     env = {"copy": timing.copy_bandwidth(dev, copy_bytes), "l2_bytes": timing.l2_bytes(dev)}
-    gcopy = env["copy"].get("graph_bytes_per_s")
-    print(f"device {meta['gpu'] or dev}; copy {env['copy']['bytes_per_s'] / 1e9:.0f} GB/s"
-          + (f" (timed as the device-time column: {gcopy / 1e9:.0f})" if gcopy else "") + "; "
+    print(f"device {meta['gpu'] or dev}; copy {env['copy']['bytes_per_s'] / 1e9:.0f} GB/s; "
           f"torch {meta['torch']}; kbench {meta['kbench']['version'] or meta['kbench']['error']}",
           file=sys.stderr)
     rows = []

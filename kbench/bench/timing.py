@@ -322,14 +322,10 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> dict:
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     t = time_fn(lambda: dst.copy_(src), [()], device=device, reps=reps, warmup=3)
-    # the same copy timed as the device-time column times a call, for reference only: the
-    # roofline of both columns stays the per-call copy
-    g = time_graph(lambda: dst.copy_(src), [()], device=device, calls=4)
     moved = 2 * n * 4
     del src, dst
     return {"bytes": moved, "median_ms": t.median_ms,
-            "bytes_per_s": moved / (t.median_ms * 1e-3), "method": t.method,
-            "graph_bytes_per_s": moved / (g.median_ms * 1e-3) if g else None}
+            "bytes_per_s": moved / (t.median_ms * 1e-3), "method": t.method}
 
 
 def matmul_flops(device, dtype: torch.dtype, n: int = 8192, reps: int = 10) -> dict:
