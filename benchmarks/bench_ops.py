@@ -200,6 +200,23 @@ def peak_mb(fn, xs, dev):
     return peak / 1e6
 
 
+def probe_setup(op, dtype, device="cuda"):
+    """For the probe scripts: task, cfg, model, params, two input sets wanting gradients and
+    random upstream gradients, as bench_task builds them for op at its full size."""
+    task_name, full, _, _ = OPS[op]
+    task = TASKS[task_name]
+    cfg = dict(full, name=op)
+    model = task.build(cfg, dtype, device, seed=0)
+    arg_sets = [task.inputs(cfg, dtype, device, seed=1 + i) for i in range(2)]
+    with torch.no_grad():
+        outs = flatten(model(*arg_sets[0]))
+    gouts = [torch.randn_like(o) if o.is_floating_point() else None for o in outs]
+    for x in arg_sets:
+        for t in leaves_of(x):
+            t.requires_grad_()
+    return task, cfg, model, list(model.parameters()), arg_sets, gouts
+
+
 def timed_fn(fn, params, gouts, backward):
     if not backward:
         def fwd(*xs):

@@ -14,26 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch
-from bench_ops import OPS, build_impl, leaves_of, timed_fn
+from bench_ops import build_impl, probe_setup, timed_fn
 from kbench.bench import timing
-from kbench.bench.compare import flatten
-from kbench.bench.tasks import TASKS, parse_dtype
+from kbench.bench.tasks import parse_dtype
 
 CYCLES = 400_000
 op, dt = sys.argv[1], sys.argv[2]
 dev = "cuda"
-task_name, full, _, _ = OPS[op]
-task, dtype = TASKS[task_name], parse_dtype(dt)
-cfg = dict(full, name=op)
-model = task.build(cfg, dtype, dev, seed=0)
-params = list(model.parameters())
-arg_sets = [task.inputs(cfg, dtype, dev, seed=1 + i) for i in range(2)]
-with torch.no_grad():
-    outs = flatten(model(*arg_sets[0]))
-gouts = [torch.randn_like(o) for o in outs]
-for x in arg_sets:
-    for t in leaves_of(x):
-        t.requires_grad_()
+task, cfg, model, params, arg_sets, gouts = probe_setup(op, parse_dtype(dt), dev)
 
 
 def spin():

@@ -14,10 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch
-from bench_ops import OPS, build_impl, leaves_of, timed_fn
+from bench_ops import build_impl, probe_setup, timed_fn
 from kbench.bench import timing
-from kbench.bench.compare import flatten
-from kbench.bench.tasks import TASKS, parse_dtype
+from kbench.bench.tasks import parse_dtype
 
 dev = "cuda"
 copy = timing.copy_bandwidth(dev, 1 << 30)["bytes_per_s"]
@@ -44,19 +43,8 @@ def graph_ms(tfn, arg_sets, kind):
 
 for spec in sys.argv[1:]:
     op, dt = spec.split(":")
-    task_name, full, _, _ = OPS[op]
-    task, dtype = TASKS[task_name], parse_dtype(dt)
-    cfg = dict(full, name=op)
-    model = task.build(cfg, dtype, dev, seed=0)
-    params = list(model.parameters())
-    arg_sets = [task.inputs(cfg, dtype, dev, seed=1 + i) for i in range(2)]
-    with torch.no_grad():
-        outs = flatten(model(*arg_sets[0]))
-    gouts = [torch.randn_like(o) if o.is_floating_point() else None for o in outs]
-    del outs
-    for x in arg_sets:
-        for t in leaves_of(x):
-            t.requires_grad_()
+    dtype = parse_dtype(dt)
+    task, cfg, model, params, arg_sets, gouts = probe_setup(op, dtype, dev)
     built = {name: build_impl(name, model, arg_sets[0], dev, "fast")[0] for name in ("eager", "compile", "kbench")}
     for backward in (True, False):
         nbytes = task.bytes_moved(cfg, dtype, backward)

@@ -209,7 +209,6 @@ class CudaRegionBench:
 
     def time(self, kernel, reps: int, warmup: int = 2) -> list:
         """reps times in ms, each after the L2 flush, from CUDA events on the current stream."""
-        torch = self.torch
         for _ in range(warmup):
             self._launch(kernel)
         if not self.cuda:  # a CPU stand-in executor (tests): wall clock
@@ -219,16 +218,7 @@ class CudaRegionBench:
                 self._launch(kernel)
                 out.append((time.perf_counter() - t) * 1e3)
             return out
-        pairs = []
-        for _ in range(reps):
-            self.flush_l2()   # also keeps the GPU busy while the host enqueues the launch
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            self._launch(kernel)
-            b.record()
-            pairs.append((a, b))
-        self._sync()
-        return [a.elapsed_time(b) for a, b in pairs]
+        return self._timed([kernel] * reps)
 
     def time_each(self, kernels) -> list:
         """One repetition of each kernel, in order, each after the L2 flush, in ms; one sync for
@@ -236,10 +226,14 @@ class CudaRegionBench:
         take ~7 ms of host time, so the time cap on extra rounds bit before the rounds' cap did."""
         if not self.cuda:
             return [self.time(k, 1, warmup=0)[0] for k in kernels]
+        return self._timed(kernels)
+
+    def _timed(self, kernels) -> list:
+        """Each kernel launched once after the L2 flush, timed by CUDA events; one sync at the end."""
         torch = self.torch
         pairs = []
         for k in kernels:
-            self.flush_l2()
+            self.flush_l2()   # also keeps the GPU busy while the host enqueues the launch
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             self._launch(k)
