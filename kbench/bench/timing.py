@@ -76,10 +76,10 @@ def flush_l2(device, kind: str = "write") -> None:
     window (before the start event is recorded, or between the calls of a timed graph).
 
     "write" zeroes a buffer of twice the L2 size, as triton's do_bench does: the L2 is left full
-    of dirty lines, written back by whatever evicts them next. Timed by events, the call does, and
-    that pays, on average, for its own dirty lines left behind at its end event. "read" sums the
-    buffer into a scalar: the L2 is left holding clean lines only, and the call's own dirty lines
-    are written back during the next flush."""
+    of dirty lines, written back by whatever evicts them next. A call timed by events writes back
+    the flush's as it runs, which pays, on average, for its own dirty lines left behind at its end
+    event. "read" sums the buffer into a scalar: the L2 is left holding clean lines only, and the
+    call's own dirty lines are written back during the next flush."""
     if kind not in FLUSH_KINDS:
         raise ValueError(f"flush kind {kind!r}: expected one of {FLUSH_KINDS}")
     if not is_cuda(device):
