@@ -455,10 +455,10 @@ kb_status kb_graph_grad_joint(const kb_graph *g, const uint8_t *wrt, kb_graph **
     return grad_build(g, wrt, 0, 1, out);
 }
 
-/* joint: the upstream gradients are constants 1 instead of inputs, and g's outputs come first
- * among the outputs (forward and backward in one graph, for the partitioner to fuse). */
 #define KB_MAX_SAVED_MEANS 8 /* a region saves a statistic or two per row */
 
+/* joint: the upstream gradients are constants 1 instead of inputs, and g's outputs come first
+ * among the outputs (forward and backward in one graph, for the partitioner to fuse). */
 static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, int joint, kb_graph **out)
 {
     if (!out) return KB_ERR_INVALID;
