@@ -402,7 +402,8 @@ static void mark_required(gradctx *gc, const uint8_t *wrt)
     }
 }
 
-static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, int joint, kb_graph **out);
+static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, uint32_t reuse, int joint,
+                            kb_graph **out);
 
 /* g with its nodes reordered: inputs, then the work that does not read the largest input
  * (largest at the symbols' example values), then the rest, each in id order. The partitioner
@@ -442,28 +443,91 @@ cleanup:
 
 kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out)
 {
-    return grad_build(g, wrt, 0, 0, out);
+    return grad_build(g, wrt, 0, 0, 0, out);
 }
 
-kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, kb_graph **out)
+kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, uint32_t reuse, kb_graph **out)
 {
-    return grad_build(g, wrt, nsaved, 0, out);
+    return grad_build(g, wrt, nsaved, reuse, 0, out);
 }
 
 kb_status kb_graph_grad_joint(const kb_graph *g, const uint8_t *wrt, kb_graph **out)
 {
-    return grad_build(g, wrt, 0, 1, out);
+    return grad_build(g, wrt, 0, 0, 1, out);
+}
+
+/* The forward value output o stands for in a backward that reads o: o's own, or where o is an
+ * f32 value narrowed to f16/bf16, that f32 value (read back widened from o, as eager's backward
+ * reads a narrowed output: a rounding of the value it recomputed). -1 where o is an input. */
+static int32_t reused_value(const kb_graph *g, int32_t o)
+{
+    const kb_node *on = kb_graph_node(g, o);
+    if (on->op == KB_OP_INPUT) return -1;
+    if (on->op == KB_OP_CAST && (on->dtype == KB_F16 || on->dtype == KB_BF16)) {
+        int32_t v = on->inputs[0];
+        const kb_node *vn = kb_graph_node(g, v);
+        if (vn->dtype == KB_F32 && vn->op != KB_OP_INPUT) return v;
+    }
+    return o;
+}
+
+/* bwd with the values of its reused outputs (its last nreused outputs, placeholders simplify
+ * kept alive) read from the inputs that hold those outputs (input first_out on, one per reused
+ * output), widened back where the output was narrowed; the placeholders dropped, and then what
+ * nothing reads any more: the forward work that recomputed those values. */
+static kb_status read_reused(const kb_graph *bwd, int32_t nreused, int32_t first_out, kb_graph **out)
+{
+    kb_status st = KB_OK;
+    kb_ctx *ctx = kb_graph_ctx(bwd);
+    int32_t n = kb_graph_nnodes(bwd), nkeep = kb_graph_noutputs(bwd) - nreused;
+    size_t cnt = n > 0 ? (size_t)n : 1;
+    kb_graph *w = NULL;
+    int32_t *map = kb_malloc(ctx, cnt * sizeof(int32_t));
+    KB_CHECK(ctx, map != NULL, KB_ERR_OOM, "grad: out of memory for %d nodes", (int)n);
+    KB_TRY(kb_graph_new(ctx, &w));
+    KB_TRY(kb_graph_copy_symbols(bwd, w));
+    for (int32_t v = 0; v < n; v++) map[v] = -1;
+    for (int32_t i = 0; i < kb_graph_ninputs(bwd); i++) /* inputs first, in order (ids are topological) */
+        KB_TRY(kb_graph_add(w, kb_graph_node(bwd, kb_graph_input(bwd, i)), &map[kb_graph_input(bwd, i)]));
+    for (int32_t v = 0; v < n; v++) {
+        const kb_node *nd = kb_graph_node(bwd, v);
+        if (nd->op == KB_OP_INPUT) continue;
+        int32_t held = -1;
+        for (int32_t k = 0; k < nreused && held < 0; k++)
+            if (kb_graph_output(bwd, nkeep + k) == v) held = map[kb_graph_input(bwd, first_out + k)];
+        if (held >= 0 && kb_graph_node(w, held)->dtype == nd->dtype) {
+            map[v] = held;
+        } else if (held >= 0) {
+            kb_node c = kb_node_template(KB_OP_CAST, nd->dtype, nd->rank, nd->dims);
+            c.inputs[0] = held, c.ninputs = 1;
+            KB_TRY(kb_graph_add(w, &c, &map[v]));
+        } else {
+            kb_node t = *nd;
+            for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
+            KB_TRY(kb_graph_add(w, &t, &map[v]));
+        }
+    }
+    for (int32_t j = 0; j < nkeep; j++) KB_TRY(kb_graph_add_output(w, map[kb_graph_output(bwd, j)]));
+    KB_TRY(kb_graph_simplify(w, out));
+cleanup:
+    kb_free(ctx, map, cnt * sizeof(int32_t));
+    kb_graph_free(w);
+    return st;
 }
 
 #define KB_MAX_SAVED_MEANS 8 /* a region saves a statistic or two per row */
 
 /* joint: the upstream gradients are constants 1 instead of inputs, and g's outputs come first
  * among the outputs (forward and backward in one graph, for the partitioner to fuse). */
-static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, int joint, kb_graph **out)
+static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, uint32_t reuse, int joint,
+                            kb_graph **out)
 {
     if (!out) return KB_ERR_INVALID;
     *out = NULL;
     if (!g || nsaved < 0 || nsaved > kb_graph_noutputs(g)) return KB_ERR_INVALID;
+    int32_t nreal = kb_graph_noutputs(g) - nsaved, nreused = 0, first_out = kb_graph_ninputs(g) + nsaved;
+    if (nreal < 32 && reuse >> nreal) return KB_ERR_INVALID; /* a bit past the real outputs */
+    kb_graph *reading = NULL;
     kb_status st = KB_OK;
     kb_ctx *ctx = kb_graph_ctx(g);
     int32_t n = kb_graph_nnodes(g);
@@ -496,7 +560,6 @@ static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsave
         int32_t v = kb_graph_input(g, i);
         KB_TRY(gb_emit(&gc.b, kb_graph_node(g, v), &gc.map[v]));
     }
-    int32_t nreal = kb_graph_noutputs(g) - nsaved;
     for (int32_t k = nreal; k < kb_graph_noutputs(g); k++) {
         int32_t o = kb_graph_output(g, k);
         const kb_node *on = kb_graph_node(g, o);
@@ -505,6 +568,16 @@ static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsave
         t.input_kind = KB_INPUT_USER;
         snprintf(t.name, sizeof t.name, "saved%d", (int)(k - nreal));
         KB_TRY(gb_emit(&gc.b, &t, &gc.map[o]));
+    }
+    /* then the reused outputs: a value the backward needs that one holds is read, not recomputed */
+    int32_t out_inputs[32];
+    for (int32_t k = 0; k < nreal && k < 32; k++) {
+        if (!(reuse >> k & 1u)) continue;
+        const kb_node *on = kb_graph_node(g, kb_graph_output(g, k));
+        kb_node t = gb_tmpl(KB_OP_INPUT, on->dtype, on->rank, on->dims);
+        t.input_kind = KB_INPUT_USER;
+        snprintf(t.name, sizeof t.name, "out%d", (int)k);
+        KB_TRY(gb_emit(&gc.b, &t, &out_inputs[nreused++]));
     }
     /* a saved row mean stays known as one (simplify: the deviations from it sum to 0) */
     kb_mean_fact means[KB_MAX_SAVED_MEANS];
@@ -559,7 +632,21 @@ static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsave
         KB_TRY(kb_graph_add_output(gc.b.g, r));
     }
     for (int i = 0; i < nmeans; i++) means[i].of = gc.map[means[i].of]; /* emitted by now */
-    KB_TRY(kb_graph_simplify_means(gc.b.g, means, nmeans, out)); /* rewrites, dead nodes dropped */
+    /* each reused output's value as a placeholder output: simplify rewrites the backward towards
+     * the forward's values (exp_over_sum) and keeps these, and then read_reused reads them */
+    for (int32_t k = 0, j = 0; k < nreal && k < 32; k++) {
+        if (!(reuse >> k & 1u)) continue;
+        int32_t v = reused_value(g, kb_graph_output(g, k));
+        /* an input (or a saved statistic) is at hand already: its placeholder is a stand-in */
+        KB_TRY(kb_graph_add_output(gc.b.g, v >= 0 && gc.map[v] >= 0 ? gc.map[v] : out_inputs[j]));
+        j++;
+    }
+    if (nreused == 0) {
+        KB_TRY(kb_graph_simplify_means(gc.b.g, means, nmeans, 0, out)); /* rewrites, dead nodes dropped */
+    } else {
+        KB_TRY(kb_graph_simplify_means(gc.b.g, means, nmeans, 1, &reading));
+        KB_TRY(read_reused(reading, nreused, first_out, out));
+    }
     if (joint) {
         kb_graph *simple = *out;
         *out = NULL;
@@ -567,6 +654,7 @@ static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsave
         kb_graph_free(simple);
     }
 cleanup:
+    kb_graph_free(reading);
     gb_done(&gc.b);
     kb_free(ctx, gc.map, cnt * sizeof(int32_t));
     kb_free(ctx, gc.adj, cnt * sizeof(int32_t));

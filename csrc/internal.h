@@ -116,8 +116,11 @@ typedef struct kb_mean_fact {
     uint32_t axes;
 } kb_mean_fact;
 
-/* kb_graph_simplify, knowing these means too (sum_a(x - mean_a(x)) is 0; simplify.c). */
-kb_status kb_graph_simplify_means(const kb_graph *g, const kb_mean_fact *means, int nmeans, kb_graph **out);
+/* kb_graph_simplify, knowing these means too (sum_a(x - mean_a(x)) is 0; simplify.c), and with
+ * toward_forward also writing values in terms of forward values a backward may read instead
+ * (exp_over_sum: only where it does read them, for elsewhere it moves work, not bytes). */
+kb_status kb_graph_simplify_means(const kb_graph *g, const kb_mean_fact *means, int nmeans, int toward_forward,
+                                  kb_graph **out);
 
 /* The element count of the dims whose bit is in mask, as one monomial: coef times a sorted
  * multiset of symbols. Two shapes hold as many elements for every binding of the symbols exactly

@@ -180,6 +180,7 @@ typedef struct kb_region {
     int32_t anchor;
     uint32_t reduce_axes;
     int32_t nsaved;   /* the last nsaved outputs are row statistics kept for the backward only */
+    uint32_t saved_outputs; /* bit k: the backward reads output k (kb_graph_grad_saved's reuse) */
 } kb_region;
 
 typedef struct kb_partition {
@@ -211,15 +212,20 @@ kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out);
 
 /* Reverse mode: a graph computing the vector-Jacobian product of g. Its inputs are g's inputs
  * (same order, kinds, names), then the values of g's last nsaved outputs (kind user, named
- * "saved<k>": statistics the forward kept, see kb_partition_save_stats), then one upstream
- * gradient per other output of g (same dtype and shape, kind user, named "grad_out<k>"). Its
+ * "saved<k>": statistics the forward kept, see kb_partition_save_stats), then the values of the
+ * other outputs k with bit k of reuse set (kind user, named "out<k>": where the backward needs the
+ * value such an output holds, it reads it there instead of recomputing it; an output narrowed
+ * from f32 to f16/bf16 stands for the f32 value, as eager's backward reads its narrowed outputs),
+ * then one upstream gradient per other output of g (same dtype and shape, kind user, named
+ * "grad_out<k>"). Its
  * outputs are the gradients of the inputs i with wrt[i] != 0, in input order (same dtype and
  * shape as the input). The other forward values the backward needs are recomputed inside it
  * from g's inputs (saved-tensor policy: keep the region inputs and row statistics, recompute the
  * rest — the partitioner fuses recomputation into the backward kernels). Integer and bool
  * inputs get no gradient (wrt must be 0 for them). The caller owns *out (kb_graph_free).
- * KB_ERR_UNSUPPORTED for a graph with EXTERN nodes. kb_graph_grad is nsaved = 0. */
-kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, kb_graph **out);
+ * KB_ERR_UNSUPPORTED for a graph with EXTERN nodes. kb_graph_grad is nsaved = 0, reuse = 0. */
+kb_status kb_graph_grad_saved(const kb_graph *g, const uint8_t *wrt, int32_t nsaved, uint32_t reuse,
+                              kb_graph **out);
 kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out);
 /* Forward and backward as one graph: g's inputs, then g's outputs followed by the gradients of
  * the wrt inputs, each upstream gradient taken as 1 (for a scalar loss the true gradients are

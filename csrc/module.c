@@ -173,15 +173,36 @@ static PyObject *graph_wrap_derived(kb_py_graph *owner, kb_graph *g) {
 }
 
 static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"wrt", "saved", "joint", NULL};
-    PyObject *arg;
+    static char *kwlist[] = {"wrt", "saved", "joint", "outputs", NULL};
+    PyObject *arg, *reads = NULL;
     int saved = 0, joint = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$ip:grad", kwlist, &arg, &saved, &joint)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$ipO:grad", kwlist, &arg, &saved, &joint, &reads)) return NULL;
     if (joint && saved)
         return PyErr_Format(PyExc_ValueError, "grad: joint=True keeps no statistics (saved=%d)", saved);
     if (saved < 0 || saved > kb_graph_noutputs(self->graph))
         return PyErr_Format(PyExc_ValueError, "grad: saved=%d, but the graph has %d outputs", saved,
                             (int)kb_graph_noutputs(self->graph));
+    uint32_t reuse = 0;
+    if (reads && reads != Py_None) {
+        PyObject *ks = PySequence_Fast(reads, "grad(outputs=): a sequence of output indices");
+        if (!ks) return NULL;
+        long nreal = (long)kb_graph_noutputs(self->graph) - saved;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ks); i++) {
+            long k = PyLong_AsLong(PySequence_Fast_GET_ITEM(ks, i));
+            if (k == -1 && PyErr_Occurred()) {
+                Py_DECREF(ks);
+                return NULL;
+            }
+            if (k < 0 || k >= nreal || k >= 32) {
+                Py_DECREF(ks);
+                return PyErr_Format(PyExc_ValueError, "grad(outputs=): %ld is not one of the %ld outputs "
+                                    "(below 32) the backward can read", k, nreal);
+            }
+            reuse |= 1u << k;
+        }
+        Py_DECREF(ks);
+    }
+    if (joint && reuse) return PyErr_Format(PyExc_ValueError, "grad: joint=True reads no outputs");
     int32_t n = kb_graph_ninputs(self->graph);
     PyObject *fast = PySequence_Fast(arg, "grad(wrt): wrt must be a sequence of bools, one per input");
     if (!fast) return NULL;
@@ -205,7 +226,7 @@ static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
     Py_DECREF(fast);
     kb_graph *out = NULL;
     kb_status st = joint ? kb_graph_grad_joint(self->graph, wrt, &out)
-                         : kb_graph_grad_saved(self->graph, wrt, (int32_t)saved, &out);
+                         : kb_graph_grad_saved(self->graph, wrt, (int32_t)saved, reuse, &out);
     if (st != KB_OK) return graph_raise(self, st);
     return graph_wrap_derived(self, out);
 }
@@ -423,8 +444,9 @@ static PyMethodDef graph_methods[] = {
     {"sizes", (PyCFunction)graph_sizes, METH_VARARGS, "sizes(value id, symvals) -> concrete sizes"},
     {"partition", (PyCFunction)graph_partition, METH_NOARGS, "partition() -> Partition (the fused regions)"},
     {"grad", (PyCFunction)(void (*)(void))graph_grad, METH_VARARGS | METH_KEYWORDS,
-     "grad(wrt, *, saved=0, joint=False) -> Graph: inputs = this graph's inputs + the values of its last `saved` outputs "
-     "(statistics the forward kept) + one upstream gradient per other output; outputs = the gradients of "
+     "grad(wrt, *, saved=0, joint=False, outputs=()) -> Graph: inputs = this graph's inputs + the values of its "
+     "last `saved` outputs (statistics the forward kept) + the outputs listed in `outputs` (indices; the backward "
+     "reads a value they hold instead of recomputing it) + one upstream gradient per other output; outputs = the gradients of "
      "the inputs flagged in wrt. joint=True: forward and backward in one graph, upstream gradients taken as "
      "1: inputs = this graph's inputs; outputs = its outputs, then the gradients"},
     {"simplify", (PyCFunction)graph_simplify, METH_NOARGS,
@@ -471,10 +493,14 @@ static PyObject *partition_region(kb_py_partition *self, PyObject *arg) {
     if (r == -1 && PyErr_Occurred()) return NULL;
     if (r < 0 || r >= self->part->nregions) return PyErr_Format(PyExc_IndexError, "region %ld out of range", r);
     const kb_region *rg = &self->part->regions[r];
-    return Py_BuildValue("{s:s,s:N,s:N,s:N,s:i,s:i,s:k}", "kind", kb_region_kind_name(rg->kind), "nodes",
+    int32_t reads[32], nreads = 0;
+    for (int32_t k = 0; k < 32; k++)
+        if (rg->saved_outputs >> k & 1u) reads[nreads++] = k;
+    return Py_BuildValue("{s:s,s:N,s:N,s:N,s:i,s:N,s:i,s:k}", "kind", kb_region_kind_name(rg->kind), "nodes",
                          ids_to_list(rg->nodes, rg->nnodes), "inputs", ids_to_list(rg->inputs, rg->ninputs),
                          "outputs", ids_to_list(rg->outputs, rg->noutputs), "saved", rg->nsaved,
-                         "anchor", rg->anchor, "reduce_axes", (unsigned long)rg->reduce_axes);
+                         "saved_outputs", ids_to_list(reads, nreads), "anchor", rg->anchor,
+                         "reduce_axes", (unsigned long)rg->reduce_axes);
 }
 
 static PyObject *partition_save_stats(kb_py_partition *self, PyObject *arg) {
@@ -512,8 +538,9 @@ static PyObject *partition_get_graph(kb_py_partition *self, void *Py_UNUSED(c)) 
 
 static PyMethodDef partition_methods[] = {
     {"region", (PyCFunction)partition_region, METH_O,
-     "region(i) -> dict(kind, nodes, inputs, outputs, saved, anchor, reduce_axes); the last `saved` outputs "
-     "are row statistics kept for the backward"},
+     "region(i) -> dict(kind, nodes, inputs, outputs, saved, saved_outputs, anchor, reduce_axes); the last "
+     "`saved` outputs are row statistics kept for the backward, which also reads the outputs (indices) in "
+     "saved_outputs"},
     {"save_stats", (PyCFunction)partition_save_stats, METH_O,
      "save_stats(min_row_bytes) -> int: each ROW region whose rows hold at least min_row_bytes also outputs "
      "its row reductions (for its backward); how many in all"},

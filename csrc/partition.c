@@ -47,6 +47,71 @@ static int broadcast_back(const kb_partition *p, const kb_region *rg, int32_t v)
     return found;
 }
 
+/* Bytes bwd reads: its inputs that a node or an output uses, at the example sizes; *uses gets bit
+ * k set where input first + k is used (k < 32). */
+static int64_t bytes_read(const kb_graph *bwd, int32_t first, uint32_t *uses)
+{
+    int64_t symvals[KB_MAX_SYMS] = {0}, sizes[KB_MAX_RANK], total = 0;
+    for (int32_t s = 0; s < kb_graph_nsymbols(bwd) && s < KB_MAX_SYMS; s++) symvals[s] = kb_graph_symbol_example(bwd, s);
+    *uses = 0;
+    for (int32_t i = 0; i < kb_graph_ninputs(bwd); i++) {
+        int32_t in = kb_graph_input(bwd, i), used = 0;
+        for (int32_t v = 0; v < kb_graph_nnodes(bwd) && !used; v++) {
+            const kb_node *nd = kb_graph_node(bwd, v);
+            for (int k = 0; k < nd->ninputs; k++) used |= nd->inputs[k] == in;
+        }
+        for (int32_t j = 0; j < kb_graph_noutputs(bwd); j++) used |= kb_graph_output(bwd, j) == in;
+        if (!used) continue;
+        total += kb_value_sizes(bwd, in, symvals, sizes) * (int64_t)kb_dtype_size(kb_graph_node(bwd, in)->dtype);
+        if (i >= first && i - first < 32) *uses |= 1u << (i - first);
+    }
+    return total;
+}
+
+/* Does region r's backward read its outputs (rg->saved_outputs), and then still its statistics?
+ * Where the backward needs a value an output holds (a log_softmax's: its output, which simplify
+ * writes it in terms of), reading it can replace reading the region's inputs and statistics.
+ * The backward of every float input is built both ways; the outputs are read where that reads
+ * fewer bytes, and the statistics are not saved where it reads none of them (then what the
+ * backward keeps is what eager's keeps). A backward that cannot be built is left to the runtime,
+ * which says why. */
+static kb_status choose_reads(kb_partition *p, int32_t r, int32_t *keep_stats)
+{
+    kb_ctx *ctx = kb_graph_ctx(p->graph);
+    kb_status st = KB_OK;
+    kb_region *rg = &p->regions[r];
+    int32_t nreal = rg->noutputs - rg->nsaved, nin = rg->ninputs, any = 0;
+    uint32_t all = 0, outs_read = 0, stats_read = 0;
+    *keep_stats = 1;
+    for (int32_t k = 0; k < nreal && k < 32; k++)
+        if (kb_dtype_is_float(kb_graph_node(p->graph, rg->outputs[k])->dtype)) all |= 1u << k;
+    kb_graph *fg = NULL, *plain = NULL, *reading = NULL;
+    uint8_t *wrt = kb_calloc(ctx, (size_t)(nin ? nin : 1), 1);
+    KB_CHECK(ctx, wrt != NULL, KB_ERR_OOM, "save_stats: out of memory");
+    for (int32_t i = 0; i < nin; i++) any |= wrt[i] = (uint8_t)kb_dtype_is_float(kb_graph_node(p->graph, rg->inputs[i])->dtype);
+    if (!all || !any) goto cleanup;
+    KB_TRY(kb_region_graph(p, r, &fg));
+    st = kb_graph_grad_saved(fg, wrt, rg->nsaved, 0, &plain);
+    if (st == KB_OK) st = kb_graph_grad_saved(fg, wrt, rg->nsaved, all, &reading);
+    if (st != KB_OK) {
+        st = st == KB_ERR_OOM ? st : KB_OK;
+        goto cleanup;
+    }
+    int64_t before = bytes_read(plain, nin, &stats_read);
+    int64_t after = bytes_read(reading, nin, &stats_read);
+    if (after >= before) goto cleanup;
+    for (int32_t k = 0, j = 0; k < nreal && k < 32; k++) /* out<k> inputs follow the statistics */
+        if (all >> k & 1u) outs_read |= (stats_read >> (rg->nsaved + j++) & 1u) << k;
+    rg->saved_outputs = outs_read;
+    *keep_stats = rg->nsaved < 32 && (stats_read & ((1u << rg->nsaved) - 1u)) != 0;
+cleanup:
+    kb_free(ctx, wrt, (size_t)(nin ? nin : 1));
+    kb_graph_free(fg);
+    kb_graph_free(plain);
+    kb_graph_free(reading);
+    return st;
+}
+
 kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
 {
     if (!p || !p->graph) return KB_ERR_INVALID;
@@ -76,6 +141,18 @@ kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
         rg->outputs = outs;
         rg->noutputs += ns;
         rg->nsaved = ns;
+        int32_t keep = 1;
+        KB_TRY(choose_reads(p, r, &keep));
+        if (!keep) { /* the backward reads outputs instead: back to the region's own outputs */
+            int32_t nown = rg->noutputs - ns;
+            int32_t *own = kb_malloc(ctx, sizeof(int32_t) * (size_t)(nown ? nown : 1));
+            KB_CHECK(ctx, own != NULL, KB_ERR_OOM, "save_stats: out of memory");
+            if (nown) memcpy(own, rg->outputs, sizeof(int32_t) * (size_t)nown);
+            kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)rg->noutputs);
+            rg->outputs = own;
+            rg->noutputs = nown;
+            rg->nsaved = 0;
+        }
     }
 cleanup:
     return st;
@@ -114,6 +191,8 @@ kb_status kb_partition_dump(const kb_partition *p, char **out) {
         kb_sb_puts(&sb, " out=");
         id_list(&sb, rg->outputs, rg->noutputs);
         if (rg->nsaved) kb_sb_printf(&sb, " saved=%d", (int)rg->nsaved);
+        for (int k = 0; k < 32; k++)
+            if (rg->saved_outputs >> k & 1u) kb_sb_printf(&sb, " reads_out%d", k);
         kb_sb_puts(&sb, "\n");
         for (int32_t k = 0; k < rg->nnodes; k++) {
             kb_sb_puts(&sb, "  ");

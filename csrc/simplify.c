@@ -495,6 +495,49 @@ cleanup:
     return st;
 }
 
+/* ---------------------------------------------------------------- a softmax through its log */
+
+/* The node of w that is op of (x) or (x, y) with the shape of `like`, or -1. */
+static int32_t find_node(const kb_graph *w, kb_op op, int32_t x, int32_t y, const kb_node *like)
+{
+    for (int32_t v = kb_graph_nnodes(w) - 1; v >= 0; v--) {
+        const kb_node *n = N(w, v);
+        if (n->op == op && n->ninputs == (y < 0 ? 1 : 2) && n->inputs[0] == x && (y < 0 || n->inputs[1] == y) &&
+            n->dtype == like->dtype && has_dims(n, like->rank, like->dims))
+            return v;
+    }
+    return -1;
+}
+
+/* exp(a) * expand(k / s), where w also has y = a - expand(log s), is expand(k) * exp(y): the
+ * same value, e^a / s = e^(a - log s). A log_softmax's backward has the first (log s's adjoint
+ * reaching the row through the exponentials); its forward output is y, so written the second way
+ * the backward can read that output alone, as eager's does, where it is at hand (grad.c's
+ * reused outputs), instead of the row and its statistics. */
+static kb_status exp_over_sum(kb_graph *w, const kb_node *t, int32_t *out)
+{
+    kb_status st = KB_OK;
+    *out = -1;
+    for (int side = 0; side < 2 && t->ninputs == 2; side++) {
+        const kb_node *e = N(w, t->inputs[side]), *x = N(w, t->inputs[1 - side]);
+        if (e->op != KB_OP_EXP || x->op != KB_OP_EXPAND || e->dtype != t->dtype || x->dtype != t->dtype) continue;
+        const kb_node *d = N(w, x->inputs[0]);
+        if (d->op != KB_OP_DIV) continue;
+        int32_t a = e->inputs[0], k = d->inputs[0], s = d->inputs[1];
+        int32_t lg = find_node(w, KB_OP_LOG, s, -1, N(w, s));
+        int32_t wide = lg < 0 ? -1 : find_node(w, KB_OP_EXPAND, lg, -1, N(w, a));
+        int32_t y = wide < 0 ? -1 : find_node(w, KB_OP_SUB, a, wide, N(w, a));
+        if (y < 0) continue;
+        int32_t ey = find_node(w, KB_OP_EXP, y, -1, t), ek;
+        if (ey < 0) KB_TRY(put_op(w, KB_OP_EXP, t->dtype, t->rank, t->dims, y, -1, -1, &ey));
+        KB_TRY(put_op(w, KB_OP_EXPAND, t->dtype, t->rank, t->dims, k, -1, -1, &ek));
+        KB_TRY(put_op(w, KB_OP_MUL, t->dtype, t->rank, t->dims, ek, ey, -1, out));
+        return KB_OK;
+    }
+cleanup:
+    return st;
+}
+
 /* ---------------------------------------------------------------- rebuilding */
 
 /* Rebuilds w keeping the nodes its outputs depend on: every INPUT first, in input order (so
@@ -523,9 +566,10 @@ cleanup:
     return st;
 }
 
-kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out) { return kb_graph_simplify_means(g, NULL, 0, out); }
+kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out) { return kb_graph_simplify_means(g, NULL, 0, 0, out); }
 
-kb_status kb_graph_simplify_means(const kb_graph *g, const kb_mean_fact *means, int nmeans, kb_graph **out)
+kb_status kb_graph_simplify_means(const kb_graph *g, const kb_mean_fact *means, int nmeans, int toward_forward,
+                                  kb_graph **out)
 {
     if (!out) return KB_ERR_INVALID;
     *out = NULL;
@@ -551,6 +595,7 @@ kb_status kb_graph_simplify_means(const kb_graph *g, const kb_mean_fact *means, 
         for (int i = 0; i < t.ninputs; i++) t.inputs[i] = map[t.inputs[i]];
         if (t.op == KB_OP_SUM) KB_TRY(onehot_sum(w, &t, &r));
         if (t.op == KB_OP_SUM && r < 0) KB_TRY(linear_sum(w, &km, &t, &r));
+        if (t.op == KB_OP_MUL && toward_forward) KB_TRY(exp_over_sum(w, &t, &r));
         if (r < 0) KB_TRY(kb_graph_add(w, &t, &r));
         map[v] = r;
     }

@@ -77,7 +77,8 @@ def separate_bytes(plan, need, make_plan) -> int:
     """Bytes of the forward plus every region's own backward (the other way to train it)."""
     total = region_bytes(plan, plan.example_symvals)
     for info, wrt in region_wants(plan, need):
-        graph = plan.partition.region_graph(info.index).grad(list(wrt), saved=info.saved)
+        graph = plan.partition.region_graph(info.index).grad(list(wrt), saved=info.saved,
+                                                             outputs=info.saved_outputs)
         total += region_bytes(make_plan(graph), plan.example_symvals)
     return total
 

@@ -51,10 +51,14 @@ class Report:
             rep.notes.append(f"sizes: {plan.static_reason}")
         if any(info.backward for info in plan.regions):
             saving = [f"region {info.index}: {info.saved}" for info in plan.regions if info.saved]
+            reading = [f"region {info.index}: output {', '.join(map(str, info.saved_outputs))}"
+                       for info in plan.regions if info.saved_outputs]
             rep.notes.append("saved for backward: each region's inputs, and the row statistics (max, sum, mean, "
                              "variance) its rows are computed from (" + (", ".join(saving) or "none here") + "); "
                              "the backward kernels recompute the other forward values they need (fewer bytes "
-                             "than keeping intermediates)")
+                             "than keeping intermediates)"
+                             + ("; where that reads fewer bytes, they read the region's outputs instead ("
+                                + ", ".join(reading) + ")" if reading else ""))
         for need, how in module.__dict__.get("_kbench_loss", {}).items():
             rep.notes.append(f"loss gradients in the forward (gradients wanted: {need}): {how}")
         for info in plan.regions:

@@ -45,6 +45,7 @@ class RegionInfo:
     backward: str = ""      # how its backward runs
     extra: dict = field(default_factory=dict)
     saved: int = 0          # its last `saved` outputs are row statistics kept for the backward
+    saved_outputs: tuple = ()  # the outputs (indices) its backward reads, kept for it
 
 
 # Saved-tensor policy: a region's backward recomputes what it needs from the region's inputs,
@@ -53,7 +54,10 @@ class RegionInfo:
 # costs the backward kernel a pass over the row per statistic (a LayerNorm backward makes one
 # reduction pass instead of two), and a row too long to hold on chip a second read. Rows of at
 # least this many bytes (f32) save them: every row. A forward that will not be differentiated
-# skips them (Step.run: the kernel's `_nostats` entry point, no buffer for them).
+# skips them (Step.run: the kernel's `_nostats` entry point, no buffer for them). Where reading
+# the region's outputs moves fewer bytes (a log_softmax's backward needs only its output, as
+# eager's does), the backward reads those instead and no statistics are kept (partition.c,
+# choose_reads; RegionInfo.saved_outputs).
 SAVE_STATS_MIN_ROW_BYTES = 0
 
 
@@ -79,7 +83,7 @@ class Plan:
             ops = " ".join(self.nodes[n]["op"] for n in d["nodes"]
                            if self.nodes[n]["op"] not in ("const", "input"))
             self.regions.append(RegionInfo(r, d["kind"], d["nodes"], d["inputs"], d["outputs"], ops,
-                                           saved=d["saved"]))
+                                           saved=d["saved"], saved_outputs=tuple(d["saved_outputs"])))
         self.nvrtc = None
         self._region_texts = {}
 
@@ -283,6 +287,7 @@ class Program:
                              for v in info.outputs]
             step.int_outs = not all(d.is_floating_point for _, d in step.out_meta)
             step.nsaved, step.no_stats = info.saved, [None] * info.saved
+            step.saved_outputs = info.saved_outputs
             step.launch_nograd = None
             if info.kind == "EXTERN":
                 step.kind, step.launch = EAGER, None
@@ -339,7 +344,7 @@ class Step:
     reads, and how to run it, decided once per input signature instead of once per call."""
 
     __slots__ = ("kind", "r", "ins", "launch", "launch_nograd", "program", "symvals", "float_in", "int_outs",
-                 "out_meta", "nsaved", "no_stats", "owner", "backward", "fast")
+                 "out_meta", "nsaved", "no_stats", "saved_outputs", "owner", "backward", "fast")
 
     def run(self, inputs):
         """The region's outputs where no backward will follow (kernel, or eager where the backend
@@ -392,7 +397,9 @@ class RegionFunction(torch.autograd.Function):
     def forward(ctx, step, *inputs):
         outs, ctx.checked = step.run_kernel(inputs)
         ctx.step = step
-        ctx.save_for_backward(*inputs)
+        # the outputs its backward reads are saved as torch saves a node's outputs (no cycle, and
+        # changed in place after this they fail the backward, as eager's would)
+        ctx.save_for_backward(*inputs, *[outs[k] for k in step.saved_outputs])
         ns = step.nsaved
         if ns:
             # the row statistics are the node's own (the backward reads them instead of reducing
@@ -408,7 +415,9 @@ class RegionFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         step = ctx.step
         need = tuple(a and b for a, b in zip(ctx.needs_input_grad[1:], step.float_in))
-        saved = ctx.saved_tensors + tuple(ctx.stats) if step.nsaved else ctx.saved_tensors
+        saved, nin = ctx.saved_tensors, len(step.ins)
+        if step.nsaved:  # the backward's order: inputs, statistics, outputs read
+            saved = saved[:nin] + tuple(ctx.stats) + saved[nin:]
         return (None,) + tuple(step.owner._region_backward(step, saved, grads, need, ctx.checked))
 
 
@@ -687,7 +696,8 @@ class OptimizedModule(torch.nn.Module):
         def backward(saved, grads, need):
             return self._fast_backward(step, saved, grads, need)
         nreal = len(step.out_meta) - step.nsaved
-        return _fast.Region(launch, nograd, step.float_in, step.nsaved, step.out_meta[:nreal], backward)
+        return _fast.Region(launch, nograd, step.float_in, step.nsaved, step.out_meta[:nreal], backward,
+                            step.saved_outputs)
 
     def _fast_backward(self, step, saved, grads, need):
         """The C++ node's backward where it has no program of its own for `need` (or create_graph,
@@ -720,7 +730,7 @@ class OptimizedModule(torch.nn.Module):
         plan, info = self._kbench_plan, self._kbench_plan.regions[r]
         prog = None
         try:
-            graph = plan.partition.region_graph(r).grad(list(need), saved=info.saved)
+            graph = plan.partition.region_graph(r).grad(list(need), saved=info.saved, outputs=info.saved_outputs)
             bplan = Plan(graph, (), plan.example_symvals, None, plan.guards)
             bplan.stat_inputs = set(graph.inputs[len(info.inputs):len(info.inputs) + info.saved])
             executor = self._kbench_executor.fresh()
@@ -770,8 +780,12 @@ class OptimizedModule(torch.nn.Module):
             device = ins[0].device if ins else self._kbench_device
             real = info.outputs[:len(info.outputs) - info.saved]
             metas = [(torch.Size(plan.graph.sizes(v, sv)), torch_dtype(plan.nodes[v]["dtype"])) for v in real]
-            # the statistics as the forward (its kernel, where it runs) writes them
-            stats = self._kbench_program.run_region(r, sv, ins)[len(real):] if info.saved else []
+            # the statistics and the outputs the backward reads as the forward (its kernel, where it
+            # runs) writes them
+            stats = []
+            if info.saved or info.saved_outputs:
+                fwd = self._kbench_program.run_region(r, sv, ins)
+                stats = list(fwd[len(real):]) + [fwd[k] for k in info.saved_outputs]
             # drawn where they are used: a CPU float64 draw of a large gradient costs seconds
             dgen = torch.Generator(device=device).manual_seed(gen.initial_seed())
             grads = [torch.randn(shape, generator=dgen, dtype=torch.float64, device=device).to(dt)
@@ -787,9 +801,10 @@ class OptimizedModule(torch.nn.Module):
         return "", len(points)
 
     def _region_backward(self, step, saved, grads, need, checked=False):
-        """saved: the region's inputs, then its row statistics (step.nsaved). checked: the
-        forward's kernel ran on these inputs, so they are contiguous (and the upstream gradients
-        are made so here): the backward's kernels need not check again."""
+        """saved: the region's inputs, its row statistics (step.nsaved), the outputs its backward
+        reads (step.saved_outputs). checked: the forward's kernel ran on these inputs, so they are
+        contiguous (and the upstream gradients are made so here): the backward's kernels need not
+        check again."""
         inputs, stats = saved[:len(step.ins)], saved[len(step.ins):]
         nreal = len(step.out_meta) - step.nsaved
         grads = grads[:nreal]

@@ -246,3 +246,78 @@ def test_rows_save_their_statistics(vocab):
     assert sum(n.startswith("saved") for n in names) == saved, names
     ops = " ".join(i.ops for i in prog.plan.regions)
     assert "max" not in ops, ops   # the statistics are read, not recomputed
+
+
+class LogSoftmaxThenScale(nn.Module):
+    """A log_softmax and its output read again (one row region, two outputs)."""
+
+    def forward(self, x):
+        y = F.log_softmax(x, dim=-1)
+        return y, y * 2.0
+
+
+def test_log_softmax_backward_reads_its_output():
+    """Saved-tensor policy, the other way: a log_softmax's backward needs only its output (dx =
+    dy - exp(y) * sum(dy), what eager's backward reads), which moves fewer bytes than its input
+    and statistics, so the region keeps no statistics and its backward reads the output. The
+    backward graph reads neither x nor a statistic; gradients match eager (f64) through
+    retain_graph and a second backward, with the output also read by more work; an
+    output changed in place before the backward fails it, as eager's does."""
+    torch.manual_seed(2)
+    x = torch.randn(6, 50, dtype=torch.float64)
+    model = LogSoftmaxThenScale()
+    opt = kbench.optimize(model, (x,), backend="interp", verbose=False)
+    first = opt._kbench_plan.regions[0]
+    assert first.kind == "ROW" and first.saved == 0 and first.saved_outputs == (0,), first
+
+    xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    g1, g2 = torch.randn_like(x), torch.randn_like(x)
+    got, want = opt(xs), model(xr)
+    torch.autograd.backward(got, [g1, g2], retain_graph=True)
+    torch.autograd.backward(got, [g1, g2])
+    torch.autograd.backward(want, [g1, g2], retain_graph=True)
+    torch.autograd.backward(want, [g1, g2])
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-12, atol=1e-12)
+
+    prog = opt._kbench_backward[(0, (True,))]
+    graph = prog.plan.graph
+    names = [prog.plan.nodes[v]["name"] for v in graph.inputs]
+    assert names == ["x", "out0", "grad_out0", "grad_out1"], names   # y and 2y: one region
+    read = {v for info in prog.plan.regions for v in info.inputs}
+    assert graph.inputs[0] not in read and graph.inputs[1] in read, str(prog.plan.partition)
+    assert "max" not in " ".join(i.ops for i in prog.plan.regions)
+    assert "they read the region's outputs instead (region 0: output 0)" in str(opt.kbench_report)
+
+    y, _ = opt(x.clone().requires_grad_(True))
+    y.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(g1)
+
+
+def test_grad_reading_outputs_at_the_graph_level():
+    """Graph.grad(outputs=...) on a log_softmax graph: the backward reads out0 (f32 as it is; a
+    bf16 output widened, as eager reads its bf16 output), and without outputs= the same graph
+    recomputes from x, with no exp of an output; bad indices are refused."""
+    from kbench import _C
+    from kbench.capture import capture
+
+    x = torch.randn(4, 9, dtype=torch.float64)
+    cap = capture(nn.LogSoftmax(dim=-1), (x,))
+    g = cap.graph
+    plain, reading = g.grad([True]), g.grad([True], outputs=[0])
+    assert '"out0"' not in str(plain) and '"out0"' in str(reading), str(reading)
+    assert "max" not in str(reading) and "max" in str(plain), str(reading)
+    xr = x.clone().requires_grad_(True)
+    y = F.log_softmax(xr, dim=-1)
+    up = torch.randn_like(y)
+    want, = torch.autograd.grad(y, [xr], up)
+    for bwd, ins in ((plain, [x, up]), (reading, [x, y.detach(), up])):
+        got = torch.empty_like(x)
+        _C.interp_graph(bwd, cap.example_symvals, [t.data_ptr() for t in ins], [got.data_ptr()])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+    text = str(capture(nn.LogSoftmax(dim=-1), (x.to(torch.bfloat16),)).graph.grad([True], outputs=[0]))
+    assert '%1 = input user "out0" : bf16' in text and "= cast %1 : f32" in text, text
+    for bad in ([1], [-1], [40]):
+        with pytest.raises(ValueError, match="outputs"):
+            g.grad([True], outputs=bad)

@@ -54,6 +54,7 @@ struct RegionState {
     int ninputs = 0, nsaved = 0;
     std::vector<bool> float_in;     /* per input: may get a gradient */
     std::vector<OutSpec> outs;      /* the real outputs (statistics excluded): zero gradients */
+    std::vector<int> reads;         /* the real outputs the backward reads (after the statistics) */
     std::mutex lock;                /* programs are registered under the GIL, read without it */
     std::unordered_map<uint64_t, std::shared_ptr<const BackwardProgram>> programs;
 };
@@ -90,6 +91,10 @@ struct RegionNode final : ag::Node {
     Region *region;                          /* strong reference */
     std::vector<ag::SavedVariable> saved;    /* the region's inputs */
     std::vector<at::Tensor> stats;           /* the row statistics the forward wrote */
+    /* the outputs the backward reads, detached (no cycle through this node; the version counter
+     * is shared) with their versions then: changed in place since, they fail the backward as a
+     * saved output does in torch */
+    std::vector<std::pair<at::Tensor, uint32_t>> outs_read;
     std::vector<int> grad_slot;              /* per real output: its gradient's index, or -1 */
     bool released = false;
 
@@ -99,13 +104,26 @@ struct RegionNode final : ag::Node {
     void release_variables() override {
         for (auto &s : saved) s.reset_data();
         stats.clear();
+        outs_read.clear();
         released = true;
     }
     ag::variable_list apply(ag::variable_list &&grads) override;
 
     ag::variable_list python_backward(const std::vector<at::Tensor> &inputs, const ag::variable_list &grads,
                                       const std::vector<bool> &need);
+    void check_outs_read() const;
 };
+
+void RegionNode::check_outs_read() const {
+    for (size_t k = 0; k < outs_read.size(); k++) {
+        const at::Tensor &t = outs_read[k].first;
+        TORCH_CHECK(t._version() == outs_read[k].second,
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    "operation: [", t.toString(), " ", t.sizes(), "], which is output ", region->s.reads[k],
+                    " of KbenchRegionBackward, is at version ", t._version(), "; expected version ",
+                    outs_read[k].second, " instead.");
+    }
+}
 
 /* Nodes are shared_ptr (torch <= 2.12) or intrusive_ptr (2.13+): whichever an Edge holds. */
 using NodePtr = decltype(ag::Edge::function);
@@ -134,6 +152,7 @@ ag::variable_list RegionNode::apply(ag::variable_list &&grads) {
     std::vector<at::Tensor> inputs;
     inputs.reserve(nin);
     for (auto &s : saved) inputs.push_back(s.unpack());
+    check_outs_read();
 
     std::shared_ptr<const BackwardProgram> prog;
     if (!c10::GradMode::is_enabled() && nin <= 64) {   /* create_graph: Python, differentiably */
@@ -145,6 +164,7 @@ ag::variable_list RegionNode::apply(ag::variable_list &&grads) {
 
     std::vector<at::Tensor> slots(inputs);
     slots.insert(slots.end(), stats.begin(), stats.end());
+    for (const auto &o : outs_read) slots.push_back(o.first);
     for (size_t k = 0; k < grad_slot.size(); k++) {
         const OutSpec &o = r->s.outs[k];
         at::Tensor g = grad_slot[k] >= 0 ? grads[(size_t)grad_slot[k]] : at::Tensor();
@@ -174,13 +194,15 @@ ag::variable_list RegionNode::python_backward(const std::vector<at::Tensor> &inp
                                               const std::vector<bool> &need) {
     pybind11::gil_scoped_acquire gil;
     if (!region->py_backward) throw std::runtime_error("kbench: the region's module is gone (collected)");
-    size_t nin = inputs.size();
-    THPObjectPtr saved_t(PyTuple_New((Py_ssize_t)(nin + stats.size())));
+    size_t nin = inputs.size(), nkept = stats.size() + outs_read.size();
+    THPObjectPtr saved_t(PyTuple_New((Py_ssize_t)(nin + nkept)));
     THPObjectPtr grads_t(PyTuple_New((Py_ssize_t)grad_slot.size()));
     THPObjectPtr need_t(PyTuple_New((Py_ssize_t)nin));
     if (!saved_t || !grads_t || !need_t) rethrow_python();
-    for (size_t i = 0; i < nin + stats.size(); i++) {
-        PyObject *t = THPVariable_Wrap(i < nin ? inputs[i] : stats[i - nin]);
+    for (size_t i = 0; i < nin + nkept; i++) {   /* inputs, statistics, outputs read */
+        const at::Tensor &x = i < nin ? inputs[i] : i < nin + stats.size() ? stats[i - nin]
+                                                                           : outs_read[i - nin - stats.size()].first;
+        PyObject *t = THPVariable_Wrap(x);
         if (!t) rethrow_python();
         PyTuple_SET_ITEM(saved_t.get(), (Py_ssize_t)i, t);
     }
@@ -211,11 +233,12 @@ ag::variable_list RegionNode::python_backward(const std::vector<at::Tensor> &inp
 /* ---------------------------------------------------------------- the Python type */
 
 PyObject *region_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static const char *kwlist[] = {"launch", "launch_nograd", "float_in", "nsaved", "outs", "py_backward", nullptr};
-    PyObject *launch, *launch_nograd, *float_in, *outs, *py_backward;
+    static const char *kwlist[] = {"launch", "launch_nograd", "float_in", "nsaved", "outs", "py_backward", "reads",
+                                   nullptr};
+    PyObject *launch, *launch_nograd, *float_in, *outs, *py_backward, *reads = nullptr;
     int nsaved;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OOiOO", (char **)kwlist, LaunchType, &launch, &launch_nograd,
-                                     &float_in, &nsaved, &outs, &py_backward))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OOiOO|O", (char **)kwlist, LaunchType, &launch, &launch_nograd,
+                                     &float_in, &nsaved, &outs, &py_backward, &reads))
         return nullptr;
     if (launch_nograd != Py_None && !PyObject_TypeCheck(launch_nograd, LaunchType)) {
         PyErr_SetString(PyExc_TypeError, "Region: launch_nograd must be a Launch or None");
@@ -261,6 +284,18 @@ PyObject *region_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         }
         Py_DECREF(fo);
         if (PyErr_Occurred()) goto fail;
+    }
+    if (reads && reads != Py_None) {   /* reads: indices of real outputs the backward reads */
+        std::vector<int64_t> ks;
+        if (as_ints(reads, ks, "Region: reads must be a sequence of output indices") < 0) goto fail;
+        for (int64_t k : ks) {
+            if (k < 0 || (size_t)k >= self->s.outs.size()) {
+                PyErr_Format(PyExc_ValueError, "Region: reads names output %lld of %zu", (long long)k,
+                             self->s.outs.size());
+                goto fail;
+            }
+            self->s.reads.push_back((int)k);
+        }
     }
     return (PyObject *)self;
 fail:
@@ -414,6 +449,10 @@ bool region_forward(PyObject *region, const std::vector<at::Tensor> &in, std::ve
             } else {
                 node->grad_slot.push_back(-1);   /* integer outputs are not differentiable */
             }
+        }
+        for (int o : self->s.reads) {
+            const at::Tensor &t = outs[first + (size_t)o];
+            node->outs_read.emplace_back(t.detach(), t._version());
         }
     }
     /* the statistics are the node's (or nobody's): the caller's slots hold nothing for them */

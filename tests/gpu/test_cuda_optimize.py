@@ -316,3 +316,51 @@ def test_saved_statistics_train_and_inference_entry_points(kind):
 class _Softmax(torch.nn.Module):
     def forward(self, x):
         return torch.softmax(x, -1)
+
+
+class _LogSoftmax(torch.nn.Module):
+    def forward(self, x):
+        return torch.log_softmax(x, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_log_softmax_backward_reads_its_output_on_the_gpu(dtype):
+    """A log_softmax's backward reads its output, not its input and statistics (what eager's
+    reads): through the C++ autograd node (the first backward registers the generated program,
+    the second runs it from C++; retain_graph), gradients match eager's; no statistics are
+    written or kept; the peak memory of a forward+backward is eager's, not more; an output
+    changed in place fails the backward as eager's does."""
+    torch.manual_seed(0)
+    model = _LogSoftmax()
+    x = torch.randn(2048, 4096, device="cuda", dtype=dtype)
+    fast = kbench.optimize(model, (x,), budget="none", verbose=False)
+    info = fast._kbench_plan.regions[0]
+    assert info.kind == "ROW" and info.saved == 0 and info.saved_outputs == (0,), info
+    assert info.status.startswith("kernel"), info.status
+    g = torch.randn_like(x)
+    xr = x.clone().requires_grad_(True)
+    want, = torch.autograd.grad(model(xr), [xr], g)
+    for _ in range(2):
+        xs = x.clone().requires_grad_(True)
+        y = fast(xs)
+        y.backward(g, retain_graph=True)
+        y.backward(g)
+        assert rel_err(xs.grad, 2 * want) <= TOL[dtype], rel_err(xs.grad, 2 * want)
+    step = next(iter(fast._kbench_sigs.values())).steps[0]
+    assert step.fast is not None and step.fast.backward_patterns() == 1   # ran from C++
+
+    def peak(fn):
+        xs = x.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.autograd.grad(fn(xs), [xs], g)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    peak(fast)
+    assert peak(fast) <= peak(model), (peak(fast), peak(model))
+
+    y = fast(x.clone().requires_grad_(True))
+    y.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(g)
