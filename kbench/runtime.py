@@ -73,6 +73,9 @@ class Plan:
                                     else [s[1] for s in graph.symbols])
         self.static_reason = static_reason
         self.stat_inputs = set()       # a backward's inputs that are a forward's row statistics
+        # a backward's inputs that are a forward's outputs (input id -> output index), drawn for
+        # checks as the forward makes them: forward_outputs(symvals, dist, gen) -> its outputs
+        self.output_inputs, self.forward_outputs = {}, None
         self.nodes = [graph.node(i) for i in range(graph.num_nodes)]
         self.partition = graph.partition()
         if save_stats:  # a forward: its long-row regions also write the statistics their backward reads
@@ -179,9 +182,15 @@ class Executor:
             gen = torch.Generator(device=device).manual_seed(gen.initial_seed())
         plan = self.plan
         info = plan.regions[r]
-        inputs = []
+        inputs, made = [], None
         for v in info.inputs:
             nd = plan.nodes[v]
+            if v in plan.output_inputs:
+                # a forward's output (a log_softmax's log-probabilities): drawn freely, values no
+                # forward makes (exp(y) past f32's range) would fail a correct kernel
+                made = made if made is not None else plan.forward_outputs(symvals, dist, gen)
+                inputs.append(made[plan.output_inputs[v]].to(torch_dtype(nd["dtype"])).contiguous())
+                continue
             t = torch.empty(plan.graph.sizes(v, symvals), dtype=torch_dtype(nd["dtype"]), device=device)
             if v in plan.stat_inputs:
                 inputs.append(verify.fill_statistic(t, dist, gen))
@@ -732,7 +741,12 @@ class OptimizedModule(torch.nn.Module):
         try:
             graph = plan.partition.region_graph(r).grad(list(need), saved=info.saved, outputs=info.saved_outputs)
             bplan = Plan(graph, (), plan.example_symvals, None, plan.guards)
-            bplan.stat_inputs = set(graph.inputs[len(info.inputs):len(info.inputs) + info.saved])
+            first_out = len(info.inputs) + info.saved
+            bplan.stat_inputs = set(graph.inputs[len(info.inputs):first_out])
+            bplan.output_inputs = dict(zip(graph.inputs[first_out:first_out + len(info.saved_outputs)],
+                                           info.saved_outputs))
+            fwd = self._kbench_executor
+            bplan.forward_outputs = lambda sv, dist, gen: plan.eager_region(r, sv, fwd._region_inputs(r, sv, dist, gen))
             executor = self._kbench_executor.fresh()
             executor.prepare(bplan, self._kbench_device)
             prog = Program(bplan, executor, self._note)

@@ -260,9 +260,10 @@ def test_log_softmax_backward_reads_its_output():
     """Saved-tensor policy, the other way: a log_softmax's backward needs only its output (dx =
     dy - exp(y) * sum(dy), what eager's backward reads), which moves fewer bytes than its input
     and statistics, so the region keeps no statistics and its backward reads the output. The
-    backward graph reads neither x nor a statistic; gradients match eager (f64) through
-    retain_graph and a second backward, with the output also read by more work; an
-    output changed in place before the backward fails it, as eager's does."""
+    backward graph reads neither x nor a statistic, and its kernels are checked on outputs the
+    forward makes; gradients match eager (f64) through retain_graph and a second backward, with
+    the output also read by more work; an output changed in place before the backward fails it,
+    as eager's does."""
     torch.manual_seed(2)
     x = torch.randn(6, 50, dtype=torch.float64)
     model = LogSoftmaxThenScale()
@@ -287,6 +288,12 @@ def test_log_softmax_backward_reads_its_output():
     assert graph.inputs[0] not in read and graph.inputs[1] in read, str(prog.plan.partition)
     assert "max" not in " ".join(i.ops for i in prog.plan.regions)
     assert "they read the region's outputs instead (region 0: output 0)" in str(opt.kbench_report)
+    # the backward's kernels are checked on outputs the forward makes: log-probabilities (<= 0),
+    # not free draws ("large" ones would send exp(y) past f32's range where no forward can)
+    for dist in ("normal", "large", "uniform"):
+        ins = prog.executor._region_inputs(0, [6, 50][:len(graph.symbols)], dist, torch.Generator().manual_seed(0))
+        ys = ins[prog.plan.regions[0].inputs.index(graph.inputs[1])]
+        assert torch.isfinite(ys).all() and (ys <= 0).all() and ys.shape == (6, 50), (dist, ys)
 
     y, _ = opt(x.clone().requires_grad_(True))
     y.add_(1.0)

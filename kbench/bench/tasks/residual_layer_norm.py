@@ -37,10 +37,11 @@ input_configs = [
 
 
 def bytes_moved(cfg, s, backward):
-    """fwd: read x, r, params; write y, h.  bwd: read dy, dh, h, params; write dx, dr and
-    the parameter gradients (dx and dr are equal but both are returned)."""
+    """fwd: read x, r, params; write y, h.  bwd: read dy, dh, h, params; write dx (dr is the
+    same tensor: an add hands one gradient to both operands, in eager too) and the parameter
+    gradients."""
     *lead, H = cfg["shape"]
     NH = H
     for d in lead:
         NH *= d
-    return s * (4 * NH + 2 * H) + (s * (5 * NH + 2 * 2 * H) if backward else 0)
+    return s * (4 * NH + 2 * H) + (s * (4 * NH + 2 * 2 * H) if backward else 0)
