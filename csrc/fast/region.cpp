@@ -114,14 +114,19 @@ struct RegionNode final : ag::Node {
     void check_outs_read() const;
 };
 
+/* torch's message for a saved output changed in place. Sizes are written out by hand: streaming
+ * an IntArrayRef from this extension crashed on the GPU machine's torch (2.11). */
 void RegionNode::check_outs_read() const {
     for (size_t k = 0; k < outs_read.size(); k++) {
         const at::Tensor &t = outs_read[k].first;
-        TORCH_CHECK(t._version() == outs_read[k].second,
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    "operation: [", t.toString(), " ", t.sizes(), "], which is output ", region->s.reads[k],
-                    " of KbenchRegionBackward, is at version ", t._version(), "; expected version ",
-                    outs_read[k].second, " instead.");
+        if (t._version() == (int64_t)outs_read[k].second) continue;
+        std::string sizes;
+        for (int64_t d = 0; d < t.dim(); d++) sizes += (d ? ", " : "") + std::to_string(t.size(d));
+        TORCH_CHECK(false, "one of the variables needed for gradient computation has been modified by an inplace "
+                           "operation: [" + t.toString() + " [" + sizes + "]], which is output " +
+                           std::to_string(region->s.reads[k]) + " of KbenchRegionBackward, is at version " +
+                           std::to_string(t._version()) + "; expected version " +
+                           std::to_string(outs_read[k].second) + " instead.");
     }
 }
 
