@@ -465,12 +465,19 @@ def search_line(rows):
             f"{len(gains) - len(known)} with no searched region")
 
 
-HOST_REPEATS = 3   # host time: the least of this many runs of 200 calls (a run that another
-                   # process or a garbage collection interrupts reads high, never low)
+HOST_REPEATS = 5   # host time: the least of this many runs of 200 calls (a run that another
+                   # process interrupts reads high, never low)
 
 
-def host_us(fn, xs, dev):
-    return min(timing.host_overhead_us(fn, xs, device=dev) for _ in range(HOST_REPEATS))
+def host_us(kfn, efn, xs, dev):
+    """kbench's and eager's host time per call, runs of the two alternated: a stretch of slow
+    host (another process busy) lands on both, and the least of runs spread over it can be past
+    it (back to back, eager's residual LayerNorm read 23, 30 and 54 µs in three runs)."""
+    mine, theirs = [], []
+    for _ in range(HOST_REPEATS):
+        mine.append(timing.host_overhead_us(kfn, xs, device=dev))
+        theirs.append(timing.host_overhead_us(efn, xs, device=dev))
+    return min(mine), min(theirs)
 
 
 def host_overhead(task, cfg, dtype, dev, kfn, model, row, params, backward):
@@ -490,12 +497,11 @@ def host_overhead(task, cfg, dtype, dev, kfn, model, row, params, backward):
             with torch.no_grad():
                 outs = flatten(model(*xs))
             gouts = [torch.randn_like(o) if o.is_floating_point() else None for o in outs]
-            cell["host_overhead_us"] = host_us(timed_fn(kfn, params, gouts, True), xs, dev)
-            cell["eager_host_overhead_us"] = host_us(timed_fn(model, params, gouts, True), xs, dev)
+            cell["host_overhead_us"], cell["eager_host_overhead_us"] = host_us(
+                timed_fn(kfn, params, gouts, True), timed_fn(model, params, gouts, True), xs, dev)
             return
         with torch.no_grad():
-            cell["host_overhead_us"] = host_us(kfn, xs, dev)
-            cell["eager_host_overhead_us"] = host_us(model, xs, dev)
+            cell["host_overhead_us"], cell["eager_host_overhead_us"] = host_us(kfn, model, xs, dev)
         n = region_count(kfn)
         cell["regions"] = n
         notes = getattr(getattr(kfn, "kbench_report", None), "notes", None)

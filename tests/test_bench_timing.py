@@ -287,3 +287,28 @@ def test_failed_capture_is_an_error_and_cuda_still_works(bad):
     assert (x * 0 + 2).sum().item() == 2 * x.numel()
     g = timing.time_graph(lambda a: a * 3.0, [(x,)], device="cuda")  # and capture works again
     assert g.median_ms > 0
+
+
+def test_host_overhead_times_with_the_collector_off():
+    """host_overhead_us times its calls with the garbage collector off (timeit's practice: a
+    collection is the process's cost, not the call's), warm-up calls with it as it was, and
+    leaves it as it found it, also when the call raises."""
+    import gc
+
+    seen = []
+    assert gc.isenabled()
+    us = timing.host_overhead_us(lambda: seen.append(gc.isenabled()), (), calls=5, warmup=2)
+    assert seen == [True] * 2 + [False] * 5 and gc.isenabled() and us >= 0
+
+    def boom():
+        if not gc.isenabled():
+            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        timing.host_overhead_us(boom, (), calls=3, warmup=1)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        timing.host_overhead_us(lambda: None, (), calls=3, warmup=1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
