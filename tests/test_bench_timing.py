@@ -312,3 +312,26 @@ def test_host_overhead_times_with_the_collector_off():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_time_fn_reports_the_block_a_slow_host_stretch_missed():
+    """time_fn(blocks=3): the host stalls 2 ms before every launch of the first block only (as a
+    busy host would); the block reported is a later one, every block's median is kept, and
+    blocks=1 keeps the stalled calls in."""
+    x = torch.zeros(1 << 20, device="cuda")
+    calls = [0]
+
+    def stalls_at_first(t):
+        calls[0] += 1
+        if calls[0] <= 3 + 20:   # the warm-up calls, then the first block's
+            time.sleep(2e-3)
+        return t + 1.0
+
+    t = timing.time_fn(stalls_at_first, [(x,)], device="cuda", reps=20, warmup=3, blocks=3)
+    assert len(t.block_medians_ms) == 3 and t.block_medians_ms[0] > 1.5, t.block_medians_ms
+    assert t.median_ms == min(t.block_medians_ms) < 1.0, t
+    calls[0] = 0
+    one = timing.time_fn(stalls_at_first, [(x,)], device="cuda", reps=20, warmup=3)
+    assert one.block_medians_ms == [] and one.median_ms > 1.5, one
