@@ -199,7 +199,10 @@ kb_status kb_partition_dump(const kb_partition *p, char **out);
  * (a softmax's max and sum, a LayerNorm's mean and variance; not a mean loss's sum) become extra
  * outputs after its own, counted by nsaved. The forward writes one value per row; the backward
  * reads them rather than reducing the row again: a pass fewer per statistic, and for a row too
- * long to keep on chip (a 32k-vocabulary cross-entropy) no second read of the whole input. */
+ * long to keep on chip (a 32k-vocabulary cross-entropy) no second read of the whole input.
+ * Where the region's backward reads fewer bytes reading the region's own outputs (a log_softmax:
+ * its output y alone, as eager's), those are marked in saved_outputs, and statistics that
+ * backward does not read are not kept. */
 kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes);
 
 /* ---------------------------------------------------------------- subgraphs and autodiff (grad.c) */

@@ -1,6 +1,7 @@
-/* partition.c — what is done with a partition after fuse.c's greedy pass made it: the row
- * statistics a forward's ROW regions save for their backward (kb_partition_save_stats, the
- * saved-tensor policy's C half), and the partition's text form (kb_partition_dump). */
+/* partition.c — what is done with a partition after fuse.c's greedy pass made it: what a
+ * forward's ROW regions keep for their backward, row statistics or their own outputs
+ * (kb_partition_save_stats, the saved-tensor policy's C half), and the partition's text form
+ * (kb_partition_dump). */
 #include "internal.h"
 
 /* ---------------------------------------------------------------- row statistics */
