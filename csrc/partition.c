@@ -82,7 +82,7 @@ static kb_status choose_reads(kb_partition *p, int32_t r, int32_t *keep_stats)
     kb_status st = KB_OK;
     kb_region *rg = &p->regions[r];
     int32_t nreal = rg->noutputs - rg->nsaved, nin = rg->ninputs, any = 0;
-    uint32_t all = 0, outs_read = 0, stats_read = 0;
+    uint32_t all = 0, outs_read = 0, plain_reads = 0, reads = 0;
     *keep_stats = 1;
     for (int32_t k = 0; k < nreal && k < 32; k++)
         if (kb_dtype_is_float(kb_graph_node(p->graph, rg->outputs[k])->dtype)) all |= 1u << k;
@@ -98,13 +98,11 @@ static kb_status choose_reads(kb_partition *p, int32_t r, int32_t *keep_stats)
         st = st == KB_ERR_OOM ? st : KB_OK;
         goto cleanup;
     }
-    int64_t before = bytes_read(plain, nin, &stats_read);
-    int64_t after = bytes_read(reading, nin, &stats_read);
-    if (after >= before) goto cleanup;
+    if (bytes_read(reading, nin, &reads) >= bytes_read(plain, nin, &plain_reads)) goto cleanup;
     for (int32_t k = 0, j = 0; k < nreal && k < 32; k++) /* out<k> inputs follow the statistics */
-        if (all >> k & 1u) outs_read |= (stats_read >> (rg->nsaved + j++) & 1u) << k;
+        if (all >> k & 1u) outs_read |= (reads >> (rg->nsaved + j++) & 1u) << k;
     rg->saved_outputs = outs_read;
-    *keep_stats = rg->nsaved < 32 && (stats_read & ((1u << rg->nsaved) - 1u)) != 0;
+    *keep_stats = rg->nsaved < 32 && (reads & ((1u << rg->nsaved) - 1u)) != 0;
 cleanup:
     kb_free(ctx, wrt, (size_t)(nin ? nin : 1));
     kb_graph_free(fg);
