@@ -493,13 +493,18 @@ class CudaExecutor(Executor):
             kernel.launches[key] = lp
         return lp
 
-    def _launch(self, kernel, r, symvals, inputs, poison=False, lp=None, nostats=False):
-        """nostats: through the entry point without the saved statistics (their outputs left out)."""
+    def _launch(self, kernel, r, symvals, inputs, poison=False, lp=None, nostats=False, outs=None):
+        """nostats: through the entry point without the saved statistics (their outputs left out).
+        outs: tensors to write (the region's outputs, shaped as _launch_params says) instead of
+        new ones (the search times candidates on buffer sets it keeps)."""
         shapes, grid, ints, workspace_bytes, _ = lp or self._launch_params(kernel, r, symvals)
         device = inputs[0].device if inputs else self.device
         skipped = self.plan.regions[r].saved if nostats else 0
         shapes = shapes[:len(shapes) - skipped]
-        if poison:
+        if outs is not None:
+            if [(o.shape, o.dtype) for o in outs] != list(shapes):
+                raise ValueError("kbench: outs do not match the region's outputs")
+        elif poison:
             outs = [verify.poison_like(s, d, device) for s, d in shapes]
         else:
             outs = [torch.empty(s, dtype=d, device=device) for s, d in shapes]

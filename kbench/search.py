@@ -16,7 +16,17 @@ the measurements cannot tell:
   Clear when the interval is on one side of the threshold; otherwise more interleaved rounds, for
   the finalists in the decisions that pick the winner only, up to MAX_ROUNDS_FACTOR x the budget's
   rounds and RETIME_EXTRA_S. Still unclear then: a near-tie, resolved the deterministic way (the
-  default stays, the earliest asked wins), never toward the one measured faster.
+  default stays, the earliest asked wins), never toward the one measured faster;
+- after each L2 flush the region's buffers are touched, one byte per 64 KB (_TOUCH_SOURCE): the
+  flush (hundreds of MB read) also evicts their address translations, and what the kernel then
+  paid to get them back depended on where the flush buffer fell against its buffers
+  (benchmarks/placement_probe.py: the ratio of two softmax kernels alternated between 0.933 and
+  0.940 with the flush buffer's address at any flush size up to 8x the L2; the same seed picked
+  different winners as the search's buffers fell); touched, it stayed within its noise;
+- the rounds rotate through up to PLACEMENTS sets of input and output buffers, each laid out
+  with its own gap between the buffers: how a region's buffers fall against each other moves the
+  ratio of two kernels by up to 3% (placement_probe.py --gaps), and the user's run has a layout
+  of its own; one layout, whatever the allocator gave that search, decided the winner before.
 
 Everything that touches a device is in a bench object (CudaRegionBench), so the driver (ask/tell
 loop, budgets, finalists, the default-kept rule, the record) runs on the CPU with a fake one."""
@@ -60,9 +70,11 @@ GATE_TIMEOUT_S = 10.0    # a kernel still running after this long is taken as hu
 DUPLICATE_FACTOR = 4     # asks (kernels generated more than once included) per budgeted candidate
 FINALIST_BAND = 2 * KEEP_DEFAULT   # re-timed: every candidate within this of the fastest, but
 FINALIST_CAP_FACTOR = 2  # at most this many times the budget's finalists
-MAX_ROUNDS_FACTOR = 32   # unclear decisions: more interleaved rounds, up to this many times the budget's
+MAX_ROUNDS_FACTOR = 128  # unclear decisions: more interleaved rounds, up to this many times the budget's
 RETIME_EXTRA_S = 2.0     # and this many seconds of extra rounds
 ALPHA = 1e-4             # a decision is clear when the two-sided 1 - ALPHA interval is on one side
+PLACEMENTS = 10          # buffer sets the finalists' rounds rotate through (divides the budgets' rounds)
+PLACEMENT_BYTES = 2 << 30   # at most this much memory for them, and a quarter of what is free
 
 # driver errors after which the context is unusable (a trap poisons it for every later call)
 _STICKY = ("illegal_address", "illegal memory access", "launch_failed", "unspecified launch failure",
@@ -123,6 +135,14 @@ def _trim(n: int) -> int:
         k += 1
 
 
+def _placement_gap(k: int) -> int:
+    """Bytes between the buffers of placement set k: 0 for the first, then spread over 256 B to
+    8 MB in 256-byte steps (a fixed sequence, the same in every search). With the inputs and
+    outputs of one allocation that far apart, two softmax kernels' time ratio read 0.925 to 0.943
+    over seven gaps, two LayerNorm kernels' 0.907 to 0.934 (benchmarks/placement_probe.py --gaps)."""
+    return 0 if k == 0 else (((k * 0x9E3779B97F4A7C15) & (2 ** 64 - 1)) >> 49) * 256   # Fibonacci hashing
+
+
 def _ratio_interval(a: dict, b: dict) -> tuple[float, float]:
     """An interval for the median of a[i] / b[i] over the rounds i both were timed in (times by round).
     Distribution-free (order statistics) and without randomness: the same samples, the same decision.
@@ -133,6 +153,24 @@ def _ratio_interval(a: dict, b: dict) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------- the GPU side
+
+# Touches each buffer of a set after the L2 flush: one byte per 64 KB (the smallest GPU page; big
+# allocations sit in 2 MB ones), so the kernel timed next finds its address translations where
+# the flush left others, at 32 bytes of L2 per page. spans: (address, bytes) pairs. The store
+# to sink never happens for real data; it keeps the loads.
+_TOUCH_SOURCE = r"""
+extern "C" __global__ void kb_touch(const long long *spans, long long *sink, long long nspans)
+{
+    unsigned acc = 0;
+    for (long long s = 0; s < nspans; ++s) {
+        const unsigned char *p = (const unsigned char *)spans[2 * s];
+        const long long pages = (spans[2 * s + 1] + 65535) >> 16;
+        for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pages; i += (long long)gridDim.x * blockDim.x)
+            acc += __ldcg(p + (i << 16));
+    }
+    if (acc == 0xffffffffu) *sink = acc;
+}
+"""
 
 class CudaRegionBench:
     """Region r of a CudaExecutor at one shape: generate, compile, load, gate, time, verify.
@@ -160,6 +198,66 @@ class CudaRegionBench:
         # each way); the ranking of candidates needs each one's own traffic only.
         self.flush = torch.zeros(max(1, 2 * l2 // 4), dtype=torch.int32, device=self.device) if l2 else None
         self.flush_out = torch.zeros((), dtype=torch.int64, device=self.device) if l2 else None
+        self.placements = None   # [(inputs, outputs, spans)]: the timed buffer sets, made at first use
+        self.touch_fn = None
+
+    def placement(self, kernel, round_index: int):
+        """The buffer set of one timed repetition: round_index modulo as many sets as PLACEMENTS
+        and the memory caps allow. A set is one allocation holding a copy of the inputs and room
+        for the outputs, one after another with the set's own gap between them (_placement_gap),
+        so the sets differ in how their buffers fall against each other. Where not even one copy
+        fits: the gate's inputs and outputs of their own, one set."""
+        if self.placements is None:
+            shapes = self.ex._launch_params(kernel, self.r, self.symvals)[0]
+            sizes = [x.numel() * x.element_size() for x in self.inputs] + [math.prod(s) * d.itemsize for s, d in shapes]
+            sizes = [-(-n // 256) * 256 for n in sizes]   # each buffer 256-byte aligned in the set
+            room = PLACEMENT_BYTES
+            if self.cuda:
+                room = min(room, self.torch.cuda.mem_get_info(self.device)[0] // 4)
+            sets, used = [], 0
+            for k in range(PLACEMENTS):
+                need = sum(sizes) + _placement_gap(k) * len(sizes)
+                if used + need > room:
+                    break
+                sets.append(self._buffer_set(sizes, _placement_gap(k), shapes))
+                used += need
+            if not sets:   # no room for a copy of the inputs: the gate's own, outputs beside them
+                outs = [self.torch.empty(s, dtype=d, device=self.device) for s, d in shapes]
+                spans = [v for t in self.inputs + outs for v in (t.data_ptr(), t.numel() * t.element_size())]
+                sets.append((self.inputs, outs, self.torch.tensor(spans, dtype=self.torch.int64, device=self.device)))
+            self.placements = sets
+        return self.placements[round_index % len(self.placements)]
+
+    def _buffer_set(self, sizes, gap, shapes):
+        """(inputs, outputs, spans) in one allocation: the inputs copied, gap bytes after each buffer."""
+        torch = self.torch
+        arena = torch.empty(sum(sizes) + gap * len(sizes), dtype=torch.uint8, device=self.device)
+        views, at = [], 0
+        for n in sizes:
+            views.append(arena[at:at + n])
+            at += n + gap
+        ins = []
+        for x, v in zip(self.inputs, views):
+            t = v[:x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+            t.copy_(x)
+            ins.append(t)
+        outs = [v[:math.prod(s) * d.itemsize].view(d).view(s) for v, (s, d) in zip(views[len(ins):], shapes)]
+        spans = [v for t in ins + outs for v in (t.data_ptr(), t.numel() * t.element_size())]
+        return ins, outs, torch.tensor(spans, dtype=torch.int64, device=self.device)
+
+    def touch(self, buffers) -> None:
+        """Reads one byte per 64 KB of a buffer set's tensors (see _TOUCH_SOURCE)."""
+        ex = self.ex
+        fn = getattr(ex, "_touch_fn", None)
+        if fn is None:
+            from . import nvrtc
+            module = _C.module_load(ex.cuda, nvrtc.compile(_TOUCH_SOURCE, ex.arch))
+            fn = ex._touch_fn = _C.get_function(ex.cuda, module, "kb_touch", 0)[0]
+            ex._touch_module = module
+        spans = buffers[2]
+        from .cuda_backend import _current_stream
+        _C.launch(ex.cuda, fn, 32, 256, 0, _current_stream(self.device), (spans.data_ptr(), self.flush_out.data_ptr()),
+                  (spans.numel() // 2,))
 
     def flush_l2(self) -> None:
         """Reads the flush buffer (its sum into a scalar): the L2 then holds clean lines only."""
@@ -178,8 +276,9 @@ class CudaRegionBench:
     def load(self, k: dict):
         return self.ex._load(k)   # a cache hit after compile()
 
-    def _launch(self, kernel, poison=False):
-        return self.ex._launch(kernel, self.r, self.symvals, self.inputs, poison=poison)
+    def _launch(self, kernel, poison=False, buffers=None):
+        ins, outs = buffers[:2] if buffers else (self.inputs, None)
+        return self.ex._launch(kernel, self.r, self.symvals, ins, poison=poison, outs=outs)
 
     def _sync(self, timeout: float = GATE_TIMEOUT_S) -> None:
         if not self.cuda:
@@ -208,36 +307,49 @@ class CudaRegionBench:
         return ""
 
     def time(self, kernel, reps: int, warmup: int = 2) -> list:
-        """reps times in ms, each after the L2 flush, from CUDA events on the current stream."""
+        """reps times in ms, each after the L2 flush, from CUDA events on the current stream, on
+        the first buffer set (the gate's inputs)."""
+        buffers = self.placement(kernel, 0)
         for _ in range(warmup):
-            self._launch(kernel)
+            self._launch(kernel, buffers=buffers)
         if not self.cuda:  # a CPU stand-in executor (tests): wall clock
             out = []
             for _ in range(reps):
                 t = time.perf_counter()
-                self._launch(kernel)
+                self._launch(kernel, buffers=buffers)
                 out.append((time.perf_counter() - t) * 1e3)
             return out
-        return self._timed([kernel] * reps)
+        return self._timed([kernel] * reps, buffers)
 
-    def time_each(self, kernels) -> list:
+    def time_each(self, kernels, round_index: int = 0) -> list:
         """One repetition of each kernel, in order, each after the L2 flush, in ms; one sync for
-        them all. The finalists' rounds: with a sync per repetition, 280 extra rounds of two 23 µs
-        kernels filled the 2 s cap on extra rounds (~3.5 ms per repetition), before the rounds'
-        cap did."""
+        them all. The finalists' rounds, on the round's buffer set (placement). With a sync per
+        repetition, 280 extra rounds of two 23 µs kernels filled the 2 s cap on extra rounds
+        (~3.5 ms per repetition), before the rounds' cap did."""
+        if not kernels:
+            return []
+        buffers = self.placement(kernels[0], round_index)
         if not self.cuda:
-            return [self.time(k, 1, warmup=0)[0] for k in kernels]
-        return self._timed(kernels)
+            out = []
+            for k in kernels:
+                t = time.perf_counter()
+                self._launch(k, buffers=buffers)
+                out.append((time.perf_counter() - t) * 1e3)
+            return out
+        return self._timed(kernels, buffers)
 
-    def _timed(self, kernels) -> list:
-        """Each kernel launched once after the L2 flush, timed by CUDA events; one sync at the end."""
+    def _timed(self, kernels, buffers) -> list:
+        """Each kernel launched once after the L2 flush and the touch of its buffers, timed by CUDA
+        events; one sync at the end."""
         torch = self.torch
         pairs = []
         for k in kernels:
             self.flush_l2()   # also keeps the GPU busy while the host enqueues the launch
+            if self.flush is not None:
+                self.touch(buffers)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            self._launch(k)
+            self._launch(k, buffers=buffers)
             b.record()
             pairs.append((a, b))
         self._sync()
@@ -447,7 +559,7 @@ class _Search:
             for _ in range(min(b.rounds, cap - n)):
                 if deadline is not None and time.perf_counter() >= deadline:
                     return samples
-                for g, ms in zip(timing, self.bench.time_each([self.kernels[g] for g in timing])):
+                for g, ms in zip(timing, self.bench.time_each([self.kernels[g] for g in timing], n)):
                     samples[g][n] = ms
                 n += 1
             if n >= cap:

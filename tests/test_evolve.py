@@ -229,7 +229,8 @@ class FakeBench:
         c = self.cost(kernel.genome)
         return [c * (1 + self.noise * (self.rng.random() - 0.5)) for _ in range(reps)]
 
-    def time_each(self, kernels):
+    def time_each(self, kernels, round_index=0):
+        self.calls.append(("round", round_index, tuple(k.genome for k in kernels)))
         return [self.time(k, 1, warmup=0)[0] for k in kernels]
 
     def verify(self, kernel):
@@ -454,6 +455,7 @@ class CpuExecutor:
         self.device = torch.device("cpu")
         self.wrong = set(wrong)
         self.verified = []
+        self.launched = []    # (input pointers, output pointers or None) per launch
 
     def _region_inputs(self, r, symvals, dist, gen):
         reg = self.plan.partition.region(r)
@@ -473,13 +475,21 @@ class CpuExecutor:
     def _load(self, k):
         return CpuKernel(k, wrong=k["genome"] in self.wrong)
 
-    def _launch(self, kernel, r, symvals, inputs, poison=False):
+    def _launch_params(self, kernel, r, symvals):
         reg = self.plan.partition.region(r)
+        shapes = [(torch.Size(self.graph.sizes(v, symvals)),
+                   {"f32": torch.float32, "bf16": torch.bfloat16}[self.graph.node(v)["dtype"]]) for v in reg["outputs"]]
+        return shapes, (1, 1, 1), tuple(symvals), 0, 0
+
+    def _launch(self, kernel, r, symvals, inputs, poison=False, outs=None):
+        self.launched.append(([x.data_ptr() for x in inputs], None if outs is None else [o.data_ptr() for o in outs]))
         ref = self._reference(r, symvals, inputs)
-        outs = []
-        for v, x in zip(reg["outputs"], ref):
-            dt = {"f32": torch.float32, "bf16": torch.bfloat16}[self.graph.node(v)["dtype"]]
-            outs.append((x + (1.0 if kernel.wrong else 0.0)).to(dt))
+        got = [(x + (1.0 if kernel.wrong else 0.0)).to(dt) for x, (_, dt) in
+               zip(ref, self._launch_params(kernel, r, symvals)[0])]
+        if outs is None:
+            return got
+        for o, x in zip(outs, got):
+            o.copy_(x)
         return outs
 
     def _verify(self, r, kernel, symvals):
@@ -530,6 +540,52 @@ def test_cuda_bench_plumbing_on_cpu():
     assert len(each) == 2 and all(t >= 0 for t in each)
 
 
+def test_finalists_rounds_rotate_through_buffer_sets(monkeypatch):
+    """Each timed repetition runs on one of several buffer sets (round index modulo their count):
+    a set is one allocation holding copies of the inputs and the outputs, gap bytes apart, each
+    set its own gap; as many sets as PLACEMENT_BYTES allows, at least one. A candidate's
+    generation timing runs on the first set."""
+    g = softmax_graph(rows=64, n=1000)
+    ex = CpuExecutor(g)
+    r = region_of_kind(ex.plan.partition, "ROW")
+    kern = search.CudaRegionBench(ex, r, [64]).load({"genome": "g"})
+    size = 64 * 1000 * 4   # the f32 input and the output, each 256-byte aligned already
+    need = [2 * size + 2 * search._placement_gap(k) for k in range(search.PLACEMENTS)]
+    gaps = {search._placement_gap(k) for k in range(search.PLACEMENTS)}
+    assert len(gaps) == search.PLACEMENTS and all(gap % 256 == 0 for gap in gaps)
+    for room, want in ((sum(need[:3]) + 5, 3), (need[0], 1), (sum(need), search.PLACEMENTS)):
+        monkeypatch.setattr(search, "PLACEMENT_BYTES", room)
+        bench = search.CudaRegionBench(ex, r, [64])
+        ex.launched.clear()
+        for i in range(2 * want + 1):
+            bench.time_each([kern, kern], i)
+        assert len(bench.placements) == want
+        launched = ex.launched
+        assert all(o is not None for _, o in launched)                 # outputs of the set, not new ones
+        by_round = [launched[2 * i] for i in range(2 * want + 1)]
+        assert all(launched[2 * i] == launched[2 * i + 1] for i in range(2 * want))   # one set per round
+        assert len({tuple(p) for p, _ in by_round}) == want
+        assert by_round[want] == by_round[0] and by_round[2 * want] == by_round[0]
+        for k, (ins, outs, spans) in enumerate(bench.placements):
+            assert all(torch.equal(a, b) for a, b in zip(ins, bench.inputs))
+            assert outs[0].shape == (64, 1000) and outs[0].dtype == torch.float32
+            # one allocation, the buffers the set's gap apart
+            assert outs[0].data_ptr() - ins[0].data_ptr() == size + search._placement_gap(k)
+            assert ins[0].untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr()
+            # what the touch after each flush reads: (address, bytes) of every buffer of the set
+            assert spans.tolist() == [v for t in ins + outs for v in (t.data_ptr(), t.numel() * t.element_size())]
+        ex.launched.clear()
+        bench.time(kern, 2)                     # the generation's timing: the first set, warm-up included
+        ins0, outs0, _ = bench.placements[0]
+        assert ex.launched == [([x.data_ptr() for x in ins0], [o.data_ptr() for o in outs0])] * 4
+    # no room for a copy: one set, the gate's inputs themselves and outputs of its own
+    monkeypatch.setattr(search, "PLACEMENT_BYTES", need[0] - 1)
+    bench = search.CudaRegionBench(ex, r, [64])
+    bench.time_each([kern], 3)
+    (ins, outs, spans), = bench.placements
+    assert ins is bench.inputs and outs[0].shape == (64, 1000) and spans.numel() == 4
+
+
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not found")
 def test_search_compiles_every_candidate_with_nvrtc(tmp_path, monkeypatch):
     """budget='fast' on a softmax region end to end on the CPU stand-in: every asked genome is
@@ -550,3 +606,12 @@ def test_search_compiles_every_candidate_with_nvrtc(tmp_path, monkeypatch):
     assert rec[first[3]]["verify"].startswith("gate: output 0")
     assert res.best_k is not None and res.verdict and ex.verified[-1] == res.best_genome
     assert res.best_genome != first[3]
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not found")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_touch_after_each_flush_compiles(arch):
+    """The search's timing touches the buffers after each L2 flush with a kernel of its own; it
+    compiles wherever the search can run (the GPU tests run it)."""
+    from kbench import nvrtc
+    assert nvrtc.compile(search._TOUCH_SOURCE, arch, use_cache=False)

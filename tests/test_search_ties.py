@@ -216,3 +216,16 @@ def test_l2_flush_reads_its_buffer():
     assert torch.equal(bench.flush, before) and bench.flush_out.item() == 999 * 1000 // 2
     bench.flush = None
     bench.flush_l2()   # no L2 to flush (a CPU executor): nothing to do
+
+
+def test_rounds_carry_their_index_for_the_buffer_sets(ln):
+    """The finalists of one round are timed together on that round's buffer set: the driver hands
+    the bench consecutive round indexes (0, 1, ...), extra rounds going on from where the budget's
+    stopped, so the rotation through the sets stays even."""
+    asked = ln[3]
+    res, bench = search_noisy(ln, costs(asked, {0: 1.0, 5: 1.0 * (1 - K)}), 0)
+    rounds = [c for c in bench.calls if c[0] == "round"]
+    assert [c[1] for c in rounds] == list(range(len(rounds)))
+    fin = finals(res)
+    assert len(rounds) == max(c["final_rounds"] for c in fin.values()) > FAST.rounds
+    assert set(rounds[0][2]) == set(fin)
