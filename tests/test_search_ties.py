@@ -73,7 +73,7 @@ def test_same_seed_same_winner_at_the_threshold(ln, case):
 def test_same_seed_same_winner_past_the_threshold(ln):
     """A candidate 8% faster than the default, 3% past the keep threshold: near enough that 80
     rounds left it unclear in about half the searches (the default then stays) and clear in the
-    others, the flip seen on the GPU (a default 6-7% slower). The cap on extra rounds (32x the
+    others, the flip seen on the GPU (a default 6-7% slower). The cap on extra rounds (128x the
     budget's) clears it every time."""
     asked = ln[3]
     cost = costs(asked, {0: 1.0, 5: 1.0 / 1.08})
