@@ -22,14 +22,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import kbench  # noqa: E402
 from kbench import search  # noqa: E402
-
-
-class Softmax(nn.Module):
-    def forward(self, x):
-        return torch.softmax(x, dim=-1)
+from search_repeat_probe import Softmax, row_region  # noqa: E402
 
 
 CASES = [   # two genomes the same-seed searches of the GPU tests chose between
@@ -60,13 +56,7 @@ def main(argv=None):
                     "several sizes apart (with the touch)")
     a = ap.parse_args(argv)
     for name, factory, shape, dtype, ga, gb in CASES:
-        torch.manual_seed(0)
-        model = factory().to(dtype).cuda().eval()
-        x = torch.randn(*shape, device="cuda", dtype=dtype)
-        fast = kbench.optimize(model, (x,), backend="cuda", budget="none", verbose=False)
-        ex, plan = fast._kbench_executor, fast._kbench_plan
-        symvals = list(plan.captured.example_symvals)
-        r = [info.index for info in plan.regions if info.kind == "ROW"][0]
+        ex, symvals, r = row_region(factory, shape, dtype)
         bench = search.CudaRegionBench(ex, r, symvals)
         kernels = []
         for g in (ga, gb):

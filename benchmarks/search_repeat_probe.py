@@ -34,6 +34,17 @@ MODELS = {   # the shapes of tests/gpu/test_search.py
 }
 
 
+def row_region(factory, shape, dtype):
+    """(executor, example sizes, region) of the first ROW region of factory()'s model optimized at
+    shape and dtype without a search (the probes time that region's kernels themselves)."""
+    torch.manual_seed(0)
+    model = factory().to(dtype).cuda().eval()
+    x = torch.randn(*shape, device="cuda", dtype=dtype)
+    fast = kbench.optimize(model, (x,), backend="cuda", budget="none", verbose=False)
+    ex, plan = fast._kbench_executor, fast._kbench_plan
+    return ex, list(plan.captured.example_symvals), [i.index for i in plan.regions if i.kind == "ROW"][0]
+
+
 def sm_clock():
     import subprocess
     try:
@@ -54,13 +65,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     factory, shape = MODELS[a.model]
-    torch.manual_seed(0)
-    model = factory().to(dtype).cuda().eval()
-    x = torch.randn(*shape, device="cuda", dtype=dtype)
-    fast = kbench.optimize(model, (x,), backend="cuda", budget="none", verbose=False)
-    ex, plan = fast._kbench_executor, fast._kbench_plan
-    symvals = list(plan.captured.example_symvals)
-    r = [info.index for info in plan.regions if info.kind == "ROW"][0]
+    ex, symvals, r = row_region(factory, shape, dtype)
 
     seen = {}
     orig = search._Search.standings
