@@ -199,7 +199,6 @@ class CudaRegionBench:
         self.flush = torch.zeros(max(1, 2 * l2 // 4), dtype=torch.int32, device=self.device) if l2 else None
         self.flush_out = torch.zeros((), dtype=torch.int64, device=self.device) if l2 else None
         self.placements = None   # [(inputs, outputs, spans)]: the timed buffer sets, made at first use
-        self.touch_fn = None
 
     def placement(self, kernel, round_index: int):
         """The buffer set of one timed repetition: round_index modulo as many sets as PLACEMENTS
@@ -308,7 +307,7 @@ class CudaRegionBench:
 
     def time(self, kernel, reps: int, warmup: int = 2) -> list:
         """reps times in ms, each after the L2 flush, from CUDA events on the current stream, on
-        the first buffer set (the gate's inputs)."""
+        the first buffer set (gap 0): a generation's candidates all on the same layout."""
         buffers = self.placement(kernel, 0)
         for _ in range(warmup):
             self._launch(kernel, buffers=buffers)
