@@ -199,6 +199,7 @@ class CudaRegionBench:
         self.flush = torch.zeros(max(1, 2 * l2 // 4), dtype=torch.int32, device=self.device) if l2 else None
         self.flush_out = torch.zeros((), dtype=torch.int64, device=self.device) if l2 else None
         self.placements = None   # [(inputs, outputs, spans)]: the timed buffer sets, made at first use
+        self._stream_of = None   # cuda_backend._current_stream, imported at the first touch
 
     def placement(self, kernel, round_index: int):
         """The buffer set of one timed repetition: round_index modulo as many sets as PLACEMENTS
@@ -222,8 +223,7 @@ class CudaRegionBench:
                 used += need
             if not sets:   # no room for a copy of the inputs: the gate's own, outputs beside them
                 outs = [self.torch.empty(s, dtype=d, device=self.device) for s, d in shapes]
-                spans = [v for t in self.inputs + outs for v in (t.data_ptr(), t.numel() * t.element_size())]
-                sets.append((self.inputs, outs, self.torch.tensor(spans, dtype=self.torch.int64, device=self.device)))
+                sets.append((self.inputs, outs, self._spans(self.inputs + outs)))
             self.placements = sets
         return self.placements[round_index % len(self.placements)]
 
@@ -241,11 +241,16 @@ class CudaRegionBench:
             t.copy_(x)
             ins.append(t)
         outs = [v[:math.prod(s) * d.itemsize].view(d).view(s) for v, (s, d) in zip(views[len(ins):], shapes)]
-        spans = [v for t in ins + outs for v in (t.data_ptr(), t.numel() * t.element_size())]
-        return ins, outs, torch.tensor(spans, dtype=torch.int64, device=self.device)
+        return ins, outs, self._spans(ins + outs)
+
+    def _spans(self, tensors):
+        """What the touch reads: (address, bytes) of each tensor, flat, on the device."""
+        spans = [v for t in tensors for v in (t.data_ptr(), t.numel() * t.element_size())]
+        return self.torch.tensor(spans, dtype=self.torch.int64, device=self.device)
 
     def touch(self, buffers) -> None:
-        """Reads one byte per 64 KB of a buffer set's tensors (see _TOUCH_SOURCE)."""
+        """Reads one byte per 64 KB of a buffer set's tensors (see _TOUCH_SOURCE); the kernel is
+        compiled once per executor."""
         ex = self.ex
         fn = getattr(ex, "_touch_fn", None)
         if fn is None:
@@ -253,9 +258,11 @@ class CudaRegionBench:
             module = _C.module_load(ex.cuda, nvrtc.compile(_TOUCH_SOURCE, ex.arch))
             fn = ex._touch_fn = _C.get_function(ex.cuda, module, "kb_touch", 0)[0]
             ex._touch_module = module
+        if self._stream_of is None:
+            from .cuda_backend import _current_stream
+            self._stream_of = _current_stream
         spans = buffers[2]
-        from .cuda_backend import _current_stream
-        _C.launch(ex.cuda, fn, 32, 256, 0, _current_stream(self.device), (spans.data_ptr(), self.flush_out.data_ptr()),
+        _C.launch(ex.cuda, fn, 32, 256, 0, self._stream_of(self.device), (spans.data_ptr(), self.flush_out.data_ptr()),
                   (spans.numel() // 2,))
 
     def flush_l2(self) -> None:
@@ -311,13 +318,6 @@ class CudaRegionBench:
         buffers = self.placement(kernel, 0)
         for _ in range(warmup):
             self._launch(kernel, buffers=buffers)
-        if not self.cuda:  # a CPU stand-in executor (tests): wall clock
-            out = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                self._launch(kernel, buffers=buffers)
-                out.append((time.perf_counter() - t) * 1e3)
-            return out
         return self._timed([kernel] * reps, buffers)
 
     def time_each(self, kernels, round_index: int = 0) -> list:
@@ -327,7 +327,11 @@ class CudaRegionBench:
         (~3.5 ms per repetition), before the rounds' cap did."""
         if not kernels:
             return []
-        buffers = self.placement(kernels[0], round_index)
+        return self._timed(kernels, self.placement(kernels[0], round_index))
+
+    def _timed(self, kernels, buffers) -> list:
+        """Each kernel launched once after the L2 flush and the touch of its buffers, timed by CUDA
+        events; one sync at the end. On a CPU stand-in executor (tests): wall clock."""
         if not self.cuda:
             out = []
             for k in kernels:
@@ -335,11 +339,6 @@ class CudaRegionBench:
                 self._launch(k, buffers=buffers)
                 out.append((time.perf_counter() - t) * 1e3)
             return out
-        return self._timed(kernels, buffers)
-
-    def _timed(self, kernels, buffers) -> list:
-        """Each kernel launched once after the L2 flush and the touch of its buffers, timed by CUDA
-        events; one sync at the end."""
         torch = self.torch
         pairs = []
         for k in kernels:
