@@ -14,7 +14,7 @@ import torch
 
 from . import _C, nvrtc, torch_eval, verify
 from ._dtypes import torch_dtype
-from .runtime import Executor, Fallback, RegionFallback
+from .runtime import Executor, Fallback, RegionFallback, use_fast_call
 
 log = logging.getLogger("kbench")
 
@@ -41,6 +41,7 @@ def _load_fast():
 
 
 _fast = _load_fast()
+use_fast_call(_fast)
 
 
 class Kernel:

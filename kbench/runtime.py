@@ -508,7 +508,8 @@ class OptimizedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         # the common case in C++ (kbench._fast.Program): a bound signature, every region a
-        # generated kernel; NotImplemented for anything else, decided before any launch
+        # generated kernel; NotImplemented for anything else, decided before any launch. A
+        # plain call (no hooks) does this in C++ too: kbench._fast.module_call, use_fast_call
         program = self._kbench_fast_program
         if program is not None and not kwargs:
             try:
@@ -517,6 +518,11 @@ class OptimizedModule(torch.nn.Module):
                 return self._fallback(str(e), args, kwargs)
             if out is not NotImplemented:
                 return out
+        return self._forward_python(args, kwargs)
+
+    def _forward_python(self, args, kwargs):
+        """The forward where kbench._fast.Program declines: a new signature to bind, a step or an
+        output it leaves to Python, a fallback."""
         if kwargs:
             return self._fallback("keyword arguments are not captured", args, kwargs)
         # the hot path: sizes bound once per input signature (shapes, dtypes, devices)
@@ -868,3 +874,16 @@ class OptimizedModule(torch.nn.Module):
         return torch_eval.autograd_of(lambda xs: plan.eager_region(r, symvals, xs, dtype=dtype), inputs, need,
                                       grads, dtype=dtype, create_graph=create_graph)[1]
 
+
+
+def use_fast_call(fast) -> None:
+    """OptimizedModule.__call__ from kbench._fast (csrc/fast/call.cpp): torch's nn.Module.__call__
+    wherever a hook, a compiled call, a JIT trace or a keyword argument needs it, else forward()'s
+    C++ path without the Python frames of __call__ and forward in between. kbench.cuda_backend
+    calls it once kbench._fast is loaded; None (or a build without it) keeps torch's."""
+    make = getattr(fast, "module_call", None)
+    if make is None:
+        if "__call__" in vars(OptimizedModule):   # torch's, looked up on nn.Module (FX patches it there)
+            del OptimizedModule.__call__
+        return
+    OptimizedModule.__call__ = make(torch.nn.Module, vars(torch.nn.modules.module))

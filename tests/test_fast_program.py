@@ -254,17 +254,64 @@ class FakeProgram:
         return self.result
 
 
-def test_forward_takes_the_python_path_when_declined():
+@pytest.mark.parametrize("route", ["module call (C++)", "forward (Python)"])
+def test_forward_takes_the_python_path_when_declined(route):
     ln = torch.nn.LayerNorm(8)
     x = torch.randn(3, 8)
     opt = interp_model(ln, x)
-    want = opt(x)
+    call = opt if route.startswith("module") else opt.forward
+    want = call(x)
     fake = opt.__dict__["_kbench_fast_program"] = FakeProgram(NotImplemented)
-    assert torch.equal(opt(x), want) and fake.calls == 1 and not opt._kbench_reasons
+    assert torch.equal(call(x), want) and fake.calls == 1 and not opt._kbench_reasons
     fake = opt.__dict__["_kbench_fast_program"] = FakeProgram(runtime.Fallback("the program says no"))
-    assert torch.equal(opt(x), ln(x)) and fake.calls == 1   # eager, with the reason noted
+    assert torch.equal(call(x), ln(x)) and fake.calls == 1   # eager, with the reason noted
     assert opt._kbench_reasons == {"the program says no"}
     marker = object()
     fake = opt.__dict__["_kbench_fast_program"] = FakeProgram(marker)
-    assert opt(x) is marker and fake.calls == 1
-    assert torch.equal(opt(input=x), ln(x)) and fake.calls == 1   # keyword arguments never reach it
+    assert call(x) is marker and fake.calls == 1
+    assert torch.equal(call(input=x), ln(x)) and fake.calls == 1   # keyword arguments never reach it
+    opt.__dict__["_kbench_fast_program"] = FakeProgram(ValueError("not a fallback"))
+    with pytest.raises(ValueError, match="not a fallback"):
+        call(x)
+
+
+def test_module_call_is_torchs_wherever_a_hook_or_a_compiled_call_needs_it():
+    ln = torch.nn.LayerNorm(8)
+    x = torch.randn(3, 8)
+    opt = interp_model(ln, x)
+    assert isinstance(vars(type(opt))["__call__"], types.MethodDescriptorType)   # kbench._fast.module_call
+    marker = object()
+    fake = opt.__dict__["_kbench_fast_program"] = FakeProgram(marker)
+    seen = []
+    handle = opt.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    assert opt(x) is marker and seen == [x] and fake.calls == 1
+    handle.remove()
+    handle = opt.register_forward_hook(lambda m, args, out: ("hooked", out))
+    assert opt(x) == ("hooked", marker) and fake.calls == 2
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: ("global", out))
+    try:
+        assert opt(x) == ("global", marker)
+    finally:
+        handle.remove()
+    opt._compiled_call_impl = lambda *args, **kwargs: ("compiled", args)   # what module.compile() sets
+    assert opt(x) == ("compiled", (x,)) and fake.calls == 3
+    opt._compiled_call_impl = None
+    assert opt(x) is marker and fake.calls == 4
+    with pytest.raises(TypeError):   # the descriptor binds to nn.Modules only
+        vars(type(opt))["__call__"](object(), x)
+    # a full backward hook: torch's __call__ wraps the inputs and outputs, and the hook runs
+    opt = interp_model(ln, x)
+    grads = []
+    opt.register_full_backward_hook(lambda m, grad_in, grad_out: grads.append(grad_out[0]))
+    xg = x.clone().requires_grad_()
+    g = torch.randn_like(x)
+    opt(xg).backward(g)
+    assert len(grads) == 1 and torch.equal(grads[0], g)
+    runtime.use_fast_call(None)   # torch's own __call__, from nn.Module (where FX patches it)
+    try:
+        assert "__call__" not in vars(type(opt)) and type(opt).__call__ is torch.nn.Module.__call__
+        assert torch.allclose(opt(x), ln(x), atol=1e-5)
+    finally:
+        runtime.use_fast_call(fast)
+    assert isinstance(vars(type(opt))["__call__"], types.MethodDescriptorType)

@@ -1,7 +1,7 @@
 /* fast.h — kbench._fast, the C++ hot path of the CUDA backend: a region's launch (checks,
  * allocations, cuLaunchKernel through kbench._C's launch_api.h), the autograd node whose
  * backward runs the region's generated backward kernels with no Python and no GIL, and a
- * module's whole forward call (guards and every region) where it needs no Python.
+ * module's whole call (nn.Module's, its guards and every region) where it needs no Python.
  * C++ only because torch's autograd Node and allocator are C++; the core stays C. */
 #pragma once
 #define PY_SSIZE_T_CLEAN
@@ -92,8 +92,14 @@ bool region_forward(PyObject *region, const std::vector<at::Tensor> &in, std::ve
 /* A Region's inputs, real outputs and row statistics. */
 void region_arity(PyObject *region, size_t &ninputs, size_t &nreal, size_t &nsaved);
 
+/* kbench._fast.Program (program.cpp), as call.cpp drives it: module(*inputs)'s result, or
+ * NotImplemented where the Python path must run (NULL: an exception is set). */
+extern PyTypeObject *ProgramType;
+PyObject *program_run(PyObject *program, PyObject *module, PyObject *const *inputs, size_t n);
+
 int init_launch(PyObject *module);
 int init_region(PyObject *module);
 int init_program(PyObject *module);
+int init_call(PyObject *module);
 
 }  // namespace kbfast

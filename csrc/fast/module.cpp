@@ -1,5 +1,6 @@
-/* module.cpp — kbench._fast's module: its types (launch.cpp, region.cpp, program.cpp) and init(), which
- * kbench.cuda_backend calls once with kbench._C's launch API and the exceptions to raise. */
+/* module.cpp — kbench._fast's module: its types (launch.cpp, region.cpp, program.cpp), module_call
+ * (call.cpp) and init(), which kbench.cuda_backend calls once with kbench._C's launch API and the
+ * exceptions to raise. */
 #include "fast.h"
 
 namespace kbfast {
@@ -47,7 +48,8 @@ PyModuleDef fast_module = {PyModuleDef_HEAD_INIT, "kbench._fast",
 PyMODINIT_FUNC PyInit__fast(void) {
     PyObject *m = PyModule_Create(&kbfast::fast_module);
     if (!m) return nullptr;
-    if (kbfast::init_launch(m) < 0 || kbfast::init_region(m) < 0 || kbfast::init_program(m) < 0) {
+    if (kbfast::init_launch(m) < 0 || kbfast::init_region(m) < 0 || kbfast::init_program(m) < 0 ||
+        kbfast::init_call(m) < 0) {
         Py_DECREF(m);
         return nullptr;
     }

@@ -240,25 +240,18 @@ bool run_step(Program *self, const StepSpec &st, bool grad, std::vector<at::Tens
     return got && append_outputs(got.get(), st.nouts, slots) == 0;
 }
 
-/* call(module, args) -> the forward's result, or NotImplemented where the Python path must run.
+/* The forward's result for module(*inputs), or NotImplemented where the Python path must run.
  * The checks, in _run's order: the inputs (plain tensors, as many as captured, a bound
  * signature), the train/eval mode, each parameter or buffer (present, a plain tensor, its
  * captured dtype and shape, on the inputs' device), whether gradients are wanted where only
  * the joint program may run them. Nothing is launched before all of them pass. */
-PyObject *program_call(Program *self, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *run(Program *self, PyObject *module, PyObject *const *inputs, size_t n) {
     HANDLE_TH_ERRORS
-    if (nargs != 2 || !PyTuple_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "call(module, args): args must be a tuple");
-        return nullptr;
-    }
-    PyObject *module = args[0], *inputs = args[1];
-    size_t n = (size_t)PyTuple_GET_SIZE(inputs);
     if (n == 0 || n != self->s.ninputs) return decline(self, "not as many inputs as captured");
     const at::Tensor *ts[64];
     if (n > 64) return decline(self, "more than 64 inputs");
     for (size_t i = 0; i < n; i++)
-        if (!(ts[i] = plain_tensor(PyTuple_GET_ITEM(inputs, (Py_ssize_t)i))))
-            return decline(self, "an input is not a plain tensor");
+        if (!(ts[i] = plain_tensor(inputs[i]))) return decline(self, "an input is not a plain tensor");
     /* a copy of the entry's pointer: a launch releases the GIL, and another thread may clear
      * or replace the entries meanwhile */
     std::shared_ptr<const Entry> held;
@@ -309,6 +302,15 @@ PyObject *program_call(Program *self, PyObject *const *args, Py_ssize_t nargs) {
     THPObjectPtr list(wrap_tensors(outs, outs.size(), true));
     return list ? PyObject_CallOneArg(e.build.o, list.get()) : nullptr;
     END_HANDLE_TH_ERRORS
+}
+
+/* call(module, args): run() on a tuple of inputs. */
+PyObject *program_call(Program *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "call(module, args): args must be a tuple");
+        return nullptr;
+    }
+    return run(self, args[0], PySequence_Fast_ITEMS(args[1]), (size_t)PyTuple_GET_SIZE(args[1]));
 }
 
 /* ---------------------------------------------------------------- building */
@@ -557,13 +559,20 @@ PyType_Spec program_spec = {"kbench._fast.Program", sizeof(Program), 0,
 
 }  // namespace
 
+PyTypeObject *ProgramType;
+
+PyObject *program_run(PyObject *program, PyObject *module, PyObject *const *inputs, size_t n) {
+    return run((Program *)program, module, inputs, n);
+}
+
 int init_program(PyObject *module) {
     for (auto [ptr, name] : {std::pair{&str_modules, "_modules"}, {&str_training, "training"},
                              {&str_constants, "constants"}, {&str_run, "run"}})
         if (!*ptr && !(*ptr = PyUnicode_InternFromString(name))) return -1;
-    PyObject *type = PyType_FromSpec(&program_spec);
-    if (!type) return -1;
-    return PyModule_AddObject(module, "Program", type) < 0 ? -1 : 0;
+    ProgramType = (PyTypeObject *)PyType_FromSpec(&program_spec);
+    if (!ProgramType) return -1;
+    Py_INCREF(ProgramType);
+    return PyModule_AddObject(module, "Program", (PyObject *)ProgramType) < 0 ? -1 : 0;
 }
 
 }  // namespace kbfast

@@ -389,3 +389,20 @@ def test_program_leaves_python_steps_and_losses_to_python():
             assert torch.equal(out, opt(x))
         with torch.no_grad():
             both_ways(opt, x, served=1)
+
+
+@needs_program
+def test_module_call_serves_plain_calls_and_leaves_hooked_ones_to_torch():
+    model, x, opt = optimized_wrapped()
+    program = opt._kbench_fast_program
+    opt(x)
+    with torch.no_grad():
+        both_ways(opt, x, served=1)   # nn.Module.__call__ skipped (kbench._fast.module_call)
+        seen = []
+        handle = opt.register_forward_hook(lambda m, args, out: seen.append(out) or out * 2)
+        before = program.served
+        y = opt(x)   # torch's __call__: the hook runs, forward() still gets the Program
+        assert program.served == before + 1 and len(seen) == 1 and torch.equal(y, seen[0] * 2)
+        handle.remove()
+        both_ways(opt, x, served=1)
+    assert not opt._kbench_reasons
