@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Where a no-grad forward's host time goes, layer by layer, for a few one-region tasks at the
-benchmark's host size (8 rows): the module call (what bench_ops reports), Program.call without
-nn.Module.__call__, the region's kbench._fast.Launch alone, and torch's own pieces (empty_like,
-a tiny kernel) for scale. Each the least of several alternated runs of host_overhead_us.
+benchmark's host size (8 rows), under no_grad as bench_ops times it: the module call (what
+bench_ops reports; kbench._fast.module_call), the same through torch's nn.Module.__call__ and
+through forward(), Program.call alone, the region's kbench._fast.Launch alone, and torch's own
+pieces (empty_like, a tiny kernel) for scale. Each the least of several alternated runs of
+host_overhead_us.
 
     python benchmarks/host_split.py residual_layer_norm:bfloat16 layer_norm:bfloat16
 """
@@ -47,23 +49,21 @@ def main(argv=None):
             slots = [*xs, *(p.detach() for p in opt._params())]
             step_ins = [slots[i] for i in kernels[0].ins]
 
-        def nograd(f):
-            def run(*a):
-                with torch.no_grad():
-                    return f(*a)
-            return run
-
-        rows = {"eager module": (nograd(model), xs), "kbench module": (nograd(opt), xs)}
+        # as bench_ops times them: no_grad around the whole timing, not each call
+        rows = {"eager module": (model, xs), "kbench module": (opt, xs),
+                "kbench via nn.Module.__call__": (lambda *a: torch.nn.Module.__call__(opt, *a), xs),
+                "kbench forward()": (opt.forward, xs)}
         if program is not None:
-            rows["Program.call"] = (nograd(lambda *a: program.call(opt, a)), xs)
+            rows["Program.call"] = (lambda *a: program.call(opt, a), xs)
         if step_ins is not None:
             rows["Launch.run (the kernel)"] = (lambda *a: launch.run(list(a)), step_ins)
         rows["torch.empty_like(x)"] = (lambda x: torch.empty_like(x), xs[:1])
         rows["x.add_(0)"] = (lambda x: x.add_(0), [xs[0].clone()])
         best = {k: float("inf") for k in rows}
-        for _ in range(REPEATS):   # alternated: a slow stretch of host lands on every row
-            for name, (fn, args) in rows.items():
-                best[name] = min(best[name], timing.host_overhead_us(fn, args, calls=500, device=dev))
+        with torch.no_grad():
+            for _ in range(REPEATS):   # alternated: a slow stretch of host lands on every row
+                for name, (fn, args) in rows.items():
+                    best[name] = min(best[name], timing.host_overhead_us(fn, args, calls=500, device=dev))
         print(f"{op} {dt} (8, 4096), regions {len(kernels)}, Program served {getattr(program, 'served', None)}")
         for name, us in best.items():
             print(f"  {name:<26} {us:7.2f} us")
