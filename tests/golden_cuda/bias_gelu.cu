@@ -1,5 +1,5 @@
 // kbench: region 0 (POINTWISE), float compute
-// genome: threads=256 vec=8 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1
+// genome: threads=256 vec=8 rows=1 items=1 cache=regs two_pass=1 fast_math=1 persistent=0 col_split=1
 // in  p0 = %0 = input user "x" : bf16[s0,768]
 // in  p1 = %1 = input param "bias" : bf16[768]
 //   %2 = reshape %1 : bf16[1,768]
@@ -52,6 +52,13 @@ __device__ __forceinline__ float kb_minf(float a, float b) {
 }
 __device__ __forceinline__ double kb_maxf(double a, double b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ double kb_minf(double a, double b) { return (a < b || a != a) ? a : b; }
+// fast-math exp: ex2.approx with denormal results flushed to zero, two instructions (__expf
+// without -ftz wraps the same approximation in a denormal fix-up)
+__device__ __forceinline__ float kb_fexp(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+    return y;
+}
 // element k of a bf16 vector as float, from its 32-bit word: the upper element is one mask (a
 // byte permute and a shift otherwise)
 template <int N> __device__ __forceinline__ float kb_bf16_at(const kb_vec<__nv_bfloat16, N> &x, int k) {
@@ -92,7 +99,7 @@ extern "C" __global__ void __launch_bounds__(256) kb_r0_pointwise(const __nv_bfl
                     const float v0 = kb_bf16_at(x0_1, k);
                     const float v1_2 = kb_bf16_at(x1_3, k);
                     const float v4 = (v0 + v1_2);
-                    const float v5 = (0.5f * v4 * (1.f + tanhf(0.79788456f * (v4 + 0.044715f * v4 * v4 * v4))));
+                    const float v5 = (v4 / (1.f + kb_fexp(-1.5957691216f * (v4 + 0.044715f * v4 * v4 * v4))));
                     y5.v[k] = __float2bfloat16_rn((float)(v5));
                 }
                 kb_st<__nv_bfloat16, 8>(p5 + i0, y5);
@@ -104,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(256) kb_r0_pointwise(const __nv_bfl
                         const float v0 = __bfloat162float(p0[i]);
                         const float v1_4 = __bfloat162float(p1[a1]);
                         const float v4 = (v0 + v1_4);
-                        const float v5 = (0.5f * v4 * (1.f + tanhf(0.79788456f * (v4 + 0.044715f * v4 * v4 * v4))));
+                        const float v5 = (v4 / (1.f + kb_fexp(-1.5957691216f * (v4 + 0.044715f * v4 * v4 * v4))));
                         p5[i] = __float2bfloat16_rn((float)(v5));
                     }
                 }
