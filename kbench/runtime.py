@@ -875,7 +875,6 @@ class OptimizedModule(torch.nn.Module):
                                       grads, dtype=dtype, create_graph=create_graph)[1]
 
 
-
 def use_fast_call(fast) -> None:
     """OptimizedModule.__call__ from kbench._fast (csrc/fast/call.cpp): torch's nn.Module.__call__
     wherever a hook, a compiled call, a JIT trace or a keyword argument needs it, else forward()'s

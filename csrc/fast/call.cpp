@@ -26,7 +26,7 @@ PyObject *module_hooks[4], *global_hooks[4];
 PyObject *str_compiled, *str_program, *str_call, *str_dunder_call, *str_forward, *str_forward_python,
     *str_fallback;
 
-/* 1: torch's __call__ would call forward(*args) and nothing else; 0: it would do more (or
+/* true: torch's __call__ would call forward(*args) and nothing else; false: it would do more (or
  * something is not as torch 2.x has it, and torch's own code decides). Never raises. */
 bool plain_call(PyObject *self, PyObject *kwnames) {
     if (kwnames && PyTuple_GET_SIZE(kwnames)) return false;
