@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
+from . import _lower_symbols as symbolic
 from ._dtypes import IR_TO_TORCH, TORCH_TO_IR
 from .errors import CaptureError
 
@@ -533,68 +534,6 @@ def _make_extern(steps, name, noperands):
     return Extern(steps, name, noperands)
 
 
-# ---------------------------------------------------------------------------- symbols
-
-def _shape_env(ep):
-    for n in ep.graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            fm = getattr(v, "fake_mode", None)
-            if fm is not None and getattr(fm, "shape_env", None) is not None:
-                return fm.shape_env
-    return None
-
-
-def _factors(side):
-    """(coef, [symbols with multiplicity]) of a monomial, or None."""
-    c, rest = side.as_coeff_Mul()
-    if not c.is_Integer:
-        return None
-    fs = []
-    for f in sympy.Mul.make_args(rest):
-        if f.is_Symbol:
-            fs.append(f)
-        elif f.is_Pow and f.base.is_Symbol and f.exp.is_Integer and f.exp > 0:
-            fs += [f.base] * int(f.exp)
-        elif f != 1:
-            return None
-    return int(c), fs
-
-
-def _unify(guards, example, order):
-    """Merges symbols that a guard says are equal as products (s0*s1 == s2*s3 comes from
-    logits.view(-1, V) against targets.view(-1)), pairing them by example value when that is
-    unambiguous; the runtime then binds both inputs to the same symbols (a stricter guard)."""
-    parent = {}
-
-    def find(s):
-        while parent.get(s, s) != s:
-            s = parent[s]
-        return s
-
-    for g in guards:
-        e = getattr(g, "expr", g)
-        if not isinstance(e, sympy.Eq):
-            continue
-        sides = [_factors(side.xreplace({s: find(s) for s in side.free_symbols})) for side in e.args]
-        if None in sides or sides[0][0] != sides[1][0]:
-            continue
-        a, b = list(sides[0][1]), list(sides[1][1])
-        for s in list(a):
-            if s in b:
-                a.remove(s)
-                b.remove(s)
-        va, vb = [example.get(s) for s in a], [example.get(s) for s in b]
-        if not a or None in va or None in vb or len(set(va)) != len(va) or sorted(va) != sorted(vb):
-            continue
-        for sb in b:
-            ra, rb = find(a[va.index(example[sb])]), find(sb)
-            if ra != rb:
-                lo, hi = sorted((ra, rb), key=lambda s: order.get(s, 1 << 30))
-                parent[hi] = lo
-    return {s: find(s) for s in parent}
-
-
 # ---------------------------------------------------------------------------- the driver
 
 _INPUT_KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
@@ -632,12 +571,12 @@ def _lower(ep, inputs, static_reason, model, pin=()):
             if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
                 example.setdefault(s.node.expr, int(t.shape[d]))
                 order.setdefault(s.node.expr, len(order))
-    shape_env = _shape_env(ep)
+    shape_env = symbolic.shape_env(ep)
     guards = list(getattr(shape_env, "guards", None) or []) if shape_env is not None else []
-    subst = _unify(guards, example, order)
+    subst = symbolic.unify(guards, example, order)
     pinned = set()
     if pin:
-        subst, pinned = _pin_symbols(subst, user_nodes, inputs, pin)
+        subst, pinned = symbolic.pin_symbols(subst, user_nodes, inputs, pin)
     sym_of, examples, sources, input_syms = {}, [], [], []
     for t, n in zip(inputs, user_nodes):
         row = []
@@ -725,7 +664,7 @@ def _lower(ep, inputs, static_reason, model, pin=()):
         e = e0.xreplace(subst)
         if e in (sympy.true, True) or not e.free_symbols or any(x not in sym_of for x in e.free_symbols):
             continue
-        if pinned and e0.free_symbols & pinned and _holds_for_sizes(e, shape_env):
+        if pinned and e0.free_symbols & pinned and symbolic.holds_for_sizes(e, shape_env):
             continue   # Min(5, 5*s1) == 5: an export with the pinned dims static never makes it
         kept_guards.append(SymExpr(e, sym_of))
     try:
@@ -753,43 +692,6 @@ def _lower(ep, inputs, static_reason, model, pin=()):
         notes=b.notes,
         value_names={idmap[i]: nm for i, nm in b.value_names.items() if i in idmap},
     )
-
-
-def _pin_symbols(subst, user_nodes, inputs, pin):
-    """subst extended so that the symbols of the pinned user-input dims (and every symbol unified
-    with one) are their example sizes: what an export with those dims static gives, where the
-    sizes derived from them become numbers and the guards on them hold trivially."""
-    values = {}
-    for i, d in pin:
-        s = user_nodes[i].meta["val"].shape[d]
-        if isinstance(s, torch.SymInt):
-            e = s.node.expr.xreplace(subst) if subst else s.node.expr
-            if e.is_Symbol:
-                values[e] = sympy.Integer(int(inputs[i].shape[d]))
-    if not values:
-        return subst, set()
-    out = {k: v.xreplace(values) for k, v in subst.items()}
-    for k, v in values.items():
-        out.setdefault(k, v)
-    return out, {k for k, v in out.items() if v.is_number}
-
-
-def _holds_for_sizes(e, shape_env) -> bool:
-    """Is the size relation e true whatever sizes its symbols take in torch's ranges for them (as
-    torch decides before recording a guard)? False when that cannot be shown."""
-    evaluate = getattr(shape_env, "_maybe_evaluate_static", None)
-    if evaluate is not None:
-        try:
-            r = evaluate(e)
-            if r is not None:
-                return r in (sympy.true, True)
-        except Exception:  # noqa: BLE001 - a private torch helper: keeping the guard is safe
-            pass
-    pos = {x: sympy.Symbol(f"_size{i}", integer=True, positive=True) for i, x in enumerate(e.free_symbols)}
-    try:
-        return e.xreplace(pos) in (sympy.true, True)
-    except TypeError:
-        return False
 
 
 def _check_sizes(b, ep):
