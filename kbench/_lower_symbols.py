@@ -8,6 +8,7 @@ import torch
 
 
 def shape_env(ep):
+    """torch's ShapeEnv behind the exported graph's fake tensors (None: a graph without one)."""
     for n in ep.graph.nodes:
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor):
