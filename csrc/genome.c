@@ -37,6 +37,8 @@ typedef struct shape_facts {
     int multipass;       /* a reduction or a full-size output reads another reduction */
     int ncolsum;         /* ROW: sums over the rows (per-thread partials in registers) */
     int fast_exp_log;    /* fast math changes only exp/log here, and every float output is 16-bit */
+    int precise_math;    /* a transcendental stays precise: erf, tanh, sin, cos, pow, or exp/log
+                            where fast math is not the default */
 } shape_facts;
 
 static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symvals, shape_facts *f) {
@@ -64,18 +66,21 @@ static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symva
      * argument's size, so a region with them keeps precise math. A saved sum of __expf terms is
      * off by as little (the backward's gradient checks see it), so saved outputs do not count. */
     static const char *const exp_log[] = {"expf(", "logf("}, *const trig_pow[] = {"sinf(", "cosf(", "powf("};
-    int has_exp_log = 0, has_trig_pow = 0, all16 = 1;
+    static const char *const erf_tanh[] = {"erff(", "tanhf("};
+    int has_exp_log = 0, has_trig_pow = 0, has_erf_tanh = 0, all16 = 1;
     for (int32_t k = 0; k < rg->nnodes; k++) {
         const kb_node *nd = kb_graph_node(g, rg->nodes[k]);
         if (nd->dtype == KB_F64) all16 = 0;
         has_exp_log |= kb_op_spelled_with(kb_op_get(nd->op), exp_log, 2);
         has_trig_pow |= kb_op_spelled_with(kb_op_get(nd->op), trig_pow, 3);
+        has_erf_tanh |= kb_op_spelled_with(kb_op_get(nd->op), erf_tanh, 2);
     }
     for (int32_t j = 0; j < rg->noutputs - rg->nsaved; j++) { /* saved statistics are f32 for the backward */
         kb_dtype t = kb_graph_node(g, rg->outputs[j])->dtype;
         if (kb_dtype_is_float(t) && t != KB_BF16 && t != KB_F16) all16 = 0;
     }
     f->fast_exp_log = has_exp_log && !has_trig_pow && all16;
+    f->precise_math = has_trig_pow || has_erf_tanh || (has_exp_log && !f->fast_exp_log);
     f->last = (a->rank > 0 && a->dims[a->rank - 1].nsym == 0) ? a->dims[a->rank - 1].coef : 0;
     if (a->rank == 0) f->last = 1;
     int64_t sizes[KB_MAX_RANK];
@@ -143,11 +148,17 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
     gn.fast_math = f.fast_exp_log;
 
     if (rg->kind == KB_REGION_POINTWISE) {
-        /* 16-byte accesses; more elements per thread once the grid has many waves */
-        gn.threads = 256;
+        /* 16-byte accesses, one per thread, 128 threads a block; several per thread only where
+           the body is heavy (precise transcendentals on eight 16-bit elements a vector) and the
+           grid has waves to spare. H100 at 8192x4096 (bench_genomes.py, session 17), one item
+           against the old four: bias+GELU tanh bf16 46.7 -> 44.1 us, SwiGLU bf16 66.1 -> 63.5,
+           bias+GELU erf f32 90.0 -> 87.7; but bias+GELU erf bf16, issue-bound on its erff,
+           48.4 -> 51.2: there the per-thread setup is worth sharing across four vectors. */
         gn.vec = pick_vec(&f, 0);
         int64_t waves = f.full / ((int64_t)num_sms * 2048 * gn.vec);
-        gn.items = waves >= 8 ? 4 : waves >= 2 ? 2 : 1;
+        int heavy = f.precise_math && gn.vec >= 8;
+        gn.items = !heavy ? 1 : waves >= 8 ? 4 : waves >= 2 ? 2 : 1;
+        gn.threads = gn.items == 1 ? 128 : 256;
     } else if (rg->kind == KB_REGION_ROW) {
         gn.vec = pick_vec(&f, 1);
         int64_t chunks = (f.red + gn.vec - 1) / gn.vec;

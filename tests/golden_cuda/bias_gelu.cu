@@ -1,5 +1,5 @@
 // kbench: region 0 (POINTWISE), float compute
-// genome: threads=256 vec=8 rows=1 items=1 cache=regs two_pass=1 fast_math=1 persistent=0 col_split=1
+// genome: threads=128 vec=8 rows=1 items=1 cache=regs two_pass=1 fast_math=1 persistent=0 col_split=1
 // in  p0 = %0 = input user "x" : bf16[s0,768]
 // in  p1 = %1 = input param "bias" : bf16[768]
 //   %2 = reshape %1 : bf16[1,768]
@@ -81,14 +81,14 @@ template <int W, typename T> __device__ __forceinline__ T kb_warp_min(T v) {
     return v;
 }
 
-extern "C" __global__ void __launch_bounds__(256) kb_r0_pointwise(const __nv_bfloat16 *__restrict__ p0, const __nv_bfloat16 *__restrict__ p1, __nv_bfloat16 *__restrict__ p5, long long s0)
+extern "C" __global__ void __launch_bounds__(128) kb_r0_pointwise(const __nv_bfloat16 *__restrict__ p0, const __nv_bfloat16 *__restrict__ p1, __nv_bfloat16 *__restrict__ p5, long long s0)
 {
     const long long n = (768*s0);
-    // 256 threads x 1 chunk(s) of 8 element(s) per block, grid-stride
-    for (long long q0 = (long long)blockIdx.x * 256; q0 * 8 < n; q0 += (long long)gridDim.x * 256) {
+    // 128 threads x 1 chunk(s) of 8 element(s) per block, grid-stride
+    for (long long q0 = (long long)blockIdx.x * 128; q0 * 8 < n; q0 += (long long)gridDim.x * 128) {
         #pragma unroll
         for (int it = 0; it < 1; ++it) {
-            const long long i0 = (q0 + it * 256 + threadIdx.x) * 8;
+            const long long i0 = (q0 + it * 128 + threadIdx.x) * 8;
             if (i0 + 8 <= n) {
                 const long long a1_0 = i0 % 768;
                 const kb_vec<__nv_bfloat16, 8> x0_1 = kb_ld<__nv_bfloat16, 8>(p0 + i0);
