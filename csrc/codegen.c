@@ -767,20 +767,24 @@ cleanup:
     return st;
 }
 
+int64_t kb_kernel_max_blocks(const kb_kernel *k, const kb_device_info *dev) {
+    if (!(k->genome.persistent || k->max_blocks_per_sm) || !dev || dev->num_sms <= 0) return 0;
+    int64_t per_sm = k->max_blocks_per_sm ? k->max_blocks_per_sm : 2048 / (k->block > 0 ? k->block : 1);
+    if (k->smem_bytes > 0 && dev->max_smem_per_block > 0) {
+        int64_t by_smem = dev->max_smem_per_block / k->smem_bytes;
+        if (by_smem < per_sm) per_sm = by_smem;
+    }
+    if (per_sm < 1) per_sm = 1;
+    return per_sm * dev->num_sms;
+}
+
 void kb_kernel_grid(const kb_kernel *k, const int64_t *symvals, const kb_device_info *dev, uint32_t grid[3]) {
     int64_t units = kb_dim_eval(k->grid_units, symvals);
     int64_t upb = k->units_per_block > 0 ? k->units_per_block : 1;
     int64_t g = (units + upb - 1) / upb;
+    int64_t cap = kb_kernel_max_blocks(k, dev);
     if (g < 1) g = 1;
-    if ((k->genome.persistent || k->max_blocks_per_sm) && dev && dev->num_sms > 0) {
-        int64_t per_sm = k->max_blocks_per_sm ? k->max_blocks_per_sm : 2048 / (k->block > 0 ? k->block : 1);
-        if (k->smem_bytes > 0 && dev->max_smem_per_block > 0) {
-            int64_t by_smem = dev->max_smem_per_block / k->smem_bytes;
-            if (by_smem < per_sm) per_sm = by_smem;
-        }
-        if (per_sm < 1) per_sm = 1;
-        if (g > per_sm * dev->num_sms) g = per_sm * dev->num_sms;
-    }
+    if (cap > 0 && g > cap) g = cap;
     if (g > 0x7fffffff) g = 0x7fffffff; /* every kernel loops over its work, so a cap is safe */
     grid[0] = (uint32_t)g;
     grid[1] = grid[2] = 1;

@@ -315,7 +315,10 @@ typedef struct kb_kernel {
 kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *gn,
                              const kb_device_info *dev, kb_kernel **out);
 void kb_kernel_free(kb_ctx *ctx, kb_kernel *k);
-/* grid for bound symbols (persistent genomes are capped at a few blocks per SM) */
+/* The grid's cap on the device: blocks that fit at once, for a persistent genome or a grid
+   sized for its partials; 0 when the grid follows the work alone. */
+int64_t kb_kernel_max_blocks(const kb_kernel *k, const kb_device_info *dev);
+/* grid for bound symbols: ceil(units / units_per_block), capped as above and at 2^31 - 1 */
 void kb_kernel_grid(const kb_kernel *k, const int64_t *symvals, const kb_device_info *dev,
                     uint32_t grid[3]);
 

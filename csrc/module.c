@@ -695,14 +695,10 @@ static PyObject *py_generate(PyObject *module, PyObject *args) {
     if (st != KB_OK) return kb_py_raise(module, ctx, st, "codegen");
     char text[256];
     kb_genome_format(&k->genome, text, sizeof text);
-    /* max_blocks: the persistent cap kb_kernel_grid applies (0 = none), so Python computes the
-       same grid without a Kernel object. */
-    int64_t huge[KB_MAX_SYMS];
-    for (int s = 0; s < KB_MAX_SYMS; s++) huge[s] = 1 << 20;
-    uint32_t grid[3];
-    kb_kernel_grid(k, huge, &info, grid);
-    int64_t uncapped = (kb_dim_eval(k->grid_units, huge) + k->units_per_block - 1) / k->units_per_block;
-    long long max_blocks = (int64_t)grid[0] < uncapped ? (long long)grid[0] : 0;
+    /* max_blocks: the cap kb_kernel_grid applies (0 = none), so Python computes the same grid
+       without a Kernel object. Not read off a grid at huge sizes: there the 2^31 - 1 clamp of a
+       region with two dynamic dims looked like a cap, and the loader made it one wave. */
+    long long max_blocks = (long long)kb_kernel_max_blocks(k, &info);
     PyObject *result = Py_BuildValue("{s:s,s:s,s:i,s:i,s:s,s:N,s:L,s:i,s:L,s:L,s:L,s:i}", "source", k->source, "name",
                                      k->name, "block", k->block, "smem", k->smem_bytes, "genome", text, "grid_units",
                                      dim_to_py(k->grid_units), "units_per_block", (long long)k->units_per_block,

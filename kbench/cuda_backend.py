@@ -58,7 +58,7 @@ class Kernel:
     def grid(self, symvals) -> int:
         units = self.grid_units if isinstance(self.grid_units, int) else \
             self.grid_units[0] * math.prod(symvals[s] for s in self.grid_units[1])
-        g = max(1, -(-units // self.units_per_block))
+        g = min(max(1, -(-units // self.units_per_block)), 0x7FFFFFFF)   # every kernel loops over its work
         return min(g, self.max_blocks) if self.max_blocks else g
 
 
@@ -356,6 +356,8 @@ class CudaExecutor(Executor):
         kernel.name, kernel.block, kernel.smem = k["name"], k["block"], k["smem"]
         kernel.grid_units, kernel.units_per_block = k["grid_units"], k["units_per_block"]
         kernel.max_blocks, kernel.genome = k["max_blocks"], k["genome"]
+        if kernel.max_blocks >= 0x7FFFFFFF:   # an older cache entry's int32 grid clamp, once taken
+            kernel.max_blocks = 0             # for a cap; a real cap is a few blocks per SM
         if kernel.max_blocks:   # a capped grid is one wave: no more blocks than fit at once
             fit = _resident_blocks(kernel.regs, kernel.block, self.dev.get("regs_per_sm", 0))
             if fit:

@@ -484,6 +484,27 @@ def test_default_pointwise_items(task, dt, rows, items, threads):
     assert (int(gn["items"]), int(gn["threads"])) == (items, threads), gn
 
 
+def test_grid_cap_is_only_a_real_one():
+    """max_blocks is the persistent cap alone: a region with two dynamic dims (SwiGLU of two
+    [s0, s1] inputs) and 512 units a block once had its grid's 2^31 - 1 clamp at huge sizes
+    taken for a cap, which the loader then cut to one wave of resident blocks (H100 f32: 133.5
+    us against 129.1 uncapped)."""
+    from kbench import api
+    from kbench.bench.tasks import TASKS
+    t = TASKS["swiglu_two"]
+    model = t.build(dict(shape=(64, 4096)), torch.float32, "cpu", seed=0)
+    x = tuple(t.inputs(dict(shape=(64, 4096)), torch.float32, "cpu", seed=1))
+    with torch.no_grad():
+        ex = api._fresh_capture(model, x, "cuda")
+    p = ex.graph.partition()
+    assert len(ex.example_symvals) == 2
+    rest = "vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0 col_split=1"
+    k = _C.generate(p, 0, 90, f"threads=128 {rest} persistent=0")
+    assert k["max_blocks"] == 0 and k["grid_units"][1] == (0, 1)
+    k = _C.generate(p, 0, 90, f"threads=128 {rest} persistent=1")
+    assert 0 < k["max_blocks"] < 2 ** 20    # blocks that fit at once: a few per SM
+
+
 @pytest.mark.parametrize("module,dt,cols,threads,vec,cache", [
     ("ln", torch.float32, 4096, 1024, 4, "regs"), ("ln", torch.bfloat16, 4096, 512, 8, "smem"),
     ("bias_gelu", torch.float32, 4096, 1024, 4, "regs"), ("bias_gelu", torch.bfloat16, 8192, 1024, 8, "reread")])
