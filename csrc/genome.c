@@ -152,8 +152,9 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
            the body is heavy (precise transcendentals on eight 16-bit elements a vector) and the
            grid has waves to spare. H100 at 8192x4096 (bench_genomes.py, session 17), one item
            against the old four: bias+GELU tanh bf16 46.7 -> 44.1 us, SwiGLU bf16 66.1 -> 63.5,
-           bias+GELU erf f32 90.0 -> 87.7; but bias+GELU erf bf16, issue-bound on its erff,
-           48.4 -> 51.2: there the per-thread setup is worth sharing across four vectors. */
+           bias+GELU erf f32 90.0 -> 87.7; but bias+GELU erf bf16 48.4 -> 51.2: its precise erff
+           (~30 instructions an element, by estimate, 8 elements a load) likely makes it
+           issue-bound, so the per-thread setup is worth sharing across four vectors. */
         gn.vec = pick_vec(&f, 0);
         int64_t waves = f.full / ((int64_t)num_sms * 2048 * gn.vec);
         int heavy = f.precise_math && gn.vec >= 8;

@@ -461,6 +461,17 @@ def test_default_genomes():
     assert "col_split=" in _C.genome_default(g.partition(), 0, sv)
 
 
+def capture_task(task, dt, cols=4096):
+    """A benchmark task's module captured for CUDA at 64 x cols (the batch dims symbolic)."""
+    from kbench import api
+    from kbench.bench.tasks import TASKS
+    t = TASKS[task]
+    model = t.build(dict(shape=(64, cols)), dt, "cpu", seed=0)
+    x = tuple(t.inputs(dict(shape=(64, cols)), dt, "cpu", seed=1))
+    with torch.no_grad():
+        return api._fresh_capture(model, x, "cuda")
+
+
 @pytest.mark.parametrize("task,dt,rows,items,threads", [
     ("bias_gelu_erf", torch.bfloat16, 8192, 4, 256), ("bias_gelu_erf", torch.bfloat16, 256, 1, 128),
     ("bias_gelu_erf", torch.float32, 8192, 1, 128), ("bias_gelu_tanh", torch.bfloat16, 8192, 1, 128),
@@ -470,13 +481,7 @@ def test_default_pointwise_items(task, dt, rows, items, threads):
     is heavy (a precise erf on eight bf16 elements a vector) and the grid has waves to spare:
     then four, 256 threads (H100 at 8192x4096: erf bf16 48.4 us with four against 51.2 with one;
     tanh bf16, fast math, 44.1 with one against 46.7 with four)."""
-    from kbench import api
-    from kbench.bench.tasks import TASKS
-    t = TASKS[task]
-    model = t.build(dict(shape=(64, 4096)), dt, "cpu", seed=0)
-    x = tuple(t.inputs(dict(shape=(64, 4096)), dt, "cpu", seed=1))
-    with torch.no_grad():
-        ex = api._fresh_capture(model, x, "cuda")
+    ex = capture_task(task, dt)
     p = ex.graph.partition()
     r = next(i for i in range(len(p)) if p.region(i)["kind"] == "POINTWISE")
     symvals = [rows if v == 64 else v for v in ex.example_symvals]     # the batch, at `rows`
@@ -489,13 +494,7 @@ def test_grid_cap_is_only_a_real_one():
     [s0, s1] inputs) and 512 units a block once had its grid's 2^31 - 1 clamp at huge sizes
     taken for a cap, which the loader then cut to one wave of resident blocks (H100 f32: 133.5
     us against 129.1 uncapped)."""
-    from kbench import api
-    from kbench.bench.tasks import TASKS
-    t = TASKS["swiglu_two"]
-    model = t.build(dict(shape=(64, 4096)), torch.float32, "cpu", seed=0)
-    x = tuple(t.inputs(dict(shape=(64, 4096)), torch.float32, "cpu", seed=1))
-    with torch.no_grad():
-        ex = api._fresh_capture(model, x, "cuda")
+    ex = capture_task("swiglu_two", torch.float32)
     p = ex.graph.partition()
     assert len(ex.example_symvals) == 2
     rest = "vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0 col_split=1"
@@ -514,15 +513,12 @@ def test_default_genome_of_rows_with_column_sums(module, dt, cols, threads, vec,
     f32 LayerNorm backward 152 -> 142 us with 1024); one pass with column sums is not capped at
     512 threads as a re-read row is (bias+GELU bf16 at 8192: 1024 threads)."""
     from kbench import api
-    from kbench.bench.tasks import TASKS
     if module == "ln":
         model, x = torch.nn.LayerNorm(cols).to(dt), (torch.randn(64, cols, dtype=dt),)
+        with torch.no_grad():
+            g = api._fresh_capture(model, x, "cuda").graph
     else:
-        task = TASKS["bias_gelu_tanh"]
-        model = task.build(dict(shape=(64, cols)), dt, "cpu", seed=0)
-        x = tuple(task.inputs(dict(shape=(64, cols)), dt, "cpu", seed=1))
-    with torch.no_grad():
-        g = api._fresh_capture(model, x, "cuda").graph
+        g = capture_task("bias_gelu_tanh", dt, cols).graph
     p = g.partition()
     p.save_stats(0)
     region = p.region(0)
