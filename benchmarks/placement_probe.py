@@ -88,7 +88,7 @@ def main(argv=None):
                         ins.append(x)
                 outs = [views[k + j].view(d).view(sh) for j, (sh, d) in enumerate(shapes)]
                 spans = [v for t in ins + outs for v in (t.data_ptr(), t.numel() * t.element_size())]
-                bench.placements = [(ins, outs, torch.tensor(spans, dtype=torch.int64, device="cuda"))]
+                bench.layout = (None, (ins, outs, torch.tensor(spans, dtype=torch.int64, device="cuda")))   # every round
                 print(f"  gap {gap:>8}        {'%.4f [%.4f, %.4f] %.2f' % ratio(bench, ka, kb, 300)}", flush=True)
             continue
         if a.flush_sizes:
@@ -105,11 +105,11 @@ def main(argv=None):
         for trial in range(6):
             spacers.append(torch.empty((trial + 1) * (1 << 20) + 65536 * 3, dtype=torch.uint8, device="cuda"))
             held = torch.empty(((trial + 1) * 1536 + 4096) * 1024, dtype=torch.uint8, device="cuda")
-            bench.placements = None   # the timed buffer set is made again: its outputs land past `held`
+            bench.arena = bench.layout = None   # the arena is made again: its outputs land past `held`
             print(f"  outputs moved {trial}   {'%.4f [%.4f, %.4f] %.2f' % ratio(bench, ka, kb)}", flush=True)
             del held
             bench.inputs = [t.clone() for t in bench.inputs]
-            bench.placements = None
+            bench.arena = bench.layout = None
             print(f"  inputs moved {trial}    {'%.4f [%.4f, %.4f] %.2f' % ratio(bench, ka, kb)}", flush=True)
             bench.flush = bench.flush.clone()
             print(f"  flush moved {trial}     {'%.4f [%.4f, %.4f] %.2f' % ratio(bench, ka, kb)}", flush=True)

@@ -45,13 +45,16 @@ def row_region(factory, shape, dtype):
     return ex, list(plan.captured.example_symvals), [i.index for i in plan.regions if i.kind == "ROW"][0]
 
 
-def sm_clock():
+def sm_clock(fields="clocks.sm"):
     import subprocess
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+        return subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "?"
+
+
+CLOCKS = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_event_reasons.active"
 
 
 def main(argv=None):
@@ -62,6 +65,8 @@ def main(argv=None):
     ap.add_argument("--budget", default="fast")
     ap.add_argument("--warm", type=float, default=0.0,
                     help="seconds of the default kernel run before the finalists' rounds (clocks up)")
+    ap.add_argument("--reuse-bench", action="store_true",
+                    help="every search times on the first search's buffers (tells placement from time)")
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     factory, shape = MODELS[a.model]
@@ -82,19 +87,24 @@ def main(argv=None):
         k, t = self.kernels.get(self.default_genome), time.perf_counter()
         while k is not None and time.perf_counter() - t < a.warm:
             self.bench.time(k, 20, warmup=0)
-        seen["clock0"] = sm_clock()
+        seen["clock0"] = sm_clock(CLOCKS)
+        seen["bench"] = self.bench
         return retime(self, names)
 
     search._Search.retime = warm_retime
     winners = []
     print(f"{a.model} {shape} {a.dtype} region {r}, budget {a.budget}, seed 0")
+    bench = search.CudaRegionBench(ex, r, symvals) if a.reuse_bench else None
     for i in range(a.repeats):
-        res = search.search_region(ex, r, symvals, budget=a.budget, seed=0)
+        res = search.search_region(ex, r, symvals, budget=a.budget, seed=0, bench=bench)
         winners.append(res.best_genome)
         names, samples, d = seen["names"], seen["samples"], seen["default"]
         by = {c["genome"]: c for c in res.candidates}
-        print(f"search {i}: winner {res.best_genome!r} ({res.seconds:.1f} s; SM clock {seen.get('clock0')} MHz "
-              f"at the rounds' start, {sm_clock()} after)")
+        bench_used = seen["bench"]
+        arena = bench_used.arena.data_ptr() % (1 << 40) if getattr(bench_used.arena, "data_ptr", None) else 0
+        print(f"search {i}: winner {res.best_genome!r} ({res.seconds:.1f} s; clocks {seen.get('clock0')} "
+              f"at the rounds' start, {sm_clock(CLOCKS)} after; arena at {arena:#x}, "
+              f"flush at {bench_used.flush.data_ptr() % (1 << 40):#x})")
         for g in names:
             c = by[g]
             lo, hi = search._ratio_interval(samples[g], samples[d]) if g != d else (1.0, 1.0)

@@ -23,10 +23,15 @@ the measurements cannot tell:
   (benchmarks/placement_probe.py: the ratio of two softmax kernels alternated between 0.933 and
   0.940 with the flush buffer's address at any flush size up to 8x the L2; the same seed picked
   different winners as the search's buffers fell); touched, it stayed within its noise;
-- the rounds rotate through up to PLACEMENTS sets of input and output buffers, each laid out
-  with its own gap between the buffers: how a region's buffers fall against each other moves the
-  ratio of two kernels by up to 3% (placement_probe.py --gaps), and the user's run has a layout
-  of its own; one layout, whatever the allocator gave that search, decided the winner before.
+- every round runs on a layout of its own: the inputs copied to, and the outputs written at,
+  an offset into one arena drawn for that round, with a gap between the buffers drawn too
+  (_layout; the same sequence in every search). Where a region's buffers fall moves the ratio of
+  two kernels by up to 10% (search_repeat_probe.py: LayerNorm bf16, 0.885 to 0.975 over ten
+  layouts, each the same from one search to the next); ten fixed layouts, wherever the
+  allocator put them, left the mean of a search 1-2% from the next one's, so the same seed
+  picked different winners. A round per layout makes the rounds a sample of layouts: the
+  interval covers the spread over them, and the more rounds an unclear decision takes, the
+  nearer every search's median comes to the same value, the user's run's layout being one more.
 
 Everything that touches a device is in a bench object (CudaRegionBench), so the driver (ask/tell
 loop, budgets, finalists, the default-kept rule, the record) runs on the CPU with a fake one."""
@@ -73,8 +78,9 @@ FINALIST_CAP_FACTOR = 2  # at most this many times the budget's finalists
 MAX_ROUNDS_FACTOR = 128  # unclear decisions: more interleaved rounds, up to this many times the budget's
 RETIME_EXTRA_S = 2.0     # and this many seconds of extra rounds
 ALPHA = 1e-4             # a decision is clear when the two-sided 1 - ALPHA interval is on one side
-PLACEMENTS = 10          # buffer sets the finalists' rounds rotate through (divides the budgets' rounds)
-PLACEMENT_BYTES = 2 << 30   # at most this much memory for them, and a quarter of what is free
+ARENA_SPANS = 16         # the layouts' arena: this many times a region's buffers, at least ARENA_MIN_BYTES
+ARENA_MIN_BYTES = 64 << 20
+PLACEMENT_BYTES = 2 << 30   # and at most this much, and a quarter of what is free
 
 # driver errors after which the context is unusable (a trap poisons it for every later call)
 _STICKY = ("illegal_address", "illegal memory access", "launch_failed", "unspecified launch failure",
@@ -135,12 +141,22 @@ def _trim(n: int) -> int:
         k += 1
 
 
-def _placement_gap(k: int) -> int:
-    """Bytes between the buffers of placement set k: 0 for the first, then spread over 256 B to
-    8 MB in 256-byte steps (a fixed sequence, the same in every search). With the inputs and
-    outputs of one allocation that far apart, two softmax kernels' time ratio read 0.925 to 0.943
-    over seven gaps, two LayerNorm kernels' 0.907 to 0.934 (benchmarks/placement_probe.py --gaps)."""
-    return 0 if k == 0 else (((k * 0x9E3779B97F4A7C15) & (2 ** 64 - 1)) >> 49) * 256   # Fibonacci hashing
+def _hash(k: int, salt: int = 0) -> int:
+    """A fixed 15-bit value of k (Fibonacci hashing): the same layouts in every search."""
+    return ((((k ^ salt) * 0x9E3779B97F4A7C15) & (2 ** 64 - 1)) >> 49)
+
+
+def _layout(k: int, sizes, room: int) -> tuple[int, int]:
+    """(offset, gap) of layout k in an arena of room bytes holding buffers of these sizes (each a
+    multiple of 256), one after another with gap bytes after each: layout 0 at offset 0 without
+    gaps (a candidate's generation timing), the others with gaps of 256 B to 8 MB and offsets
+    spread over the arena, both in 256-byte steps and shrunk to fit."""
+    if k == 0:
+        return 0, 0
+    total, n = sum(sizes), len(sizes)
+    gap = min(_hash(k) * 256, (room - total) // n // 256 * 256)
+    slots = (room - total - gap * n) // 256 + 1
+    return (_hash(k, 0x5bd1e995) * slots >> 15) * 256, gap
 
 
 def _ratio_interval(a: dict, b: dict) -> tuple[float, float]:
@@ -198,42 +214,37 @@ class CudaRegionBench:
         # each way); the ranking of candidates needs each one's own traffic only.
         self.flush = torch.zeros(max(1, 2 * l2 // 4), dtype=torch.int32, device=self.device) if l2 else None
         self.flush_out = torch.zeros((), dtype=torch.int64, device=self.device) if l2 else None
-        self.placements = None   # [(inputs, outputs, spans)]: the timed buffer sets, made at first use
+        self.arena = None        # the layouts' memory, made at first use (see placement)
+        self.layout = None       # (k, (inputs, outputs, spans)): the layout the buffers are in now
         self._stream_of = None   # cuda_backend._current_stream, imported at the first touch
 
     def placement(self, kernel, round_index: int):
-        """The buffer set of one timed repetition: round_index modulo as many sets as PLACEMENTS
-        and the memory caps allow. A set is one allocation holding a copy of the inputs and room
-        for the outputs, one after another with the set's own gap between them (_placement_gap),
-        so the sets differ in how their buffers fall against each other. Where not even one copy
-        fits: the gate's inputs and outputs of their own, one set."""
-        if self.placements is None:
-            shapes = self.ex._launch_params(kernel, self.r, self.symvals)[0]
-            sizes = [x.numel() * x.element_size() for x in self.inputs] + [math.prod(s) * d.itemsize for s, d in shapes]
-            sizes = [-(-n // 256) * 256 for n in sizes]   # each buffer 256-byte aligned in the set
-            room = PLACEMENT_BYTES
-            if self.cuda:
-                room = min(room, self.torch.cuda.mem_get_info(self.device)[0] // 4)
-            sets, used = [], 0
-            for k in range(PLACEMENTS):
-                need = sum(sizes) + _placement_gap(k) * len(sizes)
-                if used + need > room:
-                    break
-                sets.append(self._buffer_set(sizes, _placement_gap(k), shapes))
-                used += need
-            if not sets:   # no room for a copy of the inputs: the gate's own, outputs beside them
-                outs = [self.torch.empty(s, dtype=d, device=self.device) for s, d in shapes]
-                sets.append((self.inputs, outs, self._spans(self.inputs + outs)))
-            self.placements = sets
-        return self.placements[round_index % len(self.placements)]
-
-    def _buffer_set(self, sizes, gap, shapes):
-        """(inputs, outputs, spans) in one allocation: the inputs copied, gap bytes after each buffer."""
+        """The buffers of one timed repetition: layout round_index (_layout) of the arena, the
+        inputs copied there when it changes, the outputs beside them. The arena is ARENA_SPANS
+        times the buffers (ARENA_MIN_BYTES at least), capped by PLACEMENT_BYTES and a quarter of
+        the free memory. Where not even one copy fits: the gate's inputs and outputs of their own,
+        the same for every round. Returns (inputs, outputs, spans)."""
+        if self.layout is not None and self.layout[0] in (round_index, None):
+            return self.layout[1]
         torch = self.torch
-        arena = torch.empty(sum(sizes) + gap * len(sizes), dtype=torch.uint8, device=self.device)
-        views, at = [], 0
-        for n in sizes:
-            views.append(arena[at:at + n])
+        shapes = self.ex._launch_params(kernel, self.r, self.symvals)[0]
+        if self.arena is None:
+            sizes = [x.numel() * x.element_size() for x in self.inputs] + [math.prod(s) * d.itemsize for s, d in shapes]
+            self._sizes = [-(-n // 256) * 256 for n in sizes]   # each buffer 256-byte aligned
+            room = min(PLACEMENT_BYTES, max(ARENA_SPANS * sum(self._sizes), ARENA_MIN_BYTES))
+            if self.cuda:
+                room = min(room, torch.cuda.mem_get_info(self.device)[0] // 4)
+            room = room // 256 * 256
+            if room < sum(self._sizes):   # no room for a copy of the inputs: the gate's own, for good
+                outs = [torch.empty(s, dtype=d, device=self.device) for s, d in shapes]
+                self.arena = False
+                self.layout = (None, (self.inputs, outs, self._spans(self.inputs + outs)))
+                return self.layout[1]
+            self.arena = torch.empty(room, dtype=torch.uint8, device=self.device)
+        offset, gap = _layout(round_index, self._sizes, self.arena.numel())
+        views, at = [], offset
+        for n in self._sizes:
+            views.append(self.arena[at:at + n])
             at += n + gap
         ins = []
         for x, v in zip(self.inputs, views):
@@ -241,7 +252,8 @@ class CudaRegionBench:
             t.copy_(x)
             ins.append(t)
         outs = [v[:math.prod(s) * d.itemsize].view(d).view(s) for v, (s, d) in zip(views[len(ins):], shapes)]
-        return ins, outs, self._spans(ins + outs)
+        self.layout = (round_index, (ins, outs, self._spans(ins + outs)))
+        return self.layout[1]
 
     def _spans(self, tensors):
         """What the touch reads: (address, bytes) of each tensor, flat, on the device."""
@@ -314,7 +326,7 @@ class CudaRegionBench:
 
     def time(self, kernel, reps: int, warmup: int = 2) -> list:
         """reps times in ms, each after the L2 flush, from CUDA events on the current stream, on
-        the first buffer set (gap 0): a generation's candidates all on the same layout."""
+        layout 0: a generation's candidates all on the same one."""
         buffers = self.placement(kernel, 0)
         for _ in range(warmup):
             self._launch(kernel, buffers=buffers)
@@ -322,7 +334,7 @@ class CudaRegionBench:
 
     def time_each(self, kernels, round_index: int = 0) -> list:
         """One repetition of each kernel, in order, each after the L2 flush, in ms; one sync for
-        them all. The finalists' rounds, on the round's buffer set (placement). With a sync per
+        them all. The finalists' rounds, on the round's own layout (placement). With a sync per
         repetition, 280 extra rounds of two 23 µs kernels filled the 2 s cap on extra rounds
         (~3.5 ms per repetition), before the rounds' cap did."""
         if not kernels:

@@ -540,50 +540,76 @@ def test_cuda_bench_plumbing_on_cpu():
     assert len(each) == 2 and all(t >= 0 for t in each)
 
 
-def test_finalists_rounds_rotate_through_buffer_sets(monkeypatch):
-    """Each timed repetition runs on one of several buffer sets (round index modulo their count):
-    a set is one allocation holding copies of the inputs and the outputs, gap bytes apart, each
-    set its own gap; as many sets as PLACEMENT_BYTES allows, at least one. A candidate's
-    generation timing runs on the first set."""
+def test_layouts_fit_and_spread():
+    """_layout: layout 0 at offset 0 without gaps; the others inside the arena, 256-byte aligned,
+    with gaps and offsets that differ from one layout to the next, the same in every call."""
+    for sizes, room in (([256000, 256000], 64 << 20), ([25 << 20, 25 << 20, 1536], 800 << 20),
+                        ([1 << 20], (1 << 20) + 512), ([4096, 4096], 8192)):
+        assert search._layout(0, sizes, room) == (0, 0)
+        seen = [search._layout(k, sizes, room) for k in range(1, 400)]
+        assert seen == [search._layout(k, sizes, room) for k in range(1, 400)]
+        for offset, gap in seen:
+            assert offset % 256 == 0 and gap % 256 == 0 and offset >= 0 and gap >= 0
+            assert offset + sum(sizes) + gap * len(sizes) <= room
+        if room - sum(sizes) >= 64 << 20:   # room to spread: most layouts are new ones
+            assert len(set(seen)) > 390 and len({g for _, g in seen}) > 350
+            offsets = sorted(o for o, _ in seen)
+            assert offsets[0] < (room - sum(sizes)) / 8 and offsets[-1] > (room - sum(sizes)) / 2
+
+
+def test_finalists_rounds_each_on_a_layout_of_their_own(monkeypatch):
+    """Each interleaved round runs on layout round_index of one arena (ARENA_SPANS x the buffers,
+    capped by PLACEMENT_BYTES): the inputs copied there, the outputs after them, gap bytes apart;
+    every finalist of a round on the same buffers, each round on others, the same ones for the
+    same round in another search. A candidate's generation timing runs on layout 0; with no room
+    for one copy, on the gate's own inputs."""
     g = softmax_graph(rows=64, n=1000)
     ex = CpuExecutor(g)
     r = region_of_kind(ex.plan.partition, "ROW")
     kern = search.CudaRegionBench(ex, r, [64]).load({"genome": "g"})
     size = 64 * 1000 * 4   # the f32 input and the output, each 256-byte aligned already
-    need = [2 * size + 2 * search._placement_gap(k) for k in range(search.PLACEMENTS)]
-    gaps = {search._placement_gap(k) for k in range(search.PLACEMENTS)}
-    assert len(gaps) == search.PLACEMENTS and all(gap % 256 == 0 for gap in gaps)
-    for room, want in ((sum(need[:3]) + 5, 3), (need[0], 1), (sum(need), search.PLACEMENTS)):
-        monkeypatch.setattr(search, "PLACEMENT_BYTES", room)
-        bench = search.CudaRegionBench(ex, r, [64])
-        ex.launched.clear()
-        for i in range(2 * want + 1):
-            bench.time_each([kern, kern], i)
-        assert len(bench.placements) == want
-        launched = ex.launched
-        assert all(o is not None for _, o in launched)                 # outputs of the set, not new ones
-        by_round = [launched[2 * i] for i in range(2 * want + 1)]
-        assert all(launched[2 * i] == launched[2 * i + 1] for i in range(2 * want))   # one set per round
-        assert len({tuple(p) for p, _ in by_round}) == want
-        assert by_round[want] == by_round[0] and by_round[2 * want] == by_round[0]
-        for k, (ins, outs, spans) in enumerate(bench.placements):
-            assert all(torch.equal(a, b) for a, b in zip(ins, bench.inputs))
-            assert outs[0].shape == (64, 1000) and outs[0].dtype == torch.float32
-            # one allocation, the buffers the set's gap apart
-            assert outs[0].data_ptr() - ins[0].data_ptr() == size + search._placement_gap(k)
-            assert ins[0].untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr()
-            # what the touch after each flush reads: (address, bytes) of every buffer of the set
-            assert spans.tolist() == [v for t in ins + outs for v in (t.data_ptr(), t.numel() * t.element_size())]
-        ex.launched.clear()
-        bench.time(kern, 2)                     # the generation's timing: the first set, warm-up included
-        ins0, outs0, _ = bench.placements[0]
-        assert ex.launched == [([x.data_ptr() for x in ins0], [o.data_ptr() for o in outs0])] * 4
-    # no room for a copy: one set, the gate's inputs themselves and outputs of its own
-    monkeypatch.setattr(search, "PLACEMENT_BYTES", need[0] - 1)
+    rounds = 40
+    for cap, arena_bytes in ((1 << 40, search.ARENA_MIN_BYTES), (3 * size, 3 * size)):
+        monkeypatch.setattr(search, "PLACEMENT_BYTES", cap)
+        relative = []
+        for _ in range(2):   # two searches: the same layouts, wherever their arenas are
+            bench = search.CudaRegionBench(ex, r, [64])
+            ex.launched.clear()
+            spans = []
+            for i in range(rounds):
+                bench.time_each([kern, kern], i)
+                ins, outs, sp = bench.layout[1]
+                assert bench.layout[0] == i
+                assert all(torch.equal(x, y) for x, y in zip(ins, bench.inputs)) and ins[0] is not bench.inputs[0]
+                assert outs[0].shape == (64, 1000) and outs[0].dtype == torch.float32
+                spans.append(sp.tolist())
+                # what the touch after each flush reads: (address, bytes) of every buffer of the layout
+                assert sp.tolist() == [v for t in ins + outs for v in (t.data_ptr(), t.numel() * t.element_size())]
+            arena = bench.arena
+            assert arena.numel() == arena_bytes
+            base, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+            launched = ex.launched
+            assert all(o is not None for _, o in launched)                 # outputs of the layout, not new ones
+            assert all(launched[2 * i] == launched[2 * i + 1] for i in range(rounds))   # one layout per round
+            by_round = [launched[2 * i] for i in range(rounds)]
+            for (ins_p, outs_p), sp in zip(by_round, spans):
+                assert base <= ins_p[0] < outs_p[0] and outs_p[0] + size <= end
+                assert (outs_p[0] - ins_p[0] - size) % 256 == 0 and [ins_p[0], size, outs_p[0], size] == sp
+            assert by_round[0] == ([base], [base + size])                   # layout 0: no offset, no gap
+            relative.append([(i[0] - base, o[0] - base) for i, o in by_round])
+            if cap > 3 * size:
+                assert len(set(relative[-1])) == rounds                     # each round its own
+            ex.launched.clear()
+            bench.time(kern, 2)                     # the generation's timing: layout 0, warm-up included
+            assert ex.launched == [([base], [base + size])] * 4
+        assert relative[0] == relative[1]
+    # no room for a copy: the gate's inputs themselves and outputs of its own, every round
+    monkeypatch.setattr(search, "PLACEMENT_BYTES", 2 * size - 1)
     bench = search.CudaRegionBench(ex, r, [64])
     bench.time_each([kern], 3)
-    (ins, outs, spans), = bench.placements
-    assert ins is bench.inputs and outs[0].shape == (64, 1000) and spans.numel() == 4
+    bench.time_each([kern], 4)
+    ins, outs, spans = bench.layout[1]
+    assert bench.arena is False and ins is bench.inputs and outs[0].shape == (64, 1000) and spans.numel() == 4
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not found")
