@@ -31,7 +31,12 @@ the measurements cannot tell:
   allocator put them, left the mean of a search 1-2% from the next one's, so the same seed
   picked different winners. A round per layout makes the rounds a sample of layouts: the
   interval covers the spread over them, and the more rounds an unclear decision takes, the
-  nearer every search's median comes to the same value, the user's run's layout being one more.
+  nearer every search's median comes to the same value, the user's run's layout being one more;
+- and each finalist is loaded LOADS times, round n running load n % LOADS: one kernel's loaded
+  instances (a module each) differ in speed by up to 3%, beyond their noise and whatever the
+  order (benchmarks/module_load_probe.py, softmax f32: four loads of the default at 1.000 to
+  1.020 of the first, four of the persistent kernel at 0.927 to 0.964), so that a search, which
+  loads its kernels afresh, had a level of its own; the user's process loads its own instance.
 
 Everything that touches a device is in a bench object (CudaRegionBench), so the driver (ask/tell
 loop, budgets, finalists, the default-kept rule, the record) runs on the CPU with a fake one."""
@@ -78,6 +83,7 @@ FINALIST_CAP_FACTOR = 2  # at most this many times the budget's finalists
 MAX_ROUNDS_FACTOR = 128  # unclear decisions: more interleaved rounds, up to this many times the budget's
 RETIME_EXTRA_S = 2.0     # and this many seconds of extra rounds
 ALPHA = 1e-4             # a decision is clear when the two-sided 1 - ALPHA interval is on one side
+LOADS = 16               # instances of each finalist its rounds rotate through
 ARENA_SPANS = 16         # the layouts' arena: this many times a region's buffers, at least ARENA_MIN_BYTES
 ARENA_MIN_BYTES = 64 << 20
 PLACEMENT_BYTES = 2 << 30   # and at most this much, and a quarter of what is free
@@ -561,15 +567,17 @@ class _Search:
         samples: dict[str, dict[int, float]] = {g: {} for g in names}
         if len(names) < 2:
             return samples
+        loads = {g: self.instances(g) for g in names}
         for g in names:
-            self.bench.time(self.kernels[g], 0)   # warm-up only
+            for kernel in loads[g]:
+                self.bench.time(kernel, 0)   # warm-up only (a lazily loaded module loads at its first launch)
         b, n = self.b, 0
         cap, timing, deadline = MAX_ROUNDS_FACTOR * b.rounds, list(names), None
         while timing:
             for _ in range(min(b.rounds, cap - n)):
                 if deadline is not None and time.perf_counter() >= deadline:
                     return samples
-                for g, ms in zip(timing, self.bench.time_each([self.kernels[g] for g in timing], n)):
+                for g, ms in zip(timing, self.bench.time_each([loads[g][n % len(loads[g])] for g in timing], n)):
                     samples[g][n] = ms
                 n += 1
             if n >= cap:
@@ -578,6 +586,20 @@ class _Search:
             unclear = self.standings(names, samples)[1]
             timing = [g for g in names if g in unclear]
         return samples
+
+    def instances(self, g) -> list:
+        """Finalist g's kernel and LOADS - 1 more loads of it (see the module's docstring); where a
+        load fails short of a dead context, the rounds rotate through those made."""
+        out = [self.kernels[g]]
+        for _ in range(LOADS - 1):
+            try:
+                out.append(self.bench.load(self.ks[g]))
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                log.debug("kbench: a second load of %s failed: %s", g, _first_lines(e, 1))
+                break
+        return out
 
     def standings(self, names, samples) -> tuple[dict[str, str], set[str]]:
         """Each finalist's standing, from the paired intervals of its time over the others':

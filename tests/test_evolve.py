@@ -191,6 +191,7 @@ class FakeBench:
         self.gate_fail, self.trap, self.verify_fail = set(gate_fail), set(trap), set(verify_fail)
         self.real_partition = real_partition
         self.calls = []                       # ("time", genome, reps) / ("verify", genome) / ...
+        self.rounds = []                      # the kernel objects of each interleaved round
         self.compiled = []
         self.lock = threading.Lock()
         self.rng = __import__("random").Random(0)
@@ -231,6 +232,7 @@ class FakeBench:
 
     def time_each(self, kernels, round_index=0):
         self.calls.append(("round", round_index, tuple(k.genome for k in kernels)))
+        self.rounds.append(list(kernels))
         return [self.time(k, 1, warmup=0)[0] for k in kernels]
 
     def verify(self, kernel):
@@ -295,10 +297,19 @@ def test_finalists_retimed_interleaved_then_verified_in_order(ln):
     bench = FakeBench(ln_cost, verify_fail={LN_BEST})
     res = run_search(ln, bench)
     b = search.BUDGETS["max"]
-    # after the generations: one warm-up call per finalist, then rounds of A B C D (E = default)
+    # after the generations: a warm-up call per load of each finalist (LOADS of each), then rounds
+    # of A B C D (E = default), round n on load n % LOADS of each
     tail = [c for c in bench.calls if c[0] == "time" and c[2] <= 1]
-    names = [c[1] for c in tail if c[2] == 0]
-    assert [c[2] for c in tail] == [0] * len(names) + [1] * (len(tail) - len(names))
+    warm = [c[1] for c in tail if c[2] == 0]
+    names = warm[::search.LOADS]
+    assert warm == [g for g in names for _ in range(search.LOADS)]
+    assert [c[2] for c in tail] == [0] * len(warm) + [1] * (len(tail) - len(warm))
+    first_round = bench.calls.index(("round", 0, tuple(names)))
+    loads = [c[1] for c in bench.calls[:first_round] if c[0] == "load"]
+    assert all(loads.count(g) == search.LOADS for g in names)   # the generation's load and LOADS - 1 more
+    instances = [{id(k) for rnd in bench.rounds[i::search.LOADS] for k in rnd} for i in range(search.LOADS)]
+    assert all(len(ids) == len(names) for ids in instances)      # one instance of each per round ...
+    assert len(set().union(*instances)) == search.LOADS * len(names)   # ... a different one each round mod LOADS
     # the finalists: every candidate within FINALIST_BAND of the fastest, those within KEEP_DEFAULT first,
     # each in asked order; the default last
     timed = [c["genome"] for c in res.candidates if c["time_ms"] is not None and "same_kernel_as" not in c]
