@@ -499,7 +499,7 @@ class CudaExecutor(Executor):
     def _launch(self, kernel, r, symvals, inputs, poison=False, lp=None, nostats=False, outs=None):
         """nostats: through the entry point without the saved statistics (their outputs left out).
         outs: tensors to write (the region's outputs, shaped as _launch_params says) instead of
-        new ones (the search times candidates on buffer sets it keeps)."""
+        new ones (the search times candidates on buffer layouts of its own)."""
         shapes, grid, ints, workspace_bytes, _ = lp or self._launch_params(kernel, r, symvals)
         device = inputs[0].device if inputs else self.device
         skipped = self.plan.regions[r].saved if nostats else 0

@@ -597,7 +597,7 @@ class _Search:
             except Exception as e:
                 if is_fatal(e):
                     raise
-                log.debug("kbench: a second load of %s failed: %s", g, _first_lines(e, 1))
+                log.debug("kbench: another load of %s failed: %s", g, _first_lines(e, 1))
                 break
         return out
 
