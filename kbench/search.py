@@ -221,6 +221,7 @@ class CudaRegionBench:
         self.flush = torch.zeros(max(1, 2 * l2 // 4), dtype=torch.int32, device=self.device) if l2 else None
         self.flush_out = torch.zeros((), dtype=torch.int64, device=self.device) if l2 else None
         self.arena = None        # the layouts' memory, made at first use (see placement)
+        self._shapes = self._sizes = None   # the outputs' (shape, dtype); every buffer's bytes in the arena
         self.layout = None       # (k, (inputs, outputs, spans)): the layout the buffers are in now
         self._stream_of = None   # cuda_backend._current_stream, imported at the first touch
 
@@ -233,8 +234,8 @@ class CudaRegionBench:
         if self.layout is not None and self.layout[0] in (round_index, None):
             return self.layout[1]
         torch = self.torch
-        shapes = self.ex._launch_params(kernel, self.r, self.symvals)[0]
         if self.arena is None:
+            self._shapes = shapes = self.ex._launch_params(kernel, self.r, self.symvals)[0]
             sizes = [x.numel() * x.element_size() for x in self.inputs] + [math.prod(s) * d.itemsize for s, d in shapes]
             self._sizes = [-(-n // 256) * 256 for n in sizes]   # each buffer 256-byte aligned
             room = min(PLACEMENT_BYTES, max(ARENA_SPANS * sum(self._sizes), ARENA_MIN_BYTES))
@@ -257,7 +258,7 @@ class CudaRegionBench:
             t = v[:x.numel() * x.element_size()].view(x.dtype).view(x.shape)
             t.copy_(x)
             ins.append(t)
-        outs = [v[:math.prod(s) * d.itemsize].view(d).view(s) for v, (s, d) in zip(views[len(ins):], shapes)]
+        outs = [v[:math.prod(s) * d.itemsize].view(d).view(s) for v, (s, d) in zip(views[len(ins):], self._shapes)]
         self.layout = (round_index, (ins, outs, self._spans(ins + outs)))
         return self.layout[1]
 
