@@ -434,7 +434,7 @@ def test_generate_default_is_deterministic(name, dt):
         assert k["units_per_block"] >= 1 and k["nkernels"] in (1, 2)
         body = k["source"].split("#define KB_INF")[1]  # headers only where the kernel uses the type
         assert ("cuda_bf16.h" in k["source"]) == ("bfloat16" in body)
-        assert ("cuda_fp16.h" in k["source"]) == ("half" in body)
+        assert ("cuda_fp16.h" in k["source"]) == ("half" in body.replace("kb_half", ""))   # not the variable
 
 
 def test_genome_text_errors():
@@ -526,6 +526,35 @@ def test_default_genome_of_rows_with_column_sums(module, dt, cols, threads, vec,
     r = next(i for i in range(len(bp)) if bp.region(i)["kind"] == "ROW")
     gn = dict(kv.split("=") for kv in _C.genome_default(bp, r, [64]).split())
     assert (int(gn["threads"]), int(gn["vec"]), gn["cache"]) == (threads, vec, cache), gn
+
+
+@pytest.mark.parametrize("module,dt,cols,genome", [
+    ("ln", torch.float32, 768, "threads=512 vec=2 rows=2 items=1 cache=regs"),
+    ("ln", torch.bfloat16, 1024, "threads=512 vec=2 rows=2 items=1 cache=regs"),
+    ("ln", torch.float32, 100, "threads=512 vec=2 rows=16 items=1 cache=regs"),
+    ("ln", torch.float32, 33, "threads=512 vec=1 rows=16 items=1 cache=regs"),
+    ("bias_gelu", torch.bfloat16, 768, "threads=512 vec=2 rows=2 items=1 cache=regs")])
+def test_default_genome_of_short_rows_with_column_sums(module, dt, cols, genome):
+    """Rows of at most 1024 with column sums take many threads a row, about two 2-element chunks
+    each, in 512-thread persistent blocks: a warp per row kept 24 columns' partials a thread
+    (H100, LayerNorm f32 backward at 2048x768: 36.4 -> 17.5 us; bf16 77.3 -> 16.8)."""
+    from kbench import api
+    if module == "ln":
+        model, x = torch.nn.LayerNorm(cols).to(dt), (torch.randn(64, cols, dtype=dt),)
+        with torch.no_grad():
+            g = api._fresh_capture(model, x, "cuda").graph
+    else:
+        g = capture_task("bias_gelu_tanh", dt, cols).graph
+    p = g.partition()
+    p.save_stats(0)
+    region = p.region(0)
+    bp = p.region_graph(0).grad([True] * len(region["inputs"]), saved=region["saved"]).partition()
+    r = next(i for i in range(len(bp)) if bp.region(i)["kind"] == "ROW")
+    for rows in (64, 2048):
+        text = _C.genome_default(bp, r, [rows])
+        assert text.startswith(genome) and "persistent=1" in text, text
+        k = _C.generate(bp, r, 90, text)
+        assert k["block"] == 512 and k["max_blocks"] > 0
 
 
 def variants(p, r, symvals):
