@@ -1,6 +1,7 @@
 """The schedule search on a GPU (budget='fast'): on LayerNorm and softmax regions every candidate is
 generated, compiled and recorded; the winner passes full verification, is not slower than the
-default genome (both re-timed interleaved), and the same seed picks the same winner twice."""
+default genome (both re-timed interleaved), and the same seed picks the same winner twice, but
+where the two are at a decision's threshold (_assert_flip_at_a_threshold)."""
 import pytest
 import torch
 from torch import nn
@@ -65,9 +66,29 @@ def test_search_fast(name, factory, shape, dtype):
             again = search.search_region(ex, r, symvals, budget="fast", seed=0)
             if again.best_genome != res.best_genome:   # the whole record, not pytest's truncated repr
                 print("first search finalists:", *_finals(res), "second:", *_finals(again), sep="\n  ")
-            assert again.best_genome == res.best_genome, (_finals(res), _finals(again))
+                _assert_flip_at_a_threshold(res, again)
             assert [c["genome"] for c in again.candidates] == [c["genome"] for c in res.candidates]
     assert seen and all(s[1] == 0 for s in seen)   # fast: one generation
+
+
+def _assert_flip_at_a_threshold(a, b):
+    """Two same-seed searches may pick different winners only where no rule on noisy times can
+    settle it: the two winners' time ratio, in both searches, within 1% of a threshold the
+    decisions use (the default kept within KEEP_DEFAULT, a near-tie within it), and the decision
+    unclear at the cap of extra rounds in at least one of them (that search fell back to the
+    deterministic choice). H100, softmax f32 at 8192x1000: a kernel 5.3-5.5% faster than the
+    default, kept out in 2 of 20 searches (benchmarks/NOTES.md, session 19). A flip anywhere
+    else, or between two clear decisions, fails."""
+    k = search.KEEP_DEFAULT
+    thresholds = [t for x in (1 - k, 1 + k) for t in (x, 1 / x)]
+    unclear = False
+    for res in (a, b):
+        fin = {c["genome"]: c for c in res.candidates if "final_ms" in c}
+        ratio = fin[a.best_genome]["final_ms"] / fin[b.best_genome]["final_ms"]
+        assert any(abs(ratio / t - 1) <= 0.01 for t in thresholds), (ratio, _finals(a), _finals(b))
+        unclear |= any(fin[g]["tie"] in ("tie", "not faster than the default") and
+                       fin[g]["final_rounds"] > search.BUDGETS["fast"].rounds for g in (a.best_genome, b.best_genome))
+    assert unclear, (_finals(a), _finals(b))
 
 
 def _finals(res):
