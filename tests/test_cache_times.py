@@ -165,3 +165,21 @@ def test_budget_none_touches_no_cache(tmp_path):
     ex._prepare_region(regions(1)[0], [300])
     assert timings == [0] and db.lookup(key()) is not None and db.lookup(key()).eager_ms is None
     db.close()
+
+
+def test_an_old_entries_grid_clamp_loads_as_no_cap(monkeypatch):
+    """Entries stored before the generator kept max_blocks for real caps hold the int32 grid clamp
+    (2^31 - 1) there; the loader reads it as no cap, while a real cap is cut to the blocks that fit
+    on the GPU at once (a second, mostly idle wave otherwise)."""
+    from kbench import cuda_backend
+    monkeypatch.setattr(cuda_backend._C, "module_load", lambda cuda, cubin: object())
+    monkeypatch.setattr(cuda_backend._C, "get_function", lambda cuda, module, name, smem: (name, 64, 0))
+    ex = CudaExecutor.__new__(CudaExecutor)    # no GPU: only what _load reads
+    ex.cuda, ex.dev = None, {"num_sms": 132, "regs_per_sm": 65536}
+    k = {**LAUNCH, "source": "", "name": "kb_region0", "genome": "threads=256 vec=4", "workspace_bytes_per_unit": 0}
+    assert ex._load({**k, "max_blocks": 0x7FFFFFFF}, cubin=b"x").max_blocks == 0
+    fit = cuda_backend._resident_blocks(64, 256, 65536) * 132
+    assert fit == 4 * 132                       # 64 registers x 256 threads: four blocks an SM
+    assert ex._load({**k, "max_blocks": 10 * fit}, cubin=b"x").max_blocks == fit
+    assert ex._load({**k, "max_blocks": fit // 2}, cubin=b"x").max_blocks == fit // 2
+    assert ex._load(k, cubin=b"x").max_blocks == 0
