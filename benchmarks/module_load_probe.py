@@ -47,25 +47,31 @@ def main(argv=None):
             labels.append(f"genome {gi} load {li}")
     for kern in kernels:
         bench.time(kern, 0)   # warm-up
-    samples = [[] for _ in kernels]
-    for n in range(a.rounds):
-        for s, ms in zip(samples, bench.time_each(kernels, n)):
-            s.append(ms)
     print(f"{a.model} {shape} {a.dtype}: {a.loads} loads of each genome, {a.rounds} interleaved rounds")
+    report(labels, interleaved(bench, kernels, a.rounds))
+    # the same loads again, in reverse order within each round: an order effect would move with it
+    print("  reversed order:")
+    report(labels, interleaved(bench, kernels, a.rounds, reverse=True))
+
+
+def interleaved(bench, kernels, rounds, reverse=False):
+    """Each kernel's times over `rounds` rounds of one repetition each (round n on layout n),
+    in the order given or its reverse within each round."""
+    order = list(range(len(kernels)))[::-1] if reverse else list(range(len(kernels)))
+    samples = [[] for _ in kernels]
+    for n in range(rounds):
+        for i, ms in zip(order, bench.time_each([kernels[i] for i in order], n)):
+            samples[i].append(ms)
+    return samples
+
+
+def report(labels, samples):
+    """Each instance's median and paired ratio (with its interval) to the first instance's."""
+    first = dict(enumerate(samples[0]))
     for label, s in zip(labels, samples):
-        lo, hi = search._ratio_interval(dict(enumerate(s)), dict(enumerate(samples[0])))
+        lo, hi = search._ratio_interval(dict(enumerate(s)), first)
         ratio = statistics.median(x / y for x, y in zip(s, samples[0]))
         print(f"  {label}: {statistics.median(s) * 1e3:7.2f} us  /first {ratio:.4f} [{lo:.4f}, {hi:.4f}]")
-    # the same loads again, in reverse order within each round: an order effect would move with it
-    samples = [[] for _ in kernels]
-    for n in range(a.rounds):
-        for s, ms in zip(reversed(samples), bench.time_each(kernels[::-1], n)):
-            s.append(ms)
-    print("  reversed order:")
-    for label, s in zip(labels, samples):
-        ratio = statistics.median(x / y for x, y in zip(s, samples[0]))
-        print(f"  {label}: {statistics.median(s) * 1e3:7.2f} us  /first {ratio:.4f}")
-
 
 if __name__ == "__main__":
     main()
