@@ -1,7 +1,7 @@
-# Session 19 probes, kept as the record of the commands behind NOTES.md session 19: fast-budget tune
-# time at GPT-2 scale and the same-seed repeat probe
-# in fresh processes, the GPT-2 tune cache export, genome sweeps of short rows with column sums,
-# and the final GPU checks. PART=1..6 (see each block).
+# Session 19's device commands, kept as the record behind benchmarks/NOTES.md session 19 (run through
+# scripts/gpu_run.sh: PHASES="build probe" PROBE="PART=n bash scripts/probe_s19.sh"): 1 the GPT-2 fast tune and
+# the softmax repeat probe, 2 more repeat probes and test_search_fast, 3 the GPT-2 tune's cache export,
+# 4 genome sweeps of short rows with column sums, 5 the tune and bias+GELU after the new default, 6 checks.
 set -u
 if [[ ${PART:-1} == 1 ]]; then
   echo "=== bench_tune"; timeout 200 python3 benchmarks/bench_tune.py --out "$OUT" 2>&1 | tail -40
