@@ -504,14 +504,10 @@ def test_grid_cap_is_only_a_real_one():
     assert 0 < k["max_blocks"] < 2 ** 20    # blocks that fit at once: a few per SM
 
 
-@pytest.mark.parametrize("module,dt,cols,threads,vec,cache", [
-    ("ln", torch.float32, 4096, 1024, 4, "regs"), ("ln", torch.bfloat16, 4096, 512, 8, "smem"),
-    ("bias_gelu", torch.float32, 4096, 1024, 4, "regs"), ("bias_gelu", torch.bfloat16, 8192, 1024, 8, "reread")])
-def test_default_genome_of_rows_with_column_sums(module, dt, cols, threads, vec, cache):
-    """A backward row with column sums (LayerNorm's dgamma/dbeta, bias+GELU's dbias) gets one
-    16-byte vector per thread: rows of 4096 f32 take 1024 threads of 4, bf16 512 of 8 (H100:
-    f32 LayerNorm backward 152 -> 142 us with 1024); one pass with column sums is not capped at
-    512 threads as a re-read row is (bias+GELU bf16 at 8192: 1024 threads)."""
+def column_sum_backward(module, dt, cols):
+    """(partition, ROW region) of the backward of a LayerNorm ("ln") or bias+GELU tanh
+    ("bias_gelu") over rows of `cols`, every float input wanting its gradient: a row kernel with
+    column sums (dgamma/dbeta, dbias)."""
     from kbench import api
     if module == "ln":
         model, x = torch.nn.LayerNorm(cols).to(dt), (torch.randn(64, cols, dtype=dt),)
@@ -523,7 +519,18 @@ def test_default_genome_of_rows_with_column_sums(module, dt, cols, threads, vec,
     p.save_stats(0)
     region = p.region(0)
     bp = p.region_graph(0).grad([True] * len(region["inputs"]), saved=region["saved"]).partition()
-    r = next(i for i in range(len(bp)) if bp.region(i)["kind"] == "ROW")
+    return bp, next(i for i in range(len(bp)) if bp.region(i)["kind"] == "ROW")
+
+
+@pytest.mark.parametrize("module,dt,cols,threads,vec,cache", [
+    ("ln", torch.float32, 4096, 1024, 4, "regs"), ("ln", torch.bfloat16, 4096, 512, 8, "smem"),
+    ("bias_gelu", torch.float32, 4096, 1024, 4, "regs"), ("bias_gelu", torch.bfloat16, 8192, 1024, 8, "reread")])
+def test_default_genome_of_rows_with_column_sums(module, dt, cols, threads, vec, cache):
+    """A backward row with column sums (LayerNorm's dgamma/dbeta, bias+GELU's dbias) gets one
+    16-byte vector per thread: rows of 4096 f32 take 1024 threads of 4, bf16 512 of 8 (H100:
+    f32 LayerNorm backward 152 -> 142 us with 1024); one pass with column sums is not capped at
+    512 threads as a re-read row is (bias+GELU bf16 at 8192: 1024 threads)."""
+    bp, r = column_sum_backward(module, dt, cols)
     gn = dict(kv.split("=") for kv in _C.genome_default(bp, r, [64]).split())
     assert (int(gn["threads"]), int(gn["vec"]), gn["cache"]) == (threads, vec, cache), gn
 
@@ -538,18 +545,7 @@ def test_default_genome_of_short_rows_with_column_sums(module, dt, cols, genome)
     """Rows of at most 1024 with column sums take many threads a row, about two 2-element chunks
     each, in 512-thread persistent blocks: a warp per row kept 24 columns' partials a thread
     (H100, LayerNorm f32 backward at 2048x768: 36.4 -> 17.5 us; bf16 77.3 -> 16.8)."""
-    from kbench import api
-    if module == "ln":
-        model, x = torch.nn.LayerNorm(cols).to(dt), (torch.randn(64, cols, dtype=dt),)
-        with torch.no_grad():
-            g = api._fresh_capture(model, x, "cuda").graph
-    else:
-        g = capture_task("bias_gelu_tanh", dt, cols).graph
-    p = g.partition()
-    p.save_stats(0)
-    region = p.region(0)
-    bp = p.region_graph(0).grad([True] * len(region["inputs"]), saved=region["saved"]).partition()
-    r = next(i for i in range(len(bp)) if bp.region(i)["kind"] == "ROW")
+    bp, r = column_sum_backward(module, dt, cols)
     for rows in (64, 2048):
         text = _C.genome_default(bp, r, [rows])
         assert text.startswith(genome) and "persistent=1" in text, text
