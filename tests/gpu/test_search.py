@@ -84,6 +84,7 @@ def _assert_flip_at_a_threshold(a, b):
     unclear = False
     for res in (a, b):
         fin = {c["genome"]: c for c in res.candidates if "final_ms" in c}
+        assert {a.best_genome, b.best_genome} <= set(fin), (_finals(a), _finals(b))   # both re-timed in both
         ratio = fin[a.best_genome]["final_ms"] / fin[b.best_genome]["final_ms"]
         assert any(abs(ratio / t - 1) <= 0.01 for t in thresholds), (ratio, _finals(a), _finals(b))
         unclear |= any(fin[g]["tie"] in ("tie", "not faster than the default") and
