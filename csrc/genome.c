@@ -165,25 +165,25 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
         int64_t chunks = (f.red + gn.vec - 1) / gn.vec;
         int64_t group;
         int short_colsum = f.red <= 1024 && f.ncolsum > 0;
-        if (short_colsum) {
-            /* short rows with column sums (a LayerNorm backward at GPT-2's 768): a thread keeps a
-               partial per column it visits, so the row takes many threads, about two chunks of 2
-               elements each, 512 threads a block and 2048 an SM (persistent). A warp per row held
-               24 columns' partials a thread: 114-167 registers, one block an SM. H100, backward
-               at 2048x768 (bench_genomes.py, session 19), warp per row -> this: LayerNorm f32 36.4
-               -> 17.5 us, bf16 77.3 -> 16.8, RMSNorm f32 32.8 -> 14.8, residual LayerNorm f32
-               36.6 -> 19.5; LayerNorm f32 at 16384x768 73.8 -> 60.1, bf16 at 8192x1024 99.6 ->
-               32.2; within 7% of the best of 18 block-per-row variants in each. */
-            if (gn.vec > 2) gn.vec = 2;
-            chunks = (f.red + gn.vec - 1) / gn.vec;
-            group = clamp64(pow2_ceil((chunks + 1) / 2), 1, 512);
-            int64_t rows = clamp64(pow2_ceil(f.kept), 1, 512 / group);
-            if (rows * group < 32) rows = 32 / group;
-            gn.rows = (int32_t)rows;
-            gn.threads = (int32_t)(rows * group);
-        } else if (f.red <= 1024) { /* short rows: a warp (or less) per row, several rows per block */
-            group = clamp64(pow2_ceil(chunks), 1, 32);
-            int64_t rows = clamp64(pow2_ceil(f.kept), 1, 256 / group);
+        if (f.red <= 1024) { /* short rows: several rows per block */
+            int64_t block = 256;
+            if (short_colsum) {
+                /* with column sums a thread keeps a partial per column it visits, so the row
+                   takes many threads, about two chunks of 2 elements each, 512 threads a block
+                   and 2048 an SM (persistent). A warp per row held 24 columns' partials a thread:
+                   114-167 registers, one block an SM. H100, backward at 2048x768
+                   (bench_genomes.py, session 19), warp per row -> this: LayerNorm f32 36.4 ->
+                   17.5 us, bf16 77.3 -> 16.8, RMSNorm f32 32.8 -> 14.8, residual LayerNorm f32
+                   36.6 -> 19.5; LayerNorm f32 at 16384x768 73.8 -> 60.1, bf16 at 8192x1024 99.6
+                   -> 32.2; within 7% of the best of 18 block-per-row variants in each. */
+                if (gn.vec > 2) gn.vec = 2;
+                chunks = (f.red + gn.vec - 1) / gn.vec;
+                group = clamp64(pow2_ceil((chunks + 1) / 2), 1, 512);
+                block = 512;
+            } else { /* a warp (or less) per row */
+                group = clamp64(pow2_ceil(chunks), 1, 32);
+            }
+            int64_t rows = clamp64(pow2_ceil(f.kept), 1, block / group);
             if (rows * group < 32) rows = 32 / group;
             gn.rows = (int32_t)rows;
             gn.threads = (int32_t)(rows * group);
@@ -223,7 +223,8 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
         /* re-reading the row: fold max and sum(exp) into one pass where the region has them
            (codegen's online normalizer; no effect elsewhere). Variance keeps two passes. */
         gn.two_pass = gn.cache == KB_CACHE_REREAD && f.multipass ? 0 : 1;
-        /* column sums of a single pass (a bias gradient): a streaming kernel, twice the blocks */
+        /* column sums of a single pass (a bias gradient), or of short rows (above): a streaming
+           kernel, twice the blocks */
         if ((f.ncolsum && !f.multipass) || short_colsum) gn.persistent = 1;
     } else { /* COL: threads across columns, a loop down them; split the height to fill the GPU.
                 H100: many small blocks (~8 column blocks x up to 64 splits, 8-byte vectors, 8 rows
