@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import kbench  # noqa: E402
-from kbench import _C, search  # noqa: E402
-from kbench._dtypes import torch_dtype  # noqa: E402
+from kbench import _C  # noqa: E402
+from kbench.dtypes import torch_dtype  # noqa: E402
+from kbench.tune import search  # noqa: E402
 from kbench.bench.tasks import parse_dtype  # noqa: E402
 
 from bench_ops import OPS, task_model  # noqa: E402

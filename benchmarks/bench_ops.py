@@ -47,7 +47,8 @@ except Exception as _e:  # noqa: BLE001 - kbench's core may not be built; the re
     _pkg.__path__ = [str(ROOT / "kbench")]
     sys.modules["kbench"] = _pkg
 
-from kbench.bench import compare, impls, results, timing  # noqa: E402
+from kbench.bench import compare, impls, results  # noqa: E402
+from kbench.tune import timing  # noqa: E402
 from kbench.bench.compare import flatten, to_f64  # noqa: E402
 from kbench.bench.tasks import TASKS, dtype_name, parse_dtype  # noqa: E402
 

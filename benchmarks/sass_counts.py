@@ -111,7 +111,7 @@ def kernels(task: str, dtype, genome_over: dict, backward: bool, forward: bool):
     """(label, source) of every kernel of the task at its timed size, captured on the CPU."""
     import torch
     from kbench import _C, api
-    from kbench.runtime import SAVE_STATS_MIN_ROW_BYTES
+    from kbench.runtime.plan import SAVE_STATS_MIN_ROW_BYTES
     from bench_ops import task_model
 
     model, inputs = task_model(task, dtype, device="cpu")

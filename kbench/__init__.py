@@ -7,12 +7,13 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from . import _C  # noqa: E402  (the C core; builds with no GPU and no CUDA toolkit)
-from ._C import CompileError, CudaError  # noqa: E402
-from .api import Graph, capture, generate, optimize  # noqa: E402
-from .errors import CaptureError  # noqa: E402
+from . import _C  # the C core; builds with no GPU and no CUDA toolkit
+from ._C import CompileError, CudaError
+# NOTE: `capture` below is the function; it shadows the attribute of the kbench.capture package,
+# which stays importable by name (from kbench.capture import ...).
+from .api import Graph, capture, generate, optimize
+from .errors import CaptureError
+from .version import __version__
 
 __all__ = ["optimize", "capture", "generate", "Graph", "CaptureError", "CompileError", "CudaError",
            "__version__"]

@@ -10,7 +10,7 @@ def info() -> int:
     import torch
 
     import kbench
-    from kbench import nvrtc
+    from kbench.runtime import nvrtc
 
     print(f"kbench {kbench.__version__} (core {kbench._C.CORE_VERSION})")
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         from kbench.bench.cli import main as bench_main
         return bench_main(rest)
     if command == "cache":
-        from kbench.cache import cli_main
+        from kbench.tune.cache import cli_main
         return cli_main(rest)
     parser.parse_args([command])
     return 2

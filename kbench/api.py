@@ -7,12 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _C, capture_cache
-from .capture import capture as _capture
-from .capture import capture_exported as _capture_exported
-from .capture import _validate as _validate_inputs
-from .capture import repin as _repin
-from .runtime import SAVE_STATS_MIN_ROW_BYTES
+from . import _C
+from .capture import cache as capture_cache
+from .capture import capture_exported, repin, validate
+from .capture import capture as capture_graph
+from .runtime import nvrtc
+from .runtime.cuda import CudaExecutor
+from .runtime.interp import InterpExecutor
+from .runtime.module import OptimizedModule
+from .runtime.plan import SAVE_STATS_MIN_ROW_BYTES
+from .tune.tuner import BUDGET_NAMES, Tuner
 
 _log = logging.getLogger("kbench")
 
@@ -73,7 +77,7 @@ def _as_tuple(example_inputs):
 
 def capture(model: torch.nn.Module, example_inputs) -> Graph:
     """Capture model's operations on example_inputs into kbench's IR (torch.export, non-strict)."""
-    return Graph(_capture(model, _as_tuple(example_inputs)))
+    return Graph(capture_graph(model, _as_tuple(example_inputs)))
 
 
 BACKENDS = ("cuda", "interp")
@@ -123,11 +127,9 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
     seconds; winners persist in the kernel cache, so a second optimize() searches nothing), or
     "none" (default schedules, no search, no cache). seed makes the search repeatable.
     grad_in_forward: for a module whose output is a scalar (a loss), a forward with gradients
-    enabled computes the gradients too, in the same kernels as the loss (see kbench/joint.py),
+    enabled computes the gradients too, in the same kernels as the loss (see kbench/runtime/joint.py),
     where that moves fewer bytes; the backward then only scales them by the upstream gradient.
     The returned module shares model's parameters and buffers; model itself is not modified."""
-    from .runtime import InterpExecutor, OptimizedModule
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if example_inputs is None:   # capture on the first call, with its inputs as the example
@@ -140,7 +142,7 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
         backend = "cuda" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "interp"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if budget not in ("none", "fast", "default", "max"):
+    if budget not in BUDGET_NAMES:
         raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
     devices = {a.device for a in args if isinstance(a, torch.Tensor)}
     if len(devices) > 1:
@@ -150,13 +152,12 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
         raise ValueError(f"backend 'interp' runs on the CPU; example_inputs are on {device}")
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(f"backend 'cuda' needs example_inputs on a CUDA device, got {device}")
-    _validate_inputs(model, args)   # the same errors whether or not the capture is cached
+    validate(model, args)   # the same errors whether or not the capture is cached
 
     def executor():
         if backend == "interp":
             return InterpExecutor()
-        from .cuda_backend import CudaExecutor
-        return CudaExecutor(budget=budget, seed=seed, verbose=verbose)
+        return CudaExecutor(Tuner(budget=budget, seed=seed, verbose=verbose))
 
     # budget "none" keeps nothing between processes: neither kernels nor the capture
     key, captured = capture_cache.lookup(model, args, backend) if budget != "none" else (None, None)
@@ -183,11 +184,11 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
 
 def _fresh_capture(model, args, backend):
     if backend == "cuda":   # the row lengths pinned on the same export: torch.export runs once
-        captured, exported = _capture_exported(model, args)
+        captured, exported = capture_exported(model, args)
         captured = _pin_row_lengths(model, args, captured, exported)
         del exported          # torch's ExportedProgram (fake tensors, shape environment): not kept
         return captured
-    return _capture(model, args)
+    return capture_graph(model, args)
 
 
 def row_length_dims(captured) -> set:
@@ -228,8 +229,8 @@ def _pin_row_lengths(model, args, captured, exported=None):
     where = ", ".join(f"input {i} dim {d} = {args[i].shape[d]}" for i, d in sorted(pin))
     reason = f"row lengths pinned for on-chip rows ({where})"
     if exported is not None:
-        return _repin(exported, sorted(pin), reason)
-    return _capture(model, args, pin=sorted(pin), pin_reason=reason)
+        return repin(exported, sorted(pin), reason)
+    return capture_graph(model, args, pin=sorted(pin), pin_reason=reason)
 
 
 @dataclass
@@ -251,8 +252,6 @@ class GeneratedKernel:
 def generate(model: torch.nn.Module, example_inputs, *, arch: str = "sm_90", compile: bool = True):
     """Every compute region's CUDA kernel for arch, compiled by NVRTC — no GPU needed.
     Returns a list of GeneratedKernel (.region, .source, .ok, .log)."""
-    from . import nvrtc
-
     if not (isinstance(arch, str) and arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
         raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
     sm = int(arch[3:].rstrip("a"))

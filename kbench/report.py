@@ -5,6 +5,8 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
+from .runtime.plan import Status
+
 
 def _ms(v) -> str:
     return f"{v:.4f} ms" if isinstance(v, (int, float)) else "?"
@@ -15,11 +17,12 @@ class Row:
     region: int
     kind: str
     ops: str
-    status: str
+    status: str             # as printed: "kernel", "eager (compile failed: ...)", "torch"
     genome: str = ""
     envelope: str = ""
     eager_ms: float | None = None
     kernel_ms: float | None = None
+    on_backend: bool = False   # a generated kernel or the interpreter runs it (not torch)
 
     @property
     def speedup(self) -> float | None:
@@ -40,8 +43,9 @@ class Report:
         executor = module._kbench_executor
         rep = cls(executor.name)
         for info in plan.regions:
-            rep.rows.append(Row(info.index, info.kind, info.ops, info.status if info.kind != "EXTERN" else "torch",
-                                info.genome, info.envelope, info.eager_ms, info.kernel_ms))
+            rep.rows.append(Row(info.index, info.kind, info.ops, info.status_text, info.genome, info.envelope,
+                                info.eager_ms, info.kernel_ms,
+                                on_backend=info.status.kernel or info.status is Status.INTERP))
         capture_note = module.__dict__.get("_kbench_capture_note")
         if capture_note:
             rep.notes.append(f"capture: {capture_note}")
@@ -76,7 +80,7 @@ class Report:
     @property
     def kernels(self) -> int:
         """Compute regions that run on kbench's backend (a kernel, or the interpreter)."""
-        return sum(1 for r in self.rows if r.status.startswith(("kernel", "interp")))
+        return sum(1 for r in self.rows if r.on_backend)
 
     def _cells(self):
         head = ["#", "kind", "ops", "genome", "envelope", "eager ms", "kernel ms", "×", "status"]

@@ -1,5 +1,5 @@
-"""Verification of a region's kernel against eager PyTorch (DESIGN §5): nothing is swapped in
-unverified. A candidate must match a float64 reference over a sweep of shapes, value
+"""Verification of a region's kernel against eager PyTorch (docs/DESIGN.md, "Verification"): nothing
+is swapped in unverified. A candidate must match a float64 reference over a sweep of shapes, value
 distributions and seeds, with NaN-poisoned outputs, input dependence, repeatability, untouched
 inputs, and a test that a constant or zero output would not have passed."""
 from __future__ import annotations
@@ -166,3 +166,116 @@ def varies(values: list) -> bool:
         return False
     scale = max(abs(v) for v in finite)
     return scale > 0 and max(finite) - min(finite) > TOLERANCE[torch.float32] * 10 * scale
+
+
+# ---------------------------------------------------------------------------------- a region's kernel
+# `ex` below is a CUDA executor (runtime/cuda.py) whose plan holds the region: region_inputs(),
+# reference() (the region in float64 through torch), launch(), plan, device, seed.
+
+def gate(ex, r, kernel, symvals, nostats=False) -> str:
+    """One quick check against the float64 reference (NaN-poisoned outputs); '' when it passes.
+    nostats: of the entry point without the saved statistics (the outputs it writes)."""
+    gen = torch.Generator(device=ex.device).manual_seed(ex.seed + 17)
+    inputs = ex.region_inputs(r, symvals, "normal", gen)
+    outs = ex.launch(kernel, r, symvals, inputs, poison=True, nostats=nostats)
+    for o, ref in zip(outs, ex.reference(r, symvals, inputs)):
+        ok, _, why = compare(o, ref)
+        if not ok:
+            return why
+    return ""
+
+
+def gate_nostats(ex, r, kernel, symvals) -> str:
+    """The inference entry point (the same body, the statistics' stores compiled out) gets a
+    gate of its own, so no entry point runs unchecked; '' where it passes or there is none."""
+    return gate(ex, r, kernel, symvals, nostats=True) if kernel.fn_nostats else ""
+
+
+def verify_region(ex, r, kernel, example_symvals) -> Verdict:
+    """The full check before a kernel is trusted: every sweep point the captured graph admits,
+    several value distributions at the example sizes, outputs poisoned, run twice (a race moves
+    the result), inputs untouched, input dependence, and a test point that tells the kernel
+    from a constant output."""
+    plan = ex.plan
+    info = plan.regions[r]
+    gen = torch.Generator(device=ex.device).manual_seed(ex.seed + 1000 * r)
+    verdict = Verdict(ok=True)
+    strong = False
+    seen = [[] for _ in info.outputs]   # each output's reference at every point (its first values)
+    for symvals in sweep_symvals(example_symvals):
+        if symvals != example_symvals and not plan.admits(symvals):
+            continue  # sizes the captured graph does not hold for (the runtime guard refuses them too)
+        if any(math.prod(plan.graph.sizes(v, symvals)) > (1 << 28) for v in info.inputs + info.outputs):
+            continue  # keep verification memory bounded; the example point is never skipped this way
+        for dist in DISTRIBUTIONS if symvals == example_symvals else ("normal", "large"):
+            inputs = ex.region_inputs(r, symvals, dist, gen)
+            clones = [x.clone() for x in inputs]
+            out1 = ex.launch(kernel, r, symvals, inputs, poison=True)
+            ref = ex.reference(r, symvals, clones)
+            out2 = ex.launch(kernel, r, symvals, inputs, poison=True)
+            torch.cuda.synchronize(ex.device)
+            for x, c in zip(inputs, clones):
+                if not torch.equal(x, c):
+                    return Verdict(False, "the kernel modified its input")
+            for j, (o1, o2, rf) in enumerate(zip(out1, out2, ref)):
+                ok, err, why = compare(o1, rf)
+                verdict.checked += 1
+                if not ok:
+                    return Verdict(False, f"output {j} at sizes {symvals}, {dist} inputs: {why}")
+                if not torch.equal(o1.nan_to_num(0.0) if o1.is_floating_point() else o1,
+                                   o2.nan_to_num(0.0) if o2.is_floating_point() else o2):
+                    return Verdict(False, "two runs on the same inputs differ (a race)")
+                verdict.max_error = max(verdict.max_error, err)
+                strong = strong or discriminates(rf, clones)
+                if rf.numel() and rf.is_floating_point():
+                    seen[j].append(float(rf.flatten()[0]))
+            verdict.sizes.append(list(symvals))
+        # input dependence: change each float input a little, the output must move where eager's does
+        if symvals == example_symvals:
+            why = check_dependence(ex, kernel, r, symvals, gen)
+            if why:
+                return Verdict(False, why)
+    # a small output (a loss) tells a constant apart across points: it matched a reference
+    # that moved from one input draw to the next
+    strong = strong or any(varies(vals) for vals in seen)
+    if not strong and any(plan.nodes[v]["dtype"] in ("f32", "f16", "bf16", "f64") for v in info.outputs):
+        verdict = Verdict(False, "no test point could tell this kernel from a constant output",
+                          verdict.checked, verdict.max_error, verdict.sizes)
+    return verdict
+
+
+def check_dependence(ex, kernel, r, symvals, gen) -> str:
+    """Each float input moved a little: the kernel's output must move wherever eager's does."""
+    inputs = ex.region_inputs(r, symvals, "normal", gen)
+    base = ex.launch(kernel, r, symvals, inputs)
+    ref_base = ex.reference(r, symvals, inputs)
+    for i, x in enumerate(inputs):
+        if not x.is_floating_point():
+            continue
+        moved = list(inputs)
+        moved[i] = x + torch.randn(x.shape, generator=gen, device=x.device).to(x.dtype) * 0.5
+        out = ex.launch(kernel, r, symvals, moved)
+        ref = ex.reference(r, symvals, moved)
+        for o, b, rf, rb in zip(out, base, ref, ref_base):
+            if not o.is_floating_point():
+                continue
+            eager_moved = not torch.allclose(rf, rb, equal_nan=True)
+            kernel_moved = not torch.equal(o.nan_to_num(0.0), b.nan_to_num(0.0))
+            if eager_moved and not kernel_moved:
+                return f"output ignores input {i} (eager's output changes with it)"
+    return ""
+
+
+def envelope(verdict: Verdict, names) -> str:
+    """The verified envelope as the report gives it; names: the graph's size symbols."""
+    sizes = sorted({tuple(s) for s in verdict.sizes})
+    return f"{verdict.checked} checks, sizes {describe_sizes(names, sizes)}, max err {verdict.max_error:.2g}"
+
+
+def describe_sizes(names, sizes) -> str:
+    """Each size symbol's range over the points checked: "s0∈[1,301]"."""
+    if not names:
+        return "pinned"
+    lo = [min(s[i] for s in sizes) for i in range(len(names))]
+    hi = [max(s[i] for s in sizes) for i in range(len(names))]
+    return ", ".join(f"{n}∈[{a},{b}]" for n, a, b in zip(names, lo, hi))

@@ -291,7 +291,7 @@ def test_log_softmax_backward_reads_its_output():
     # the backward's kernels are checked on outputs the forward makes: log-probabilities (<= 0),
     # not free draws ("large" ones would send exp(y) past f32's range where no forward can)
     for dist in ("normal", "large", "uniform"):
-        ins = prog.executor._region_inputs(0, [6, 50][:len(graph.symbols)], dist, torch.Generator().manual_seed(0))
+        ins = prog.executor.region_inputs(0, [6, 50][:len(graph.symbols)], dist, torch.Generator().manual_seed(0))
         ys = ins[prog.plan.regions[0].inputs.index(graph.inputs[1])]
         assert torch.isfinite(ys).all() and (ys <= 0).all() and ys.shape == (6, 50), (dist, ys)
 

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_package import ROOT  # noqa: E402  (kbench.bench importable without the C core)
 
-from kbench.bench import cli, compare, filters, harness, impls, timing  # noqa: E402
+from kbench.bench import cli, compare, filters, harness, impls  # noqa: E402
+from kbench.tune import timing  # noqa: E402
 from kbench.bench.tasks import TASKS, Task  # noqa: E402
 
 CUDA = torch.cuda.is_available()

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_package import ROOT  # noqa: E402  (kbench.bench importable without the C core)
 
-from kbench.bench import timing  # noqa: E402
+from kbench.tune import timing  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu

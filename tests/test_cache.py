@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from kbench import cache as kc
+from kbench.tune import cache as kc
 
 REGION = "region 0 ROW\n  %3 = sub %1 %2 : f32[B, 768]\n  %4 = sum %3 axes=1 : f32[B, 1]\n"
 LAUNCH = {"block": 256, "smem": 3072, "grid_units": [1, [0]], "units_per_block": 1, "max_blocks": 0,
@@ -218,7 +218,7 @@ def test_unwritable_location_degrades_to_memory(tmp_path):
 
 
 def _writer(path, tag, n, barrier):
-    from kbench import cache as kc2
+    from kbench.tune import cache as kc2
     c = kc2.open_cache(path)
     barrier.wait()
     for i in range(n):
@@ -248,7 +248,7 @@ def test_two_processes_write_concurrently(tmp_path):
 
 
 def _open_and_store(path, tag, barrier, results):
-    from kbench import cache as kc2
+    from kbench.tune import cache as kc2
     barrier.wait()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -7,9 +7,11 @@ import sqlite3
 
 import torch
 
-from kbench import cache as kc
-from kbench.cuda_backend import CudaExecutor
-from kbench.runtime import RegionInfo
+from kbench.tune import cache as kc
+from kbench.runtime import cuda as cuda_runtime
+from kbench.runtime.cuda import CudaExecutor
+from kbench.runtime.plan import RegionInfo, Status
+from kbench.tune.tuner import Tuner
 
 LAUNCH = {"block": 256, "smem": 0, "grid_units": [1, [0]], "units_per_block": 1, "max_blocks": 0,
           "nkernels": 1, "workspace": 0, "workspace_per_block": 0}
@@ -96,23 +98,28 @@ class FakeKernel:
 
 
 def executor(db, timings, gates):
-    ex = CudaExecutor(budget="fast", verbose=False)
-    ex._cache_db = db
+    tuner = Tuner(budget="fast", verbose=False)
+    ex = CudaExecutor(tuner)
+    tuner._db = db
     ex.device = torch.device("cpu")
-    ex._cache_key = lambda r: key()
-    ex._load = lambda k, cubin=None: FakeKernel()
-    ex._gate = lambda r, kernel, symvals: gates.append(r) or ""
+    tuner.cache_key = lambda ex, r: key()
+    ex.load = lambda k, cubin=None: FakeKernel()
+    tuner.gate = lambda ex, r, kernel, symvals: gates.append(r) or ""
 
-    def time_region(r, symvals, reps=20):
+    def time_region(ex, r, symvals, reps=20):
         timings.append(r)
         return 0.5, 0.125
-    ex._time_region = time_region
+    tuner.time_region = time_region
 
-    def tune(r, key_, symvals, info):   # what a search that finds a kernel leaves: a stored winner
+    def tune(ex, r, key_, symvals, info):   # what a search that finds a kernel leaves: a stored winner
         db.store(key_, winner())
-        return FakeKernel(), "kernel", "24 checks", {"cache": "miss", "candidates": 3}
-    ex._tune = tune
+        return FakeKernel(), (Status.KERNEL, ""), "24 checks", {"cache": "miss", "candidates": 3}
+    tuner.tune = tune
     return ex
+
+
+def prepare(ex, info, symvals):
+    ex.tuner.prepare_region(ex, info, symvals)
 
 
 def regions(n):
@@ -124,7 +131,7 @@ def test_a_hit_reuses_the_tuning_times_and_still_gates(tmp_path):
     timings, gates = [], []
     first = executor(db, timings, gates)
     for info in regions(3):                      # three identical regions: tuned and timed once
-        first._prepare_region(info, [300])
+        prepare(first, info, [300])
     assert timings == [0] and gates == []
     stored = db.lookup(key())
     assert (stored.eager_ms, stored.kernel_ms) == (0.5, 0.125)
@@ -133,10 +140,10 @@ def test_a_hit_reuses_the_tuning_times_and_still_gates(tmp_path):
     second = executor(db, timings, gates)        # a new process, in effect
     infos = regions(3)
     for info in infos:
-        second._prepare_region(info, [300])
+        prepare(second, info, [300])
     assert timings == []                         # nothing timed
     assert gates == [0]                          # the correctness gate still runs, once per distinct region
-    assert all(i.status == "kernel (cached)" for i in infos)
+    assert all(i.status is Status.CACHED for i in infos)
     assert all((i.eager_ms, i.kernel_ms) == (0.5, 0.125) for i in infos)
     assert infos[0].extra["cache"] == "hit" and infos[0].extra["times"] == "from cache"
     db.close()
@@ -148,11 +155,11 @@ def test_a_hit_without_stored_times_times_once_and_stores_them(tmp_path):
     timings, gates = [], []
     ex = executor(db, timings, gates)
     info = regions(1)[0]
-    ex._prepare_region(info, [300])
+    prepare(ex, info, [300])
     assert timings == [0] and gates == [0] and "times" not in info.extra
     assert (db.lookup(key()).eager_ms, db.lookup(key()).kernel_ms) == (0.5, 0.125)
     timings.clear()
-    executor(db, timings, gates)._prepare_region(regions(1)[0], [300])
+    prepare(executor(db, timings, gates), regions(1)[0], [300])
     assert timings == []
     db.close()
 
@@ -161,8 +168,8 @@ def test_budget_none_touches_no_cache(tmp_path):
     db = kc.open_cache(tmp_path / "kbench.sqlite")
     timings, gates = [], []
     ex = executor(db, timings, gates)
-    ex.budget = "none"                           # (the fake search stores a winner even so: its times stay unset)
-    ex._prepare_region(regions(1)[0], [300])
+    ex.tuner.budget = "none"                     # (the fake search stores a winner even so: its times stay unset)
+    prepare(ex, regions(1)[0], [300])
     assert timings == [0] and db.lookup(key()) is not None and db.lookup(key()).eager_ms is None
     db.close()
 
@@ -171,15 +178,14 @@ def test_an_old_entries_grid_clamp_loads_as_no_cap(monkeypatch):
     """Entries stored before the generator kept max_blocks for real caps hold the int32 grid clamp
     (2^31 - 1) there; the loader reads it as no cap, while a real cap is cut to the blocks that fit
     on the GPU at once (a second, mostly idle wave otherwise)."""
-    from kbench import cuda_backend
-    monkeypatch.setattr(cuda_backend._C, "module_load", lambda cuda, cubin: object())
-    monkeypatch.setattr(cuda_backend._C, "get_function", lambda cuda, module, name, smem: (name, 64, 0))
-    ex = CudaExecutor.__new__(CudaExecutor)    # no GPU: only what _load reads
+    monkeypatch.setattr(cuda_runtime._C, "module_load", lambda cuda, cubin: object())
+    monkeypatch.setattr(cuda_runtime._C, "get_function", lambda cuda, module, name, smem: (name, 64, 0))
+    ex = CudaExecutor.__new__(CudaExecutor)    # no GPU: only what load() reads
     ex.cuda, ex.dev = None, {"num_sms": 132, "regs_per_sm": 65536}
     k = {**LAUNCH, "source": "", "name": "kb_region0", "genome": "threads=256 vec=4", "workspace_bytes_per_unit": 0}
-    assert ex._load({**k, "max_blocks": 0x7FFFFFFF}, cubin=b"x").max_blocks == 0
-    fit = cuda_backend._resident_blocks(64, 256, 65536) * 132
+    assert ex.load({**k, "max_blocks": 0x7FFFFFFF}, cubin=b"x").max_blocks == 0
+    fit = cuda_runtime.resident_blocks(64, 256, 65536) * 132
     assert fit == 4 * 132                       # 64 registers x 256 threads: four blocks an SM
-    assert ex._load({**k, "max_blocks": 10 * fit}, cubin=b"x").max_blocks == fit
-    assert ex._load({**k, "max_blocks": fit // 2}, cubin=b"x").max_blocks == fit // 2
-    assert ex._load(k, cubin=b"x").max_blocks == 0
+    assert ex.load({**k, "max_blocks": 10 * fit}, cubin=b"x").max_blocks == fit
+    assert ex.load({**k, "max_blocks": fit // 2}, cubin=b"x").max_blocks == fit // 2
+    assert ex.load(k, cubin=b"x").max_blocks == 0

@@ -1,5 +1,5 @@
 """Capture (torch.export → IR) checked end to end on the CPU: every model of tests/models.py is
-captured and run through the IR with torch ops (kbench.torch_eval), against eager, at the example
+captured and run through the IR with torch ops (kbench.runtime.torch_eval), against eager, at the example
 sizes and at another batch size; golden IR dumps; bad inputs; models left untouched."""
 import copy
 import os
@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 from kbench.capture import Captured, capture
 from kbench.errors import CaptureError
-from kbench.torch_eval import evaluate, run_graph
+from kbench.runtime.torch_eval import evaluate, run_graph
 
 from models import BY_NAME, MODELS
 

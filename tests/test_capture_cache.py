@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kbench
-from kbench import cache, capture_cache
+from kbench.capture import cache as capture_cache
+from kbench.tune import cache
 from kbench.capture import capture
 
 from models import MODELS
@@ -42,7 +43,8 @@ def test_stored_capture_rebuilds_the_same_graph(case):
         assert getattr(again, field) == getattr(captured, field), field
     assert [e.name for e in again.externs] == [e.name for e in captured.externs]
     # the rebuilt capture computes what the model computes (externs and output structure included)
-    from kbench.runtime import InterpExecutor, OptimizedModule
+    from kbench.runtime.interp import InterpExecutor
+    from kbench.runtime.module import OptimizedModule
     optimized = OptimizedModule(model, again, InterpExecutor(), torch.device("cpu"))
     assert capture_cache.matches_eager(model, optimized, case.other_inputs()) == ""
 

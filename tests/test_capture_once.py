@@ -1,4 +1,4 @@
-"""The cuda backend's capture runs torch.export once (issue 5): the row lengths it pins are pinned
+"""The cuda backend's capture runs torch.export once: the row lengths it pins are pinned
 on the first capture's export (capture.repin), not by exporting the model again, and the result is
 the capture that a second export with those dims static gives. Pure capture logic: runs on the CPU."""
 import pytest
@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from kbench import api
 from kbench.capture import capture, capture_exported, repin
-from kbench.runtime import InterpExecutor, OptimizedModule
+from kbench.runtime.interp import InterpExecutor
+from kbench.runtime.module import OptimizedModule
 
 from models import BY_NAME
 

@@ -587,7 +587,7 @@ def test_golden_sources(name):
 
 @pytest.fixture(scope="module")
 def nvrtc():
-    from kbench import nvrtc as nv
+    from kbench.runtime import nvrtc as nv
     try:
         return nv.handle()
     except (FileNotFoundError, OSError) as e:
@@ -630,7 +630,7 @@ def launch(cuda, k, fn, finish, symvals, ins, outs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,dt", CASES)
 def test_kernels_match_interpreter(name, dt):
-    from kbench import nvrtc as nv
+    from kbench.runtime import nvrtc as nv
     from kbench.verify import poison_like
     cuda = _C.cuda_open()
     dev = _C.device_info(cuda, torch.cuda.current_device())
@@ -694,7 +694,7 @@ def test_online_normalizer_special_values(dt):
     """Each ROW genome (two_pass=0 is the online max and sum; with the row in registers, each
     thread's own max first, its exps kept and rescaled) gives torch's values, NaN where torch has
     NaN, on rows of -inf, +inf, NaN and underflow."""
-    from kbench import nvrtc as nv
+    from kbench.runtime import nvrtc as nv
     from kbench.verify import poison_like
     cuda = _C.cuda_open()
     dev = _C.device_info(cuda, torch.cuda.current_device())

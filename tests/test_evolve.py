@@ -10,7 +10,8 @@ import types
 import pytest
 import torch
 
-from kbench import _C, cache, search, verify
+from kbench import _C, kernels, verify
+from kbench.tune import cache, search
 
 # ---------------------------------------------------------------------------------------- graphs
 
@@ -468,7 +469,7 @@ class CpuExecutor:
         self.verified = []
         self.launched = []    # (input pointers, output pointers or None) per launch
 
-    def _region_inputs(self, r, symvals, dist, gen):
+    def region_inputs(self, r, symvals, dist, gen):
         reg = self.plan.partition.region(r)
         out = []
         for v in reg["inputs"]:
@@ -476,34 +477,34 @@ class CpuExecutor:
             out.append(verify.fill(torch.empty(self.graph.sizes(v, symvals), dtype=dt), dist, gen))
         return out
 
-    def _reference(self, r, symvals, inputs):
+    def reference(self, r, symvals, inputs):
         reg = self.plan.partition.region(r)
         ins = [x.double().contiguous() for x in inputs]
         outs = [torch.empty(self.graph.sizes(v, symvals), dtype=torch.float64) for v in reg["outputs"]]
         _interp_double(self.plan.partition, r, symvals, ins, outs, self.graph)
         return outs
 
-    def _load(self, k):
+    def load(self, k):
         return CpuKernel(k, wrong=k["genome"] in self.wrong)
 
-    def _launch_params(self, kernel, r, symvals):
+    def launch_params(self, kernel, r, symvals):
         reg = self.plan.partition.region(r)
         shapes = [(torch.Size(self.graph.sizes(v, symvals)),
                    {"f32": torch.float32, "bf16": torch.bfloat16}[self.graph.node(v)["dtype"]]) for v in reg["outputs"]]
         return shapes, (1, 1, 1), tuple(symvals), 0, 0
 
-    def _launch(self, kernel, r, symvals, inputs, poison=False, outs=None):
+    def launch(self, kernel, r, symvals, inputs, poison=False, outs=None):
         self.launched.append(([x.data_ptr() for x in inputs], None if outs is None else [o.data_ptr() for o in outs]))
-        ref = self._reference(r, symvals, inputs)
+        ref = self.reference(r, symvals, inputs)
         got = [(x + (1.0 if kernel.wrong else 0.0)).to(dt) for x, (_, dt) in
-               zip(ref, self._launch_params(kernel, r, symvals)[0])]
+               zip(ref, self.launch_params(kernel, r, symvals)[0])]
         if outs is None:
             return got
         for o, x in zip(outs, got):
             o.copy_(x)
         return outs
 
-    def _verify(self, r, kernel, symvals):
+    def verify(self, r, kernel, symvals):
         self.verified.append(kernel.genome)
         return verify.Verdict(not kernel.wrong, "" if not kernel.wrong else "wrong")
 
@@ -526,7 +527,7 @@ def _interp_double(p, r, symvals, ins, outs, graph):
 
 def _nvrtc_available():
     try:
-        from kbench import nvrtc
+        from kbench.runtime import nvrtc
         nvrtc.info()
         return True
     except Exception:
@@ -635,7 +636,7 @@ def test_search_compiles_every_candidate_with_nvrtc(tmp_path, monkeypatch):
     first = _C.evolve_ask(_C.evolve_new(p, r, [256], None, 0, 12), 12)
     ex = CpuExecutor(g, wrong={first[3]})
     ex.plan.partition = p
-    res = search.search_region(ex, r, [256], budget="fast", seed=0)
+    res = search.search_region(ex, r, [256], budget="fast", seed=0, verifier=lambda ex_, r_, k, sv: ex.verify(r_, k, sv))
     rec = {c["genome"]: c for c in res.candidates}
     assert [c["genome"] for c in res.candidates] == first
     bad = [c for c in res.candidates if c["compile_status"] != "ok"]
@@ -647,8 +648,9 @@ def test_search_compiles_every_candidate_with_nvrtc(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not found")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_the_touch_after_each_flush_compiles(arch):
-    """The search's timing touches the buffers after each L2 flush with a kernel of its own; it
-    compiles wherever the search can run (the GPU tests run it)."""
-    from kbench import nvrtc
-    assert nvrtc.compile(search._TOUCH_SOURCE, arch, use_cache=False)
+def test_the_helper_kernels_compile(arch):
+    """The helper kernels (kbench/kernels: the search's touch after each L2 flush, a joint loss
+    program's gradient scaling) compile wherever kbench runs (the GPU tests run them)."""
+    from kbench.runtime import nvrtc
+    assert nvrtc.compile(kernels.source("touch.cu"), arch, use_cache=False)
+    assert nvrtc.compile(kernels.source("scale.cu"), arch, use_cache=False)

@@ -1,7 +1,7 @@
 """kbench._fast.Program without a GPU: the guards of an OptimizedModule's C++ forward (the
 signature, the train/eval mode, every parameter read live through the module dicts, gradients),
 exercised through entries with no steps (their outputs are inputs or parameters), its refusal of
-malformed descriptions, and the Python glue in runtime.py: which bound calls it takes and that
+malformed descriptions, and the Python glue in kbench/runtime/module.py: which bound calls it takes and that
 forward() takes the Python path whenever it declines (what it does on a GPU:
 tests/gpu/test_fast_path.py)."""
 import gc
@@ -12,9 +12,11 @@ import pytest
 import torch
 
 import kbench
-from kbench import cuda_backend, runtime
+from kbench.runtime import fast as fastmod
+from kbench.runtime import plan as runtime
+from kbench.runtime.module import OptimizedModule
 
-fast = cuda_backend._fast
+fast = fastmod.module()
 pytestmark = pytest.mark.skipif(fast is None or not hasattr(fast, "Program"), reason="kbench._fast was not built")
 
 
@@ -185,7 +187,7 @@ def test_collected_with_its_module():
     assert ref() is None
 
 
-# ------------------------------------------------------------------ runtime.py's use of it
+# ------------------------------------------------------------------ the runtime's use of it
 
 
 def interp_model(model, *example):
@@ -196,7 +198,7 @@ def test_not_made_for_the_interp_backend_nor_under_kbench_fast_0(monkeypatch):
     opt = interp_model(torch.nn.LayerNorm(8), torch.randn(3, 8))
     assert opt._kbench_fast_program is None
     monkeypatch.setenv("KBENCH_FAST", "0")
-    assert cuda_backend._load_fast() is None
+    assert fastmod._load() is None
 
 
 class Pair(torch.nn.Module):
@@ -219,7 +221,7 @@ def test_which_bound_calls_it_takes(monkeypatch, out):
     (bound,) = opt._kbench_sigs.values()
     assert opt._fast_entry(bound) is None   # the interpreter's launches are Python closures
     # as if every kernel step's launch and node were kbench._fast's
-    monkeypatch.setattr(runtime, "_fast_launch", lambda launcher: "launch" if launcher is not None else None)
+    monkeypatch.setattr(fastmod, "launch_of", lambda launcher: "launch" if launcher is not None else None)
     for s in bound.steps:
         s.fast = "region"
     kernels = [s for s in bound.steps if s.kind == runtime.KERNEL]
@@ -308,10 +310,10 @@ def test_module_call_is_torchs_wherever_a_hook_or_a_compiled_call_needs_it():
     g = torch.randn_like(x)
     opt(xg).backward(g)
     assert len(grads) == 1 and torch.equal(grads[0], g)
-    runtime.use_fast_call(None)   # torch's own __call__, from nn.Module (where FX patches it)
+    fastmod.install_module_call(OptimizedModule, enabled=False)   # torch's own __call__, from nn.Module (where FX patches it)
     try:
         assert "__call__" not in vars(type(opt)) and type(opt).__call__ is torch.nn.Module.__call__
         assert torch.allclose(opt(x), ln(x), atol=1e-5)
     finally:
-        runtime.use_fast_call(fast)
+        fastmod.install_module_call(OptimizedModule)
     assert isinstance(vars(type(opt))["__call__"], types.MethodDescriptorType)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kbench
-from kbench import nvrtc
+from kbench.runtime import nvrtc
 from models import MODELS
 
 try:

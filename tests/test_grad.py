@@ -521,7 +521,7 @@ def test_cross_entropy_backward_has_no_one_hot_row_sum(kw, ignore):
     0, the last class and the ignored index, and the long-row backward that reads the forward's
     statistics is pointwise work alone (no ROW region, the logits read once)."""
     from kbench.capture import capture
-    from kbench.runtime import SAVE_STATS_MIN_ROW_BYTES
+    from kbench.runtime.plan import SAVE_STATS_MIN_ROW_BYTES
 
     class CE(torch.nn.Module):
         def forward(self, x, t):
@@ -764,7 +764,7 @@ def test_backward_reading_saved_statistics_is_one_row_kernel(task, width):
 
     from kbench import _C
     from kbench.capture import capture
-    from kbench.runtime import SAVE_STATS_MIN_ROW_BYTES
+    from kbench.runtime.plan import SAVE_STATS_MIN_ROW_BYTES
 
     mod = importlib.import_module(f"kbench.bench.tasks.{task}")
     model = (mod.Model(width) if task != "softmax" and task != "log_softmax" else mod.Model()).double()

@@ -1,7 +1,7 @@
-"""Comparing a candidate's tensors with a float64 reference (DESIGN §5): per-dtype tolerances that
-scale with the reference's magnitude and with eager PyTorch's own error, NaN/Inf in the same
-places, exact tensor type/dtype/shape, and a guard against references that cannot tell a right
-answer from zeros, a constant or an input.
+"""Comparing a candidate's tensors with a float64 reference (docs/DESIGN.md, "Verification"):
+per-dtype tolerances that scale with the reference's magnitude and with eager PyTorch's own error,
+NaN/Inf in the same places, exact tensor type/dtype/shape, and a guard against references that
+cannot tell a right answer from zeros, a constant or an input.
 
 Imports only torch and the standard library (benchmarks/bench_ops.py may load it by path).
 """

@@ -1,5 +1,5 @@
-"""The robust harness: scores one implementation of one task (DESIGN §5, §6) so that the known
-loopholes fail loudly instead of winning.
+"""The robust harness: scores one implementation of one task (docs/DESIGN.md: "Verification",
+"Timing") so that the known loopholes fail loudly instead of winning.
 
 For every (input config, init config) the implementation, built once per model, is run as
 candidate -> reference -> candidate on private clones of two input sets:
@@ -16,7 +16,7 @@ candidate -> reference -> candidate on private clones of two input sets:
     discriminate);
   - parameters are re-initialised IN PLACE between init configs, so values baked in at build
     time are caught, and batch sizes other than the example's are checked with the same build.
-Timing (timing.py) uses events on the current stream with the L2 flushed and inputs rotated,
+Timing (kbench/tune/timing.py) uses events on the current stream with the L2 flushed and inputs rotated,
 cross-checked against wall-clock time (work on a side stream shows up as wall >> events), and
 results beyond the memory/compute roofline are flagged impossible.
 """
@@ -30,7 +30,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import compare, timing
+from ..tune import timing
+from . import compare
+from . import impls as impl_mod
 from .compare import flatten, to_f64
 from .tasks import Task, dtype_name, parse_dtype
 
@@ -404,7 +406,6 @@ def score(task: Task, impl_name: str, factory: Callable, *, dtype, backward: boo
           baselines=("eager", "compile"), seed: int = 0) -> dict:
     """One row: `impl_name` on `task` in `dtype`, forward (or forward+backward), every config
     and init config checked, the timed configs timed against the baselines."""
-    from . import impls as impl_mod
     dtype = dtype_name(parse_dtype(dtype))
     device = env.device
     configs = task.configs(perf=False) + _perf_cfgs(task, env)

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import kbench
-from kbench import cuda_backend, runtime
+from kbench.runtime import fast as fastmod
+from kbench.runtime import module as runtime
 
 pytestmark = pytest.mark.gpu
 
-needs_fast = pytest.mark.skipif(cuda_backend._fast is None, reason="kbench._fast was not built")
+needs_fast = pytest.mark.skipif(fastmod.module() is None, reason="kbench._fast was not built")
 
 
 def layer_norm(n=1024):
@@ -65,7 +66,7 @@ def test_same_bits_as_the_python_path(monkeypatch):
     g = torch.randn(128, 512, device="cuda")
     fast = kbench.optimize(model, example, budget="none", verbose=False)
     grads(fast, x, g)   # launches are bound at the first call of a size: before the patch
-    monkeypatch.setattr(cuda_backend, "_fast", None)
+    monkeypatch.setattr(fastmod, "module", lambda: None)
     slow = kbench.optimize(model, example, budget="none", verbose=False)
     for _ in range(2):   # the second: the C++ program
         a, b = fast(x), slow(x)
@@ -155,16 +156,16 @@ def test_model_dropped_before_backward_and_collected_after():
 
 # ------------------------------------------------------------------ kbench._fast.Program
 # The whole forward call in C++ (csrc/fast/program.cpp) where it is the common case; every other
-# call, and every call with the Program switched off (python_path), takes runtime.py's path.
+# call, and every call with the Program switched off (python_path), takes the runtime's Python path.
 # Each test runs the same module both ways and wants the same bits, the same exceptions and the
 # same notes.
 
-needs_program = pytest.mark.skipif(cuda_backend._fast is None or not hasattr(cuda_backend._fast, "Program"),
+needs_program = pytest.mark.skipif(fastmod.module() is None or not hasattr(fastmod.module(), "Program"),
                                    reason="kbench._fast.Program was not built")
 
 
 class python_path:
-    """Within: the module's calls take runtime.py's Python prologue (kbench._fast's launches and
+    """Within: the module's calls take the runtime's Python prologue (kbench._fast's launches and
     nodes still run)."""
 
     def __init__(self, opt):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import kbench
-from kbench import cache, search
+from kbench.tune import cache, search
 
 pytestmark = pytest.mark.gpu
 

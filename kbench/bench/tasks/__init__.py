@@ -28,6 +28,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ..compare import flatten
+
 _DTYPES = {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "f16": torch.float16,
            "float64": torch.float64, "f64": torch.float64}
@@ -143,7 +145,6 @@ def auto_bytes(model, inputs, outputs, backward: bool) -> int:
     written once; backward adds the output gradients read and the gradients of floating inputs
     and parameters written. Activations re-read by the backward are NOT counted (a kernel may
     save a smaller residue), so this never exceeds what any implementation must move."""
-    from ..compare import flatten
     outs = [o for o in flatten(outputs) if isinstance(o, torch.Tensor)]
     state = list(model.parameters()) + list(model.buffers())
     fwd = _nbytes(inputs) + _nbytes(state) + _nbytes(outs)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-# Input value distributions (DESIGN §5): the usual one, a positive one, a large and a tiny one,
+# Input value distributions (docs/DESIGN.md, "Verification"): the usual one, a positive one, a large and a tiny one,
 # and "scaled": normal values with a random scale (0.5..3) and shift (N(0,1)) per row (per
 # index of all but the last dim). Normalisation tasks use "scaled" by default: on unit-normal
 # rows a norm is nearly the identity, so returning the input would pass in bfloat16.

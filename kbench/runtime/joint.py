@@ -1,5 +1,5 @@
 """A loss's gradient computed in its forward pass. For a module whose output is one scalar (a
-loss), forward and backward are one graph (csrc/grad.c, kb_graph_grad_joint) with the upstream
+loss), forward and backward are one graph (csrc/grad/, kb_graph_grad_joint) with the upstream
 gradient taken as 1, partitioned as a whole: the row kernel that reduces a cross-entropy's logits
 writes their gradient in the same pass, so forward + backward read the logits once instead of
 twice. The backward then only scales the gradients by the real upstream gradient, which
@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from . import torch_eval, verify
-from ._dtypes import torch_dtype
+from .. import verify
+from ..dtypes import torch_dtype
+from . import torch_eval
+from .plan import Plan, Program
 
 # The joint program is used while its kernels (and the scaling pass an upstream gradient other
 # than 1 adds) take at most this much longer than the forward's and the per-region backward's
@@ -190,8 +192,6 @@ class LossFunction(torch.autograd.Function):
 
 def build(owner, need):
     """The checked joint program for this need pattern, or None (the reason is in the report)."""
-    from .runtime import Plan, Program
-
     plan, info = owner._kbench_plan, owner._kbench_loss
     key = ", ".join(plan.nodes[v]["name"] for v, n in zip(plan.graph.inputs, need) if n) or "none"
     try:
@@ -217,7 +217,7 @@ def build(owner, need):
     executor.prepare(jplan, owner._kbench_device)
     eager = [r.index for r in jplan.regions if r.kind != "EXTERN" and not executor.can_run(r.index)]
     if eager:
-        info[key] = f"no: region(s) {eager} of the joint graph stay eager ({jplan.regions[eager[0]].status})"
+        info[key] = f"no: region(s) {eager} of the joint graph stay eager ({jplan.regions[eager[0]].status_text})"
         return None
     program = Program(jplan, executor, owner._note)
     why, unused = check(plan, program, need, executor)

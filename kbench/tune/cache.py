@@ -19,6 +19,8 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+from ..version import __version__
+
 SCHEMA_VERSION = 1
 MAGIC = "kbench kernel cache"
 BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another process's (short) transaction
@@ -116,7 +118,7 @@ def make_key(region_text: str, dtypes, shape_class: str, *, driver, nvrtc, gpu_n
         gpu_name = gpu_name if gpu_name is not None else torch.cuda.get_device_name(dev)
         gpu_arch = gpu_arch if gpu_arch is not None else "sm_{}{}".format(*torch.cuda.get_device_capability(dev))
     if kbench_version is None:
-        from . import __version__ as kbench_version
+        kbench_version = __version__
     if not isinstance(dtypes, str):
         dtypes = ",".join(str(d) for d in dtypes)
     # CUDA-style integers (12040 = 12.4) become "12.4"; strings pass through
@@ -259,7 +261,7 @@ class Cache:
     # ------------------------------------------------------------------ captures
 
     def load_capture(self, key: str) -> bytes | None:
-        """A captured model stored by store_capture (kbench.capture_cache's bytes), or None."""
+        """A captured model stored by store_capture (kbench.capture.cache's bytes), or None."""
         row = self._run(lambda c: c.execute("SELECT blob FROM captures WHERE key = ?", (key,)).fetchone(),
                         write=False)
         return None if row is None else bytes(row[0])

@@ -1,12 +1,64 @@
-"""A region's backward for runtime.OptimizedModule: the autograd node (kbench._fast.Region in
-C++, or runtime.RegionFunction), the generated backward program per set of wanted gradients,
-checked against torch.autograd before it is trusted, and torch's recomputation where it is not."""
+"""Autograd for an optimized module: each compute region is one node (RegionFunction here, or
+kbench._fast.Region in C++) whose backward is the region's own generated backward program —
+the vector-Jacobian product built by csrc/grad/, partitioned and prepared by the same backend,
+checked against torch.autograd before it is trusted — or, where autodiff cannot handle the
+region, torch.autograd through the region's recomputation (the report says which)."""
 from __future__ import annotations
 
 import torch
 
-from . import torch_eval
-from ._dtypes import torch_dtype
+from .. import verify
+from ..dtypes import torch_dtype
+from . import fast, torch_eval
+from .plan import KERNEL, Plan, Program
+
+
+class RegionFunction(torch.autograd.Function):
+    """One compute region as an autograd node: forward through the backend; backward through the
+    region's generated backward program (or, where there is none, torch's recomputation)."""
+
+    @staticmethod
+    def forward(ctx, step, *inputs):
+        outs, ctx.checked = step.run_kernel(inputs)
+        ctx.step = step
+        # the outputs its backward reads are saved as torch saves a node's outputs (no cycle, and
+        # changed in place after this they fail the backward, as eager's would)
+        ctx.save_for_backward(*inputs, *[outs[k] for k in step.saved_outputs])
+        ns = step.nsaved
+        if ns:
+            # the row statistics are the node's own (the backward reads them instead of reducing
+            # the rows again), not outputs: no autograd bookkeeping for them, and the caller's
+            # slots get None in their place (nothing in the forward reads them)
+            ctx.stats = outs[len(outs) - ns:]
+            outs = outs[:len(outs) - ns]
+        if step.int_outs:
+            ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        step = ctx.step
+        need = tuple(a and b for a, b in zip(ctx.needs_input_grad[1:], step.float_in))
+        saved, nin = ctx.saved_tensors, len(step.ins)
+        if step.nsaved:  # the backward's order: inputs, statistics, outputs read
+            saved = saved[:nin] + tuple(ctx.stats) + saved[nin:]
+        return (None,) + tuple(step.owner._region_backward(step, saved, grads, need, ctx.checked))
+
+
+def _fast_apply():
+    """RegionFunction.apply without the Python wrapper's per-call work (binding default
+    arguments, unwrapping dead functorch wrappers), which only matters under functorch
+    transforms: those take the full path."""
+    raw = getattr(torch._C, "_FunctionBase", None)
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if raw is None or active is None or "apply" not in vars(raw):
+        return RegionFunction.apply
+    direct = vars(raw)["apply"].__get__(None, RegionFunction)
+    full = RegionFunction.apply
+    return lambda *args: full(*args) if active() else direct(*args)
+
+
+apply_region = _fast_apply()
 
 
 class RegionBackward:
@@ -16,32 +68,27 @@ class RegionBackward:
     def _fast_region(self, step):
         """The step as a kbench._fast.Region (its autograd node in C++), where its launches are
         kbench._fast's; else None and RegionFunction (Python) is the node."""
-        from .runtime import _fast_launch
-
-        launch = _fast_launch(step.launch)
+        launch = fast.launch_of(step.launch)
         if launch is None:
             return None
-        from . import _fast
-        nograd = _fast_launch(step.launch_nograd)
+        nograd = fast.launch_of(step.launch_nograd)
 
         def backward(saved, grads, need):
             return self._fast_backward(step, saved, grads, need)
         nreal = len(step.out_meta) - step.nsaved
-        return _fast.Region(launch, nograd, step.float_in, step.nsaved, step.out_meta[:nreal], backward,
+        return fast.module().Region(launch, nograd, step.float_in, step.nsaved, step.out_meta[:nreal], backward,
                             step.saved_outputs)
 
     def _fast_backward(self, step, saved, grads, need):
         """The C++ node's backward where it has no program of its own for `need` (or create_graph,
         or a launch refused an input): the Python backward, and then, if that is all generated
         kernels, the program handed to the node, which runs it from C++ from the next call on."""
-        from .runtime import KERNEL, _fast_launch
-
         got = self._region_backward(step, saved, grads, need, True)
         bwd = step.backward.get((need, True))
         if bwd and not torch.is_grad_enabled():
             steps = []
             for s in bwd.steps:
-                launch = _fast_launch(s.launch_nograd or s.launch) if s.kind == KERNEL else None
+                launch = fast.launch_of(s.launch_nograd or s.launch) if s.kind == KERNEL else None
                 if launch is None:
                     return got
                 steps.append((launch, s.ins))
@@ -55,8 +102,6 @@ class RegionBackward:
     def _backward_program(self, r, need):
         """The generated backward of region r for the inputs flagged in need (cached), or None
         where autodiff cannot handle the region (the caller recomputes through torch)."""
-        from .runtime import Plan, Program
-
         key = (r, need)
         if key in self._kbench_backward:
             return self._kbench_backward[key]
@@ -70,20 +115,20 @@ class RegionBackward:
             bplan.output_inputs = dict(zip(graph.inputs[first_out:first_out + len(info.saved_outputs)],
                                            info.saved_outputs))
             fwd = self._kbench_executor
-            bplan.forward_outputs = lambda sv, dist, gen: plan.eager_region(r, sv, fwd._region_inputs(r, sv, dist, gen))
+            bplan.forward_outputs = lambda sv, dist, gen: plan.eager_region(r, sv, fwd.region_inputs(r, sv, dist, gen))
             executor = self._kbench_executor.fresh()
             executor.prepare(bplan, self._kbench_device)
             prog = Program(bplan, executor, self._note)
             kinds = sorted({x.kind for x in bplan.regions})
             info.backward = f"{executor.name}: {len(bplan.regions)} region(s) {'/'.join(kinds)}"
             info.extra.setdefault("backward_genomes", {})["".join("1" if n else "0" for n in need)] = \
-                [f"{x.kind} {x.genome or x.status}" for x in bplan.regions]
+                [f"{x.kind} {x.genome or x.status_text}" for x in bplan.regions]
         except NotImplementedError as e:
             info.backward = f"eager (autodiff: {str(e).splitlines()[0][:80]})"
         self._kbench_backward[key] = prog
         if prog is not None:
             # identical regions (a repeated block) with the same backward kernels check the same
-            memo_key = (plan.region_text(r), need, tuple(x.genome or x.status for x in prog.plan.regions))
+            memo_key = (plan.region_text(r), need, tuple(x.genome or x.status_text for x in prog.plan.regions))
             memo = self._kbench_grad_checks.get(memo_key)
             if memo is None:
                 why, checked = self._check_backward(r, need)
@@ -105,8 +150,6 @@ class RegionBackward:
         gives must match torch.autograd of the region's float64 recomputation, and the same
         inputs must get gradients (an input autograd leaves at None gets None). Returns
         (why not or "", sizes checked)."""
-        from . import verify
-
         plan, info = self._kbench_plan, self._kbench_plan.regions[r]
         example = plan.example_symvals
         points = [sv for sv in verify.sweep_symvals(example)
@@ -114,7 +157,7 @@ class RegionBackward:
         unused = None
         for n, sv in enumerate(points):
             gen = torch.Generator().manual_seed(seed + 7919 * (r + 1) + n)
-            ins = self._kbench_executor._region_inputs(r, sv, "normal", gen)
+            ins = self._kbench_executor.region_inputs(r, sv, "normal", gen)
             device = ins[0].device if ins else self._kbench_device
             real = info.outputs[:len(info.outputs) - info.saved]
             metas = [(torch.Size(plan.graph.sizes(v, sv)), torch_dtype(plan.nodes[v]["dtype"])) for v in real]

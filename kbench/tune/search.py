@@ -1,12 +1,13 @@
-"""The schedule search of one region (DESIGN §4): csrc/evolve.c's genetic search asks for genomes;
-each is generated, compiled by NVRTC (several at once), gated on one shape against the float64
-reference with NaN-poisoned outputs, timed (CUDA events, median, L2 flushed between repetitions)
-and told. The fastest few, the default genome among them, are re-timed interleaved (A B C A B C)
-and the winner goes through full verification. Every candidate is recorded.
+"""The schedule search of one region (docs/DESIGN.md, "Search"): csrc/tune/evolve.c's genetic
+search asks for genomes; each is generated, compiled by NVRTC (several at once), gated on one
+shape against the float64 reference with NaN-poisoned outputs, timed (CUDA events, median, L2
+flushed between repetitions) and told. The fastest few, the default genome among them, are
+re-timed interleaved (A B C A B C) and the winner goes through full verification. Every
+candidate is recorded.
 
-The same seed must pick the same winner (issue 5), yet two kernels a few percent apart swap places
-from run to run on a real GPU. So the winner is never decided by "whichever measured faster" where
-the measurements cannot tell:
+The same seed must pick the same winner, yet two kernels a few percent apart swap places from
+run to run on a real GPU. So the winner is never decided by "whichever measured faster" where the
+measurements cannot tell:
 - finalists: all candidates within FINALIST_BAND (twice the tie band) of the generation's fastest,
   in asked order (fixed by the seed), up to a cap; one near a later decision is in every run,
   however the noisy generation timing ordered it;
@@ -17,26 +18,21 @@ the measurements cannot tell:
   the finalists in the decisions that pick the winner only, up to MAX_ROUNDS_FACTOR x the budget's
   rounds and RETIME_EXTRA_S. Still unclear then: a near-tie, resolved the deterministic way (the
   default stays, the earliest asked wins), never toward the one measured faster;
-- after each L2 flush the region's buffers are touched, one byte per 64 KB (_TOUCH_SOURCE): the
-  flush (hundreds of MB read) also evicts their address translations, and what the kernel then
-  paid to get them back depended on where the flush buffer fell against its buffers
-  (benchmarks/placement_probe.py: the ratio of two softmax kernels alternated between 0.933 and
-  0.940 with the flush buffer's address at any flush size up to 8x the L2; the same seed picked
-  different winners as the search's buffers fell); touched, it stayed within its noise;
-- every round runs on a layout of its own: the inputs copied to, and the outputs written at,
-  an offset into one arena drawn for that round, with a gap between the buffers drawn too
-  (_layout; the same sequence in every search). Where a region's buffers fall moves the ratio of
-  two kernels by up to 10% (search_repeat_probe.py: LayerNorm bf16, 0.885 to 0.975 over ten
-  layouts, each the same from one search to the next); ten fixed layouts, wherever the
-  allocator put them, left the mean of a search 1-2% from the next one's, so the same seed
-  picked different winners. A round per layout makes the rounds a sample of layouts: the
-  interval covers the spread over them, and the more rounds an unclear decision takes, the
-  nearer every search's median comes to the same value, the user's run's layout being one more;
-- and each finalist is loaded LOADS times, round n running load n % LOADS: one kernel's loaded
-  instances (a module each) differ in speed by up to 3%, beyond their noise and whatever the
-  order (benchmarks/module_load_probe.py, softmax f32: four loads of the default at 1.000 to
-  1.020 of the first, four of the persistent kernel at 0.927 to 0.964), so that a search, which
-  loads its kernels afresh, had a level of its own; the user's process loads its own instance.
+- after each L2 flush the region's buffers are touched, one byte per 64 KB (kernels/touch.cu): the
+  flush also evicts their address translations, and what a kernel then pays to get them back
+  depends on where the flush buffer falls against its buffers, enough to reorder two kernels a
+  few percent apart; touched, the ratio stays within its noise;
+- every round runs on a layout of its own: the inputs copied to, and the outputs written at, an
+  offset into one arena drawn for that round, with a gap between the buffers drawn too (_layout;
+  the same sequence in every search). Where a region's buffers fall moves the ratio of two
+  kernels by several percent (docs/learned.md), so a few fixed layouts give each search a level
+  of its own; a round per layout makes the rounds a sample of layouts, the interval covers the
+  spread over them, and the more rounds an unclear decision takes, the nearer every search's
+  median comes to the same value, the user's run's layout being one more;
+- and each finalist is loaded LOADS times, round n running load n % LOADS: loaded instances (a
+  module each) of one kernel differ in speed by a few percent, beyond their noise and whatever
+  the order, so a search, which loads its kernels afresh, would otherwise have a level of its
+  own; the user's process loads its own instance.
 
 Everything that touches a device is in a bench object (CudaRegionBench), so the driver (ask/tell
 loop, budgets, finalists, the default-kept rule, the record) runs on the CPU with a fake one."""
@@ -52,7 +48,11 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from . import _C
+import torch
+
+from .. import _C, verify
+from ..runtime import nvrtc
+from ..runtime.cuda import current_stream
 
 log = logging.getLogger("kbench")
 
@@ -176,54 +176,32 @@ def _ratio_interval(a: dict, b: dict) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------------------------- the GPU side
 
-# Touches each buffer of a set after the L2 flush: one byte per 64 KB (the smallest GPU page; big
-# allocations sit in 2 MB ones), so the kernel timed next finds its address translations where
-# the flush left others, at 32 bytes of L2 per page. spans: (address, bytes) pairs. The store
-# to sink never happens for real data; it keeps the loads.
-_TOUCH_SOURCE = r"""
-extern "C" __global__ void kb_touch(const long long *spans, long long *sink, long long nspans)
-{
-    unsigned acc = 0;
-    for (long long s = 0; s < nspans; ++s) {
-        const unsigned char *p = (const unsigned char *)spans[2 * s];
-        const long long pages = (spans[2 * s + 1] + 65535) >> 16;
-        for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pages; i += (long long)gridDim.x * blockDim.x)
-            acc += __ldcg(p + (i << 16));
-    }
-    if (acc == 0xffffffffu) *sink = acc;
-}
-"""
-
 class CudaRegionBench:
     """Region r of a CudaExecutor at one shape: generate, compile, load, gate, time, verify.
     Built inside the executor's device context; the gate's inputs and float64 reference are
     computed once and shared by every candidate."""
 
-    def __init__(self, executor, r: int, symvals):
-        import torch
-
-        from . import verify
-        self.torch, self.verify_mod = torch, verify
+    def __init__(self, executor, r: int, symvals, verifier=verify.verify_region):
+        self.torch, self.verify_mod, self.verifier = torch, verify, verifier
         self.ex, self.r, self.symvals = executor, r, list(symvals)
         gen = torch.Generator().manual_seed(getattr(executor, "seed", 0) + 7919 * (r + 1))
-        self.inputs = executor._region_inputs(r, self.symvals, "normal", gen)
+        self.inputs = executor.region_inputs(r, self.symvals, "normal", gen)
         self.clones = [x.clone() for x in self.inputs]
-        self.ref = executor._reference(r, self.symvals, self.clones)
+        self.ref = executor.reference(r, self.symvals, self.clones)
         device = self.inputs[0].device if self.inputs else getattr(executor, "device", torch.device("cpu"))
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         l2 = int((getattr(executor, "dev", None) or {}).get("l2_bytes", 0)) if self.cuda else 0
         # reading twice the L2 between repetitions evicts the inputs: each repetition reads from DRAM.
         # Read, not written: a written flush leaves the L2 full of dirty lines, and how many of them
-        # a candidate then writes back depends on where its buffers fall, so that the same kernel
-        # measured 28 µs in one search and 56 µs in the next (1000-wide bf16 softmax rows, 16 MB
-        # each way); the ranking of candidates needs each one's own traffic only.
+        # a candidate then writes back depends on where its buffers fall, enough to double one
+        # kernel's measured time from one search to the next; the ranking of candidates needs each
+        # one's own traffic only.
         self.flush = torch.zeros(max(1, 2 * l2 // 4), dtype=torch.int32, device=self.device) if l2 else None
         self.flush_out = torch.zeros((), dtype=torch.int64, device=self.device) if l2 else None
         self.arena = None        # the layouts' memory, made at first use (see placement)
         self._shapes = self._sizes = None   # the outputs' (shape, dtype); every buffer's bytes in the arena
         self.layout = None       # (k, (inputs, outputs, spans)): the layout the buffers are in now
-        self._stream_of = None   # cuda_backend._current_stream, imported at the first touch
 
     def placement(self, kernel, round_index: int):
         """The buffers of one timed repetition: layout round_index (_layout) of the arena, the
@@ -235,7 +213,7 @@ class CudaRegionBench:
             return self.layout[1]
         torch = self.torch
         if self.arena is None:
-            self._shapes = shapes = self.ex._launch_params(kernel, self.r, self.symvals)[0]
+            self._shapes = shapes = self.ex.launch_params(kernel, self.r, self.symvals)[0]
             sizes = [x.numel() * x.element_size() for x in self.inputs] + [math.prod(s) * d.itemsize for s, d in shapes]
             self._sizes = [-(-n // 256) * 256 for n in sizes]   # each buffer 256-byte aligned
             room = min(PLACEMENT_BYTES, max(ARENA_SPANS * sum(self._sizes), ARENA_MIN_BYTES))
@@ -268,21 +246,12 @@ class CudaRegionBench:
         return self.torch.tensor(spans, dtype=self.torch.int64, device=self.device)
 
     def touch(self, buffers) -> None:
-        """Reads one byte per 64 KB of a buffer set's tensors (see _TOUCH_SOURCE); the kernel is
-        compiled once per executor."""
+        """Reads one byte per 64 KB of a buffer set's tensors (kbench/kernels/touch.cu): the flush
+        also evicted their address translations (see the module's docstring)."""
         ex = self.ex
-        fn = getattr(ex, "_touch_fn", None)
-        if fn is None:
-            from . import nvrtc
-            module = _C.module_load(ex.cuda, nvrtc.compile(_TOUCH_SOURCE, ex.arch))
-            fn = ex._touch_fn = _C.get_function(ex.cuda, module, "kb_touch", 0)[0]
-            ex._touch_module = module
-        if self._stream_of is None:
-            from .cuda_backend import _current_stream
-            self._stream_of = _current_stream
         spans = buffers[2]
-        _C.launch(ex.cuda, fn, 32, 256, 0, self._stream_of(self.device), (spans.data_ptr(), self.flush_out.data_ptr()),
-                  (spans.numel() // 2,))
+        _C.launch(ex.cuda, ex.helper("touch.cu", "kb_touch"), 32, 256, 0, current_stream(self.device),
+                  (spans.data_ptr(), self.flush_out.data_ptr()), (spans.numel() // 2,))
 
     def flush_l2(self) -> None:
         """Reads the flush buffer (its sum into a scalar): the L2 then holds clean lines only."""
@@ -295,15 +264,14 @@ class CudaRegionBench:
 
     def compile(self, k: dict) -> None:
         """NVRTC into the disk cache; runs in a worker thread (the compile releases the GIL)."""
-        from . import nvrtc
         nvrtc.compile(k["source"], self.ex.arch)
 
     def load(self, k: dict):
-        return self.ex._load(k)   # a cache hit after compile()
+        return self.ex.load(k)   # a cache hit after compile()
 
     def _launch(self, kernel, poison=False, buffers=None):
         ins, outs = buffers[:2] if buffers else (self.inputs, None)
-        return self.ex._launch(kernel, self.r, self.symvals, ins, poison=poison, outs=outs)
+        return self.ex.launch(kernel, self.r, self.symvals, ins, poison=poison, outs=outs)
 
     def _sync(self, timeout: float = GATE_TIMEOUT_S) -> None:
         if not self.cuda:
@@ -342,8 +310,8 @@ class CudaRegionBench:
     def time_each(self, kernels, round_index: int = 0) -> list:
         """One repetition of each kernel, in order, each after the L2 flush, in ms; one sync for
         them all. The finalists' rounds, on the round's own layout (placement). With a sync per
-        repetition, 280 extra rounds of two 23 µs kernels filled the 2 s cap on extra rounds
-        (~3.5 ms per repetition), before the rounds' cap did."""
+        repetition (milliseconds each, for kernels of tens of microseconds) the extra rounds'
+        time cap, RETIME_EXTRA_S, cut them off long before their count cap did."""
         if not kernels:
             return []
         return self._timed(kernels, self.placement(kernels[0], round_index))
@@ -373,7 +341,7 @@ class CudaRegionBench:
         return [a.elapsed_time(b) for a, b in pairs]
 
     def verify(self, kernel):
-        return self.ex._verify(self.r, kernel, self.symvals)
+        return self.verifier(self.ex, self.r, kernel, self.symvals)
 
 
 # ---------------------------------------------------------------------------------------- the driver
@@ -700,19 +668,20 @@ class _Search:
 
 
 def search_region(executor, r: int, example_symvals, *, budget="default", seed: int = 0, progress=None,
-                  bench=None) -> SearchResult:
+                  bench=None, verifier=verify.verify_region) -> SearchResult:
     """Search region r's schedule on the executor's GPU at the example sizes.
 
     budget: "fast" | "default" | "max" or a Budget. progress: optional callable (region,
     generation, best_ms) after each generation. bench: the device side (CudaRegionBench by
-    default; tests pass a fake). The default genome is always a candidate and stays unless a
+    default; tests pass a fake); verifier(executor, r, kernel, symvals) -> verify.Verdict, the
+    winner's full check. The default genome is always a candidate and stays unless a
     verified candidate beats it by more than KEEP_DEFAULT; result.best_k is None when nothing
     verified, and result.note says so (or why the search stopped)."""
     b = BUDGETS.get(budget) if isinstance(budget, str) else budget
     if not isinstance(b, Budget):
         raise ValueError(f"budget must be one of {sorted(BUDGETS)} or a Budget, got {budget!r}")
     if bench is None:
-        bench = CudaRegionBench(executor, r, example_symvals)
+        bench = CudaRegionBench(executor, r, example_symvals, verifier)
     s = _Search(executor, r, example_symvals, b, seed, progress, bench)
     s.run()
     res = s.finish()

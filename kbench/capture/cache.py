@@ -1,4 +1,4 @@
-"""capture_cache.py — a captured model kept between processes, so that optimizing the same model
+"""A captured model kept between processes, so that optimizing the same model
 again does not run torch.export (fake-tensor tracing and its imports are most of a warm optimize).
 
 The key fingerprints what a capture depends on: the module tree (classes, the source files that
@@ -26,8 +26,14 @@ import types
 import warnings
 
 import torch
+import torch.utils._pytree as pytree
 
-log = logging.getLogger("kbench.capture_cache")
+from .. import _C
+from ..tune import cache as store
+from ..version import __version__
+from .types import Captured
+
+log = logging.getLogger("kbench.capture.cache")
 
 FORMAT = 1   # bump when the stored layout changes: older entries then simply miss
 
@@ -48,7 +54,6 @@ class Uncacheable(Exception):
 def fingerprint(model: torch.nn.Module, args: tuple, backend: str) -> str:
     """The capture's cache key (a sha256 hex digest); Uncacheable when forward hooks or the like
     make the module tree an incomplete description of what forward does."""
-    from . import __version__
     h = _Hasher()
     h.add("kbench-capture", FORMAT, __version__, torch.__version__, sys.version_info[:2], backend,
           torch.is_grad_enabled(), torch.is_autocast_enabled())
@@ -207,8 +212,6 @@ def dumps(captured) -> bytes:
 
 def loads(blob: bytes):
     """The Captured that dumps() stored; any failure raises (the caller drops the entry)."""
-    from . import _C
-    from .capture import Captured
     with warnings.catch_warnings():   # torch's TreeSpec warns about its own unpickling
         warnings.simplefilter("ignore", FutureWarning)
         state = pickle.loads(blob)
@@ -274,7 +277,6 @@ def _hop_attr(hop) -> str:
 def lookup(model, args, backend):
     """(key, Captured or None). key is None when this model's capture is not kept (the reason
     goes to the debug log); a stored entry that cannot be rebuilt is dropped with a warning."""
-    from . import cache
     try:
         key = fingerprint(model, args, backend)
     except Uncacheable as e:
@@ -284,7 +286,7 @@ def lookup(model, args, backend):
         log.debug("kbench: capture not cached: fingerprint failed (%s: %s)", type(e).__name__, e)
         return None, None
     try:
-        with contextlib.closing(cache.open_cache()) as db:
+        with contextlib.closing(store.open_cache()) as db:
             blob = db.load_capture(key)
             if blob is None:
                 return key, None
@@ -300,23 +302,21 @@ def lookup(model, args, backend):
 
 
 def remember(key: str, captured) -> None:
-    from . import cache
     try:
         blob = dumps(captured)
     except Uncacheable as e:
         log.debug("kbench: capture not cached: %s", e)
         return
     try:
-        with contextlib.closing(cache.open_cache()) as db:
+        with contextlib.closing(store.open_cache()) as db:
             db.store_capture(key, blob)
     except Exception as e:  # noqa: BLE001
         log.warning("kbench: could not keep the capture in the cache (%s)", e)
 
 
 def forget(key: str) -> None:
-    from . import cache
     try:
-        with contextlib.closing(cache.open_cache()) as db:
+        with contextlib.closing(store.open_cache()) as db:
             db.drop_capture(key)
     except Exception as e:  # noqa: BLE001
         log.warning("kbench: could not drop a stored capture (%s)", e)
@@ -330,7 +330,6 @@ def matches_eager(model, optimized, args) -> str:
     with torch.no_grad():
         want = model(*args)
         got = optimized(*args)
-    import torch.utils._pytree as pytree
     want_leaves, want_spec = pytree.tree_flatten(want)
     got_leaves, got_spec = pytree.tree_flatten(got)
     if want_spec != got_spec:

@@ -1,4 +1,4 @@
-"""_lower_symbols.py — the size symbols of an ExportedProgram for _lower.py: torch's ShapeEnv,
+"""The size symbols of an ExportedProgram for lower.py: torch's ShapeEnv,
 products unified by the guards that equate them, symbols pinned to their example sizes, and
 whether a size relation holds for every size torch allows."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where NVRTC comes from, and compiling through it with the on-disk CUBIN cache.
 
-Search order (DESIGN §1): $KBENCH_NVRTC, the nvidia/*/lib folders of the installed torch wheel
-(and of the nvidia-cuda-nvrtc wheel), $CUDA_HOME, /usr/local/cuda, the loader's path."""
+Search order (docs/DESIGN.md, "Data flow"): $KBENCH_NVRTC, the nvidia/*/lib folders of the installed
+torch wheel (and of the nvidia-cuda-nvrtc wheel), $CUDA_HOME, /usr/local/cuda, the loader's path."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +9,7 @@ import glob
 import os
 import sys
 
-from . import _C
+from .. import _C
 
 
 def cache_dir() -> str:

@@ -1,16 +1,18 @@
-"""_lower_ops.py — one lowering per ATen op: (builder, fx node, bound args) → IR value(s).
-Composites (layer_norm, softmax, cross_entropy, batch/group norm, ...) are decomposed into the
-IR's primitives here (DESIGN §2); half-precision composites compute in f32 and cast back, as
-torch's kernels do. A lowering raises Unsupported for a case it does not handle, and the op
-becomes an EXTERN call instead; it never has to be complete."""
+"""One lowering per ATen op: (builder, fx node, bound args) → IR value(s). Composites (layer_norm,
+softmax, cross_entropy, batch/group norm, ...) are decomposed into the IR's primitives here
+(docs/DESIGN.md, "The IR"); half-precision composites compute in f32 and cast back, as torch's
+kernels do. A lowering raises Unsupported for a case it does not handle, and the op becomes an
+EXTERN call instead; it never has to be complete."""
 from __future__ import annotations
 
 import math
 
+import sympy
 import torch
 
-from ._dtypes import TORCH_TO_IR
-from ._lower import Builder, Unsupported, _Multi, _Sym, _V, mono_dim
+from ..dtypes import TORCH_TO_IR
+from .builder import Builder, Multi, Sym, Unsupported, V, mono_dim
+from .types import TensorSlot
 
 aten = torch.ops.aten
 LOWER = {}
@@ -42,7 +44,7 @@ def _opmath(dt):
 
 def _num(x):
     """A Python number argument (a symbolic one makes the op an extern)."""
-    if isinstance(x, _Sym) or isinstance(x, _V):
+    if isinstance(x, Sym) or isinstance(x, V):
         raise Unsupported("scalar argument is not a constant")
     if isinstance(x, torch.Tensor):
         raise Unsupported("tensor held by value")
@@ -50,7 +52,7 @@ def _num(x):
 
 
 def _t(x):
-    if not isinstance(x, _V):
+    if not isinstance(x, V):
         raise Unsupported(f"expected a tensor operand, got {type(x).__name__}")
     return x
 
@@ -171,7 +173,7 @@ def _clamp(b, node, a):
     name = node.target._schema.name.split("::")[-1]
     if name == "clamp_max":
         lo, hi = None, a.get("max")
-    if isinstance(lo, _Sym) or isinstance(hi, _Sym):
+    if isinstance(lo, Sym) or isinstance(hi, Sym):
         raise Unsupported("symbolic clamp bound")
     return _clamp_to(b, _t(a["self"]), lo, hi, dt)
 
@@ -182,13 +184,13 @@ def _binop(ir):
         alpha = a.get("alpha", 1)
         dt = _out(node)
         if alpha not in (None, 1):
-            y = y * _num(alpha) if not isinstance(y, _V) else b.arith("mul", y, _num(alpha), dt)
+            y = y * _num(alpha) if not isinstance(y, V) else b.arith("mul", y, _num(alpha), dt)
         return b.arith(ir, _num_or_t(x), _num_or_t(y), dt, _odims(b, node))
     return lower
 
 
 def _num_or_t(x):
-    return x if isinstance(x, _V) else _num(x)
+    return x if isinstance(x, V) else _num(x)
 
 
 for _name, _ir in (("add", "add"), ("sub", "sub"), ("mul", "mul"), ("div", "div")):
@@ -247,7 +249,7 @@ def _logic(ir):
     def lower(b, node, a):
         x, y = _num_or_t(a["self"]), _num_or_t(a["other"])
         if node.target._schema.name.startswith("aten::bitwise") and any(
-                isinstance(v, _V) and v.dtype != "bool" for v in (x, y)):
+                isinstance(v, V) and v.dtype != "bool" for v in (x, y)):
             raise Unsupported("bitwise ops on integers")
         return b.arith(ir, x, y, "bool", _odims(b, node))
     return lower
@@ -265,7 +267,7 @@ def _where(b, node, a):
 @_reg("masked_fill.Scalar", "masked_fill.Tensor")
 def _masked_fill(b, node, a):
     x, m, v = _t(a["self"]), _t(a["mask"]), a["value"]
-    if isinstance(v, _V):
+    if isinstance(v, V):
         if v.rank != 0:
             raise Unsupported("masked_fill value must be 0-dim")
     else:
@@ -307,7 +309,7 @@ def _native_dropout(b, node, a):
     x = _t(a["input"])
     if a.get("train") is not False and _num(a["p"]) != 0:
         raise Unsupported("dropout in training mode")
-    return _Multi(b, node, lambda i: x if i == 0 else b.const(True, "bool", x.dims))
+    return Multi(b, node, lambda i: x if i == 0 else b.const(True, "bool", x.dims))
 
 
 # ---------------------------------------------------------------------------- constants
@@ -419,7 +421,7 @@ def _split_lower(b, node, x, dim, drop_dim=False):
         length = dims[dim] if not drop_dim else 1
         s = _slice(b, x, dim, starts[i], length)
         return b.reshape(s, dims)
-    return _Multi(b, node, get)
+    return Multi(b, node, get)
 
 
 @_reg("split.Tensor", "split_with_sizes.default", "chunk.default", "split.sizes",
@@ -465,7 +467,7 @@ def _minmax_dim(b, node, a):
         if i != 0:
             raise Unsupported("arg-max/min indices")
         return b.reduce(ir, x, _axes(x.rank, a["dim"]), bool(a["keepdim"]))
-    return _Multi(b, node, get)
+    return Multi(b, node, get)
 
 
 @_reg("logsumexp.default")
@@ -533,7 +535,7 @@ def _var_mean(b, node, a):
         var, mean = _moments(b, x, axes, corr)
         v = (b.unary("sqrt", var) if is_std else var) if i == 0 else mean
         return b.cast(b.reshape(v, b.rep_dims(outs[i])), dt)
-    return _Multi(b, node, get)
+    return Multi(b, node, get)
 
 
 @_reg("linalg_vector_norm.default")
@@ -594,7 +596,7 @@ def _layer_norm(b, node, a):
             if i == 0:
                 return b.cast(_affine(b, y, a["weight"], a["bias"]), TORCH_TO_IR[outs[0].dtype])
             return b.cast(b.reshape(res[i], b.rep_dims(outs[i])), TORCH_TO_IR[outs[i].dtype])
-        return _Multi(b, node, get)
+        return Multi(b, node, get)
     return b.cast(_affine(b, y, a["weight"], a["bias"]), _out(node))
 
 
@@ -633,7 +635,7 @@ def _batch_norm(b, node, a):
         (node.meta["val"][0] if isinstance(node.meta["val"], (list, tuple)) else node.meta["val"]).dtype])
     if node.target is aten.batch_norm.default:
         return y
-    return _Multi(b, node, lambda i: y if i == 0 else _raise("batch norm statistics"))
+    return Multi(b, node, lambda i: y if i == 0 else _raise("batch norm statistics"))
 
 
 def _raise(why):
@@ -657,7 +659,7 @@ def _group_norm(b, node, a):
         return b.cast(y, _out(node))
     outs = node.meta["val"]
     res = [y, mean, rstd]
-    return _Multi(b, node, lambda i: b.cast(b.reshape(res[i], b.rep_dims(outs[i])),
+    return Multi(b, node, lambda i: b.cast(b.reshape(res[i], b.rep_dims(outs[i])),
                                             TORCH_TO_IR[outs[i].dtype]))
 
 
@@ -750,7 +752,7 @@ def _nll_loss(b, node, a):
     val = node.meta["val"]
     if isinstance(val, torch.Tensor):
         return b.cast(loss, _out(node))
-    return _Multi(b, node, lambda i: b.cast((loss, total)[i], TORCH_TO_IR[val[i].dtype]))
+    return Multi(b, node, lambda i: b.cast((loss, total)[i], TORCH_TO_IR[val[i].dtype]))
 
 
 @_reg("gather.default")
@@ -798,7 +800,6 @@ def _linear(b, node, a):
 
 
 def _slot(k):
-    from .capture import TensorSlot
     return TensorSlot(k)
 
 
@@ -807,7 +808,7 @@ def _cat(b, node, a):
     """cat/stack stay one extern call; past 16 tensors (the most one IR node takes) the
     tensors are joined 16 at a time."""
     ts = list(a["tensors"])
-    if len(ts) <= 16 or not all(isinstance(t, _V) for t in ts):
+    if len(ts) <= 16 or not all(isinstance(t, V) for t in ts):
         raise Unsupported("cat is an extern call")
     dim = _num(a["dim"])
     if node.target is aten.stack.default:
@@ -822,7 +823,6 @@ def _cat(b, node, a):
 
 
 def _cat_group(b, ts, dim, name):
-    import sympy
     by_id = {i: s for s, i in b.sym_of.items()}
 
     def expr(d):

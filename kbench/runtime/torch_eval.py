@@ -1,4 +1,4 @@
-"""torch_eval.py — runs IR nodes with plain torch ops: the reference evaluator of a captured
+"""Runs IR nodes with plain torch ops: the reference evaluator of a captured
 graph, the per-region eager fallback, and (being pure, out-of-place torch) differentiable, so the
 backward can go through it with torch.autograd. Values are computed in the node's dtype, or in
 float64 for every floating value when dtype=torch.float64 is asked."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._dtypes import IR_TO_TORCH
+from ..dtypes import IR_TO_TORCH
 
 __all__ = ["evaluate", "run_graph"]
 

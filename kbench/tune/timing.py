@@ -1,6 +1,7 @@
-"""Timing for the benchmark (DESIGN §6): CUDA events on the current stream, warm-up, median of
-many repetitions with the L2 flushed and inputs rotated between them, a wall-clock cross-check
-that exposes work hidden on another stream, and the device-to-device copy that sets the roofline.
+"""Timing for the benchmark (docs/DESIGN.md, "Timing"): CUDA events on the current stream, warm-up,
+median of many repetitions with the L2 flushed and inputs rotated between them, a wall-clock
+cross-check that exposes work hidden on another stream, and the device-to-device copy that sets the
+roofline.
 
 Two measurements of one call: `time_fn` ("per-call": events around each call, so where the GPU
 waits on the host, e.g. the autograd engine between kernels, that wait is counted) and
@@ -212,9 +213,8 @@ def time_graph(fn: Callable, arg_sets: Sequence[Sequence], *, device, reps: int 
     `reps` times timed, and per call = (t_calls - t_flushes) / calls, median.
 
     The untimed replays are there because the first milliseconds of replays after a capture can
-    run slow, the flushes alone as much as the calls: a kbench forward+backward's graph read 15%
-    slower in its first three rounds than in the next nine, at the same SM clock
-    (benchmarks/clock_probe.py; NOTES session 13).
+    run slow, the flushes alone as much as the calls (a forward+backward's graph read up to 15%
+    slower in its first rounds than later, at the same SM clock; docs/learned.md).
 
     Returns None where the device is not CUDA (no graphs; host time is device time there).
     Raises GraphTimingError when fn cannot be captured or replayed; CUDA is usable afterwards

@@ -1,10 +1,10 @@
-"""_lower.py — the ATen graph of an ExportedProgram → the C IR (capture's second half).
-A Builder keeps a Python-side list of IR nodes (CSE'd, shape-checked like csrc/ir.c does), walks
-the FX graph calling the lowerings of _lower_ops.py, turns whatever has no lowering into EXTERN
-calls, then emits only the live nodes into a kbench._C.Graph (inputs first).
+"""The IR builder of capture: a Python-side list of IR nodes (CSE'd, shape-checked as csrc's IR
+checks them), the walk over the FX graph that calls a lowering per ATen op (the table in ops.py,
+handed in by lower.py), EXTERN calls for whatever has no lowering, and the emission of the live
+nodes into a kbench._C.Graph (inputs first).
 
-Values in the walk's environment: _V (an IR value), _Multi (a multi-output op whose outputs are
-made on first use), _Sym (a size expression), plain Python values, or _TorchSide (a value the IR
+Values in the walk's environment: V (an IR value), Multi (a multi-output op whose outputs are
+made on first use), Sym (a size expression), plain Python values, or TorchSide (a value the IR
 cannot carry, e.g. a complex tensor: computed inside the extern that first needs it)."""
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import operator
 import sympy
 import torch
 import torch.fx as fx
-from torch.export.graph_signature import InputKind, OutputKind
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from . import _lower_symbols as symbolic
-from ._dtypes import IR_TO_TORCH, TORCH_TO_IR
-from .errors import CaptureError
+from .. import _C
+from ..dtypes import IR_TO_TORCH, TORCH_TO_IR
+from ..errors import CaptureError
+from .types import DeviceSlot, Extern, StepRef, SymExpr, TensorSlot
 
 aten = torch.ops.aten
 
@@ -36,7 +37,7 @@ class Unsupported(Exception):
     """This op (or this use of it) has no IR lowering: it becomes an EXTERN call."""
 
 
-class _V:
+class V:
     """An IR value: id in the builder's node list, IR dtype name, dims (int or (coef, syms))."""
     __slots__ = ("id", "dtype", "dims")
 
@@ -51,24 +52,24 @@ class _V:
         return f"%{self.id}:{self.dtype}{list(self.dims)}"
 
 
-class _Sym:
+class Sym:
     __slots__ = ("expr",)
 
     def __init__(self, expr):
         self.expr = expr
 
 
-class _TorchSide:
+class TorchSide:
     __slots__ = ("node",)
 
     def __init__(self, node):
         self.node = node
 
 
-_TORCH = object()   # _Multi.get's answer for an output the IR cannot carry
+_TORCH = object()   # Multi.get's answer for an output the IR cannot carry
 
 
-class _Multi:
+class Multi:
     """Outputs of a multi-output op, made on first use: get(i) tries the native lowering and
     falls back to one EXTERN call of the whole op (shared by all its outputs)."""
 
@@ -89,7 +90,7 @@ class _Multi:
         return self.cache[i]
 
 
-class _ExternOutputs:
+class ExternOutputs:
     def __init__(self, b, idx, operands, val, name):
         self.b, self.idx, self.operands, self.val, self.name = b, idx, operands, val, name
 
@@ -104,7 +105,7 @@ class _ExternOutputs:
                           axis=i, name=self.name)
 
 
-def _has_tensor(val):
+def has_tensor(val):
     if isinstance(val, torch.Tensor):
         return True
     return isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val)
@@ -138,7 +139,8 @@ def mono_dim(dims):
 
 
 class Builder:
-    def __init__(self, sym_of, subst, example):
+    def __init__(self, table, sym_of, subst, example):
+        self.table = table            # ATen op -> lowering(builder, node, bound args) (ops.LOWER)
         self.sym_of = sym_of          # sympy.Symbol -> symbol id
         self.subst = subst            # sympy.Symbol -> sympy.Symbol (unified sizes)
         self.example = example        # symbol values in the example
@@ -200,7 +202,7 @@ class Builder:
                 return hit
         self.nodes.append(dict(op=op, inputs=[v.id for v in inputs], dtype=dtype, dims=dims,
                                attrs=attrs, name=name))
-        v = _V(len(self.nodes) - 1, dtype, dims)
+        v = V(len(self.nodes) - 1, dtype, dims)
         if key is not None:
             self.cse[key] = v
         return v
@@ -235,7 +237,7 @@ class Builder:
         return n["attrs"]["scalars"][0] if n["op"] == "const" else None
 
     def const(self, value, dtype, dims):
-        if isinstance(value, (_Sym, _V)) or not isinstance(value, (int, float, bool)):
+        if isinstance(value, (Sym, V)) or not isinstance(value, (int, float, bool)):
             raise Unsupported(f"non-constant scalar {value!r}")
         if dtype == "bool":
             value = 1.0 if value else 0.0
@@ -313,10 +315,9 @@ class Builder:
         return tuple(out)
 
     def promote(self, *xs):
-        from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
         args = []
         for x in xs:
-            if isinstance(x, _V):
+            if isinstance(x, V):
                 args.append(torch.empty((1,) * min(x.rank, 1), dtype=IR_TO_TORCH[x.dtype], device="meta"))
             elif isinstance(x, (bool, int, float)):
                 args.append(x)
@@ -328,7 +329,7 @@ class Builder:
         return TORCH_TO_IR[result]
 
     def operand(self, x, dtype, dims):
-        if isinstance(x, _V):
+        if isinstance(x, V):
             return self.bcast(self.cast(x, dtype), dims)
         return self.const(x, dtype, dims)
 
@@ -338,13 +339,13 @@ class Builder:
         if cdt is None:
             cdt = "bool" if op in ("and", "or") else self.promote(a, b)
         if dims is None:
-            dims = self.bshape(*(x.dims for x in (a, b) if isinstance(x, _V)))
+            dims = self.bshape(*(x.dims for x in (a, b) if isinstance(x, V)))
         out = "bool" if op in _CMP else cdt
         return self.add(op, [self.operand(a, cdt, dims), self.operand(b, cdt, dims)], out, dims)
 
     def where(self, c, a, b, dtype=None):
         dtype = dtype or self.promote(a, b)
-        dims = self.bshape(*(x.dims for x in (c, a, b) if isinstance(x, _V)))
+        dims = self.bshape(*(x.dims for x in (c, a, b) if isinstance(x, V)))
         c = self.operand(c, "bool", dims)
         return self.add("where", [c, self.operand(a, dtype, dims), self.operand(b, dtype, dims)],
                         dtype, dims)
@@ -352,7 +353,7 @@ class Builder:
     def extern_call(self, fn, operands, args, kwargs, dtype, dims, name):
         """A one-step extern made by a lowering (linear without its bias, ...)."""
         idx = len(self.externs)
-        self.externs.append(_make_extern([(fn, args, kwargs)], str(fn), len(operands)))
+        self.externs.append(Extern([(fn, args, kwargs)], str(fn), len(operands)))
         return self.add("extern", operands, dtype, dims, index=idx, axis=0, name=name)
 
     # ---------------------------------------------------------------- externs
@@ -360,19 +361,18 @@ class Builder:
     def extern(self, node, reason, multi=False):
         """node as an EXTERN call; its torch-side inputs are recomputed inside (extra steps)."""
         operands, slot_of, steps, step_of = [], {}, [], {}
-        from .capture import DeviceSlot, StepRef, SymExpr, TensorSlot
 
         def tmpl(x):
             if isinstance(x, fx.Node):
                 e = self.env.get(x)
-                if isinstance(e, _V):
+                if isinstance(e, V):
                     if e.id not in slot_of:
                         slot_of[e.id] = len(operands)
                         operands.append(e)
                     return TensorSlot(slot_of[e.id])
-                if isinstance(e, _Sym):
+                if isinstance(e, Sym):
                     return SymExpr(e.expr, self.sym_of)
-                if isinstance(e, (_TorchSide, _Multi, _ExternOutputs)) or x.op == "call_function" and e is None:
+                if isinstance(e, (TorchSide, Multi, ExternOutputs)) or x.op == "call_function" and e is None:
                     return StepRef(step(x))
                 return e
             if isinstance(x, (list, tuple)):
@@ -395,10 +395,10 @@ class Builder:
             raise CaptureError(f"{node.name} ({node.target}) would be an extern call with "
                                f"{len(operands)} tensor operands; kbench supports 16")
         idx = len(self.externs)
-        self.externs.append(_make_extern(steps, str(node.target), len(operands)))
+        self.externs.append(Extern(steps, str(node.target), len(operands)))
         self.notes.append(f"{node.name}: extern {node.target} ({reason})")
         val = node.meta.get("val")
-        outs = _ExternOutputs(self, idx, operands, val if multi else [val], node.name)
+        outs = ExternOutputs(self, idx, operands, val if multi else [val], node.name)
         if multi:
             return outs
         r = outs.get(0)
@@ -439,39 +439,38 @@ class Builder:
             if e.is_number or e in (sympy.true, sympy.false):
                 return bool(e) if e in (sympy.true, sympy.false) else (int(e) if e.is_integer else float(e))
             if all(x in self.sym_of for x in e.free_symbols):
-                return _Sym(e)
-        return _TorchSide(node)
+                return Sym(e)
+        return TorchSide(node)
 
     def visit(self, node):
-        from . import _lower_ops
         tgt = node.target
         if tgt in _SKIP:
             return
         val = node.meta.get("val")
         if tgt is operator.getitem:
             base = self.env.get(node.args[0])
-            if isinstance(base, (_Multi, _ExternOutputs)):
+            if isinstance(base, (Multi, ExternOutputs)):
                 r = base.get(node.args[1])
-                self.env[node] = _TorchSide(node) if r is _TORCH else r
+                self.env[node] = TorchSide(node) if r is _TORCH else r
                 self._name(node)
                 return
             if isinstance(base, (list, tuple)):
                 self.env[node] = base[node.args[1]]
                 return
-        if not _has_tensor(val):
+        if not has_tensor(val):
             self.env[node] = self.non_tensor(node, val)
             return
-        flat = [a for a in _flat_nodes((node.args, node.kwargs))]
-        torch_side = any(isinstance(self.env.get(a), _TorchSide) for a in flat)
+        flat = [a for a in flat_nodes((node.args, node.kwargs))]
+        torch_side = any(isinstance(self.env.get(a), TorchSide) for a in flat)
         if isinstance(val, torch.Tensor):
             if self.rep_dims(val) is None:       # the IR cannot carry the result: stay lazy
-                self.env[node] = _TorchSide(node)
+                self.env[node] = TorchSide(node)
                 return
         if torch_side:
             self.env[node] = self.extern(node, "uses a value the IR cannot carry",
                                          multi=not isinstance(val, torch.Tensor))
             return
-        fn = _lower_ops.LOWER.get(tgt)
+        fn = self.table.get(tgt)
         try:
             if fn is None:
                 raise Unsupported("no lowering")
@@ -485,12 +484,12 @@ class Builder:
 
     def _name(self, node):
         r = self.env.get(node)
-        if isinstance(r, _V) and r.id not in self.value_names:
+        if isinstance(r, V) and r.id not in self.value_names:
             self.value_names[r.id] = node.name
 
     def conform(self, node, val, res):
         """A lowering's result must have the FX node's dtype and shape."""
-        if not isinstance(res, _V):
+        if not isinstance(res, V):
             raise Unsupported(f"lowering returned {type(res).__name__}")
         want_dims = self.rep_dims(val)
         want_dt = TORCH_TO_IR[val.dtype]
@@ -503,13 +502,52 @@ class Builder:
             res = self.reshape(res, want_dims)
         return res
 
+    def emit(self, outputs, keep, symbols):
+        """The live nodes into a kbench._C.Graph: user inputs, other inputs, then the rest in
+        creation order (which is topological). Returns (graph, old id -> new id, [(kind, name)])."""
+        live, stack = set(), [v.id for v in outputs] + list(keep)
+        while stack:
+            i = stack.pop()
+            if i not in live:
+                live.add(i)
+                stack += self.nodes[i]["inputs"]
+        order = sorted(live)
+        ins = [i for i in order if self.nodes[i]["op"] == "input"]
+        user = [i for i in ins if self.nodes[i]["attrs"]["kind"] == "user"]
+        other = [i for i in ins if self.nodes[i]["attrs"]["kind"] != "user"]
+        g = _C.Graph()
+        for name, ex in symbols:
+            g.add_symbol(name, ex)
+        m = {}
+        for i in user + other:
+            n = self.nodes[i]
+            kind = n["attrs"]["kind"]
+            m[i] = g.add_input(n["name"], "buffer" if kind == "const" else kind, n["dtype"], list(n["dims"]))
+        for i in order:
+            n = self.nodes[i]
+            if n["op"] == "input":
+                continue
+            kw = dict(n["attrs"])
+            if "perm" in kw:
+                kw["perm"] = list(kw["perm"])
+            name = n["name"] or self.value_names.get(i, "")
+            try:
+                m[i] = g.add_node(n["op"], [m[j] for j in n["inputs"]], n["dtype"], list(n["dims"]),
+                                  name=name[:47], **kw)
+            except Exception as e:  # noqa: BLE001 - the Python checks should have caught it
+                raise CaptureError(f"internal: the IR builder rejected {n['op']} {n['dims']} "
+                                   f"({name}): {e}") from e
+        for v in outputs:
+            g.add_output(m[v.id])
+        others = [(self.nodes[i]["attrs"]["kind"], self.nodes[i]["name"]) for i in other]
+        return g, m, others
+
 
 _CMP = {"lt", "le", "gt", "ge", "eq", "ne"}
 _KIND = {}
 
 
 def _load_kinds():
-    from . import _C
     for name, info in _C.ops().items():
         _KIND[name] = info["kind"]
     # "max"/"min" name both the binary op and the reduction; Builder.check tells them apart by
@@ -518,252 +556,12 @@ def _load_kinds():
         _KIND[r] = "binary"
 
 
-def _flat_nodes(x):
+def flat_nodes(x):
     if isinstance(x, fx.Node):
         yield x
     elif isinstance(x, (list, tuple)):
         for y in x:
-            yield from _flat_nodes(y)
+            yield from flat_nodes(y)
     elif isinstance(x, dict):
         for y in x.values():
-            yield from _flat_nodes(y)
-
-
-def _make_extern(steps, name, noperands):
-    from .capture import Extern
-    return Extern(steps, name, noperands)
-
-
-# ---------------------------------------------------------------------------- the driver
-
-_INPUT_KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
-               InputKind.CONSTANT_TENSOR: "const"}
-
-
-def lower(ep, inputs, static_reason, model=None, pin=()):
-    """The ExportedProgram as a Captured graph; NeedStatic (with .dims set) when some size
-    cannot be written. pin: user-input dims (input, dim) to hold at their example sizes, as if
-    the export had made them static (the same program lowered again, without re-exporting)."""
-    try:
-        return _lower(ep, inputs, static_reason, model, pin)
-    except NeedStatic as e:
-        for i, n in enumerate(n for n in ep.graph.nodes if n.op == "placeholder"
-                              and n.name in {s.arg.name for s in ep.graph_signature.input_specs
-                                             if s.kind == InputKind.USER_INPUT}):
-            for d, s in enumerate(n.meta["val"].shape):
-                if isinstance(s, torch.SymInt) and s.node.expr.free_symbols & e.syms:
-                    e.dims.append((i, d))
-        raise
-
-
-def _lower(ep, inputs, static_reason, model, pin=()):
-    from .capture import Captured, OutputTree, SymExpr
-
-    sig = ep.graph_signature
-    ph = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    user_specs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
-    user_nodes = [ph[s.arg.name] for s in user_specs]
-
-    # symbols: one per varying user-input dim, in order of appearance, merged by the guards
-    example, order = {}, {}
-    for t, n in zip(inputs, user_nodes):
-        for d, s in enumerate(n.meta["val"].shape):
-            if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
-                example.setdefault(s.node.expr, int(t.shape[d]))
-                order.setdefault(s.node.expr, len(order))
-    shape_env = symbolic.shape_env(ep)
-    guards = list(getattr(shape_env, "guards", None) or []) if shape_env is not None else []
-    subst = symbolic.unify(guards, example, order)
-    pinned = set()
-    if pin:
-        subst, pinned = symbolic.pin_symbols(subst, user_nodes, inputs, pin)
-    sym_of, examples, sources, input_syms = {}, [], [], []
-    for t, n in zip(inputs, user_nodes):
-        row = []
-        for d, s in enumerate(n.meta["val"].shape):
-            e = s.node.expr.xreplace(subst) if isinstance(s, torch.SymInt) else None
-            if e is not None and e.is_Symbol:
-                if e not in sym_of:
-                    sym_of[e] = len(sym_of)
-                    examples.append(int(t.shape[d]))
-                    sources.append(str(e))
-                row.append(sym_of[e])
-            else:
-                row.append(None)
-        input_syms.append(row)
-    if len(sym_of) > 16:
-        raise NeedStatic(f"{len(sym_of)} varying sizes (the IR has 16 symbols)")
-
-    b = Builder(sym_of, subst, examples)
-    _check_sizes(b, ep)
-    for i, (t, row) in enumerate(zip(inputs, input_syms)):
-        for d, s in enumerate(row):
-            if s is None and static_reason is None and t.shape[d] in (0, 1):
-                b.notes.append(f"input {i} dim {d} has size {t.shape[d]} in the example: torch.export "
-                               "fixes sizes 0 and 1 (use an example of size >= 2 to let it vary)")
-    for n, t in zip(user_nodes, inputs):
-        dims = tuple(b.dim(s) for s in n.meta["val"].shape)
-        if None in dims:
-            raise NeedStatic(f"input {n.name} has sizes {tuple(n.meta['val'].shape)}",
-                             set().union(*(b.expr(s).free_symbols for s in n.meta["val"].shape)))
-        b.env[n] = b.add("input", [], TORCH_TO_IR[t.dtype], dims, name=n.name, kind="user")
-    constants = {}
-    for s in sig.input_specs:
-        if s.kind == InputKind.USER_INPUT:
-            continue
-        n = ph[s.arg.name]
-        val = n.meta.get("val")
-        kind = _INPUT_KIND.get(s.kind)
-        if kind and isinstance(val, torch.Tensor) and b.rep_dims(val) is not None:
-            b.env[n] = b.add("input", [], TORCH_TO_IR[val.dtype], b.rep_dims(val), name=s.target, kind=kind)
-            if kind == "const":
-                constants[s.target] = ep.constants[s.target]
-        else:   # custom objects, tokens, tensors of other dtypes: held for extern calls
-            b.env[n] = _held(ep, model, s)
-
-    out_node = None
-    for node in ep.graph.nodes:
-        if node.op == "call_function":
-            b.visit(node)
-        elif node.op == "get_attr":
-            b.env[node] = getattr(ep.graph_module, node.target)
-        elif node.op == "output":
-            out_node = node
-
-    leaves, graph_outs, mutations = [], [], []
-    for spec, arg in zip(sig.output_specs, out_node.args[0]):
-        v = b.val(arg)
-        if spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
-            if isinstance(v, _V):
-                leaves.append(("out", len(graph_outs)))
-                graph_outs.append(v)
-            elif isinstance(v, _Sym):
-                leaves.append(("sym", SymExpr(v.expr, sym_of)))
-            elif isinstance(v, (_TorchSide, _Multi)) or isinstance(v, torch.Tensor):
-                what = getattr(getattr(arg, "meta", {}).get("val"), "dtype", type(v).__name__)
-                raise CaptureError(f"output {getattr(arg, 'name', arg)} is a {what} value, which "
-                                   "kbench cannot return")
-            else:
-                leaves.append(("value", v))
-        elif spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION,
-                           getattr(OutputKind, "PARAMETER_MUTATION", None)):
-            if not isinstance(v, _V):
-                raise CaptureError(f"the model updates {spec.target} in place with a value kbench "
-                                   "cannot carry")
-            kind = {OutputKind.BUFFER_MUTATION: "buffer",
-                    OutputKind.USER_INPUT_MUTATION: "user"}.get(spec.kind, "param")
-            mutations.append((len(graph_outs), kind, spec.target))
-            graph_outs.append(v)
-
-    names = [f"s{i}" for i in range(len(sym_of))]
-    graph, idmap, others = b.emit(graph_outs, [b.env[n].id for n in user_nodes],
-                                  list(zip(names, examples)))
-    kept_guards = []
-    for g in guards:
-        e0 = getattr(g, "expr", g)
-        e = e0.xreplace(subst)
-        if e in (sympy.true, True) or not e.free_symbols or any(x not in sym_of for x in e.free_symbols):
-            continue
-        if pinned and e0.free_symbols & pinned and symbolic.holds_for_sizes(e, shape_env):
-            continue   # Min(5, 5*s1) == 5: an export with the pinned dims static never makes it
-        kept_guards.append(SymExpr(e, sym_of))
-    try:
-        out_spec = ep.call_spec.out_spec
-    except Exception:  # noqa: BLE001
-        out_spec = None
-    if out_spec is not None and getattr(out_spec, "num_leaves", len(leaves)) != len(leaves):
-        out_spec = None
-    return Captured(
-        graph=graph,
-        input_names=[n.name for n in user_nodes],
-        input_syms=input_syms,
-        param_names=[name for _, name in others],
-        externs=b.externs,
-        static_reason=static_reason,
-        output_tree=OutputTree(out_spec, leaves),
-        example_symvals=list(examples),
-        input_kinds=["user"] * len(user_nodes) + [k for k, _ in others],
-        constants=constants,
-        mutations=mutations,
-        symbol_sources=sources,
-        guards=kept_guards,
-        input_dtypes=[t.dtype for t in inputs],
-        device=inputs[0].device if inputs else None,
-        notes=b.notes,
-        value_names={idmap[i]: nm for i, nm in b.value_names.items() if i in idmap},
-    )
-
-
-def _check_sizes(b, ep):
-    """Every size the IR would carry must be coef * symbols: find all that are not at once, so
-    that capture fixes all the input dims involved in one re-export."""
-    bad, why = set(), None
-    for node in ep.graph.nodes:
-        val = node.meta.get("val")
-        for t in val if isinstance(val, (list, tuple)) else [val]:
-            if isinstance(t, torch.Tensor) and t.dtype in TORCH_TO_IR:
-                for s in t.shape:
-                    try:
-                        b.dim(s)
-                    except NeedStatic as e:
-                        bad |= e.syms
-                        why = why or str(e)
-    if bad:
-        raise NeedStatic(why, bad)
-
-
-def _held(ep, model, spec):
-    if spec.target in getattr(ep, "constants", {}):
-        return ep.constants[spec.target]
-    if model is not None and spec.target:
-        try:
-            return model.get_parameter(spec.target) if spec.kind == InputKind.PARAMETER \
-                else model.get_buffer(spec.target)
-        except AttributeError:
-            pass
-    return ep.state_dict.get(spec.target)
-
-
-def _emit(self, outputs, keep, symbols):
-    """The live nodes into a kbench._C.Graph: user inputs, other inputs, then the rest in
-    creation order (which is topological). Returns (graph, old id -> new id, [(kind, name)])."""
-    from . import _C
-    live, stack = set(), [v.id for v in outputs] + list(keep)
-    while stack:
-        i = stack.pop()
-        if i not in live:
-            live.add(i)
-            stack += self.nodes[i]["inputs"]
-    order = sorted(live)
-    ins = [i for i in order if self.nodes[i]["op"] == "input"]
-    user = [i for i in ins if self.nodes[i]["attrs"]["kind"] == "user"]
-    other = [i for i in ins if self.nodes[i]["attrs"]["kind"] != "user"]
-    g = _C.Graph()
-    for name, ex in symbols:
-        g.add_symbol(name, ex)
-    m = {}
-    for i in user + other:
-        n = self.nodes[i]
-        kind = n["attrs"]["kind"]
-        m[i] = g.add_input(n["name"], "buffer" if kind == "const" else kind, n["dtype"], list(n["dims"]))
-    for i in order:
-        n = self.nodes[i]
-        if n["op"] == "input":
-            continue
-        kw = dict(n["attrs"])
-        if "perm" in kw:
-            kw["perm"] = list(kw["perm"])
-        name = n["name"] or self.value_names.get(i, "")
-        try:
-            m[i] = g.add_node(n["op"], [m[j] for j in n["inputs"]], n["dtype"], list(n["dims"]),
-                              name=name[:47], **kw)
-        except Exception as e:  # noqa: BLE001 - the Python checks should have caught it
-            raise CaptureError(f"internal: the IR builder rejected {n['op']} {n['dims']} "
-                               f"({name}): {e}") from e
-    for v in outputs:
-        g.add_output(m[v.id])
-    others = [(self.nodes[i]["attrs"]["kind"], self.nodes[i]["name"]) for i in other]
-    return g, m, others
-
-
-Builder.emit = _emit
+            yield from flat_nodes(y)

@@ -1,0 +1,259 @@
+"""The captured model as data: the graph (kbench._C.Graph) with everything the runtime needs to
+run it — how to find each graph input (user input, live parameter or buffer, held constant), how
+to bind the size symbols from actual inputs, the torch callables behind EXTERN nodes, and how to
+rebuild the model's output structure.
+
+Conventions (the runtime and the reference evaluator rely on them):
+  graph inputs    user inputs first (all of them, in order), then the parameters, buffers and
+                  lifted constants the graph reads, in export's order; names are module paths.
+  symbols         "s0", "s1", ... in order of first appearance among the user inputs' dims;
+                  input_syms[i][d] is the symbol that user input i's dim d binds (None: pinned).
+  constants       a Python scalar becomes a "const" node of the full shape of its use.
+  broadcasting    explicit: "reshape" (prepend 1s) then "expand" to the operand's shape.
+  externs         EXTERN node: index = position in Captured.externs, axis = which output.
+  output_tree     the model's outputs rebuilt from the graph outputs with torch's pytree spec.
+  mutations       in-place updates of buffers / inputs are extra graph outputs the runtime
+                  copies back (Captured.apply_mutations).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+
+# ---------------------------------------------------------------------------- extern calls
+
+
+class TensorSlot:
+    """Extern argument: the k-th operand tensor of the EXTERN node."""
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __repr__(self):
+        return f"TensorSlot({self.k})"
+
+
+class StepRef:
+    """Extern argument: the result of an earlier step of a multi-step extern."""
+    __slots__ = ("j",)
+
+    def __init__(self, j: int):
+        self.j = j
+
+    def __repr__(self):
+        return f"StepRef({self.j})"
+
+
+class DeviceSlot:
+    """Extern argument: the device to run on (the operands' device, else the runtime's)."""
+    __slots__ = ("captured",)
+
+    def __init__(self, captured: torch.device):
+        self.captured = captured
+
+    def __repr__(self):
+        return "DeviceSlot()"
+
+
+class SymExpr:
+    """A size expression over the graph's symbols (a sympy expression), evaluated from the bound
+    symbol values; used where an extern's argument depends on a size (arange(T), x / T, ...)."""
+    __slots__ = ("expr", "syms", "_cache")
+
+    def __init__(self, expr, syms: dict):
+        self.expr = expr
+        self.syms = {s: i for s, i in syms.items() if s in expr.free_symbols}
+        self._cache: dict = {}
+
+    def __call__(self, symvals) -> Any:
+        key = tuple(symvals[i] for i in self.syms.values())
+        hit = self._cache.get(key)
+        if hit is None:
+            v = self.expr.xreplace({s: sympy.Integer(symvals[i]) for s, i in self.syms.items()})
+            hit = int(v) if v.is_integer else (bool(v) if v.is_Boolean else float(v))
+            self._cache[key] = hit
+        return hit
+
+    def __repr__(self):
+        return f"SymExpr({self.expr})"
+
+
+def _subst(tmpl, tensors, results, symvals, device):
+    if isinstance(tmpl, TensorSlot):
+        return tensors[tmpl.k]
+    if isinstance(tmpl, StepRef):
+        return results[tmpl.j]
+    if isinstance(tmpl, SymExpr):
+        return tmpl(symvals)
+    if isinstance(tmpl, DeviceSlot):
+        return device if device is not None else tmpl.captured
+    if isinstance(tmpl, (list, tuple)) and not hasattr(tmpl, "_fields"):
+        return type(tmpl)(_subst(t, tensors, results, symvals, device) for t in tmpl)
+    if isinstance(tmpl, dict):
+        return {k: _subst(t, tensors, results, symvals, device) for k, t in tmpl.items()}
+    return tmpl
+
+
+class Extern:
+    """One torch computation the runtime runs between kernels. `steps` is a list of
+    (callable, args, kwargs); the last step's result is the extern's result (a tensor, or a tuple
+    the EXTERN node's axis indexes). Templates hold TensorSlot (the node's operands), StepRef,
+    SymExpr and DeviceSlot placeholders. Most externs are one step: fn(*args, **kwargs)."""
+    __slots__ = ("steps", "name", "noperands")
+
+    def __init__(self, steps, name: str, noperands: int):
+        self.steps = steps
+        self.name = name
+        self.noperands = noperands
+
+    @property
+    def fn(self):
+        return self.steps[-1][0]
+
+    @property
+    def args(self):
+        return self.steps[-1][1]
+
+    def __iter__(self):  # (callable, args-template), for one-step externs
+        yield self.fn
+        yield self.args
+
+    def call(self, tensors, symvals=(), device=None):
+        """Runs the extern on the operand tensors (in the EXTERN node's input order)."""
+        if device is None:
+            device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+        results: list = []
+        for fn, args, kwargs in self.steps:
+            results.append(fn(*_subst(args, tensors, results, symvals, device),
+                              **_subst(kwargs, tensors, results, symvals, device)))
+        return results[-1]
+
+    def __repr__(self):
+        return f"Extern({self.name}, {len(self.steps)} step(s), {self.noperands} operand(s))"
+
+
+# ---------------------------------------------------------------------------- the result
+
+
+@dataclasses.dataclass
+class OutputTree:
+    """How to rebuild the model's outputs: torch's pytree spec over leaves that are ("out", i)
+    (graph output i), ("value", v) (a constant such as None) or ("sym", SymExpr)."""
+    spec: Any
+    leaves: list
+
+    def build(self, graph_outputs, symvals=()):
+        leaf = self.__dict__.get("_one_out")
+        if leaf is None:   # the common case, one tensor out: no pytree on the hot path
+            leaf = self.__dict__["_one_out"] = (
+                len(self.leaves) == 1 and self.leaves[0][0] == "out"
+                and (self.spec is None or (hasattr(self.spec, "is_leaf") and self.spec.is_leaf())))
+        if leaf:
+            return graph_outputs[self.leaves[0][1]]
+        vals = []
+        for kind, x in self.leaves:
+            vals.append(graph_outputs[x] if kind == "out" else x(symvals) if kind == "sym" else x)
+        if self.spec is None:
+            return vals[0] if len(vals) == 1 else tuple(vals)
+        return pytree.tree_unflatten(vals, self.spec)
+
+
+@dataclasses.dataclass
+class Captured:
+    """A captured model. Graph inputs are the user inputs (input_names, in order) followed by
+    param_names (input_kinds says "param", "buffer" or "const" for each: the first two are
+    fetched from the live module by path, "const" from `constants`). Graph outputs are the
+    model's tensor outputs (output_tree rebuilds its structure) then the in-place updates
+    listed in `mutations`. EXTERN node i runs externs[node.index]."""
+    graph: Any                      # kbench._C.Graph
+    input_names: list               # user inputs (graph inputs 0..n-1)
+    input_syms: list                # per user input, per dim: symbol id or None (pinned)
+    param_names: list               # the other graph inputs, in order (module paths)
+    externs: list                   # Extern per EXTERN index
+    static_reason: Optional[str]    # None when sizes may vary
+    output_tree: OutputTree
+    example_symvals: list           # the symbols' values in the example
+    input_kinds: list = dataclasses.field(default_factory=list)   # per graph input
+    constants: dict = dataclasses.field(default_factory=dict)     # lifted constants, by name
+    mutations: list = dataclasses.field(default_factory=list)     # (graph output, kind, name)
+    symbol_sources: list = dataclasses.field(default_factory=list)  # torch's name per symbol
+    guards: list = dataclasses.field(default_factory=list)        # SymExpr that must be true
+    input_dtypes: list = dataclasses.field(default_factory=list)  # torch dtype per user input
+    device: Optional[torch.device] = None
+    notes: list = dataclasses.field(default_factory=list)         # why each extern exists
+    value_names: dict = dataclasses.field(default_factory=dict)   # value id -> FX node name
+
+    # -- helpers the runtime and the reference evaluator share
+
+    def bind(self, user_inputs) -> list:
+        """Symbol values for actual user inputs; ValueError when the shapes (or dtypes) do not
+        fit the captured graph (the caller falls back to eager)."""
+        user_inputs = as_tuple(user_inputs)
+        if len(user_inputs) != len(self.input_names):
+            raise ValueError(f"expected {len(self.input_names)} inputs, got {len(user_inputs)}")
+        symvals = [None] * len(self.example_symvals)
+        for i, (t, syms) in enumerate(zip(user_inputs, self.input_syms)):
+            if not isinstance(t, torch.Tensor) or t.dim() != len(syms):
+                raise ValueError(f"input {self.input_names[i]}: expected a tensor of rank {len(syms)}")
+            if self.input_dtypes and t.dtype != self.input_dtypes[i]:
+                raise ValueError(f"input {self.input_names[i]}: dtype {t.dtype}, captured with "
+                                 f"{self.input_dtypes[i]}")
+            for d, s in enumerate(syms):
+                if s is not None:
+                    if symvals[s] is None:
+                        symvals[s] = int(t.shape[d])
+                    elif symvals[s] != t.shape[d]:
+                        raise ValueError(f"input {self.input_names[i]} dim {d} is {t.shape[d]}, "
+                                         f"but {self.graph.symbols[s][0]} = {symvals[s]} elsewhere")
+        if any(v is None for v in symvals):
+            raise ValueError("a size symbol is bound by no input")
+        for i, t in enumerate(user_inputs):
+            want = tuple(self.graph.sizes(self.graph.inputs[i], symvals))
+            if tuple(t.shape) != want:
+                raise ValueError(f"input {self.input_names[i]}: shape {tuple(t.shape)}, "
+                                 f"the graph needs {want}")
+        for g in self.guards:
+            if not g(symvals):
+                raise ValueError(f"sizes {symvals} break the captured guard {g.expr}")
+        return symvals
+
+    def graph_inputs(self, model, user_inputs) -> list:
+        """Tensors for every graph input: the user inputs, then the live module's parameters
+        and buffers (so an optimized module shares them) and the held constants."""
+        out = list(as_tuple(user_inputs))
+        for kind, name in zip(self.input_kinds[len(out):], self.param_names):
+            if kind == "param":
+                out.append(model.get_parameter(name))
+            elif kind == "buffer":
+                out.append(model.get_buffer(name))
+            else:
+                out.append(self.constants[name])
+        return out
+
+    def build_outputs(self, graph_outputs, symvals=()):
+        return self.output_tree.build(graph_outputs, symvals)
+
+    def apply_mutations(self, model, user_inputs, graph_outputs):
+        """Copies in-place updates the model makes (BatchNorm running stats in training mode,
+        user inputs changed in place) back into the live tensors, as eager would."""
+        if not self.mutations:
+            return
+        user_inputs = as_tuple(user_inputs)
+        with torch.no_grad():
+            for out, kind, name in self.mutations:
+                if kind == "buffer":
+                    dst = model.get_buffer(name)
+                elif kind == "param":
+                    dst = model.get_parameter(name)
+                else:
+                    dst = user_inputs[self.input_names.index(name)]
+                dst.copy_(graph_outputs[out])
+
+
+def as_tuple(x):
+    return (x,) if isinstance(x, torch.Tensor) else tuple(x)

@@ -1,0 +1,342 @@
+"""The cuda backend: each compute region's kernel (chosen and verified by a tuner, kbench/tune/)
+loaded through the driver and launched on the caller's stream with no host sync. This file is
+the loading and the launching; which kernel a region gets, and why, is the tuner's business (it
+is handed in, so the runtime never imports the search)."""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from .. import _C, kernels, verify
+from ..dtypes import torch_dtype
+from . import fast, nvrtc, torch_eval
+from .plan import Executor, Fallback, RegionFallback
+
+log = logging.getLogger("kbench")
+
+INT32_LIMIT = (1 << 31) - 1
+
+
+class Kernel:
+    """A loaded, verified kernel and what a launch needs, precomputed."""
+
+    __slots__ = ("fn", "fn_nostats", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks",
+                 "genome", "name", "vec", "workspace_per_unit", "workspace_per_block", "source", "module", "regs",
+                 "spills", "launches", "workspaces")
+
+    def __init__(self):
+        self.launches = {}   # sizes -> precomputed launch parameters (see CudaExecutor.launch_params)
+        self.workspaces = {}  # stream -> workspace reused by every launch on that stream (launcher)
+
+    def grid(self, symvals) -> int:
+        units = self.grid_units if isinstance(self.grid_units, int) else \
+            self.grid_units[0] * math.prod(symvals[s] for s in self.grid_units[1])
+        g = min(max(1, -(-units // self.units_per_block)), 0x7FFFFFFF)   # every kernel loops over its work
+        return min(g, self.max_blocks) if self.max_blocks else g
+
+
+def resident_blocks(regs: int, threads: int, regs_per_sm: int) -> int:
+    """Blocks of `threads` threads at `regs` registers each that one SM holds by registers (they
+    are allocated per warp in units of 256); 0 when unknown. The generator caps a persistent or
+    column-sum grid by threads and shared memory alone: a grid of more blocks than fit runs a
+    second, mostly idle wave."""
+    if regs <= 0 or threads <= 0 or regs_per_sm <= 0:
+        return 0
+    per_warp = -(-regs * 32 // 256) * 256
+    return max(1, regs_per_sm // (per_warp * -(-threads // 32)))
+
+
+def _genome_field(genome: str, key: str, default: int) -> int:
+    for part in genome.split():
+        k, _, v = part.partition("=")
+        if k == key:
+            try:
+                return int(v)
+            except ValueError:
+                return default
+    return default
+
+
+class CudaExecutor(Executor):
+    """Generated kernels on one CUDA device. `tuner` (kbench.tune.Tuner) prepares each compute
+    region: it sets self.kernels[r] for the regions a verified kernel runs, and their status."""
+
+    name = "cuda"
+
+    def __init__(self, tuner):
+        self.tuner = tuner
+        self.seed = tuner.seed
+        self.kernels: dict[int, Kernel] = {}
+        self._helpers: dict = {}     # (file, entry) -> function of a kbench/kernels helper
+
+    def fresh(self):
+        """An executor for another plan (a region's backward) with the same tuner: its memo of
+        tuned kernels and timings is shared, so the same backward region of twelve blocks is
+        found, searched, compiled and timed once."""
+        return CudaExecutor(self.tuner)
+
+    def prepare(self, plan, device):
+        self.plan = plan
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'cuda' needs a CUDA GPU; torch.cuda.is_available() is False "
+                               "(use backend='interp' on the CPU)")
+        self.device = device
+        with torch.cuda.device(device):
+            torch.cuda.current_stream().synchronize()  # torch creates the primary context first
+            self.cuda = _C.cuda_open()
+            self.dev = _C.device_info(self.cuda, device.index or 0)
+            self.sm = self.dev["sm"]
+            self.arch = f"sm_{self.sm}"
+            path, version = nvrtc.info()  # FileNotFoundError here names every place looked
+            plan.nvrtc = f"{path} ({version // 1000}.{version % 1000 // 10})"
+            self.tuner.prepare(self)
+
+    def helper(self, file: str, entry: str):
+        """A function of a hand-written helper kernel (kbench/kernels/<file>), compiled and loaded
+        once per executor."""
+        fn = self._helpers.get((file, entry))
+        if fn is None:
+            module = self._helpers.get(file)
+            if module is None:
+                module = self._helpers[file] = _C.module_load(self.cuda, nvrtc.compile(kernels.source(file), self.arch))
+            fn = self._helpers[(file, entry)] = _C.get_function(self.cuda, module, entry, 0)[0]
+        return fn
+
+    def load(self, k, cubin=None) -> Kernel:
+        """Compile (NVRTC, disk-cached) and load one generated kernel; CompileError on failure."""
+        if cubin is None:
+            cubin = nvrtc.compile(k["source"], self.arch)
+        kernel = Kernel()
+        kernel.source = k["source"]
+        kernel.module = _C.module_load(self.cuda, cubin)
+        kernel.fn, kernel.regs, kernel.spills = _C.get_function(self.cuda, kernel.module, k["name"], k["smem"])
+        kernel.finish_fn = kernel.fn_nostats = None
+        if k["nkernels"] > 1:
+            kernel.finish_fn, _, _ = _C.get_function(self.cuda, kernel.module, k["name"] + "_finish", 0)
+        if k.get("nostats"):   # the same kernel without its saved statistics (no backward follows)
+            kernel.fn_nostats, _, _ = _C.get_function(self.cuda, kernel.module, k["name"] + "_nostats", k["smem"])
+        kernel.name, kernel.block, kernel.smem = k["name"], k["block"], k["smem"]
+        kernel.grid_units, kernel.units_per_block = k["grid_units"], k["units_per_block"]
+        kernel.max_blocks, kernel.genome = k["max_blocks"], k["genome"]
+        if kernel.max_blocks >= 0x7FFFFFFF:   # an older cache entry's int32 grid clamp, once taken
+            kernel.max_blocks = 0             # for a cap; a real cap is a few blocks per SM
+        if kernel.max_blocks:   # a capped grid is one wave: no more blocks than fit at once
+            fit = resident_blocks(kernel.regs, kernel.block, self.dev.get("regs_per_sm", 0))
+            if fit:
+                kernel.max_blocks = min(kernel.max_blocks, fit * self.dev["num_sms"])
+        kernel.vec = _genome_field(k["genome"], "vec", 1)
+        kernel.workspace_per_unit = k["workspace_bytes_per_unit"]
+        kernel.workspace_per_block = k.get("workspace_bytes_per_block", 0)
+        return kernel
+
+    # ------------------------------------------------------------------ checks
+
+    def reference(self, r, symvals, inputs):
+        """The region in float64 through torch (integer inputs stay integers)."""
+        plan = self.plan
+        info = plan.regions[r]
+        ins = {v: (x.double() if x.is_floating_point() else x) for v, x in zip(info.inputs, inputs)}
+        out = torch_eval.evaluate(plan.graph, plan, ins, symvals, nodes=info.nodes, dtype=torch.float64,
+                                  device=self.device)
+        return [out[v] for v in info.outputs]
+
+    # ------------------------------------------------------------------ launching
+
+    def launch_params(self, kernel, r, symvals):
+        """What launching kernel at these sizes takes beyond the pointers, computed once per size:
+        (output shapes and dtypes, grid, int arguments, workspace bytes, largest element count)."""
+        key = tuple(symvals)
+        lp = kernel.launches.get(key)
+        if lp is None:
+            plan = self.plan
+            shapes = [(torch.Size(plan.graph.sizes(v, key)), torch_dtype(plan.nodes[v]["dtype"]))
+                      for v in plan.regions[r].outputs]
+            units = kernel.grid_units if isinstance(kernel.grid_units, int) else \
+                kernel.grid_units[0] * math.prod(key[s] for s in kernel.grid_units[1])
+            numel = max([math.prod(plan.graph.sizes(v, key)) for v in plan.regions[r].inputs + plan.regions[r].outputs]
+                        or [0])
+            grid = kernel.grid(key)
+            workspace = kernel.workspace_per_unit * units + kernel.workspace_per_block * grid
+            lp = (shapes, (grid, 1, 1), key, workspace, numel)
+            if len(kernel.launches) > 256:
+                kernel.launches.clear()
+            kernel.launches[key] = lp
+        return lp
+
+    def launch(self, kernel, r, symvals, inputs, poison=False, lp=None, nostats=False, outs=None):
+        """nostats: through the entry point without the saved statistics (their outputs left out).
+        outs: tensors to write (the region's outputs, shaped as _launch_params says) instead of
+        new ones (the search times candidates on buffer layouts of its own)."""
+        shapes, grid, ints, workspace_bytes, _ = lp or self.launch_params(kernel, r, symvals)
+        device = inputs[0].device if inputs else self.device
+        skipped = self.plan.regions[r].saved if nostats else 0
+        shapes = shapes[:len(shapes) - skipped]
+        if outs is not None:
+            if [(o.shape, o.dtype) for o in outs] != list(shapes):
+                raise ValueError("kbench: outs do not match the region's outputs")
+        elif poison:
+            outs = [verify.poison_like(s, d, device) for s, d in shapes]
+        else:
+            outs = [torch.empty(s, dtype=d, device=device) for s, d in shapes]
+        if workspace_bytes:
+            workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+            ints = ints + (workspace.data_ptr(),)  # a pointer argument is 8 bytes, like an int64
+        ptrs = tuple([x.data_ptr() for x in inputs] + [o.data_ptr() for o in outs] + [0] * skipped)
+        stream = current_stream(device)
+        _C.launch(self.cuda, kernel.fn_nostats if nostats else kernel.fn, grid, kernel.block, kernel.smem, stream,
+                  ptrs, ints)
+        if kernel.finish_fn is not None:
+            _C.launch(self.cuda, kernel.finish_fn, grid, kernel.block, 0, stream, ptrs, ints)
+        return outs
+
+    def can_run(self, r):
+        return r in self.kernels
+
+    def scale(self, grads, grad_out) -> None:
+        """Executor.scale on the device, without a host sync (kbench/kernels/scale.cu)."""
+        for t in grads:
+            g = grad_out.to(device=t.device, dtype=t.dtype).contiguous()
+            if not t.is_contiguous():
+                raise RuntimeError("kbench: a gradient computed in the forward is not contiguous")
+            n = t.numel()
+            blocks = max(1, min((n + 255) // 256, 8 * self.dev["num_sms"]))
+            _C.launch(self.cuda, self.helper("scale.cu", _SCALE_NAMES[t.dtype]), blocks, 256, 0, current_stream(t.device),
+                      (t.data_ptr(), g.data_ptr()), (n,))
+
+    def run(self, r, symvals, inputs):
+        """One call off the hot path (gradient checks, Program.run): through a launcher made
+        for it, so both paths check and launch the same way."""
+        launch = self.launcher(r, symvals)
+        if launch is None:
+            raise RegionFallback(f"region {r}: a tensor has more than 2^31 elements")
+        return launch(inputs)
+
+    def launcher(self, r, symvals, trusted=(), stats=True):
+        """The hot path of region r at these sizes (see Executor.launcher): grid, arguments,
+        output shapes and the stream lookup resolved once; per call only the contiguity checks on
+        inputs not known to be contiguous (trusted), the alignment of every input's pointer,
+        one allocation per output, and the launch. stats=False: the kernel's `_nostats` entry
+        point (its saved statistics' stores compiled out) runs, and they come back as None."""
+        kernel = self.kernels.get(r)
+        if kernel is None:
+            return None
+        shapes, grid, ints, workspace_bytes, numel = self.launch_params(kernel, r, symvals)
+        if numel > INT32_LIMIT:
+            return None   # run() refuses every call, with the reason
+        # stats=False: the entry point that does not write the saved statistics (where the
+        # kernel has none, the statistics are written to buffers of their own and dropped)
+        skipped = self.plan.regions[r].saved if not stats else 0
+        scratch = []
+        if skipped and kernel.fn_nostats is None:
+            # the entry point that writes them (the tuner found it faster) writes
+            # into buffers of its own, allocated once here: nothing reads them, so launches on
+            # several streams may write them at once
+            scratch = [torch.empty(s, dtype=d, device=self.device) for s, d in shapes[len(shapes) - skipped:]]
+        shapes = shapes[:len(shapes) - skipped]
+        check = [j for j in range(len(self.plan.regions[r].inputs)) if not (j < len(trusted) and trusted[j])]
+        # an output shaped like an input is allocated with empty_like(input): no size or dtype to
+        # parse (a few us per output on a slow host); every input is contiguous by the checks
+        in_meta = [(torch.Size(self.plan.graph.sizes(v, symvals)), torch_dtype(self.plan.nodes[v]["dtype"]))
+                   for v in self.plan.regions[r].inputs]
+        like = [in_meta.index(m) if m in in_meta else -1 for m in shapes]
+        device, align = self.device, kernel.vec > 1
+        fn = kernel.fn_nostats if skipped and not scratch else kernel.fn
+        ext = fast.module()
+        if ext is not None:   # the same steps in C++ (csrc/fast/launch.cpp)
+            return ext.Launch(
+                cuda=self.cuda, keep=(kernel, scratch), fn=fn, finish=kernel.finish_fn, grid=grid,
+                block=kernel.block, smem=kernel.smem,
+                device=device.index if device.index is not None else torch.cuda.current_device(),
+                region=r, vec=kernel.vec, check=check, ints=ints, workspace_bytes=workspace_bytes,
+                outs=[(j, s, d) for j, (s, d) in zip(like, shapes)], skipped=skipped,
+                scratch=[t.data_ptr() for t in scratch]).run
+        launch, cuda, finish, block, smem = _C.launch, self.cuda, kernel.finish_fn, kernel.block, kernel.smem
+        no_ptrs = tuple(t.data_ptr() for t in scratch) if scratch else (0,) * skipped
+        no_outs = [None] * skipped
+        empty, empty_like, u8 = torch.empty, torch.empty_like, torch.uint8
+        stream_of = stream_getter(device)
+        workspaces = kernel.workspaces
+        capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+
+        def run(inputs):
+            if check and inputs[check[0]].device != device:
+                raise Fallback(f"the model was optimized for {device}; got a tensor on {inputs[check[0]].device}")
+            for j in check:
+                if not inputs[j].is_contiguous():
+                    raise RegionFallback(f"region {r}: input {j} is not contiguous")
+            in_ptrs = [x.data_ptr() for x in inputs]
+            if align:   # every input: the pointers are at hand, the test is integer arithmetic
+                for j, p in enumerate(in_ptrs):
+                    if p & 15:
+                        raise RegionFallback(f"region {r}: input {j} is not 16-byte aligned (kernel uses vec={kernel.vec})")
+            outs = [empty_like(inputs[j]) if j >= 0 else empty(s, dtype=d, device=device)
+                    for j, (s, d) in zip(like, shapes)]
+            args = ints
+            stream = stream_of()
+            if workspace_bytes:
+                # One workspace per kernel and stream, kept: launches on one stream run in
+                # order, so the next launch cannot overwrite partial sums the finishing kernel
+                # has yet to read. Under CUDA-graph capture each launch gets its own (from the
+                # graph's pool), as a replay may overlap work outside the graph.
+                workspace = workspaces.get(stream)
+                capture = capturing()
+                if capture or workspace is None or workspace.numel() < workspace_bytes:
+                    workspace = empty(workspace_bytes, dtype=u8, device=device)
+                    if not capture:
+                        workspaces[stream] = workspace
+                args = ints + (workspace.data_ptr(),)
+            ptrs = tuple(in_ptrs + [o.data_ptr() for o in outs])
+            if skipped:
+                ptrs += no_ptrs
+            launch(cuda, fn, grid, block, smem, stream, ptrs, args)
+            if finish is not None:
+                launch(cuda, finish, grid, block, 0, stream, ptrs, args)
+            return outs + no_outs if skipped else outs
+        return run
+
+    # ------------------------------------------------------------------ timing
+
+    def scale_ms(self, metas) -> float:
+        bufs = [torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
+        g = torch.tensor(0.5, device=self.device)
+        return event_ms(lambda: self.scale(bufs, g), 10)
+
+
+_SCALE_NAMES = {torch.float32: "kb_scale_f32", torch.float64: "kb_scale_f64", torch.float16: "kb_scale_f16",
+                torch.bfloat16: "kb_scale_bf16"}
+
+
+def current_stream(device) -> int:
+    """The raw handle of torch's current stream on device (the cheap way, where torch has it)."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return get(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def stream_getter(device):
+    """A callable returning the raw handle of torch's current stream on device, bound once."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if get is not None:
+        return lambda: get(index)
+    dev = torch.device("cuda", index)
+    return lambda: torch.cuda.current_stream(dev).cuda_stream
+
+
+def event_ms(fn, reps: int) -> float:
+    """The median of reps CUDA-event timings of fn() on the current stream, after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]

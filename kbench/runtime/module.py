@@ -1,0 +1,263 @@
+"""OptimizedModule: the model with its regions swapped for kbench's. It shares the original's
+parameters, buffers and submodules (the very same tensors and dicts), binds each input signature
+to a Program once, runs the usual call from C++ where it can (kbench._fast.Program) and sends
+anything outside what was captured and verified to eager with a one-time reason."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..dtypes import torch_dtype
+from ..report import Report
+from . import fast, joint
+from .autograd import RegionBackward, apply_region
+from .plan import KERNEL, MATERIALIZE, Executor, Fallback, Plan, Program, RegionFallback
+
+log = logging.getLogger("kbench")
+
+
+class OptimizedModule(RegionBackward, torch.nn.Module):
+    """The model with its regions swapped for kbench's. Shares the original's parameters and
+    buffers (the very same tensors, the same state_dict keys); the original is left as it was."""
+
+    def __init__(self, module: torch.nn.Module, captured, executor: Executor, device: torch.device,
+                 grad_in_forward: bool = True):
+        super().__init__()
+        fast.install_module_call(OptimizedModule)   # once: the plain call goes straight to C++
+        # share, not copy: the same dicts, so .parameters(), state_dict() and optimizers see the
+        # original's tensors, and updates through either module are the same update
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self._modules = module._modules
+        self.training = module.training
+        plan = Plan(captured.graph, captured.externs, captured.example_symvals, captured.static_reason,
+                    captured.guards, save_stats=True)
+        executor.prepare(plan, device)
+        self.__dict__.update(_kbench_orig=module, _kbench_captured=captured, _kbench_plan=plan,
+                             _kbench_executor=executor, _kbench_reasons=set(), _kbench_device=device,
+                             _kbench_program=Program(plan, executor, self._note), _kbench_backward={},
+                             _kbench_unused_grads={}, _kbench_grad_checks={},
+                             _kbench_captured_training=module.training)
+        # parameters and buffers as captured: a later .double() or resize sends calls to eager
+        nuser = len(captured.input_names)
+        self.__dict__["_kbench_param_meta"] = [
+            (plan.nodes[v]["name"], torch_dtype(plan.nodes[v]["dtype"]),
+             torch.Size(plan.graph.sizes(v, plan.example_symvals)))
+            for v in plan.graph.inputs[nuser:]]
+        self.__dict__["_kbench_param_chains"] = self._param_chains()
+        self.__dict__["_kbench_sigs"] = {}
+        # a loss: its gradients computed in the forward (joint.py); per need pattern, the
+        # joint program (None: not used) and, for the report, whether and why
+        why = joint.scalar_output(plan, captured) if grad_in_forward else "grad_in_forward=False"
+        self.__dict__.update(_kbench_loss_why=why, _kbench_loss={}, _kbench_joint={})
+        self.__dict__["_kbench_fast_program"] = self._fast_program()
+
+    @property
+    def kbench_report(self):
+        return Report.from_module(self)
+
+    def train(self, mode: bool = True):
+        self._kbench_orig.train(mode)
+        return super().train(mode)
+
+    def _note(self, reason: str):
+        if reason not in self._kbench_reasons:
+            self._kbench_reasons.add(reason)
+            log.warning("kbench: running in eager PyTorch: %s", reason)
+
+    def _fallback(self, reason: str, args, kwargs):
+        self._note(reason)
+        return self._kbench_orig(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        # the common case in C++ (kbench._fast.Program): a bound signature, every region a
+        # generated kernel; NotImplemented for anything else, decided before any launch. A
+        # plain call (no hooks) does this in C++ too: kbench._fast.module_call, fast.install_module_call
+        program = self._kbench_fast_program
+        if program is not None and not kwargs:
+            try:
+                out = program.call(self, args)
+            except Fallback as e:
+                return self._fallback(str(e), args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return self._forward_python(args, kwargs)
+
+    def _forward_python(self, args, kwargs):
+        """The forward where kbench._fast.Program declines: a new signature to bind, a step or an
+        output it leaves to Python, a fallback."""
+        if kwargs:
+            return self._fallback("keyword arguments are not captured", args, kwargs)
+        # the hot path: sizes bound once per input signature (shapes, dtypes, devices)
+        try:
+            sig = tuple((x.shape, x.dtype, x.device) for x in args)
+        except AttributeError:
+            sig = None
+        bound = self._kbench_sigs.get(sig) if sig is not None else None
+        if bound is None:
+            bound = self._bind(args, sig)
+            if isinstance(bound, str):
+                return self._fallback(bound, args, kwargs)
+        if self.training != self._kbench_captured_training:
+            return self._fallback("the module's train/eval mode differs from the captured one", args, kwargs)
+        try:
+            return self._run(bound, args)
+        except Fallback as e:
+            return self._fallback(str(e), args, kwargs)
+
+    def _bind(self, args, sig):
+        """The program bound to a new input signature's sizes, or the reason the call must go to
+        eager."""
+        captured = self._kbench_captured
+        if len(args) != len(captured.input_names):
+            raise TypeError(f"{type(self._kbench_orig).__name__} was captured with {len(captured.input_names)} "
+                            f"input(s); got {len(args)}")
+        for i, x in enumerate(args):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+        try:
+            symvals = tuple(captured.bind(args))
+        except ValueError as e:
+            return str(e)
+        bound = self._kbench_program.bind(symvals)
+        for step in bound.steps:
+            step.owner = self
+            if step.kind == KERNEL:
+                step.fast = self._fast_region(step)
+        if sig is not None:
+            program = self._kbench_fast_program
+            if len(self._kbench_sigs) > 256:   # many shapes: keep the table bounded
+                self._kbench_sigs.clear()
+                if program is not None:
+                    program.clear()
+            self._kbench_sigs[sig] = bound
+            if program is not None:
+                entry = self._fast_entry(bound)
+                if entry is not None:
+                    program.add(tuple(args), *entry)
+        return bound
+
+    def _fast_program(self):
+        """The kbench._fast.Program that runs the common call from C++, where the executor's
+        launches are kbench._fast's; None: every call takes the Python path."""
+        if self._kbench_executor.name != "cuda":
+            return None
+        ext = fast.module()   # None under KBENCH_FAST=0 (or where it was not built)
+        if ext is None or not hasattr(ext, "Program"):
+            return None
+        return ext.Program(orig=self._kbench_orig, captured=self._kbench_captured,
+                            ninputs=len(self._kbench_captured.input_names), chains=self._kbench_param_chains,
+                            meta=self._kbench_param_meta, training=self._kbench_captured_training,
+                            grad_ok=bool(self._kbench_loss_why), apply_region=apply_region)
+
+    def _fast_entry(self, bound):
+        """What kbench._fast.Program.add takes for this bound signature: (steps, outputs, build),
+        or None where _run must run every call: a region that is not a kbench._fast launch and
+        Region (eager, EXTERN, a Python launcher), a value torch computes in between, in-place
+        updates to copy back."""
+        captured = self._kbench_captured
+        if captured.mutations:
+            return None
+        steps = []
+        for step in bound.steps:
+            launch = fast.launch_of(step.launch_nograd or step.launch) if step.kind == KERNEL else None
+            if launch is None or step.fast is None:
+                return None
+            steps.append((step, launch, step.fast, list(step.ins), len(step.out_meta)))
+        # build_outputs as C++ reproduces it where that is exact: the one output itself, or a
+        # plain tuple of outputs; anything else (a dict, None or a size among them) it calls
+        probe = [object() for _ in bound.outputs]
+        try:
+            shaped = captured.build_outputs(probe, bound.symvals)
+        except Exception:  # noqa: BLE001 - whatever it does with real tensors, the Python path does it
+            return None
+        where = {id(p): i for i, p in enumerate(probe)}
+        if id(shaped) in where:
+            return steps, [bound.outputs[where[id(shaped)]]], "one"
+        if type(shaped) is tuple and shaped and all(id(x) in where for x in shaped):
+            return steps, [bound.outputs[where[id(x)]] for x in shaped], "tuple"
+        symvals, build = bound.symvals, captured.build_outputs
+        return steps, list(bound.outputs), lambda outs: build(outs, symvals)
+
+    def _param_chains(self):
+        """(module path, table, name) per parameter/buffer input: read through the live modules'
+        own dicts at each call, so a replaced tensor or submodule is the one used."""
+        chains = []
+        for v in self._kbench_plan.graph.inputs[len(self._kbench_captured.input_names):]:
+            name = self._kbench_plan.nodes[v]["name"]
+            if name in self._kbench_captured.constants:
+                chains.append((None, None, name))
+                continue
+            *path, leaf = name.split(".")
+            owner = self._kbench_orig.get_submodule(".".join(path)) if path else self._kbench_orig
+            table = "_parameters" if leaf in owner._parameters else "_buffers"
+            chains.append((tuple(path), table, leaf))
+        return chains
+
+    def _params(self):
+        out = []
+        constants = self._kbench_captured.constants
+        for path, table, leaf in self._kbench_param_chains:
+            if path is None:
+                out.append(constants[leaf])
+                continue
+            m = self._kbench_orig
+            try:
+                for part in path:
+                    m = m._modules[part]
+                t = getattr(m, table)[leaf]
+            except (KeyError, AttributeError):
+                raise Fallback(f"{'.'.join(path + (leaf,))} is gone from the module") from None
+            if t is None:
+                raise Fallback(f"{'.'.join(path + (leaf,))} is None")
+            out.append(t)
+        return out
+
+    def _run(self, bound, args):
+        captured = self._kbench_captured
+        params = self._params()
+        device = args[0].device if args else self._kbench_device
+        # checked every call: module.double() or .to() change a Parameter's dtype in place
+        # (param.data = ...), so the same tensor object can come back as something else
+        for t, (name, dtype, shape) in zip(params, self._kbench_param_meta):
+            if t.dtype != dtype or t.shape != shape or t.device != device:
+                raise Fallback(f"{name} is now {t.dtype}{list(t.shape)} on {t.device}; it was captured as "
+                               f"{dtype}{list(shape)}, and the inputs are on {device}")
+        for x in args:
+            if x.device != device:
+                raise Fallback(f"tensors on {device} and {x.device}")
+        slots = [*args, *params]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in slots)
+        if grad and not self._kbench_loss_why:
+            need = tuple(t.requires_grad and t.is_floating_point() for t in slots)
+            program = self._kbench_joint.get(need, False)
+            if program is False:
+                program = self._kbench_joint[need] = joint.build(self, need)
+            if program is not None:
+                loss = joint.LossFunction.apply(program, bound.symvals, *slots)
+                return captured.build_outputs([loss], bound.symvals)
+        for step in bound.steps:
+            ins = [slots[i] for i in step.ins]
+            if step.kind == KERNEL:
+                if grad and any(x.requires_grad for x in ins):
+                    fast = step.fast
+                    if fast is None:
+                        slots.extend(apply_region(step, *ins))
+                    else:
+                        try:
+                            slots.extend(fast.apply(*ins))
+                        except RegionFallback:   # the Python node runs it in eager, and notes why
+                            slots.extend(apply_region(step, *ins))
+                    if step.nsaved:
+                        slots.extend(step.no_stats)
+                else:
+                    slots.extend(step.run(ins))
+            elif step.kind == MATERIALIZE:
+                slots.extend(step.launch(ins))
+            else:
+                slots.extend(self._kbench_plan.eager_region(step.r, bound.symvals, ins))
+        outs = [slots[i] for i in bound.outputs]
+        if captured.mutations:
+            captured.apply_mutations(self._kbench_orig, args, outs)
+        return captured.build_outputs(outs, bound.symvals)

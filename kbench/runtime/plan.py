@@ -1,0 +1,394 @@
+"""A captured graph as the runtime runs it: a Plan (the graph, its regions and what is known of
+each), an Executor (the backend that prepares and runs compute regions: interp.py, cuda.py), a
+Program (a plan bound to a prepared executor) and its Bound form (the steps of a call at one set
+of sizes, every lookup resolved once). EXTERN regions and values between regions run in torch
+(torch_eval.py); a backend may send one region, or the whole call, to eager with a reason."""
+from __future__ import annotations
+
+import enum
+import logging
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import verify
+from ..dtypes import torch_dtype
+from . import torch_eval
+
+log = logging.getLogger("kbench")
+
+
+class Fallback(Exception):
+    """Raised inside a call to send the whole call to eager; the message is the one-line reason."""
+
+
+class RegionFallback(Exception):
+    """Raised by a backend to run one region in eager for this call (e.g. a misaligned input)."""
+
+
+class Status(enum.Enum):
+    """What runs a region; RegionInfo.reason says why where torch runs one that kbench could."""
+    INTERP = "interp"                     # the C interpreter (backend "interp")
+    KERNEL = "kernel"                     # a generated kernel, verified here
+    CACHED = "kernel (cached)"            # a stored winner, gated against the reference on load
+    UNVERIFIED = "kernel (unverified)"    # a generated kernel with verification turned off (tests)
+    EAGER = "eager"                       # torch runs it: no kernel compiled and verified
+    TORCH = "torch"                       # an EXTERN region: torch's own op
+
+    @property
+    def kernel(self) -> bool:
+        """A generated kernel runs the region."""
+        return self in (Status.KERNEL, Status.CACHED, Status.UNVERIFIED)
+
+
+@dataclass
+class RegionInfo:
+    index: int
+    kind: str               # POINTWISE | ROW | COL | EXTERN
+    nodes: list
+    inputs: list
+    outputs: list
+    ops: str                # "mean sub mul ..." for the report
+    status: Status = Status.INTERP
+    reason: str = ""        # why torch runs it (status EAGER)
+    genome: str = ""
+    envelope: str = ""
+    eager_ms: float | None = None
+    kernel_ms: float | None = None
+    backward: str = ""      # how its backward runs
+    extra: dict = field(default_factory=dict)
+    saved: int = 0          # its last `saved` outputs are row statistics kept for the backward
+    saved_outputs: tuple = ()  # the outputs (indices) its backward reads, kept for it
+
+    def set_status(self, status: Status, reason: str = "") -> None:
+        self.status, self.reason = status, reason
+
+    @property
+    def status_text(self) -> str:
+        """The status as the report prints it: "kernel", "eager (compile failed: ...)"."""
+        return f"{self.status.value} ({self.reason})" if self.reason else self.status.value
+
+
+# Saved-tensor policy: a region's backward recomputes what it needs from the region's inputs,
+# except the row statistics (max, sum, mean) the row's elements are computed from, which the
+# forward writes (a value per row) and the backward reads: 4 bytes a row, where recomputing them
+# costs the backward kernel a pass over the row per statistic (a LayerNorm backward makes one
+# reduction pass instead of two), and a row too long to hold on chip a second read. Rows of at
+# least this many bytes (f32) save them: every row. A forward that will not be differentiated
+# skips them (Step.run: the kernel's `_nostats` entry point, no buffer for them). Where reading
+# the region's outputs moves fewer bytes (a log_softmax's backward needs only its output, as
+# eager's does), the backward reads those instead and no statistics are kept (partition.c,
+# choose_reads; RegionInfo.saved_outputs).
+SAVE_STATS_MIN_ROW_BYTES = 0
+
+
+class Plan:
+    """A graph and its regions: everything about it that does not change between calls."""
+
+    def __init__(self, graph, externs=(), example_symvals=None, static_reason=None, guards=(),
+                 save_stats=False):
+        self.graph = graph
+        self.guards = list(guards)     # size relations the capture relies on (callables of symvals)
+        self.externs = list(externs)   # torch_eval reads .externs of its `captured` argument
+        self.example_symvals = list(example_symvals if example_symvals is not None
+                                    else [s[1] for s in graph.symbols])
+        self.static_reason = static_reason
+        self.stat_inputs = set()       # a backward's inputs that are a forward's row statistics
+        # a backward's inputs that are a forward's outputs (input id -> output index), drawn for
+        # checks as the forward makes them: forward_outputs(symvals, dist, gen) -> its outputs
+        self.output_inputs, self.forward_outputs = {}, None
+        self.nodes = [graph.node(i) for i in range(graph.num_nodes)]
+        self.partition = graph.partition()
+        if save_stats:  # a forward: its long-row regions also write the statistics their backward reads
+            self.partition.save_stats(SAVE_STATS_MIN_ROW_BYTES)
+        self.regions: list[RegionInfo] = []
+        for r in range(len(self.partition)):
+            d = self.partition.region(r)
+            ops = " ".join(self.nodes[n]["op"] for n in d["nodes"]
+                           if self.nodes[n]["op"] not in ("const", "input"))
+            self.regions.append(RegionInfo(r, d["kind"], d["nodes"], d["inputs"], d["outputs"], ops,
+                                           status=Status.TORCH if d["kind"] == "EXTERN" else Status.INTERP,
+                                           saved=d["saved"], saved_outputs=tuple(d["saved_outputs"])))
+        self.nvrtc = None
+        self._region_texts = {}
+
+    def region_text(self, r) -> str:
+        """Region r's IR with value names stripped: the same for the same region in repeated
+        blocks (the cache key's text, and what makes two gradient checks the same)."""
+        text = self._region_texts.get(r)
+        if text is None:
+            text = self._region_texts[r] = re.sub(r'"[^"]*"', '""', str(self.partition.region_graph(r)))
+        return text
+
+    def admits(self, symvals) -> bool:
+        """Do these sizes satisfy every relation the capture relies on (e.g. a slice's bound)?"""
+        return all(g(symvals) for g in self.guards)
+
+    # the reference evaluator takes the plan where it would take a Captured
+    @property
+    def captured(self):
+        return self
+
+    def missing(self, v, have) -> list:
+        """The nodes torch must compute for value v, given the values in `have`, in id order."""
+        missing, stack = set(), [v]
+        while stack:
+            n = stack.pop()
+            if n in have or n in missing:
+                continue
+            missing.add(n)
+            stack.extend(self.nodes[n]["inputs"])
+        return sorted(missing)
+
+    def materialize(self, v, values, symvals):
+        """A value no region produces (a view or constant between regions): torch computes it."""
+        missing = self.missing(v, values)
+        out = torch_eval.evaluate(self.graph, self, values, symvals, nodes=missing)
+        values.update({n: out[n] for n in missing if n in out})
+
+    def eager_region(self, r, symvals, inputs, dtype=None):
+        info = self.regions[r]
+        out = torch_eval.evaluate(self.graph, self, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes,
+                                  dtype=dtype)
+        return [out[v] for v in info.outputs]
+
+
+class Executor:
+    """A backend: prepares (compiles, verifies) a plan's compute regions, then runs region r on
+    its input tensors and returns its output tensors."""
+
+    name = "?"
+
+    def fresh(self) -> "Executor":
+        """A new executor of the same kind and settings, for another plan (a backward graph)."""
+        return type(self)()
+
+    def prepare(self, plan: Plan, device: torch.device) -> None:
+        self.plan = plan
+
+    def can_run(self, r: int) -> bool:
+        return True
+
+    def scale(self, grads, grad_out) -> None:
+        """Gradients computed with the upstream gradient taken as 1 (runtime/joint.py), times the
+        real one, in place; nothing to do where it is 1 (on the CPU, asking costs nothing)."""
+        if bool((grad_out != 1).any()):
+            for t in grads:
+                t.mul_(grad_out.to(t.dtype))
+
+    def scale_ms(self, metas) -> float | None:
+        """How long scale() takes on gradients of these (shape, dtype), where it is timed."""
+        return None
+
+    def run(self, r: int, symvals: list, inputs) -> list:
+        raise NotImplementedError
+
+    def launcher(self, r: int, symvals, trusted=(), stats=True):
+        """A callable(inputs) -> outputs that runs region r at these sizes with everything that
+        does not depend on the tensors precomputed (the hot path), or None where run() must
+        decide per call. trusted[j]: input j is known contiguous (an earlier kernel's output, or
+        a backward input the forward's kernel already checked), so that check can be skipped.
+        stats=False: the region's saved statistics may be left out (None), no backward reads
+        them."""
+        if not self.can_run(r):
+            return None
+        run, symvals = self.run, list(symvals)
+        return lambda inputs: run(r, symvals, inputs)
+
+    def region_inputs(self, r, symvals, dist, gen):
+        """Random inputs of region r at these sizes (gather indices in range), for checks."""
+        device = getattr(self, "device", torch.device("cpu"))
+        if gen.device.type != device.type:  # inputs are drawn where they live
+            gen = torch.Generator(device=device).manual_seed(gen.initial_seed())
+        plan = self.plan
+        info = plan.regions[r]
+        inputs, made = [], None
+        for v in info.inputs:
+            nd = plan.nodes[v]
+            if v in plan.output_inputs:
+                # a forward's output (a log_softmax's log-probabilities): drawn freely, values no
+                # forward makes (exp(y) past f32's range) would fail a correct kernel
+                made = made if made is not None else plan.forward_outputs(symvals, dist, gen)
+                inputs.append(made[plan.output_inputs[v]].to(torch_dtype(nd["dtype"])).contiguous())
+                continue
+            t = torch.empty(plan.graph.sizes(v, symvals), dtype=torch_dtype(nd["dtype"]), device=device)
+            if v in plan.stat_inputs:
+                inputs.append(verify.fill_statistic(t, dist, gen))
+            else:
+                inputs.append(verify.fill(t, dist, gen, high=self._index_bound(r, v, symvals)))
+        return inputs
+
+    def _index_bound(self, r, v, symvals):
+        """For an integer input used as a gather index: the size of the gathered axis."""
+        plan = self.plan
+        for n in plan.regions[r].nodes:
+            nd = plan.nodes[n]
+            if nd["op"] == "gather" and self._reaches(v, nd["inputs"][1], plan.regions[r].nodes):
+                return plan.graph.sizes(nd["inputs"][0], symvals)[nd["axis"]]
+        return None
+
+    def _reaches(self, src, dst, region_nodes):
+        seen, stack = set(), [dst]
+        while stack:
+            n = stack.pop()
+            if n == src:
+                return True
+            if n in seen or n not in region_nodes:
+                continue
+            seen.add(n)
+            stack.extend(self.plan.nodes[n]["inputs"])
+        return False
+
+
+class Program:
+    """A plan bound to a prepared executor: runs every region in order."""
+
+    def __init__(self, plan: Plan, executor: Executor, note):
+        self.plan, self.executor, self.note = plan, executor, note
+
+    def run_region(self, r, symvals, inputs):
+        if not self.executor.can_run(r):
+            return self.plan.eager_region(r, symvals, inputs)
+        try:
+            return self.executor.run(r, symvals, inputs)
+        except RegionFallback as e:
+            self.note(str(e))
+            return self.plan.eager_region(r, symvals, inputs)
+
+    def bind(self, symvals, trusted=()) -> Bound:
+        """The steps of a call at these sizes: the same order and the same values as run(), with
+        every dict lookup and launch parameter resolved once. trusted: graph input positions
+        the caller guarantees contiguous."""
+        plan, graph = self.plan, self.plan.graph
+        symvals = tuple(symvals)
+        slot = {v: i for i, v in enumerate(graph.inputs)}
+        fresh = set(trusted)    # slots known contiguous: trusted inputs, outputs of our kernels
+        steps = []
+
+        def ensure(v):
+            if v in slot:
+                return
+            nodes = plan.missing(v, slot)
+            deps = sorted({u for n in nodes for u in plan.nodes[n]["inputs"] if u not in nodes})
+            step = Step()
+            step.kind, step.r, step.ins, step.launch_nograd = MATERIALIZE, -1, [slot[u] for u in deps], None
+            step.fast = None
+            step.launch = self._materializer(deps, nodes, symvals)
+            for n in nodes:
+                slot[n] = len(slot)
+            steps.append(step)
+
+        for info in plan.regions:
+            for v in info.inputs:
+                ensure(v)
+            step = Step()
+            step.r, step.symvals, step.program, step.backward, step.fast = info.index, symvals, self, {}, None
+            step.ins = [slot[v] for v in info.inputs]
+            step.float_in = tuple(torch_dtype(plan.nodes[v]["dtype"]).is_floating_point for v in info.inputs)
+            step.out_meta = [(torch.Size(graph.sizes(v, symvals)), torch_dtype(plan.nodes[v]["dtype"]))
+                             for v in info.outputs]
+            step.int_outs = not all(d.is_floating_point for _, d in step.out_meta)
+            step.nsaved, step.no_stats = info.saved, [None] * info.saved
+            step.saved_outputs = info.saved_outputs
+            step.launch_nograd = None
+            if info.kind == "EXTERN":
+                step.kind, step.launch = EAGER, None
+            else:
+                step.kind = KERNEL
+                trusted_ins = [i in fresh for i in step.ins]
+                step.launch = self.executor.launcher(info.index, symvals, trusted_ins)
+                if info.saved and step.launch is not None:
+                    step.launch_nograd = self.executor.launcher(info.index, symvals, trusted_ins, stats=False)
+            for v in info.outputs:
+                slot[v] = len(slot)
+                if step.launch is not None and info.kind != "EXTERN":
+                    fresh.add(slot[v])
+            steps.append(step)
+        for v in graph.outputs:
+            ensure(v)
+        return Bound(symvals, steps, [slot[v] for v in graph.outputs])
+
+    def _materializer(self, deps, nodes, symvals):
+        plan = self.plan
+
+        def materialize(inputs):
+            out = torch_eval.evaluate(plan.graph, plan, dict(zip(deps, inputs)), symvals, nodes=nodes)
+            return [out.get(n) for n in nodes]
+        return materialize
+
+    def run(self, symvals, values: dict, region_call=None) -> list:
+        """values: graph input id -> tensor; returns the graph outputs. region_call(r, ins) may
+        wrap compute regions (the forward wraps them in autograd Functions)."""
+        plan = self.plan
+        for info in plan.regions:
+            for v in info.inputs:
+                if v not in values:
+                    plan.materialize(v, values, symvals)
+            ins = [values[v] for v in info.inputs]
+            if info.kind == "EXTERN":
+                outs = plan.eager_region(info.index, symvals, ins)
+            elif region_call is not None:
+                outs = region_call(info.index, ins)
+            else:
+                outs = self.run_region(info.index, symvals, ins)
+            values.update(zip(info.outputs, outs))
+        for v in plan.graph.outputs:
+            if v not in values:
+                plan.materialize(v, values, symvals)
+        return [values[v] for v in plan.graph.outputs]
+
+
+KERNEL, EAGER, MATERIALIZE = 0, 1, 2
+
+
+class Step:
+    """One region (or one materialization of in-between values) bound to sizes: which slots it
+    reads, and how to run it, decided once per input signature instead of once per call."""
+
+    __slots__ = ("kind", "r", "ins", "launch", "launch_nograd", "program", "symvals", "float_in", "int_outs",
+                 "out_meta", "nsaved", "no_stats", "saved_outputs", "owner", "backward", "fast")
+
+    def run(self, inputs):
+        """The region's outputs where no backward will follow (kernel, or eager where the backend
+        declines this call): the saved statistics may come back as None."""
+        return self._run_with(self.launch_nograd or self.launch, inputs)[0]
+
+    def run_kernel(self, inputs):
+        """(outputs, whether the backend's kernel ran): a kernel ran only on inputs it checked,
+        so the region's backward may take them as contiguous."""
+        return self._run_with(self.launch, inputs)
+
+    def _run_with(self, launch, inputs):
+        if launch is not None:
+            try:
+                return launch(inputs), True
+            except RegionFallback as e:
+                self.program.note(str(e))
+                # later kernels trust this step's outputs to be contiguous and 16-byte aligned
+                return [o if o.is_contiguous() and o.data_ptr() % 16 == 0
+                        else torch.empty_like(o, memory_format=torch.contiguous_format).copy_(o)
+                        for o in self.program.plan.eager_region(self.r, self.symvals, inputs)], False
+        return self.program.plan.eager_region(self.r, self.symvals, inputs), False
+
+
+class Bound:
+    """A program bound to one set of sizes: its steps over a flat list of value slots (graph
+    inputs first, then each step's outputs in order) and which slots are the graph outputs."""
+
+    __slots__ = ("symvals", "steps", "outputs")
+
+    def __init__(self, symvals, steps, outputs):
+        self.symvals, self.steps, self.outputs = symvals, steps, outputs
+
+    def run(self, slots: list) -> list:
+        """Run every step without autograd wrapping (backward programs, checks)."""
+        for step in self.steps:
+            ins = [slots[i] for i in step.ins]
+            if step.kind == MATERIALIZE:
+                slots.extend(step.launch(ins))
+            else:
+                slots.extend(step.run(ins))
+        return [slots[i] for i in self.outputs]
+
+
