@@ -134,6 +134,9 @@ def main(argv=None):
     ap.add_argument("--status", default=None, metavar="BUDGET",
                     help="no sweep: optimize with BUDGET, run forward+backward once, print what runs each region")
     a = ap.parse_args(argv)
+    if not torch.cuda.is_available():   # one line, not a traceback from the first CUDA call
+        print("bench_genomes.py: no CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 1
     cfg = None if a.shape is None else dict(shape=tuple(int(d) for d in a.shape.split(",")))
     model, inputs = task_model(a.task, parse_dtype(a.dtype), cfg)
     extra = [dict(kv.split("=") for kv in g.split()) for g in a.genome]
@@ -168,4 +171,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

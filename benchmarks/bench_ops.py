@@ -1,24 +1,24 @@
 #!/usr/bin/env python
-"""Fused-op benchmark (issues 3/4): eager vs torch.compile vs kbench on the memory-bound ops
-kbench fuses, each at a working set >= 64 MB, timed per DESIGN §6 (CUDA events on the current
-stream, warm-up, median of >= 50 reps, L2 flushed and inputs rotated between reps, wall-clock
-cross-check) and reported against the memory roofline (a device-to-device copy measured in the
-same run). Every result is checked against a float64 reference; kbench against eager too.
+"""Fused-op benchmark: eager vs torch.compile vs kbench on the memory-bound ops kbench fuses,
+each at a working set >= 64 MB, forward and forward+backward, against the memory roofline (a
+device-to-device copy measured in the same run). Every result is checked against a float64
+reference; kbench's against eager's too. The method is docs/benchmarking.md.
 
 Each cell is timed two ways (TIMING_METHODS, also in the JSON): "per-call", CUDA events around
 each call, which counts the host overhead wherever the GPU waits on the host (the autograd
-engine and a Python autograd.Function bound forward+backward of small ops), and "device", the
-same calls replayed from a CUDA graph, which leaves the kernels alone. For kbench, each region's
-search result (the default genome's kernel time against the winner's) is reported beside them.
+engine between kernels), and "device", the same calls replayed from a CUDA graph, which leaves
+the kernels alone. For kbench, each region's search result (the default genome's kernel time
+against the winner's) is reported beside them.
 
     python benchmarks/bench_ops.py                      # forward, f32 and bf16, on the GPU
     python benchmarks/bench_ops.py --backward           # also forward+backward
     python benchmarks/bench_ops.py --quick --device cpu # smoke test (small sizes, few reps)
 
-Writes benchmarks/results/<gpu>-<date>-<commit>.json and prints a markdown table last.
-Models, inputs and the bytes-moved formulas come from kbench.bench.tasks (see each task's
-bytes_moved docstring, copied into the JSON). kbench failing to import or optimize is
-recorded in its cells; the other columns still run.
+Writes benchmarks/results/<gpu>-<date>-<commit>.json and prints a markdown table last
+(benchmarks/plot_results.py draws a chart from the JSON). Models, inputs and the bytes-moved
+formulas come from kbench.bench.tasks (each task's bytes_moved docstring is copied into the
+JSON). kbench failing to import or optimize is recorded in its cells; the other columns still
+run. Without a GPU it says so in one line and exits 1, unless --device cpu asks for the CPU.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ OPS = {
 }
 def task_model(op: str, dtype, cfg=None, device="cuda"):
     """The model of benchmark op `op` and its inputs at the timed size (or at cfg), seeded: the
-    setup the probe scripts (bench_genomes, kernel_trace, host_jitter, host_profile) share."""
+    setup bench_genomes.py and sass_counts.py share."""
     task_name, perf_cfg, _, _ = OPS[op]
     mod = TASKS[task_name].module
     cfg = perf_cfg if cfg is None else cfg
@@ -115,7 +115,7 @@ def parse_args(argv=None):
         p.error(f"unknown task(s) {unknown}; known: {list(OPS)}")
     a.dtypes = [dtype_name(parse_dtype(d)) for d in a.dtypes.split(",") if d]
     a.impls = [i for i in a.impls.split(",") if i]
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else None)
     a.reps = a.reps or (20 if a.quick else 100)
     a.warmup = 2 if a.quick else 10
     # a few replays of a short graph: the device time is stable, and the run stays ~as fast
@@ -201,23 +201,6 @@ def peak_mb(fn, xs, dev):
     peak = torch.cuda.max_memory_allocated(dev) - base
     del out
     return peak / 1e6
-
-
-def probe_setup(op, dtype, device="cuda"):
-    """For the probe scripts: task, cfg, model, params, two input sets wanting gradients and
-    random upstream gradients, as bench_task builds them for op at its full size."""
-    task_name, full, _, _ = OPS[op]
-    task = TASKS[task_name]
-    cfg = dict(full, name=op)
-    model = task.build(cfg, dtype, device, seed=0)
-    arg_sets = [task.inputs(cfg, dtype, device, seed=1 + i) for i in range(2)]
-    with torch.no_grad():
-        outs = flatten(model(*arg_sets[0]))
-    gouts = [torch.randn_like(o) if o.is_floating_point() else None for o in outs]
-    for x in arg_sets:
-        for t in leaves_of(x):
-            t.requires_grad_()
-    return task, cfg, model, list(model.parameters()), arg_sets, gouts
 
 
 def timed_fn(fn, params, gouts, backward):
@@ -579,8 +562,21 @@ def table(rows, impls):
          "peak MB e / c / k", "host µs e / k", "searched vs default", "correctness"), out)
 
 
+def no_gpu(device) -> bool:
+    """True, after one line on stderr, where the run would need a GPU this machine lacks."""
+    if device is not None and not str(device).startswith("cuda"):
+        return False
+    if device is not None and torch.cuda.is_available():
+        return False
+    print("bench_ops.py: no CUDA GPU (torch.cuda.is_available() is False); "
+          "--device cpu runs the CPU smoke test", file=sys.stderr)
+    return True
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if no_gpu(args.device):
+        return 1
     dev = args.device
     t_start = time.perf_counter()
     meta = results.metadata(dev)

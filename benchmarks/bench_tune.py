@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Schedule search and kernel cache at model scale (issue 5): a 12-block GPT-2-small-sized
-model (768 wide, 12 heads, MLP 3072) tuned with budget="fast" on a cold cache, forward and
-backward (one training step builds the backward kernels); then the same model optimized again
-in a new process, which must load every kernel from the cache. Prints per-region searched vs
-default times and writes benchmarks/results/tune-<gpu>-<date>-<commit>.json.
+"""Schedule search and kernel cache at model scale (GPU): a 12-block GPT-2-small-sized model
+(768 wide, 12 heads, MLP 3072) tuned with budget="fast" on a cold cache, forward and backward
+(one training step builds the backward kernels); then the same model optimized again in a new
+process, which must load every kernel from the cache. Prints per-region searched vs default
+times and writes benchmarks/results/tune-<gpu>-<date>-<commit>.json.
 
     python benchmarks/bench_tune.py [--blocks 12] [--batch 8] [--ctx 256] [--out DIR]
 """
@@ -137,11 +137,13 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():   # one line, not a traceback from the child's .cuda()
+        print("bench_tune.py: no CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 1
     if args.child:
         print(json.dumps(one_run(args)))
         return 0
-    import torch
-
     from kbench.bench import results
     cache = tempfile.mkdtemp(prefix="kbench-tune-")
     env = dict(os.environ, KBENCH_CACHE_DIR=cache)

@@ -3,13 +3,13 @@
 backward region at the task's timed size is generated (default genome, or --genome over it),
 compiled by nvcc for sm_90, disassembled by cuobjdump, and each loop's body is counted by opcode.
 A row kernel's loop over its rows is where the time goes, so its count per row says what a code
-generation change did before any GPU time is spent (session 11: LayerNorm bf16 backward 376 -> 320).
+generation change did before any GPU time is spent.
 
     python benchmarks/sass_counts.py layer_norm --dtype bfloat16
     python benchmarks/sass_counts.py softmax --dtype bfloat16 --genome two_pass=0 --no-backward
 
 Needs nvcc and cuobjdump: on PATH, under $CUDA_HOME/bin, or from the nvidia-cuda-cuobjdump wheel
-(`pip install nvidia-cuda-cuobjdump`).
+(`pip install nvidia-cuda-cuobjdump`); where one is missing it says so in one line and exits 1.
 """
 from __future__ import annotations
 
@@ -158,7 +158,11 @@ def main(argv=None):
     ap.add_argument("--no-forward", action="store_true")
     ap.add_argument("--source", metavar="DIR", help="also write each kernel's source here")
     a = ap.parse_args(argv)
-    nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
+    try:
+        nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
+    except FileNotFoundError as e:   # one line: what is missing and where to get it
+        print(f"sass_counts.py: {e}", file=sys.stderr)
+        return 1
     over = dict(kv.split("=") for kv in a.genome.split())
     for i, (label, source) in enumerate(kernels(a.task, parse_dtype(a.dtype), over, not a.no_backward,
                                                 not a.no_forward)):
@@ -175,4 +179,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

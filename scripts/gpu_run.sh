@@ -2,7 +2,8 @@
 # One device call: build kbench on the GPU machine, run the GPU tests and the benchmark, and leave
 # logs and results under $OUT. Phases: PHASES="build tests bench probe" (default: all but probe);
 # BENCH_ARGS, TESTS (paths), TESTS_K (a pytest -k expression); PROBE: commands for the probe
-# phase (e.g. benchmarks/host_profile.py, bench_genomes.py), run last, output in probe.log.
+# phase (e.g. "python3 benchmarks/bench_genomes.py layer_norm --dtype bfloat16"), run last,
+# output in probe.log.
 # KBENCH_COMMIT=<hash>: give it literally (from this machine's git): the GPU machine's copy of
 # .git is stale, so $(git rev-parse HEAD) evaluated there names an older commit.
 set -uo pipefail

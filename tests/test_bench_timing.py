@@ -220,7 +220,7 @@ class _CountedGraph:
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_graph_replays_are_warm_before_they_are_timed():
-    """The first milliseconds of replays after a capture can run slow (NOTES session 13): untimed
+    """The first milliseconds of replays after a capture can run slow (docs/learned.md): untimed
     rounds for GRAPH_WARM_S come first, then `replays` timed ones of each graph."""
     graphs = [_CountedGraph(), _CountedGraph()]
     t0 = time.perf_counter()

@@ -77,7 +77,7 @@ def _assert_flip_at_a_threshold(a, b):
     decisions use (the default kept within KEEP_DEFAULT, a near-tie within it), and the decision
     unclear at the cap of extra rounds in at least one of them (that search fell back to the
     deterministic choice). H100, softmax f32 at 8192x1000: a kernel 5.3-5.5% faster than the
-    default, kept out in 2 of 20 searches (benchmarks/NOTES.md, session 19). A flip anywhere
+    default, kept out in 2 of 20 searches (docs/learned.md, "The search"). A flip anywhere
     else, or between two clear decisions, fails."""
     k = search.KEEP_DEFAULT
     thresholds = [t for x in (1 - k, 1 + k) for t in (x, 1 / x)]

@@ -1,0 +1,112 @@
+"""The maintained benchmark tools as a user runs them, without a GPU: each answers --help, each
+GPU tool run here says so in one line on stderr and exits non-zero (no traceback), and
+plot_results.py draws the committed results file. Most runs call the tool's main() in this
+process (a subprocess would spend seconds importing torch and kbench again); one runs it as the
+README does, as a script."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+TOOLS = ["bench_ops.py", "bench_tune.py", "bench_genomes.py", "sass_counts.py", "plot_results.py"]
+# a plain run of each GPU tool: the arguments it needs, none of which asks for the CPU
+GPU_RUNS = {
+    "bench_ops.py": ["bench_ops.py"],
+    "bench_ops.py --device cuda": ["bench_ops.py", "--device", "cuda"],
+    "bench_tune.py": ["bench_tune.py"],
+    "bench_genomes.py": ["bench_genomes.py", "softmax"],
+}
+no_gpu_here = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
+
+
+def _main(tool: str, *args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the tool's main(args), loaded from its file as a module."""
+    spec = importlib.util.spec_from_file_location(f"tool_{tool[:-3]}", BENCH / tool)
+    mod = importlib.util.module_from_spec(spec)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            spec.loader.exec_module(mod)
+            rc = mod.main(list(args))
+        except SystemExit as e:   # argparse's --help and usage errors
+            rc = e.code
+    return rc or 0, out.getvalue(), err.getvalue()
+
+
+def test_the_maintained_tools_are_all_there():
+    assert sorted(p.name for p in BENCH.glob("*.py")) == sorted(TOOLS)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_help(tool):
+    rc, out, err = _main(tool, "--help")
+    assert rc == 0, err
+    assert "usage:" in out and "Traceback" not in err
+
+
+@no_gpu_here
+@pytest.mark.parametrize("run", sorted(GPU_RUNS))
+def test_gpu_tool_without_a_gpu_says_so_in_one_line(run):
+    rc, _, err = _main(*GPU_RUNS[run])
+    assert rc != 0
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and "no CUDA GPU" in lines[0], err
+
+
+@no_gpu_here
+def test_as_a_script_without_a_gpu():
+    """The whole path a user sees: the interpreter, the imports, `sys.exit(main())`."""
+    done = subprocess.run([sys.executable, "benchmarks/bench_genomes.py", "softmax"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == ["bench_genomes.py: no CUDA GPU (torch.cuda.is_available() is False)"]
+
+
+def test_sass_counts_names_a_missing_tool_in_one_line(monkeypatch, capsys):
+    """sass_counts needs no GPU but nvcc and cuobjdump; where one is missing it says which."""
+    spec = importlib.util.spec_from_file_location("sass_counts_tool", BENCH / "sass_counts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def missing(name):
+        raise FileNotFoundError(f"{name} not found (pip install nvidia-cuda-{name})")
+    monkeypatch.setattr(mod, "find_tool", missing)
+    assert mod.main(["softmax"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["sass_counts.py: nvcc not found (pip install nvidia-cuda-nvcc)"]
+
+
+def test_plot_results_draws_the_committed_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = sorted((BENCH / "results").glob("NVIDIA-*.json"))
+    assert results, "benchmarks/results keeps the latest bench_ops.py run"
+    out = tmp_path / "chart.png"
+    rc, _, err = _main("plot_results.py", str(results[-1]), "-o", str(out))
+    assert rc == 0, err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rc, table, _ = _main("plot_results.py", str(results[-1]), "--table")
+    assert rc == 0 and table.startswith("| op | dtype | fwd vs eager")
+    rows = json.loads(results[-1].read_text())["rows"]
+    # the header, its rule, one line per (op, dtype), the geometric means
+    assert len(table.strip().splitlines()) == 2 + len({(r["task"], r["dtype"]) for r in rows}) + 1
+
+
+def test_plot_results_refuses_other_json_in_one_line(tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"schema": "kbench-tune/1"}))
+    rc, _, err = _main("plot_results.py", str(other), "--table")
+    assert rc != 0 and "Traceback" not in err
+    assert len(err.splitlines()) == 1
