@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "../launch_api.h"
+#include "cuda/launch_api.h"
 
 namespace kbfast {
 

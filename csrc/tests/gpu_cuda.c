@@ -2,14 +2,14 @@
  * device info, compile for the device's arch, load, launch, read back; a launch from a thread
  * with no current context; refused launches reported with the driver's error name. */
 #define _GNU_SOURCE
-#include "../internal.h"
+#include "core/internal.h"
 
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <time.h>
 
-#include "cuda_check.h"
+#include "tests/cuda_check.h"
 
 static const char *SAXPY =
     "extern \"C\" __global__ void saxpy(float *y, const float *x, long long n, float a) {\n"

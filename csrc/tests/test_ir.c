@@ -3,8 +3,8 @@
  * small graph against its expected form (golden: a change to the dump format shows here). */
 #include <stdint.h>
 
-#include "check.h"
-#include "tgraph.h"
+#include "tests/check.h"
+#include "tests/tgraph.h"
 
 static kb_ctx *ctx;
 

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kbench.h"
+#include "core/kbench.h"
 
 typedef struct tg {
     kb_graph *g;

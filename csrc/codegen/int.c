@@ -4,7 +4,7 @@
  * each branch under a guard: the branch's loads read only where it is selected, and clamps the
  * guard implies drop out. x.chunk(2)'s backward, where(a1 < H, g0[min(a1, H-1)], g1[max(a1 - H,
  * 0)]), so reads g0 at a1 and g1 at a1 - H, contiguous along the chunk: vector loads. */
-#include "codegen.h"
+#include "codegen/codegen.h"
 
 #include <inttypes.h>
 #include <math.h>

@@ -1,7 +1,7 @@
 /* interp.c — the CPU interpreter: runs a whole graph or one region of a partition on host
  * buffers, every value a dense row-major array of doubles. It is the reference CI runs without
  * a GPU (DESIGN §2), so it rounds only where torch does: on CAST and on storing an output. */
-#include "internal.h"
+#include "core/internal.h"
 
 #include <limits.h>
 #include <math.h>
@@ -136,7 +136,7 @@ static void pointwise(kb_op op, int64_t n, double *out, const double *A, const d
             out[i] = (double)(interp);                                     \
         }                                                                  \
         break;
-#include "ops.def"
+#include "core/ops.def"
 #undef X
     default: break;
     }

@@ -2,13 +2,13 @@
  * the interpreter and code generation entry points, and the kb_status → exception mapping.
  * Multi-phase init with module state (CPython's _bisectmodule.c is the model); the CUDA
  * runtime's functions live in module_cuda.c and are added to the module at exec time. */
-#include "module.h"
+#include "python/module.h"
 
 #include <string.h>
 
-#include "internal.h"
-#include "module_cuda.h"
-#include "module_evolve.h"
+#include "core/internal.h"
+#include "python/module_cuda.h"
+#include "python/module_evolve.h"
 
 kb_module_state *kb_py_state(PyObject *module) { return (kb_module_state *)PyModule_GetState(module); }
 

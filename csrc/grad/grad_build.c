@@ -1,7 +1,7 @@
 /* grad_build.c — the graph builder autodiff emits through (nodes hash-consed on op, operands and
  * fields) and a tiny recursive-descent evaluator for ops.def's derivative rules ("mul(g,y)"),
  * whose helpers expand in the same language. */
-#include "grad_build.h"
+#include "grad/grad_build.h"
 
 #include <math.h>
 #include <stdlib.h>

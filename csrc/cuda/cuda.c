@@ -2,7 +2,7 @@
  * at build time: the few types and entry points used are declared below), CUBIN compilation
  * with an on-disk cache, module loading, function attributes and kernel launch. */
 #define _GNU_SOURCE /* dlinfo, RTLD_DI_LINKMAP */
-#include "internal.h"
+#include "core/internal.h"
 
 #include <dlfcn.h>
 #include <errno.h>

@@ -1,7 +1,7 @@
 /* codegen_preamble.c — what every generated kernel starts with: the region as comments, the
  * headers its types need, and the device helpers (vector loads and stores, NaN-propagating
  * max/min, fast-math exp, bf16 element reads, warp reductions, the online softmax normalizer). */
-#include "codegen.h"
+#include "codegen/codegen.h"
 
 void cg_emit_preamble(cg *c, kb_sb *sb) {
     const kb_region *rg = c->rg;

@@ -4,7 +4,7 @@
 #ifndef KBENCH_CODEGEN_H
 #define KBENCH_CODEGEN_H
 
-#include "internal.h"
+#include "core/internal.h"
 
 #define EXPR_LEN 200
 #define NAME_LEN 64

@@ -2,7 +2,7 @@
  * example sizes and the device), and the canonical text form that names a genome in the cache
  * and in reports ("threads=256 vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0
  * persistent=0 col_split=1"). Legality against a region is codegen's call (KB_ERR_INVALID). */
-#include "internal.h"
+#include "core/internal.h"
 
 #include <stdlib.h>
 

@@ -2,7 +2,7 @@
  * dims as variables a0, a1, ..., the chunks of vec along the last), and an index into any value
  * of the region, in components or linear, rewritten through views (permute, expand, slice,
  * reshape) so that views move no data. */
-#include "codegen.h"
+#include "codegen/codegen.h"
 
 #include <inttypes.h>
 

@@ -1,14 +1,14 @@
 /* module_cuda.c — kbench._C's CUDA runtime functions over cuda.c: NVRTC (open, compile to a
  * CUBIN through the disk cache), the driver (device info, modules, functions) and launch, the
  * hot path: METH_FASTCALL, arguments packed on the stack, the GIL released around the launch. */
-#include "module.h"
+#include "python/module.h"
 
 #include <pthread.h>
 #include <string.h>
 
-#include "internal.h"
-#include "launch_api.h"
-#include "module_cuda.h"
+#include "core/internal.h"
+#include "cuda/launch_api.h"
+#include "python/module_cuda.h"
 
 #define NVRTC_CAPSULE "kbench._C.nvrtc"
 #define CUDA_CAPSULE "kbench._C.cuda"

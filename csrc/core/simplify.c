@@ -2,7 +2,7 @@
  * out of a kernel before the partitioner sees the graph, then dead nodes dropped. Every backward
  * goes through it (grad.c); any graph may. A rule matches on the graph being rebuilt and emits
  * its replacement there, with the replaced value's dtype and shape. */
-#include "internal.h"
+#include "core/internal.h"
 
 #include <math.h>
 

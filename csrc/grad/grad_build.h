@@ -4,7 +4,7 @@
 #ifndef KBENCH_GRAD_BUILD_H
 #define KBENCH_GRAD_BUILD_H
 
-#include "internal.h"
+#include "core/internal.h"
 
 /* Every node of the work graph goes through gb_emit(), which hash-conses it: a rule that asks for
  * sigmoid(a) twice, or for a forward value that exists already, gets the existing node. */

@@ -80,7 +80,7 @@ typedef enum kb_op_kind {
 
 typedef enum kb_op {
 #define X(name, arity, kind, printed, interp, cuda, da, db, dc) KB_OP_##name,
-#include "ops.def"
+#include "core/ops.def"
 #undef X
     KB_OP_COUNT
 } kb_op;

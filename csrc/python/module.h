@@ -6,7 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "kbench.h"
+#include "core/kbench.h"
 
 typedef struct kb_module_state {
     PyTypeObject *graph_type;

@@ -2,7 +2,7 @@
  * a genome, derived from the region's shape and the device, and an ask/tell genetic search over
  * them (tournament selection, crossover, mutation, elitism, dedup by canonical form, seeded PRNG).
  * It measures nothing: the caller compiles, times and tells (kbench/search.py on the GPU). */
-#include "internal.h"
+#include "core/internal.h"
 
 #include <math.h>
 

@@ -2,7 +2,7 @@
  * forward's ROW regions keep for their backward, row statistics or their own outputs
  * (kb_partition_save_stats, the saved-tensor policy's C half), and the partition's text form
  * (kb_partition_dump). */
-#include "internal.h"
+#include "core/internal.h"
 
 /* ---------------------------------------------------------------- row statistics */
 

@@ -1,7 +1,7 @@
 /* grad.c — reverse-mode autodiff on the IR (kb_graph_grad) and one region as a standalone graph
  * (kb_region_graph). Pointwise derivatives are read from ops.def's d/da d/db d/dc strings (the
  * rule language of grad_build.c); reductions and index maps have one builder each (a table). */
-#include "grad_build.h"
+#include "grad/grad_build.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -3,7 +3,7 @@
  * and index). Views never move data: they rewrite the index (codegen_index.c), so a view of an
  * input becomes strided load addressing. Loads become 16-byte vector loads when
  * the index is contiguous along the chunk, and come from the row cache where the plan says so. */
-#include "codegen.h"
+#include "codegen/codegen.h"
 
 #include <inttypes.h>
 #include <math.h>

@@ -1,7 +1,7 @@
 /* codegen_chunk.c — the per-chunk element loop (vector loads in front, the elements, vector
  * stores after), per-row statistics and outputs, the row cache plan (what lives in registers or
  * shared memory between passes), and the generator's setup and teardown. */
-#include "codegen.h"
+#include "codegen/codegen.h"
 
 static const kb_node *NODE(const cg *c, int32_t v) { return kb_graph_node(c->g, v); }
 

@@ -6,7 +6,7 @@
  * Runtime contract (what the launcher must guarantee): pointers do not alias one another, every
  * tensor is dense and contiguous, and when genome.vec > 1 every pointer is 16-byte aligned
  * (Python: data_ptr() % 16 == 0) — vector kernels issue 16-byte loads and stores. */
-#include "codegen.h"
+#include "codegen/codegen.h"
 
 #include <inttypes.h>
 

@@ -3,7 +3,7 @@
 #ifndef KBENCH_INTERNAL_H
 #define KBENCH_INTERNAL_H
 
-#include "kbench.h"
+#include "core/kbench.h"
 
 #include <stdarg.h>
 #include <stdio.h>

@@ -13,7 +13,7 @@
  * actually reads. Pointwise work floats too where recomputing it in each reader is cheaper
  * than a full write and read (FLOAT_RULES). Regions only ever read regions with a smaller
  * index, so the list is an execution order. */
-#include "internal.h"
+#include "core/internal.h"
 
 enum { LV_NONE = 0, LV_FULL, LV_STAT, LV_COLSUM };
 

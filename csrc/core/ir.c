@@ -1,7 +1,7 @@
 /* ir.c — the context (allocator hook, error message), dtype and op tables, and the graph:
  * a builder that checks every node as it is added (so later stages can trust the IR),
  * symbolic sizes, and the stable text dump that golden tests and bug reports rely on. */
-#include "internal.h"
+#include "core/internal.h"
 
 #include <inttypes.h>
 #include <math.h>
@@ -195,7 +195,7 @@ int kb_dtype_from_name(const char *name) {
 static const kb_op_info op_table[KB_OP_COUNT] = {
 #define X(name, arity, kind, printed, interp, cuda, da, db, dc) \
     [KB_OP_##name] = {printed, arity, kind, cuda, {da, db, dc}},
-#include "ops.def"
+#include "core/ops.def"
 #undef X
 };
 
