@@ -160,7 +160,7 @@ int64_t kb_value_sizes(const kb_graph *g, int32_t v, const int64_t *symvals, int
 kb_status kb_graph_dump(const kb_graph *g, char **out);
 void kb_string_free(kb_ctx *ctx, char *s);
 
-/* ---------------------------------------------------------------- regions (fuse.c) */
+/* ---------------------------------------------------------------- regions (fuse/) */
 
 typedef enum kb_region_kind {
     KB_REGION_POINTWISE = 0, KB_REGION_ROW, KB_REGION_COL, KB_REGION_EXTERN
@@ -193,25 +193,13 @@ typedef struct kb_partition {
 kb_status kb_partition_new(const kb_graph *g, kb_partition **out);
 void kb_partition_free(kb_partition *p);
 kb_status kb_partition_dump(const kb_partition *p, char **out);
-/* Row statistics for the backward (a forward partition's choice; a backward's is not differentiated
- * again): in each ROW region whose rows hold at least min_row_bytes (4 per element at the example
- * sizes), the row reductions no other region reads and that the row's elements are computed from
- * (a softmax's max and sum, a LayerNorm's mean and variance; not a mean loss's sum) become extra
- * outputs after its own, counted by nsaved. The forward writes one value per row; the backward
- * reads them rather than reducing the row again: a pass fewer per statistic, and for a row too
- * long to keep on chip (a 32k-vocabulary cross-entropy) no second read of the whole input.
- * Where the region's backward reads fewer bytes reading the region's own outputs (a log_softmax:
- * its output y alone, as eager's), those are marked in saved_outputs, and statistics that
- * backward does not read are not kept. */
-kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes);
-
-/* ---------------------------------------------------------------- subgraphs and autodiff (grad.c) */
-
 /* Region r of p as a standalone graph: its inputs become INPUT nodes in region->inputs order
- * (a graph input keeps its kind, anything else is kind user), its outputs the graph's outputs
- * (region->outputs order); symbols are
- * copied so sizes keep their meaning. The caller owns *out (kb_graph_free); same ctx as p's graph. */
+ * (a graph input keeps its kind and name, anything else is kind user, named "in<k>"), its
+ * outputs the graph's outputs (region->outputs order); symbols are copied so sizes keep their
+ * meaning. The caller owns *out (kb_graph_free); same ctx as p's graph. */
 kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out);
+
+/* ---------------------------------------------------------------- autodiff (grad/) */
 
 /* Reverse mode: a graph computing the vector-Jacobian product of g. Its inputs are g's inputs
  * (same order, kinds, names), then the values of g's last nsaved outputs (kind user, named
@@ -234,6 +222,19 @@ kb_status kb_graph_grad(const kb_graph *g, const uint8_t *wrt, kb_graph **out);
  * the wrt inputs, each upstream gradient taken as 1 (for a scalar loss the true gradients are
  * these times the upstream gradient, known only when the backward runs). */
 kb_status kb_graph_grad_joint(const kb_graph *g, const uint8_t *wrt, kb_graph **out);
+
+/* The forward's save policy (grad/save.c, which builds each ROW region's backward both ways to
+ * decide). Row statistics for the backward (a forward partition's choice; a backward's is not
+ * differentiated again): in each ROW region whose rows hold at least min_row_bytes (4 per element at the example
+ * sizes), the row reductions no other region reads and that the row's elements are computed from
+ * (a softmax's max and sum, a LayerNorm's mean and variance; not a mean loss's sum) become extra
+ * outputs after its own, counted by nsaved. The forward writes one value per row; the backward
+ * reads them rather than reducing the row again: a pass fewer per statistic, and for a row too
+ * long to keep on chip (a 32k-vocabulary cross-entropy) no second read of the whole input.
+ * Where the region's backward reads fewer bytes reading the region's own outputs (a log_softmax:
+ * its output y alone, as eager's), those are marked in saved_outputs, and statistics that
+ * backward does not read are not kept. */
+kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes);
 
 /* ---------------------------------------------------------------- rewrites (simplify.c) */
 

@@ -13,9 +13,7 @@
  * actually reads. Pointwise work floats too where recomputing it in each reader is cheaper
  * than a full write and read (FLOAT_RULES). Regions only ever read regions with a smaller
  * index, so the list is an execution order. */
-#include "core/internal.h"
-
-enum { LV_NONE = 0, LV_FULL, LV_STAT, LV_COLSUM };
+#include "fuse/fuse.h"
 
 /* What a floating value reads: FL_PARAMS, parameters, buffers and constants alone; FL_SMALL,
  * fewer elements than it has (constants, iotas, broadcasts of per-row values and work on
@@ -33,31 +31,9 @@ enum node_class { C_POINTWISE, C_RESHAPE, C_EXPAND, C_VIEW, C_REDUCE, C_GATHER, 
 
 enum { UP_REDUCE = 1, UP_COLSUM = 2 };
 
-typedef struct breg {
-    kb_region_kind kind;
-    int32_t anchor;       /* value whose shape is the iteration space */
-    uint32_t red;         /* reduce axes over the anchor's dims (ROW / COL) */
-    int32_t extern_index; /* EXTERN: the Python callable */
-} breg;
-
-typedef struct build {
-    const kb_graph *g;
-    kb_ctx *ctx;
-    int32_t n;
-    int32_t *reg;      /* region of each computed node, -1 */
-    int8_t *lvl;       /* its level there */
-    int8_t *floating;  /* 1: folded view / const / recomputed work, copied into its readers */
-    int32_t *dep;      /* floating: the latest region whose output it reads (-1: inputs only) */
-    uint8_t *fl;       /* floating: FL_* facts about what it reads */
-    uint8_t *index_read; /* read only through static index maps (mark_index_reads) */
-    uint8_t *lone_read;  /* from graph inputs alone, with one reader (mark_lone_reads) */
-    breg *regs;
-    int32_t nreg, capreg;
-} build;
-
 /* ---------------------------------------------------------------- symbolic sizes */
 
-static const kb_node *N(const build *b, int32_t v) { return kb_graph_node(b->g, v); }
+static const kb_node *N(const fuse_build *b, int32_t v) { return kb_graph_node(b->g, v); }
 
 static int same_dims(const kb_node *a, const kb_node *c) {
     if (a->rank != c->rank) return 0;
@@ -70,7 +46,7 @@ static int is_one(kb_dim d) { return d.coef == 1 && d.nsym == 0; }
 
 /* numel of v equals the number of elements (lv FULL), rows/columns (lv STAT) or elements of a
  * row (lv COLSUM) of region r */
-static int numel_matches(const build *b, int32_t v, int32_t r, int lv) {
+static int numel_matches(const fuse_build *b, int32_t v, int32_t r, int lv) {
     const kb_node *a = N(b, b->regs[r].anchor), *x = N(b, v);
     kb_dim kept[KB_MAX_RANK];
     int nk = 0;
@@ -85,7 +61,7 @@ static int numel_matches(const build *b, int32_t v, int32_t r, int lv) {
 }
 
 /* v has the shape of a keepdim reduction of region r's anchor: 1 on reduced axes */
-static int is_keepdim_stat(const build *b, int32_t v, int32_t r) {
+static int is_keepdim_stat(const fuse_build *b, int32_t v, int32_t r) {
     const kb_node *a = N(b, b->regs[r].anchor), *x = N(b, v);
     if (x->rank != a->rank) return 0;
     for (int d = 0; d < a->rank; d++) {
@@ -99,7 +75,7 @@ static int is_keepdim_stat(const build *b, int32_t v, int32_t r) {
 }
 
 /* level of operand u as seen from region r: LV_NONE if u is not computed in r */
-static int level_in(const build *b, int32_t u, int32_t r) {
+static int level_in(const fuse_build *b, int32_t u, int32_t r) {
     return (!b->floating[u] && b->reg[u] == r) ? b->lvl[u] : LV_NONE;
 }
 
@@ -109,7 +85,7 @@ static int level_in(const build *b, int32_t u, int32_t r) {
  * of dy * act'(x)) streams better as a ROW region with column sums: whole rows in 16-byte
  * vectors, partials in registers, no barriers, a small finishing kernel; the COL kernel walks
  * down columns with a split. Single pass: no full-size value reads a per-column statistic. */
-static int colsum_ok(const build *b, int32_t r) {
+static int colsum_ok(const fuse_build *b, int32_t r) {
     const kb_node *a = N(b, b->regs[r].anchor);
     uint32_t red = b->regs[r].red, all = (uint32_t)((1ull << a->rank) - 1);
     if (b->regs[r].kind != KB_REGION_COL || red == 0 || (red & (red + 1)) != 0 || red == all) return 0;
@@ -134,7 +110,7 @@ static int colsum_ok(const build *b, int32_t r) {
 
 /* Region r (colsum_ok) becomes a ROW region over the rest of its anchor's axes; its column
  * statistics become column sums. */
-static void make_row_colsum(build *b, int32_t r) {
+static void make_row_colsum(fuse_build *b, int32_t r) {
     const kb_node *a = N(b, b->regs[r].anchor);
     uint32_t all = (uint32_t)((1ull << a->rank) - 1);
     b->regs[r].kind = KB_REGION_ROW;
@@ -146,11 +122,11 @@ static void make_row_colsum(build *b, int32_t r) {
 /* ---------------------------------------------------------------- join rules */
 
 /* A rule says node v may join region r (whose kind matched the row) and at which level. */
-typedef int (*rule_fn)(const build *b, int32_t v, int32_t r, int *lv);
+typedef int (*rule_fn)(const fuse_build *b, int32_t v, int32_t r, int *lv);
 
 /* Pointwise: every operand computed in r has one level; v then has it too. An operand not
  * computed in r (an input, a floating view) is read at whatever index v needs. */
-static int pw_join(const build *b, int32_t v, int32_t r, int *lv) {
+static int pw_join(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     const kb_node *nd = N(b, v);
     int want = LV_NONE;
     for (int i = 0; i < nd->ninputs; i++) {
@@ -170,7 +146,7 @@ static int pw_join(const build *b, int32_t v, int32_t r, int *lv) {
 }
 
 /* A reshape keeps the row-major order, so FULL stays FULL and STAT stays STAT. */
-static int reshape_join(const build *b, int32_t v, int32_t r, int *lv) {
+static int reshape_join(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     int l = level_in(b, N(b, v)->inputs[0], r);
     if (l == LV_COLSUM) { /* the same row-major elements, written by the finishing kernel */
         *lv = LV_COLSUM;
@@ -182,7 +158,7 @@ static int reshape_join(const build *b, int32_t v, int32_t r, int *lv) {
 }
 
 /* A per-row (per-column) statistic broadcast back over the reduced axes: stays inside. */
-static int expand_stat_join(const build *b, int32_t v, int32_t r, int *lv) {
+static int expand_stat_join(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     int32_t u = N(b, v)->inputs[0];
     if (level_in(b, u, r) != LV_STAT || !is_keepdim_stat(b, u, r)) return 0;
     if (!same_dims(N(b, v), N(b, b->regs[r].anchor))) return 0;
@@ -191,7 +167,7 @@ static int expand_stat_join(const build *b, int32_t v, int32_t r, int *lv) {
 }
 
 /* The first reduction turns a POINTWISE region into ROW / COL over the reduced operand. */
-static int reduce_upgrade(const build *b, int32_t v, int32_t r, int *lv) {
+static int reduce_upgrade(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     int32_t u = N(b, v)->inputs[0];
     if (level_in(b, u, r) == LV_STAT) return 0;
     if (level_in(b, u, r) == LV_NONE && !b->floating[u] && N(b, u)->op != KB_OP_INPUT) return 0;
@@ -201,7 +177,7 @@ static int reduce_upgrade(const build *b, int32_t v, int32_t r, int *lv) {
 }
 
 /* Further reductions join when they reduce the same space over the same axes. */
-static int reduce_same(const build *b, int32_t v, int32_t r, int *lv) {
+static int reduce_same(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     const kb_node *nd = N(b, v);
     int32_t u = nd->inputs[0];
     int l = level_in(b, u, r);
@@ -215,7 +191,7 @@ static int reduce_same(const build *b, int32_t v, int32_t r, int *lv) {
 /* A sum over all the rows of a ROW region (LayerNorm's dweight = sum over rows of dy * xhat)
  * joins it as a column sum when its operand is a full element of the region (or an input of
  * the anchor's shape) and the row length is a constant small enough for per-thread partials. */
-static int reduce_cols(const build *b, int32_t v, int32_t r, int *lv) {
+static int reduce_cols(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     const kb_node *nd = N(b, v), *a = N(b, b->regs[r].anchor);
     int32_t u = nd->inputs[0];
     uint32_t red = b->regs[r].red, all = (uint32_t)((1ull << a->rank) - 1);
@@ -238,7 +214,7 @@ static int reduce_cols(const build *b, int32_t v, int32_t r, int *lv) {
  * alone (colsum_ok): the region becomes a ROW region carrying those sums as column sums, and
  * the reduction joins it. A backward that reads saved statistics meets dbias = sum(dy) over the
  * rows before its first row reduction; without this the rows would be read twice. */
-static int reduce_rows_of_colsums(const build *b, int32_t v, int32_t r, int *lv) {
+static int reduce_rows_of_colsums(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     const kb_node *nd = N(b, v), *a = N(b, b->regs[r].anchor);
     int32_t u = nd->inputs[0];
     uint32_t all = (uint32_t)((1ull << a->rank) - 1);
@@ -250,7 +226,7 @@ static int reduce_rows_of_colsums(const build *b, int32_t v, int32_t r, int *lv)
 }
 
 /* Gather in a POINTWISE region: the table is recomputed at the gathered index. */
-static int gather_pw(const build *b, int32_t v, int32_t r, int *lv) {
+static int gather_pw(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     const kb_node *nd = N(b, v);
     if (level_in(b, nd->inputs[1], r) == LV_STAT) return 0;
     if (!numel_matches(b, v, r, LV_FULL)) return 0;
@@ -260,7 +236,7 @@ static int gather_pw(const build *b, int32_t v, int32_t r, int *lv) {
 
 /* Gather along the single reduced axis of a ROW region, one pick per row (cross-entropy's
  * logp[target]): the picked element is recomputed from the row's statistics. */
-static int gather_row(const build *b, int32_t v, int32_t r, int *lv) {
+static int gather_row(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     const kb_node *nd = N(b, v);
     int32_t a = nd->inputs[0], ix = nd->inputs[1];
     if (b->regs[r].red != (1u << nd->axis)) return 0;
@@ -271,7 +247,7 @@ static int gather_row(const build *b, int32_t v, int32_t r, int *lv) {
 }
 
 /* EXTERN nodes of one torch call (same callable, several outputs) share a region. */
-static int extern_join(const build *b, int32_t v, int32_t r, int *lv) {
+static int extern_join(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     if (b->regs[r].extern_index != N(b, v)->index) return 0;
     *lv = LV_NONE;
     return 1;
@@ -318,7 +294,7 @@ static enum node_class classify(const kb_node *nd) {
 }
 
 /* The first rule of the table that lets v join r; -1 if none. */
-static int find_rule(const build *b, int32_t v, int32_t r, int *lv) {
+static int find_rule(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     enum node_class cls = classify(N(b, v));
     /* a column sum is complete only after every row: in r, only pointwise work on column sums
        (the finishing kernel's: dweight's cast to bf16) and reshapes read it */
@@ -334,15 +310,15 @@ static int find_rule(const build *b, int32_t v, int32_t r, int *lv) {
 
 /* ---------------------------------------------------------------- the greedy pass */
 
-static kb_status new_region(build *b, kb_region_kind kind, int32_t anchor, uint32_t red, int32_t *out) {
+static kb_status new_region(fuse_build *b, kb_region_kind kind, int32_t anchor, uint32_t red, int32_t *out) {
     if (b->nreg == b->capreg) {
         int32_t ncap = b->capreg ? b->capreg * 2 : 8;
-        breg *p = kb_realloc(b->ctx, b->regs, sizeof(breg) * (size_t)b->capreg, sizeof(breg) * (size_t)ncap);
+        fuse_region *p = kb_realloc(b->ctx, b->regs, sizeof(fuse_region) * (size_t)b->capreg, sizeof(fuse_region) * (size_t)ncap);
         if (!p) return KB_ERR_OOM;
         b->regs = p;
         b->capreg = ncap;
     }
-    breg *r = &b->regs[b->nreg];
+    fuse_region *r = &b->regs[b->nreg];
     r->kind = kind;
     r->anchor = anchor;
     r->red = red;
@@ -352,13 +328,13 @@ static kb_status new_region(build *b, kb_region_kind kind, int32_t anchor, uint3
 }
 
 /* ROW when the last dim of the reduced operand is reduced (rows are contiguous), else COL. */
-static kb_region_kind reduce_kind(const build *b, int32_t v) {
+static kb_region_kind reduce_kind(const fuse_build *b, int32_t v) {
     const kb_node *nd = N(b, v), *a = N(b, nd->inputs[0]);
     return (nd->axes & (1u << (a->rank - 1))) ? KB_REGION_ROW : KB_REGION_COL;
 }
 
 /* What joining reduction v does to region r (a rule's `upgrades`). */
-static void upgrade(build *b, int32_t r, int32_t v, int how) {
+static void upgrade(fuse_build *b, int32_t r, int32_t v, int how) {
     const kb_node *nd = N(b, v);
     if (how == UP_REDUCE) {
         b->regs[r].kind = reduce_kind(b, v);
@@ -369,24 +345,24 @@ static void upgrade(build *b, int32_t r, int32_t v, int how) {
     }
 }
 
-static void place(build *b, int32_t v, int32_t r, int lv) {
+static void place(fuse_build *b, int32_t v, int32_t r, int lv) {
     b->reg[v] = r;
     b->lvl[v] = (int8_t)lv;
 }
 
 /* Is u a parameter or buffer, a constant, or something floating computed from those alone? */
-static int from_params(const build *b, int32_t u) {
+static int from_params(const fuse_build *b, int32_t u) {
     const kb_node *nd = N(b, u);
     if (nd->op == KB_OP_INPUT) return nd->input_kind != KB_INPUT_USER;
     return b->floating[u] && (b->fl[u] & FL_PARAMS);
 }
 
 /* Does u read fewer elements than it has (a floating broadcast, iota or constant)? */
-static int is_small(const build *b, int32_t u) { return b->floating[u] && (b->fl[u] & FL_SMALL); }
+static int is_small(const fuse_build *b, int32_t u) { return b->floating[u] && (b->fl[u] & FL_SMALL); }
 
 /* Is u one value per row: a graph input with a size-1 dim (the kept dim of a reduction, as the
  * forward's saved statistics are), or floating work on such inputs, parameters and constants? */
-static int is_per_row(const build *b, int32_t u) {
+static int is_per_row(const fuse_build *b, int32_t u) {
     const kb_node *nd = N(b, u);
     if (nd->op == KB_OP_INPUT) {
         if (nd->input_kind != KB_INPUT_USER || nd->rank < 2) return 0;
@@ -398,7 +374,7 @@ static int is_per_row(const build *b, int32_t u) {
 }
 
 /* v's operands are all per-row (is_per_row), and one of them is an input or work on one. */
-static int reads_per_row(const build *b, int32_t v) {
+static int reads_per_row(const fuse_build *b, int32_t v) {
     const kb_node *nd = N(b, v);
     int rows = 0;
     for (int i = 0; i < nd->ninputs; i++) {
@@ -410,7 +386,7 @@ static int reads_per_row(const build *b, int32_t v) {
 }
 
 /* v floats: copied into each region that reads it. dep and fl follow from its operands. */
-static void make_floating(build *b, int32_t v) {
+static void make_floating(fuse_build *b, int32_t v) {
     const kb_node *nd = N(b, v);
     int32_t dep = -1;
     uint8_t fl = FL_PARAMS | FL_SMALL;
@@ -435,12 +411,12 @@ static void make_floating(build *b, int32_t v) {
 
 /* Pointwise work that floats instead of joining a region: recomputed by every region that
  * reads it, at the index it reads it at. A table (DESIGN §10): the first rule that holds. */
-typedef int (*float_fn)(const build *b, int32_t v);
+typedef int (*float_fn)(const fuse_build *b, int32_t v);
 
 /* On parameters alone (a bf16 weight cast to f32, a scale made of weights): a few flops on
  * data already in L2, instead of a parameter-sized region of its own whose result the big
  * region would read back through an expand it could not fuse. */
-static int float_params(const build *b, int32_t v) {
+static int float_params(const fuse_build *b, int32_t v) {
     const kb_node *nd = N(b, v);
     for (int i = 0; i < nd->ninputs; i++)
         if (!from_params(b, nd->inputs[i])) return 0;
@@ -450,7 +426,7 @@ static int float_params(const build *b, int32_t v) {
 /* On iotas, constants and broadcasts alone (the one-hot mask iota == target of a gather's
  * adjoint): what it reads is smaller than it is, so a reader recomputes it from a few values
  * per row instead of reading back a materialized full-size mask. */
-static int float_broadcast(const build *b, int32_t v) {
+static int float_broadcast(const fuse_build *b, int32_t v) {
     const kb_node *nd = N(b, v);
     for (int i = 0; i < nd->ninputs; i++)
         if (!is_small(b, nd->inputs[i])) return 0;
@@ -461,13 +437,13 @@ static int float_broadcast(const build *b, int32_t v) {
  * variance + eps). A few flops per row, recomputed by each region that reads them, instead of
  * a per-row kernel of its own that the row kernel would have to run after: the row kernel then
  * could not compute x - saved mean before it, and the backward fell apart into five kernels. */
-static int float_per_row(const build *b, int32_t v) { return reads_per_row(b, v); }
+static int float_per_row(const fuse_build *b, int32_t v) { return reads_per_row(b, v); }
 
 /* Read only through static index maps (mark_index_reads). */
-static int float_index_read(const build *b, int32_t v) { return b->index_read[v]; }
+static int float_index_read(const fuse_build *b, int32_t v) { return b->index_read[v]; }
 
 /* From graph inputs alone, with a single reader (mark_lone_reads). */
-static int float_lone_read(const build *b, int32_t v) { return b->lone_read[v]; }
+static int float_lone_read(const fuse_build *b, int32_t v) { return b->lone_read[v]; }
 
 static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_per_row, float_index_read,
                                        float_lone_read};
@@ -481,7 +457,7 @@ static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_per_
  * another level of the same region. A chain that reads other computed work is left where that
  * work is: floated, it would depend on that work's region and could not join it (a row kernel's
  * per-row arithmetic on its targets). */
-static kb_status mark_lone_reads(build *b) {
+static kb_status mark_lone_reads(fuse_build *b) {
     enum { FROM = 1, LEAF = 2, PURE = 4 };
     size_t n1 = (size_t)(b->n ? b->n : 1);
     uint8_t *f = kb_calloc(b->ctx, n1, 1), *readers = kb_calloc(b->ctx, n1, 1);
@@ -544,7 +520,7 @@ static kb_status mark_lone_reads(build *b) {
  * other such values. Materialized, one costs a full write and read; recomputed at the index the
  * gather reads, it costs what computing it costs. So the two half gradients of x.chunk(2)
  * (swiglu) are computed inside the one kernel that writes dx. */
-static kb_status mark_index_reads(build *b) {
+static kb_status mark_index_reads(fuse_build *b) {
     enum { PURE_INDEX = 1, FROM_INPUTS = 2, USED = 4, NEEDED = 8 };
     size_t n1 = (size_t)(b->n ? b->n : 1);
     uint8_t *f = kb_calloc(b->ctx, n1, 1);
@@ -579,7 +555,7 @@ static kb_status mark_index_reads(build *b) {
     return KB_OK;
 }
 
-static kb_status assign(build *b, int32_t v) {
+static kb_status assign(fuse_build *b, int32_t v) {
     const kb_node *nd = N(b, v);
     enum node_class cls = classify(nd);
     if (nd->op == KB_OP_INPUT) return KB_OK;
@@ -657,166 +633,56 @@ static kb_status assign(build *b, int32_t v) {
     return KB_OK;
 }
 
-/* ---------------------------------------------------------------- assembling the regions */
+/* ---------------------------------------------------------------- the pass */
 
-static kb_status fill_list(kb_ctx *ctx, int32_t **arr, int32_t *count, const int32_t *src, int32_t n) {
-    *count = n;
-    *arr = kb_malloc(ctx, sizeof(int32_t) * (size_t)(n ? n : 1));
-    if (!*arr) return KB_ERR_OOM;
-    if (n) memcpy(*arr, src, sizeof(int32_t) * (size_t)n);
-    return KB_OK;
+void fuse_build_free(fuse_build *b) {
+    kb_ctx *ctx = b->ctx;
+    if (!ctx) return;
+    size_t n1 = (size_t)(b->n ? b->n : 1);
+    kb_free(ctx, b->reg, sizeof(int32_t) * n1);
+    kb_free(ctx, b->dep, sizeof(int32_t) * n1);
+    kb_free(ctx, b->lvl, n1);
+    kb_free(ctx, b->floating, n1);
+    kb_free(ctx, b->fl, n1);
+    kb_free(ctx, b->index_read, n1);
+    kb_free(ctx, b->lone_read, n1);
+    kb_free(ctx, b->regs, sizeof(fuse_region) * (size_t)b->capreg);
+    memset(b, 0, sizeof *b);
 }
 
-/* Marks the floating operands (and their chains) a region member reads. */
-static void mark_floating(const build *b, uint8_t *mark, int32_t v) {
-    const kb_node *nd = N(b, v);
-    for (int i = 0; i < nd->ninputs; i++) {
-        int32_t u = nd->inputs[i];
-        if (b->floating[u] && !mark[u]) {
-            mark[u] = 1;
-            mark_floating(b, mark, u);
-        }
-    }
-}
-
-void kb_partition_free(kb_partition *p) {
-    if (!p) return;
-    kb_ctx *ctx = kb_graph_ctx(p->graph);
-    for (int32_t r = 0; r < p->nregions; r++) {
-        kb_region *rg = &p->regions[r];
-        kb_free(ctx, rg->nodes, sizeof(int32_t) * (size_t)(rg->nnodes ? rg->nnodes : 1));
-        kb_free(ctx, rg->inputs, sizeof(int32_t) * (size_t)(rg->ninputs ? rg->ninputs : 1));
-        kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)(rg->noutputs ? rg->noutputs : 1));
-    }
-    kb_free(ctx, p->regions, sizeof(kb_region) * (size_t)(p->nregions ? p->nregions : 1));
-    kb_free(ctx, p->region_of, sizeof(int32_t) * (size_t)(kb_graph_nnodes(p->graph) ? kb_graph_nnodes(p->graph) : 1));
-    kb_free(ctx, p, sizeof *p);
-}
-
-kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
-    if (!g || !out) return KB_ERR_INVALID;
-    *out = NULL;
+kb_status fuse_assign(const kb_graph *g, fuse_build *b) {
     kb_ctx *ctx = kb_graph_ctx(g);
     kb_status st = KB_OK;
-    build b;
-    memset(&b, 0, sizeof b);
-    b.g = g;
-    b.ctx = ctx;
-    b.n = kb_graph_nnodes(g);
-    size_t n1 = (size_t)(b.n ? b.n : 1);
-    uint8_t *mark = NULL, *is_out = NULL;
-    int32_t *tmp = NULL, *tmp2 = NULL;
-    kb_partition *p = NULL;
+    memset(b, 0, sizeof *b);
+    b->g = g;
+    b->ctx = ctx;
+    b->n = kb_graph_nnodes(g);
+    size_t n1 = (size_t)(b->n ? b->n : 1);
+    b->reg = kb_malloc(ctx, sizeof(int32_t) * n1);
+    b->dep = kb_malloc(ctx, sizeof(int32_t) * n1);
+    b->lvl = kb_calloc(ctx, n1, 1);
+    b->floating = kb_calloc(ctx, n1, 1);
+    b->fl = kb_calloc(ctx, n1, 1);
+    b->index_read = kb_calloc(ctx, n1, 1);
+    b->lone_read = kb_calloc(ctx, n1, 1);
+    KB_CHECK(ctx, b->reg && b->dep && b->lvl && b->floating && b->fl && b->index_read && b->lone_read, KB_ERR_OOM,
+             "out of memory");
+    for (int32_t v = 0; v < b->n; v++) b->reg[v] = b->dep[v] = -1;
 
-    b.reg = kb_malloc(ctx, sizeof(int32_t) * n1);
-    b.dep = kb_malloc(ctx, sizeof(int32_t) * n1);
-    b.lvl = kb_calloc(ctx, n1, 1);
-    b.floating = kb_calloc(ctx, n1, 1);
-    b.fl = kb_calloc(ctx, n1, 1);
-    b.index_read = kb_calloc(ctx, n1, 1);
-    b.lone_read = kb_calloc(ctx, n1, 1);
-    mark = kb_calloc(ctx, n1, 1);
-    is_out = kb_calloc(ctx, n1, 1);
-    tmp = kb_malloc(ctx, sizeof(int32_t) * n1);
-    tmp2 = kb_malloc(ctx, sizeof(int32_t) * n1);
-    KB_CHECK(ctx, b.reg && b.dep && b.lvl && b.floating && b.fl && b.index_read && b.lone_read && mark && is_out &&
-             tmp && tmp2,
-             KB_ERR_OOM, "out of memory");
-    for (int32_t v = 0; v < b.n; v++) b.reg[v] = b.dep[v] = -1;
-
-    KB_TRY(mark_index_reads(&b));
-    KB_TRY(mark_lone_reads(&b));
-    for (int32_t v = 0; v < b.n; v++) KB_TRY(assign(&b, v));
-    for (int32_t r = 0; r < b.nreg; r++)
-        if (colsum_ok(&b, r)) make_row_colsum(&b, r);
+    KB_TRY(mark_index_reads(b));
+    KB_TRY(mark_lone_reads(b));
+    for (int32_t v = 0; v < b->n; v++) KB_TRY(assign(b, v));
+    for (int32_t r = 0; r < b->nreg; r++)
+        if (colsum_ok(b, r)) make_row_colsum(b, r);
     /* a graph output that is a constant or a folded view still needs a kernel to write it */
     for (int32_t i = 0; i < kb_graph_noutputs(g); i++) {
         int32_t v = kb_graph_output(g, i);
-        if (!b.floating[v] || b.reg[v] >= 0) continue;
+        if (!b->floating[v] || b->reg[v] >= 0) continue;
         int32_t q;
-        KB_TRY(new_region(&b, KB_REGION_POINTWISE, v, 0, &q));
-        b.reg[v] = q;
-        b.lvl[v] = LV_FULL;
+        KB_TRY(new_region(b, KB_REGION_POINTWISE, v, 0, &q));
+        b->reg[v] = q;
+        b->lvl[v] = LV_FULL;
     }
-
-    p = kb_calloc(ctx, 1, sizeof *p);
-    KB_CHECK(ctx, p != NULL, KB_ERR_OOM, "out of memory");
-    p->graph = g;
-    p->regions = kb_calloc(ctx, (size_t)(b.nreg ? b.nreg : 1), sizeof(kb_region));
-    if (p->regions) p->nregions = b.nreg; /* kb_partition_free frees by this count */
-    p->region_of = kb_malloc(ctx, sizeof(int32_t) * n1);
-    KB_CHECK(ctx, p->regions && p->region_of, KB_ERR_OOM, "out of memory");
-    for (int32_t v = 0; v < b.n; v++) p->region_of[v] = b.floating[v] ? -1 : b.reg[v];
-
-    /* nodes: each region's own, and the floating values they read (copied into every region
-     * that reads them); outputs: graph outputs, and values a node of another region reads,
-     * directly or through floating values */
-    for (int32_t i = 0; i < kb_graph_noutputs(g); i++) is_out[kb_graph_output(g, i)] = 1;
-    for (int32_t r = 0; r < b.nreg; r++) {
-        kb_region *rg = &p->regions[r];
-        rg->kind = b.regs[r].kind;
-        rg->anchor = b.regs[r].anchor;
-        rg->reduce_axes = b.regs[r].red;
-        memset(mark, 0, n1);
-        for (int32_t v = 0; v < b.n; v++)
-            if (b.reg[v] == r) {
-                mark[v] = 1;
-                mark_floating(&b, mark, v);
-            }
-        if (b.floating[rg->anchor]) mark[rg->anchor] = 1, mark_floating(&b, mark, rg->anchor);
-        int32_t nn = 0;
-        for (int32_t v = 0; v < b.n; v++)
-            if (mark[v]) tmp[nn++] = v;
-        KB_TRY(fill_list(ctx, &rg->nodes, &rg->nnodes, tmp, nn));
-        for (int32_t k = 0; k < nn; k++) {
-            const kb_node *nd = N(&b, tmp[k]);
-            for (int i = 0; i < nd->ninputs; i++) {
-                int32_t u = nd->inputs[i];
-                if (!b.floating[u] && b.reg[u] >= 0 && b.reg[u] != r) is_out[u] = 1;
-            }
-        }
-    }
-    for (int32_t r = 0; r < b.nreg; r++) {
-        kb_region *rg = &p->regions[r];
-        int32_t nn = rg->nnodes, ni = 0, no = 0;
-        memset(mark, 0, n1);
-        for (int32_t k = 0; k < nn; k++) mark[rg->nodes[k]] = 1;
-        /* inputs: operands outside the region, in id order */
-        for (int32_t k = 0; k < nn; k++) {
-            const kb_node *nd = N(&b, rg->nodes[k]);
-            for (int i = 0; i < nd->ninputs; i++) {
-                int32_t u = nd->inputs[i];
-                if (!mark[u]) mark[u] = 2;
-            }
-        }
-        if (mark[rg->anchor] == 0) mark[rg->anchor] = 2; /* an INPUT anchor is read */
-        for (int32_t v = 0; v < b.n; v++)
-            if (mark[v] == 2) tmp2[ni++] = v;
-        KB_TRY(fill_list(ctx, &rg->inputs, &rg->ninputs, tmp2, ni));
-        for (int32_t k = 0; k < nn; k++) {
-            int32_t v = rg->nodes[k];
-            if (is_out[v] && b.reg[v] == r) tmp2[no++] = v;
-        }
-        KB_TRY(fill_list(ctx, &rg->outputs, &rg->noutputs, tmp2, no));
-        /* a floating node lives in several regions; region_of names the first one */
-        for (int32_t k = 0; k < nn; k++)
-            if (p->region_of[rg->nodes[k]] < 0) p->region_of[rg->nodes[k]] = r;
-    }
-    *out = p;
-    p = NULL;
 cleanup:
-    kb_partition_free(p);
-    kb_free(ctx, b.reg, sizeof(int32_t) * n1);
-    kb_free(ctx, b.dep, sizeof(int32_t) * n1);
-    kb_free(ctx, b.lvl, n1);
-    kb_free(ctx, b.floating, n1);
-    kb_free(ctx, b.fl, n1);
-    kb_free(ctx, b.index_read, n1);
-    kb_free(ctx, b.lone_read, n1);
-    kb_free(ctx, b.regs, sizeof(breg) * (size_t)b.capreg);
-    kb_free(ctx, mark, n1);
-    kb_free(ctx, is_out, n1);
-    kb_free(ctx, tmp, sizeof(int32_t) * n1);
-    kb_free(ctx, tmp2, sizeof(int32_t) * n1);
     return st;
 }

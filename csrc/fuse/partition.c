@@ -1,159 +1,135 @@
-/* partition.c — what is done with a partition after fuse.c's greedy pass made it: what a
- * forward's ROW regions keep for their backward, row statistics or their own outputs
- * (kb_partition_save_stats, the saved-tensor policy's C half), and the partition's text form
- * (kb_partition_dump). */
-#include "core/internal.h"
+/* partition.c — the kb_partition: assembled from fuse.c's per-node assignment (each region's
+ * nodes, the values it reads and the values it writes), its text form (kb_partition_dump), and
+ * one region as a standalone graph (kb_region_graph), what a region's backward is built from and
+ * what the runtime's cache keys and gradient checks compare. */
+#include "fuse/fuse.h"
 
-/* ---------------------------------------------------------------- row statistics */
+/* ---------------------------------------------------------------- assembling the regions */
 
-enum { KB_MAX_SAVED = 4 };
-
-/* A row's bytes at the graph's example sizes, 4 per element (the kernels reduce in f32). */
-static int64_t row_bytes(const kb_graph *g, const kb_node *red)
-{
-    int64_t symvals[KB_MAX_SYMS] = {0}, n = 4;
-    for (int32_t s = 0; s < kb_graph_nsymbols(g) && s < KB_MAX_SYMS; s++) symvals[s] = kb_graph_symbol_example(g, s);
-    const kb_node *in = kb_graph_node(g, red->inputs[0]);
-    for (int32_t d = 0; d < in->rank; d++)
-        if (red->axes & (1u << d)) n *= kb_dim_eval(in->dims[d], symvals);
-    return n;
+static kb_status fill_list(kb_ctx *ctx, int32_t **arr, int32_t *count, const int32_t *src, int32_t n) {
+    *count = n;
+    *arr = kb_malloc(ctx, sizeof(int32_t) * (size_t)(n ? n : 1));
+    if (!*arr) return KB_ERR_OOM;
+    if (n) memcpy(*arr, src, sizeof(int32_t) * (size_t)n);
+    return KB_OK;
 }
 
-/* Is statistic v broadcast back over the row (an expand reads it, or per-row work on it):
- * are the row's elements computed from it? Then a backward needs it per element, and without
- * it would reduce the row again. A sum that only feeds a per-row result (a mean loss) is not. */
-static int broadcast_back(const kb_partition *p, const kb_region *rg, int32_t v)
-{
-    const kb_graph *g = p->graph;
-    const kb_node *stat = kb_graph_node(g, v);
-    int32_t n = kb_graph_nnodes(g);
-    uint8_t *from = kb_calloc(kb_graph_ctx(g), (size_t)(n ? n : 1), 1);
-    if (!from) return 1; /* out of memory: saving is the safe answer (never wrong, at most idle) */
-    from[v] = 1;
-    int found = 0;
-    for (int32_t k = 0; k < rg->nnodes && !found; k++) {
-        int32_t u = rg->nodes[k];
-        const kb_node *nd = kb_graph_node(g, u);
-        int reads = 0;
-        for (int i = 0; i < nd->ninputs; i++) reads |= from[nd->inputs[i]];
-        if (!reads || u == v) continue;
-        if (nd->op == KB_OP_EXPAND) found = 1;
-        else if (nd->rank == stat->rank) {
-            int same = 1;
-            for (int d = 0; d < nd->rank; d++) same &= kb_dim_equal(nd->dims[d], stat->dims[d]);
-            from[u] = (uint8_t)same;
+/* Marks the floating operands (and their chains) a region member reads. */
+static void mark_floating(const fuse_build *b, uint8_t *mark, int32_t v) {
+    const kb_node *nd = kb_graph_node(b->g, v);
+    for (int i = 0; i < nd->ninputs; i++) {
+        int32_t u = nd->inputs[i];
+        if (b->floating[u] && !mark[u]) {
+            mark[u] = 1;
+            mark_floating(b, mark, u);
         }
     }
-    kb_free(kb_graph_ctx(g), from, (size_t)(n ? n : 1));
-    return found;
 }
 
-/* Bytes bwd reads: its inputs that a node or an output uses, at the example sizes; *uses gets bit
- * k set where input first + k is used (k < 32). */
-static int64_t bytes_read(const kb_graph *bwd, int32_t first, uint32_t *uses)
-{
-    int64_t symvals[KB_MAX_SYMS] = {0}, sizes[KB_MAX_RANK], total = 0;
-    for (int32_t s = 0; s < kb_graph_nsymbols(bwd) && s < KB_MAX_SYMS; s++) symvals[s] = kb_graph_symbol_example(bwd, s);
-    *uses = 0;
-    for (int32_t i = 0; i < kb_graph_ninputs(bwd); i++) {
-        int32_t in = kb_graph_input(bwd, i), used = 0;
-        for (int32_t v = 0; v < kb_graph_nnodes(bwd) && !used; v++) {
-            const kb_node *nd = kb_graph_node(bwd, v);
-            for (int k = 0; k < nd->ninputs; k++) used |= nd->inputs[k] == in;
-        }
-        for (int32_t j = 0; j < kb_graph_noutputs(bwd); j++) used |= kb_graph_output(bwd, j) == in;
-        if (!used) continue;
-        total += kb_value_sizes(bwd, in, symvals, sizes) * (int64_t)kb_dtype_size(kb_graph_node(bwd, in)->dtype);
-        if (i >= first && i - first < 32) *uses |= 1u << (i - first);
-    }
-    return total;
-}
-
-/* Does region r's backward read its outputs (rg->saved_outputs), and then still its statistics?
- * Where the backward needs a value an output holds (a log_softmax's: its output, which simplify
- * writes it in terms of), reading it can replace reading the region's inputs and statistics.
- * The backward of every float input is built both ways; the outputs are read where that reads
- * fewer bytes, and the statistics are not saved where it reads none of them (then what the
- * backward keeps is what eager's keeps). A backward that cannot be built is left to the runtime,
- * which says why. */
-static kb_status choose_reads(kb_partition *p, int32_t r, int32_t *keep_stats)
-{
+void kb_partition_free(kb_partition *p) {
+    if (!p) return;
     kb_ctx *ctx = kb_graph_ctx(p->graph);
-    kb_status st = KB_OK;
-    kb_region *rg = &p->regions[r];
-    int32_t nreal = rg->noutputs - rg->nsaved, nin = rg->ninputs, any = 0;
-    uint32_t all = 0, outs_read = 0, plain_reads = 0, reads = 0;
-    *keep_stats = 1;
-    for (int32_t k = 0; k < nreal && k < 32; k++)
-        if (kb_dtype_is_float(kb_graph_node(p->graph, rg->outputs[k])->dtype)) all |= 1u << k;
-    kb_graph *fg = NULL, *plain = NULL, *reading = NULL;
-    uint8_t *wrt = kb_calloc(ctx, (size_t)(nin ? nin : 1), 1);
-    KB_CHECK(ctx, wrt != NULL, KB_ERR_OOM, "save_stats: out of memory");
-    for (int32_t i = 0; i < nin; i++) any |= wrt[i] = (uint8_t)kb_dtype_is_float(kb_graph_node(p->graph, rg->inputs[i])->dtype);
-    if (!all || !any) goto cleanup;
-    KB_TRY(kb_region_graph(p, r, &fg));
-    st = kb_graph_grad_saved(fg, wrt, rg->nsaved, 0, &plain);
-    if (st == KB_OK) st = kb_graph_grad_saved(fg, wrt, rg->nsaved, all, &reading);
-    if (st != KB_OK) {
-        st = st == KB_ERR_OOM ? st : KB_OK;
-        goto cleanup;
-    }
-    if (bytes_read(reading, nin, &reads) >= bytes_read(plain, nin, &plain_reads)) goto cleanup;
-    for (int32_t k = 0, j = 0; k < nreal && k < 32; k++) /* out<k> inputs follow the statistics */
-        if (all >> k & 1u) outs_read |= (reads >> (rg->nsaved + j++) & 1u) << k;
-    rg->saved_outputs = outs_read;
-    *keep_stats = rg->nsaved < 32 && (reads & ((1u << rg->nsaved) - 1u)) != 0;
-cleanup:
-    kb_free(ctx, wrt, (size_t)(nin ? nin : 1));
-    kb_graph_free(fg);
-    kb_graph_free(plain);
-    kb_graph_free(reading);
-    return st;
-}
-
-kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
-{
-    if (!p || !p->graph) return KB_ERR_INVALID;
-    kb_ctx *ctx = kb_graph_ctx(p->graph);
-    kb_status st = KB_OK;
     for (int32_t r = 0; r < p->nregions; r++) {
         kb_region *rg = &p->regions[r];
-        if (rg->kind != KB_REGION_ROW || rg->nsaved > 0) continue;
-        int32_t stats[KB_MAX_SAVED], ns = 0;
-        for (int32_t k = 0; k < rg->nnodes && ns < KB_MAX_SAVED; k++) {
-            int32_t v = rg->nodes[k], is_out = 0;
-            const kb_node *nd = kb_graph_node(p->graph, v);
-            /* a row's own reduction (not a column sum folded into the row kernel), in float */
-            if (kb_op_get(nd->op)->kind != KB_KIND_REDUCE || !kb_dtype_is_float(nd->dtype) ||
-                p->region_of[v] != r || nd->axes != rg->reduce_axes || row_bytes(p->graph, nd) < min_row_bytes ||
-                !broadcast_back(p, rg, v))
-                continue;
-            for (int32_t j = 0; j < rg->noutputs; j++) is_out |= rg->outputs[j] == v;
-            if (!is_out) stats[ns++] = v;
-        }
-        if (ns == 0) continue;
-        int32_t *outs = kb_malloc(ctx, sizeof(int32_t) * (size_t)(rg->noutputs + ns));
-        KB_CHECK(ctx, outs != NULL, KB_ERR_OOM, "save_stats: out of memory");
-        if (rg->noutputs) memcpy(outs, rg->outputs, sizeof(int32_t) * (size_t)rg->noutputs);
-        memcpy(outs + rg->noutputs, stats, sizeof(int32_t) * (size_t)ns);
+        kb_free(ctx, rg->nodes, sizeof(int32_t) * (size_t)(rg->nnodes ? rg->nnodes : 1));
+        kb_free(ctx, rg->inputs, sizeof(int32_t) * (size_t)(rg->ninputs ? rg->ninputs : 1));
         kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)(rg->noutputs ? rg->noutputs : 1));
-        rg->outputs = outs;
-        rg->noutputs += ns;
-        rg->nsaved = ns;
-        int32_t keep = 1;
-        KB_TRY(choose_reads(p, r, &keep));
-        if (!keep) { /* the backward reads outputs instead: back to the region's own outputs */
-            int32_t nown = rg->noutputs - ns;
-            int32_t *own = kb_malloc(ctx, sizeof(int32_t) * (size_t)(nown ? nown : 1));
-            KB_CHECK(ctx, own != NULL, KB_ERR_OOM, "save_stats: out of memory");
-            if (nown) memcpy(own, rg->outputs, sizeof(int32_t) * (size_t)nown);
-            kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)rg->noutputs);
-            rg->outputs = own;
-            rg->noutputs = nown;
-            rg->nsaved = 0;
+    }
+    kb_free(ctx, p->regions, sizeof(kb_region) * (size_t)(p->nregions ? p->nregions : 1));
+    kb_free(ctx, p->region_of, sizeof(int32_t) * (size_t)(kb_graph_nnodes(p->graph) ? kb_graph_nnodes(p->graph) : 1));
+    kb_free(ctx, p, sizeof *p);
+}
+
+kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
+    if (!g || !out) return KB_ERR_INVALID;
+    *out = NULL;
+    kb_ctx *ctx = kb_graph_ctx(g);
+    kb_status st = KB_OK;
+    fuse_build b;
+    memset(&b, 0, sizeof b);
+    uint8_t *mark = NULL, *is_out = NULL;
+    int32_t *tmp = NULL, *tmp2 = NULL;
+    kb_partition *p = NULL;
+    size_t n1 = (size_t)(kb_graph_nnodes(g) ? kb_graph_nnodes(g) : 1);
+    KB_TRY(fuse_assign(g, &b));
+    mark = kb_calloc(ctx, n1, 1);
+    is_out = kb_calloc(ctx, n1, 1);
+    tmp = kb_malloc(ctx, sizeof(int32_t) * n1);
+    tmp2 = kb_malloc(ctx, sizeof(int32_t) * n1);
+    KB_CHECK(ctx, mark && is_out && tmp && tmp2, KB_ERR_OOM, "out of memory");
+
+    p = kb_calloc(ctx, 1, sizeof *p);
+    KB_CHECK(ctx, p != NULL, KB_ERR_OOM, "out of memory");
+    p->graph = g;
+    p->regions = kb_calloc(ctx, (size_t)(b.nreg ? b.nreg : 1), sizeof(kb_region));
+    if (p->regions) p->nregions = b.nreg; /* kb_partition_free frees by this count */
+    p->region_of = kb_malloc(ctx, sizeof(int32_t) * n1);
+    KB_CHECK(ctx, p->regions && p->region_of, KB_ERR_OOM, "out of memory");
+    for (int32_t v = 0; v < b.n; v++) p->region_of[v] = b.floating[v] ? -1 : b.reg[v];
+
+    /* nodes: each region's own, and the floating values they read (copied into every region
+     * that reads them); outputs: graph outputs, and values a node of another region reads,
+     * directly or through floating values */
+    for (int32_t i = 0; i < kb_graph_noutputs(g); i++) is_out[kb_graph_output(g, i)] = 1;
+    for (int32_t r = 0; r < b.nreg; r++) {
+        kb_region *rg = &p->regions[r];
+        rg->kind = b.regs[r].kind;
+        rg->anchor = b.regs[r].anchor;
+        rg->reduce_axes = b.regs[r].red;
+        memset(mark, 0, n1);
+        for (int32_t v = 0; v < b.n; v++)
+            if (b.reg[v] == r) {
+                mark[v] = 1;
+                mark_floating(&b, mark, v);
+            }
+        if (b.floating[rg->anchor]) mark[rg->anchor] = 1, mark_floating(&b, mark, rg->anchor);
+        int32_t nn = 0;
+        for (int32_t v = 0; v < b.n; v++)
+            if (mark[v]) tmp[nn++] = v;
+        KB_TRY(fill_list(ctx, &rg->nodes, &rg->nnodes, tmp, nn));
+        for (int32_t k = 0; k < nn; k++) {
+            const kb_node *nd = kb_graph_node(g, tmp[k]);
+            for (int i = 0; i < nd->ninputs; i++) {
+                int32_t u = nd->inputs[i];
+                if (!b.floating[u] && b.reg[u] >= 0 && b.reg[u] != r) is_out[u] = 1;
+            }
         }
     }
+    for (int32_t r = 0; r < b.nreg; r++) {
+        kb_region *rg = &p->regions[r];
+        int32_t nn = rg->nnodes, ni = 0, no = 0;
+        memset(mark, 0, n1);
+        for (int32_t k = 0; k < nn; k++) mark[rg->nodes[k]] = 1;
+        /* inputs: operands outside the region, in id order */
+        for (int32_t k = 0; k < nn; k++) {
+            const kb_node *nd = kb_graph_node(g, rg->nodes[k]);
+            for (int i = 0; i < nd->ninputs; i++) {
+                int32_t u = nd->inputs[i];
+                if (!mark[u]) mark[u] = 2;
+            }
+        }
+        if (mark[rg->anchor] == 0) mark[rg->anchor] = 2; /* an INPUT anchor is read */
+        for (int32_t v = 0; v < b.n; v++)
+            if (mark[v] == 2) tmp2[ni++] = v;
+        KB_TRY(fill_list(ctx, &rg->inputs, &rg->ninputs, tmp2, ni));
+        for (int32_t k = 0; k < nn; k++) {
+            int32_t v = rg->nodes[k];
+            if (is_out[v] && b.reg[v] == r) tmp2[no++] = v;
+        }
+        KB_TRY(fill_list(ctx, &rg->outputs, &rg->noutputs, tmp2, no));
+        /* a floating node lives in several regions; region_of names the first one */
+        for (int32_t k = 0; k < nn; k++)
+            if (p->region_of[rg->nodes[k]] < 0) p->region_of[rg->nodes[k]] = r;
+    }
+    *out = p;
+    p = NULL;
 cleanup:
+    kb_partition_free(p);
+    fuse_build_free(&b);
+    kb_free(ctx, mark, n1);
+    kb_free(ctx, is_out, n1);
+    kb_free(ctx, tmp, sizeof(int32_t) * n1);
+    kb_free(ctx, tmp2, sizeof(int32_t) * n1);
     return st;
 }
 
@@ -200,4 +176,84 @@ kb_status kb_partition_dump(const kb_partition *p, char **out) {
         }
     }
     return kb_sb_finish(&sb, out);
+}
+
+/* ---------------------------------------------------------------- a region as a graph */
+
+static int in_region(const kb_region *reg, int32_t v)
+{
+    for (int32_t k = 0; k < reg->nnodes; k++)
+        if (reg->nodes[k] == v) return 1;
+    return 0;
+}
+
+kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out)
+{
+    if (!out) return KB_ERR_INVALID;
+    *out = NULL;
+    if (!p || !p->graph) return KB_ERR_INVALID;
+    const kb_graph *g = p->graph;
+    kb_ctx *ctx = kb_graph_ctx(g);
+    kb_status st = KB_OK;
+    int32_t n = kb_graph_nnodes(g);
+    size_t cnt = n > 0 ? (size_t)n : 1;
+    kb_graph *rg = NULL;
+    int32_t *map = NULL;
+    KB_CHECK(ctx, r >= 0 && r < p->nregions, KB_ERR_INVALID, "region %d of %d", (int)r, (int)p->nregions);
+    const kb_region *reg = &p->regions[r];
+    map = kb_malloc(ctx, cnt * sizeof(int32_t));
+    KB_CHECK(ctx, map != NULL, KB_ERR_OOM, "region_graph: out of memory");
+    for (int32_t v = 0; v < n; v++) map[v] = -1;
+    KB_TRY(kb_graph_new(ctx, &rg));
+    KB_TRY(kb_graph_copy_symbols(g, rg));
+    for (int32_t k = 0; k < reg->ninputs; k++) {
+        int32_t v = reg->inputs[k];
+        KB_CHECK(ctx, v >= 0 && v < n && map[v] < 0, KB_ERR_INVALID,
+                 "region %d: input %d is a bad or repeated value (%d)", (int)r, (int)k, (int)v);
+        const kb_node *src = kb_graph_node(g, v);
+        kb_node t = kb_node_template(KB_OP_INPUT, src->dtype, src->rank, src->dims);
+        /* a parameter stays one: fusion floats parameter-only work (a weight's cast) into readers */
+        t.input_kind = src->op == KB_OP_INPUT ? src->input_kind : KB_INPUT_USER;
+        if (src->op == KB_OP_INPUT && src->name[0]) memcpy(t.name, src->name, sizeof t.name);
+        else snprintf(t.name, sizeof t.name, "in%d", (int)k);
+        KB_TRY(kb_graph_add(rg, &t, &map[v]));
+    }
+    /* Nodes in id order, except that a node with no operands (a constant, an iota) comes just
+     * before its first reader: one that repeated blocks share sits before the first block only,
+     * and the same region of every block must read the same (cache keys, gradient checks). */
+    for (int32_t pass = 0; pass < 2; pass++) {
+        for (int32_t k = 0; k < reg->nnodes; k++) {
+            int32_t v = reg->nodes[k];
+            KB_CHECK(ctx, v >= 0 && v < n, KB_ERR_INVALID, "region %d: node %d is a bad value (%d)", (int)r, (int)k, (int)v);
+            if (map[v] >= 0) continue; /* one of the region's inputs, or emitted */
+            const kb_node *src = kb_graph_node(g, v);
+            KB_CHECK(ctx, src->op != KB_OP_INPUT, KB_ERR_INVALID,
+                     "region %d holds graph input %d without listing it among its inputs", (int)r, (int)v);
+            if (src->ninputs == 0 && pass == 0) continue; /* placed by its first reader (or pass 1) */
+            kb_node t = *src;
+            for (int i = 0; i < t.ninputs; i++) {
+                int32_t u = t.inputs[i];
+                if (map[u] < 0 && kb_graph_node(g, u)->ninputs == 0 && kb_graph_node(g, u)->op != KB_OP_INPUT &&
+                    in_region(reg, u))
+                    KB_TRY(kb_graph_add(rg, kb_graph_node(g, u), &map[u]));
+                KB_CHECK(ctx, map[u] >= 0, KB_ERR_INVALID,
+                         "region %d: node %d reads %d, which is neither in the region (before it) nor an input",
+                         (int)r, (int)v, (int)u);
+                t.inputs[i] = map[u];
+            }
+            KB_TRY(kb_graph_add(rg, &t, &map[v]));
+        }
+    }
+    for (int32_t j = 0; j < reg->noutputs; j++) {
+        int32_t v = reg->outputs[j];
+        KB_CHECK(ctx, v >= 0 && v < n && map[v] >= 0, KB_ERR_INVALID,
+                 "region %d: output %d (value %d) is not computed by the region", (int)r, (int)j, (int)v);
+        KB_TRY(kb_graph_add_output(rg, map[v]));
+    }
+    *out = rg;
+    rg = NULL;
+cleanup:
+    kb_free(ctx, map, cnt * sizeof(int32_t));
+    kb_graph_free(rg);
+    return st;
 }

@@ -1,6 +1,6 @@
-/* grad.c — reverse-mode autodiff on the IR (kb_graph_grad) and one region as a standalone graph
- * (kb_region_graph). Pointwise derivatives are read from ops.def's d/da d/db d/dc strings (the
- * rule language of grad_build.c); reductions and index maps have one builder each (a table). */
+/* grad.c — reverse-mode autodiff on the IR (kb_graph_grad). Pointwise derivatives are read from
+ * ops.def's d/da d/db d/dc strings (the rule language of grad_build.c); reductions and index maps
+ * have one builder each (a table). */
 #include "grad/grad_build.h"
 
 #include <math.h>
@@ -661,85 +661,5 @@ cleanup:
     kb_free(ctx, gc.req, cnt);
     kb_free(ctx, gc.pend_head, cnt * sizeof(int32_t));
     kb_free(ctx, gc.pend, sizeof(pending_slice) * (size_t)gc.cappend);
-    return st;
-}
-
-/* ---------------------------------------------------------------- a region as a graph */
-
-static int in_region(const kb_region *reg, int32_t v)
-{
-    for (int32_t k = 0; k < reg->nnodes; k++)
-        if (reg->nodes[k] == v) return 1;
-    return 0;
-}
-
-kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out)
-{
-    if (!out) return KB_ERR_INVALID;
-    *out = NULL;
-    if (!p || !p->graph) return KB_ERR_INVALID;
-    const kb_graph *g = p->graph;
-    kb_ctx *ctx = kb_graph_ctx(g);
-    kb_status st = KB_OK;
-    int32_t n = kb_graph_nnodes(g);
-    size_t cnt = n > 0 ? (size_t)n : 1;
-    kb_graph *rg = NULL;
-    int32_t *map = NULL;
-    KB_CHECK(ctx, r >= 0 && r < p->nregions, KB_ERR_INVALID, "region %d of %d", (int)r, (int)p->nregions);
-    const kb_region *reg = &p->regions[r];
-    map = kb_malloc(ctx, cnt * sizeof(int32_t));
-    KB_CHECK(ctx, map != NULL, KB_ERR_OOM, "region_graph: out of memory");
-    for (int32_t v = 0; v < n; v++) map[v] = -1;
-    KB_TRY(kb_graph_new(ctx, &rg));
-    KB_TRY(kb_graph_copy_symbols(g, rg));
-    for (int32_t k = 0; k < reg->ninputs; k++) {
-        int32_t v = reg->inputs[k];
-        KB_CHECK(ctx, v >= 0 && v < n && map[v] < 0, KB_ERR_INVALID,
-                 "region %d: input %d is a bad or repeated value (%d)", (int)r, (int)k, (int)v);
-        const kb_node *src = kb_graph_node(g, v);
-        kb_node t = gb_tmpl(KB_OP_INPUT, src->dtype, src->rank, src->dims);
-        /* a parameter stays one: fusion floats parameter-only work (a weight's cast) into readers */
-        t.input_kind = src->op == KB_OP_INPUT ? src->input_kind : KB_INPUT_USER;
-        if (src->op == KB_OP_INPUT && src->name[0]) memcpy(t.name, src->name, sizeof t.name);
-        else snprintf(t.name, sizeof t.name, "in%d", (int)k);
-        KB_TRY(kb_graph_add(rg, &t, &map[v]));
-    }
-    /* Nodes in id order, except that a node with no operands (a constant, an iota) comes just
-     * before its first reader: one that repeated blocks share sits before the first block only,
-     * and the same region of every block must read the same (cache keys, gradient checks). */
-    for (int32_t pass = 0; pass < 2; pass++) {
-        for (int32_t k = 0; k < reg->nnodes; k++) {
-            int32_t v = reg->nodes[k];
-            KB_CHECK(ctx, v >= 0 && v < n, KB_ERR_INVALID, "region %d: node %d is a bad value (%d)", (int)r, (int)k, (int)v);
-            if (map[v] >= 0) continue; /* one of the region's inputs, or emitted */
-            const kb_node *src = kb_graph_node(g, v);
-            KB_CHECK(ctx, src->op != KB_OP_INPUT, KB_ERR_INVALID,
-                     "region %d holds graph input %d without listing it among its inputs", (int)r, (int)v);
-            if (src->ninputs == 0 && pass == 0) continue; /* placed by its first reader (or pass 1) */
-            kb_node t = *src;
-            for (int i = 0; i < t.ninputs; i++) {
-                int32_t u = t.inputs[i];
-                if (map[u] < 0 && kb_graph_node(g, u)->ninputs == 0 && kb_graph_node(g, u)->op != KB_OP_INPUT &&
-                    in_region(reg, u))
-                    KB_TRY(kb_graph_add(rg, kb_graph_node(g, u), &map[u]));
-                KB_CHECK(ctx, map[u] >= 0, KB_ERR_INVALID,
-                         "region %d: node %d reads %d, which is neither in the region (before it) nor an input",
-                         (int)r, (int)v, (int)u);
-                t.inputs[i] = map[u];
-            }
-            KB_TRY(kb_graph_add(rg, &t, &map[v]));
-        }
-    }
-    for (int32_t j = 0; j < reg->noutputs; j++) {
-        int32_t v = reg->outputs[j];
-        KB_CHECK(ctx, v >= 0 && v < n && map[v] >= 0, KB_ERR_INVALID,
-                 "region %d: output %d (value %d) is not computed by the region", (int)r, (int)j, (int)v);
-        KB_TRY(kb_graph_add_output(rg, map[v]));
-    }
-    *out = rg;
-    rg = NULL;
-cleanup:
-    kb_free(ctx, map, cnt * sizeof(int32_t));
-    kb_graph_free(rg);
     return st;
 }
