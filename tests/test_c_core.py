@@ -1,6 +1,7 @@
 """The C core's own tests (csrc/tests), built and run plain and under AddressSanitizer +
 UndefinedBehaviorSanitizer, from pytest so that the README's one test command covers them."""
 import os
+import re
 import shutil
 import subprocess
 
@@ -29,3 +30,101 @@ def test_nvrtc_unit_tests_sanitized():
     if "skipped" in out.lower() and "passed" not in out:
         pytest.skip("no NVRTC on this machine")
     assert " 0 failed" in out
+
+
+# ---------------------------------------------------------------- codegen's layers
+
+CODEGEN = os.path.join(ROOT, "csrc", "codegen")
+C_KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "defined", "__attribute__", "_Alignof",
+              "offsetof", "va_start", "va_end"}
+
+
+def _strip_c(src):
+    """C source without comments, string and character literals (kept as empty quotes), or
+    preprocessor lines: what is left are declarations, definitions and calls."""
+    src = re.sub(r"/\*.*?\*/|//[^\n]*|\"(?:\\.|[^\"\\])*\"|'(?:\\.|[^'\\])*'",
+                 lambda m: "\n" * m.group(0).count("\n") if m.group(0)[0] == "/" else '""', src, flags=re.S)
+    return re.sub(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", "", src, flags=re.M)
+
+
+def _functions(path):
+    """{function defined in the file: (is static, names it calls)}, from the file's text: a
+    definition is a name followed by a parenthesized list and a brace at file scope."""
+    s = _strip_c(open(path).read())
+    ident = re.compile(r"[A-Za-z_]\w*")
+    out, depth, cur, start, i = {}, 0, None, 0, 0
+    while i < len(s):
+        ch = s[i]
+        if ch in "{};":
+            depth += (ch == "{") - (ch == "}")
+            if depth == 0 and ch != "{":
+                cur, start = None, i + 1
+            i += 1
+            continue
+        m = ident.match(s, i)
+        if not m:
+            i += 1
+            continue
+        name, j = m.group(0), m.end()
+        k = j
+        while k < len(s) and s[k].isspace():
+            k += 1
+        if k < len(s) and s[k] == "(" and name not in C_KEYWORDS:
+            if depth == 0:
+                level, e = 0, k
+                while e < len(s):
+                    level += (s[e] == "(") - (s[e] == ")")
+                    if level == 0:
+                        break
+                    e += 1
+                f = e + 1
+                while f < len(s) and s[f].isspace():
+                    f += 1
+                if f < len(s) and s[f] == "{":
+                    cur = name
+                    out[name] = (bool(re.search(r"\bstatic\b", s[start:i])), set())
+                    i = f
+                    continue
+            elif cur:
+                out[cur][1].add(name)
+        i = j
+    return out
+
+
+def codegen_layers():
+    """[(layer name, [files])] from codegen.h's section lines, lowest first."""
+    text = open(os.path.join(CODEGEN, "codegen.h")).read()
+    found = re.findall(r"^/\* =+ layer (\d+): (\w+) \(([^)]*)\) \*/$", text, flags=re.M)
+    assert [int(n) for n, _, _ in found] == list(range(len(found))), found
+    return [(name, [f.strip() for f in files.split(",")]) for _, name, files in found]
+
+
+def test_codegen_layers_never_call_up():
+    """codegen/ is layered emit -> index -> expression -> chunk -> kernel -> source (codegen.h):
+    a file calls functions of its own layer or of lower ones, never of a higher one, and each
+    function codegen.h declares under a layer is defined in that layer's files."""
+    layers = codegen_layers()
+    layer_of = {f: n for n, (_, files) in enumerate(layers) for f in files}
+    files = sorted(f for f in os.listdir(CODEGEN) if f.endswith(".c"))
+    assert sorted(layer_of) == files, f"codegen.h's layer lines must name every codegen/*.c once: {files}"
+    funcs = {f: _functions(os.path.join(CODEGEN, f)) for f in files}
+    home = {name: f for f in files for name, (static, _) in funcs[f].items() if not static}
+    assert len(home) > 40, "the parser found too few functions"
+    up = []
+    for f in files:
+        for fn, (_, calls) in funcs[f].items():
+            for callee in calls:
+                g = home.get(callee)
+                if g and callee not in funcs[f] and layer_of[g] > layer_of[f]:
+                    up.append(f"{f} ({layers[layer_of[f]][0]}) {fn} -> {callee} in {g} ({layers[layer_of[g]][0]})")
+    assert not up, "calls up the codegen layers:\n" + "\n".join(up)
+    # codegen.h's sections follow the layers
+    raw = open(os.path.join(CODEGEN, "codegen.h")).read()
+    marks = [m.start() for m in re.finditer(r"^/\* =+ layer \d+:", raw, flags=re.M)] + [len(raw)]
+    declared = 0
+    for n, (name, lfiles) in enumerate(layers):
+        section = _strip_c(raw[marks[n]:marks[n + 1]])
+        for decl in re.findall(r"^\w[\w\s\*]*?\b(cg_\w+)\s*\(", section, flags=re.M):
+            assert home.get(decl) in lfiles, f"codegen.h declares {decl} under layer {name}, defined in {home.get(decl)}"
+            declared += 1
+    assert declared > 40, "codegen.h's layer sections declare too few functions"

@@ -1,6 +1,7 @@
-/* codegen_chunk.c — the per-chunk element loop (vector loads in front, the elements, vector
- * stores after), per-row statistics and outputs, the row cache plan (what lives in registers or
- * shared memory between passes), and the generator's setup and teardown. */
+/* chunk.c — the chunk layer of code generation: one chunk's element loop (vector loads in front,
+ * the elements, vector stores after), per-row statistics and outputs, the row cache plan (what
+ * lives in registers or shared memory between passes), loads one row ahead, and a ROW region's
+ * column sums. */
 #include "codegen/codegen.h"
 
 static const kb_node *NODE(const cg *c, int32_t v) { return kb_graph_node(c->g, v); }
@@ -19,17 +20,6 @@ static int prefetched(cg *c, const cg_vreq *r) {
         if (c->pf[j] == r->v) return 1;
     if (c->npf == (int)(sizeof c->pf / sizeof c->pf[0])) return 0;
     c->pf[c->npf++] = r->v;
-    return 1;
-}
-
-/* Is this per-row input (read at the row's own index) one loaded a row ahead into pfs<v>, read
- * as rs<v>? Registers it where the first pass's elements read it; later passes find it there. */
-int cg_row_stat_ahead(cg *c, int32_t v) {
-    if (!c->prefetch || c->guard.on) return 0;
-    for (int j = 0; j < c->nps; j++)
-        if (c->ps[j] == v) return 1;
-    if (c->pass != c->pf_pass || !c->in_element || c->nps == (int)(sizeof c->ps / sizeof c->ps[0])) return 0;
-    c->ps[c->nps++] = v;
     return 1;
 }
 
@@ -337,175 +327,6 @@ kb_status cg_plan_cache(cg *c, int stage) {
     if (regs && (int64_t)n * c->U * c->vec > 256)
         return KB_FAIL(c->ctx, KB_ERR_INVALID, "genome: cache=regs needs %d registers per thread for the row",
                        n * c->U * c->vec);
-    return KB_OK;
-}
-
-/* ---------------------------------------------------------------- setup */
-
-static kb_status dims_product(cg *c, uint32_t mask, int64_t mul, kb_dim *out) {
-    kb_dim d = {mul, 0, {0}};
-    for (int i = 0; i < c->arank; i++) {
-        if (!(mask & (1u << i))) continue;
-        d.coef *= c->adims[i].coef;
-        for (int s = 0; s < c->adims[i].nsym; s++) {
-            if (d.nsym == KB_MAX_DIM_SYMS)
-                return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: the grid size multiplies more than %d symbols",
-                               KB_MAX_DIM_SYMS);
-            int j = d.nsym++;
-            while (j > 0 && d.sym[j - 1] > c->adims[i].sym[s]) {
-                d.sym[j] = d.sym[j - 1];
-                j--;
-            }
-            d.sym[j] = c->adims[i].sym[s];
-        }
-    }
-    *out = d;
-    return KB_OK;
-}
-
-kb_status cg_grid_units(cg *c, kb_dim *units, int64_t *per_block) {
-    uint32_t all = cg_all_bits(c);
-    switch (c->rg->kind) {
-    case KB_REGION_POINTWISE:
-        *per_block = (int64_t)c->gn.threads * c->gn.vec * c->gn.items;
-        return dims_product(c, all, 1, units);
-    case KB_REGION_ROW:
-        *per_block = c->gn.rows;
-        return dims_product(c, all & ~c->red, 1, units);
-    default:
-        *per_block = (int64_t)c->gn.threads * c->gn.vec;
-        return dims_product(c, all & ~c->red, c->col_split, units);
-    }
-}
-
-kb_status cg_status(cg *c) { return c->st; }
-
-void cg_reset(cg *c) {
-    c->nents = 0;
-    c->scope = 0;
-    c->counter = 0;
-    c->nvr = 0;
-    c->pass = 0;
-    c->in_element = 0;
-    c->ind = 1;
-}
-
-void cg_done(cg *c) {
-    if (!c->ctx) return;
-    size_t n = (size_t)(c->n ? c->n : 1);
-    kb_free(c->ctx, c->member, n);
-    kb_free(c->ctx, c->in_slot, sizeof(int32_t) * n);
-    kb_free(c->ctx, c->dp, n);
-    kb_free(c->ctx, c->pure, n);
-    kb_free(c->ctx, c->uses, sizeof(uint32_t) * n);
-    kb_free(c->ctx, c->reads, sizeof(uint32_t) * n);
-    kb_free(c->ctx, c->cached, n);
-    kb_free(c->ctx, c->fill_pass, n);
-    kb_free(c->ctx, c->smem_off, sizeof(int32_t) * n);
-    kb_free(c->ctx, c->partner, sizeof(int32_t) * n);
-    kb_free(c->ctx, c->online_of, sizeof(int32_t) * n);
-    kb_free(c->ctx, c->colsum, n);
-    kb_free(c->ctx, c->ents, sizeof(cg_ent) * (size_t)c->capents);
-    c->ctx = NULL;
-}
-
-static int reads_colsum(const cg *c, const kb_node *nd) {
-    for (int i = 0; i < nd->ninputs; i++)
-        if (c->member[nd->inputs[i]] && c->colsum[nd->inputs[i]]) return 1;
-    return 0;
-}
-
-kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
-                  const renderer *rd) {
-    (void)dev;
-    memset(c, 0, sizeof *c);
-    c->ctx = kb_graph_ctx(p->graph);
-    c->p = p;
-    c->g = p->graph;
-    c->rg = &p->regions[r];
-    c->r = r;
-    c->gn = *gn;
-    c->rd = rd;
-    c->n = kb_graph_nnodes(c->g);
-    size_t n = (size_t)(c->n ? c->n : 1);
-    c->member = kb_calloc(c->ctx, n, 1);
-    c->in_slot = kb_malloc(c->ctx, sizeof(int32_t) * n);
-    c->dp = kb_calloc(c->ctx, n, 1);
-    c->pure = kb_calloc(c->ctx, n, 1);
-    c->uses = kb_calloc(c->ctx, n, sizeof(uint32_t));
-    c->reads = kb_calloc(c->ctx, n, sizeof(uint32_t));
-    c->cached = kb_calloc(c->ctx, n, 1);
-    c->fill_pass = kb_calloc(c->ctx, n, 1);
-    c->smem_off = kb_calloc(c->ctx, n, sizeof(int32_t));
-    c->partner = kb_malloc(c->ctx, sizeof(int32_t) * n);
-    c->online_of = kb_malloc(c->ctx, sizeof(int32_t) * n);
-    c->colsum = kb_calloc(c->ctx, n, 1);
-    if (!c->colsum || !c->member || !c->in_slot || !c->dp || !c->pure || !c->uses || !c->reads || !c->cached || !c->fill_pass ||
-        !c->smem_off || !c->partner || !c->online_of)
-        return KB_ERR_OOM;
-    for (int32_t v = 0; v < c->n; v++) c->in_slot[v] = c->partner[v] = c->online_of[v] = -1;
-    for (int32_t i = 0; i < c->rg->ninputs; i++) c->in_slot[c->rg->inputs[i]] = i;
-    /* dtypes: compute in double when f64 is involved; headers only when used */
-    for (int32_t k = 0; k < c->rg->nnodes + c->rg->ninputs; k++) {
-        int32_t v = k < c->rg->nnodes ? c->rg->nodes[k] : c->rg->inputs[k - c->rg->nnodes];
-        if (k < c->rg->nnodes) c->member[v] = 1;
-        kb_dtype t = NODE(c, v)->dtype;
-        c->dbl |= t == KB_F64;
-        c->use_bf16 |= t == KB_BF16;
-        c->use_f16 |= t == KB_F16;
-    }
-    c->ct = c->dbl ? "double" : "float";
-    /* the space */
-    const kb_node *a = NODE(c, c->rg->anchor);
-    c->arank = a->rank;
-    c->last = a->rank - 1;
-    memcpy(c->adims, a->dims, sizeof(kb_dim) * (size_t)a->rank);
-    c->red = c->rg->kind == KB_REGION_POINTWISE ? 0 : c->rg->reduce_axes;
-    int nred = kb_popcount32(c->red);
-    uint32_t all = cg_all_bits(c);
-    uint32_t trail = nred ? (all & ~((1u << (c->arank - nred)) - 1)) : 0, lead = (1u << nred) - 1;
-    c->trailing = (c->rg->kind == KB_REGION_ROW && c->red == trail) || (c->rg->kind == KB_REGION_COL && c->red == lead);
-    c->red_pinned = 1;
-    int64_t R = 1;
-    for (int d = 0; d < c->arank; d++)
-        if (c->red & (1u << d)) {
-            if (c->adims[d].nsym) c->red_pinned = 0;
-            R *= c->adims[d].coef;
-        }
-    static const char *const kinds[] = {"pointwise", "row", "col", "extern"};
-    snprintf(c->name, sizeof c->name, "kb_r%d_%s", (int)r, kinds[c->rg->kind]);
-    c->col_split = c->rg->kind == KB_REGION_COL ? gn->col_split : 1;
-    c->G = c->rg->kind == KB_REGION_ROW ? gn->threads / (gn->rows > 0 ? gn->rows : 1) : gn->threads;
-    if (c->G < 1) c->G = 1;
-    c->vec = gn->vec;
-    c->U = (int)((R + (int64_t)c->G * c->vec - 1) / ((int64_t)c->G * c->vec));
-    if (c->U < 1) c->U = 1;
-    c->base = c->rg->kind == KB_REGION_POINTWISE ? "i0" : c->rg->kind == KB_REGION_ROW ? "c0" : "col0";
-    cg_set_space_vec(c);
-    /* values that are functions of reductions and constants alone */
-    for (int32_t k = 0; k < c->rg->nnodes; k++) {
-        int32_t v = c->rg->nodes[k];
-        const kb_node *nd = NODE(c, v);
-        kb_op_kind kind = kb_op_get(nd->op)->kind;
-        if (kind == KB_KIND_REDUCE && c->rg->kind == KB_REGION_ROW && nd->axes != c->red) {
-            if (c->ncolsum == (int)(sizeof c->colsums / sizeof c->colsums[0]))
-                return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: more than 16 column sums in one region");
-            c->colsum[v] = 1;
-            c->colsums[c->ncolsum++] = v;
-        } else if (kind != KB_KIND_REDUCE && kind != KB_KIND_GATHER && reads_colsum(c, nd)) {
-            c->colsum[v] = 2; /* pointwise work on column sums: the finishing kernel's */
-        } else if (kind == KB_KIND_REDUCE) {
-            c->nred_total++;
-            c->pure[v] = 1;
-        } else if (nd->op == KB_OP_CONST) {
-            c->pure[v] = 1;
-        } else if (kind == KB_KIND_UNARY || kind == KB_KIND_BINARY || kind == KB_KIND_TERNARY || kind == KB_KIND_VIEW) {
-            int ok = 1;
-            for (int i = 0; i < nd->ninputs; i++) ok &= c->member[nd->inputs[i]] && c->pure[nd->inputs[i]];
-            c->pure[v] = (uint8_t)ok;
-        }
-    }
-    c->ind = 1;
     return KB_OK;
 }
 

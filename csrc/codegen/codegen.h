@@ -1,6 +1,14 @@
-/* codegen.h — private to codegen.c (kernel skeletons) and codegen_expr.c (values at an index):
- * the generator's state and the renderer (target descriptor, in the spirit of tinygrad's
- * cstyle renderer). Nothing here is public API. */
+/* codegen.h — private to codegen/: the generator's state, the renderer (target descriptor, in the
+ * spirit of tinygrad's cstyle renderer), and each layer's functions. Nothing here is public API.
+ *
+ * The files are layered; a file calls functions of its own layer and of the layers below it,
+ * never of one above (tests/test_c_core.py reads the layer lines below and checks the calls):
+ *   emit -> index -> expression -> chunk -> kernel -> source
+ * where emit writes text, index rewrites indices through views, expression makes a value at an
+ * index into a C variable (loads, arithmetic, integer indices and guards), chunk is the element
+ * loop of one chunk with its per-row statistics and the row cache plan, kernel the skeleton of a
+ * POINTWISE / ROW / COL kernel, and source assembles the file (preamble, parameters, entry
+ * points). */
 #ifndef KBENCH_CODEGEN_H
 #define KBENCH_CODEGEN_H
 
@@ -47,7 +55,7 @@ typedef struct cg_vreq { /* a vector load hoisted in front of the element loop o
     char name[NAME_LEN];
 } cg_vreq;
 
-/* An integer at an index (codegen_int.c): a long long expression, the range [lo, hi] it lies in
+/* An integer at an index (int.c): a long long expression, the range [lo, hi] it lies in
  * (CG_BIG: unknown), what it depends on, and var + off when it is a coordinate plus a constant. */
 typedef struct cg_int {
     char e[EXPR_LEN];
@@ -58,7 +66,7 @@ typedef struct cg_int {
 } cg_int;
 
 /* The where() branch being generated is selected only where the chunk's last coordinate
- * a<last> lies in [lo, hi) (codegen_int.c); loads outside it read nothing. */
+ * a<last> lies in [lo, hi) (int.c); loads outside it read nothing. */
 typedef struct cg_guard {
     int on;
     int64_t lo, hi;
@@ -141,16 +149,21 @@ typedef struct cg {
     cg_guard guard;     /* POINTWISE: the where() branch being generated (off outside one) */
 } cg;
 
-kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
-                  const renderer *rd);
-void cg_done(cg *c);
-void cg_reset(cg *c);
-kb_status cg_status(cg *c);
-/* stage 0: after a dry run without caching; stage 1: after one with it (drops unread caches) */
-kb_status cg_plan_cache(cg *c, int stage);
-kb_status cg_grid_units(cg *c, kb_dim *units, int64_t *per_block);
+/* ================================================================ layer 0: emit (emit.c) */
 
-const char *cg_storage(kb_dtype t);
+void cg_failf(cg *c, kb_status s, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+void cg_fail(cg *c, const char *what); /* KB_ERR_UNSUPPORTED */
+/* snprintf that turns truncation into a failure instead of wrong code */
+void cg_fmt(cg *c, char *dst, size_t n, const char *f, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+/* one indented line of the kernel (nothing in a dry run) */
 void cg_line(cg *c, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 2, 3)))
@@ -158,6 +171,16 @@ void cg_line(cg *c, const char *fmt, ...)
     ;
 void cg_scope_push(cg *c);
 void cg_scope_pop(cg *c);
+/* a dtype in memory ("__nv_bfloat16"), and the formats converting it to and from compute */
+const char *cg_storage(kb_dtype t);
+const char *cg_load_fmt(kb_dtype t);
+const char *cg_store_fmt(kb_dtype t);
+
+/* ================================================================ layer 1: index (index.c) */
+
+uint32_t cg_all_bits(const cg *c);
+int cg_same_dims(const kb_node *a, int rank, const kb_dim *dims);
+void cg_dim_expr(cg *c, kb_dim d, char *out);
 /* which = 0: full extent (POINTWISE) / kept extent (ROW rows, COL columns); 1: reduced extent */
 void cg_extent(cg *c, int which, char out[EXPR_LEN]);
 /* numel of v equals the kept extent (stat=1) or the full extent (stat=0) symbolically */
@@ -165,56 +188,67 @@ int cg_numel_is(cg *c, int32_t v, int stat);
 /* declares a<d> for the anchor dims in mask, decomposed from the linear position src */
 void cg_decl_vars(cg *c, const char *src, uint32_t mask, int chunk_base);
 void cg_set_space_vec(cg *c);
+int cg_stat_shape(const cg *c, const kb_node *nd, int *keep);
+void cg_set_lin(idx *x, const char *e, uint32_t mask);
+/* canonical forms (the current element, row or column) to their linear spelling */
+void cg_normalize(cg *c, const kb_node *nd, idx *x);
+void cg_to_comps(cg *c, const kb_node *nd, const idx *in, idx *out);
+void cg_to_lin(cg *c, const kb_node *nd, const idx *in, char *out, uint32_t *mask);
+/* a component "a1" or "(a1 + 12)" as var + off; 0 if it is anything else */
+int cg_parse_affine(const char *e, char *var, int64_t *off);
+void cg_view_map(cg *c, const kb_node *nd, const idx *ix, idx *out);
+
+/* ================================================================ layer 2: expression (expr.c, int.c) */
+
+/* expr.c: a value at an index as a C variable, and the pieces around it */
+void cg_ev(cg *c, int32_t v, const idx *ix, char *out);
+/* the value an output stores, before the store's own conversion */
+void cg_ev_store(cg *c, int32_t v, const idx *ix, char *out);
+void cg_bind(cg *c, int32_t v, const idx *x, const char *var);
+/* int.c: integer indices with ranges, and where() branches under guards */
+void cg_ev_int(cg *c, int32_t v, const idx *x, cg_int *r);
+int cg_int_compare(cg *c, const kb_node *nd, const idx *x, char *out);
+int cg_where_guards(cg *c, int32_t cond, const idx *x, cg_guard *t, cg_guard *f);
+int cg_guard_empty(const cg_guard *g);
+int cg_chunk_guard(cg *c, char *out);
+void cg_guarded_ref(cg *c, int32_t v, const char *lin, char *out);
+
+/* ================================================================ layer 3: chunk (chunk.c) */
+
 /* one chunk: vector loads, the element loop (reductions, FULL outputs), vector stores */
 void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout, const int32_t *csums, int ncs);
-/* ROW column sums: the register partials, the per-block write-out, the finishing kernel */
-void cg_colsum_decl(cg *c);
-void cg_prefetch_rows(cg *c, const char *row, const char *why);
-int cg_row_stat_ahead(cg *c, int32_t v);
-void cg_prefetch_type(cg *c, int32_t v, char *T, size_t n);
-void cg_emit_preamble(cg *c, kb_sb *sb);
-void cg_colsum_store(cg *c);
-void cg_colsum_finish(cg *c);
 void cg_bind_stat(cg *c, int32_t reduce);
 void cg_eager_stats(cg *c, int pass);
 void cg_stat_outputs(cg *c);
 void cg_saved_stat_store(cg *c, int32_t v);
 /* an output written per element (else per row / column) */
 int cg_out_full(cg *c, int32_t v);
+void cg_prefetch_rows(cg *c, const char *row, const char *why);
+void cg_prefetch_type(cg *c, int32_t v, char *T, size_t n);
+/* the row cache: stage 0 after a dry run without caching; stage 1 after one with it (drops
+ * unread caches) */
+kb_status cg_plan_cache(cg *c, int stage);
 void cg_smem_pointers(cg *c);
 void cg_regs_arrays(cg *c);
+/* ROW column sums: the register partials, the per-block write-out, the finishing kernel */
+void cg_colsum_decl(cg *c);
+void cg_colsum_store(cg *c);
+void cg_colsum_finish(cg *c);
 
-/* codegen_expr.c, for codegen_chunk.c: a value at an index, and the pieces around it */
-void cg_ev(cg *c, int32_t v, const idx *ix, char *out);
-void cg_ev_store(cg *c, int32_t v, const idx *ix, char *out);
-void cg_bind(cg *c, int32_t v, const idx *x, const char *var);
-void cg_set_lin(idx *x, const char *e, uint32_t mask);
-uint32_t cg_all_bits(const cg *c);
-int cg_stat_shape(const cg *c, const kb_node *nd, int *keep);
-const char *cg_store_fmt(kb_dtype t);
-void cg_fail(cg *c, const char *what);
-void cg_fmt(cg *c, char *dst, size_t n, const char *f, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 4, 5)))
-#endif
-    ;
+/* ================================================================ layer 4: kernel (kernel.c) */
 
-/* codegen_index.c: an index into a value, through views */
-int cg_same_dims(const kb_node *a, int rank, const kb_dim *dims);
-void cg_dim_expr(cg *c, kb_dim d, char *out);
-/* canonical forms (the current element, row or column) to their linear spelling */
-void cg_normalize(cg *c, const kb_node *nd, idx *x);
-void cg_to_comps(cg *c, const kb_node *nd, const idx *in, idx *out);
-void cg_to_lin(cg *c, const kb_node *nd, const idx *in, char *out, uint32_t *mask);
-void cg_view_map(cg *c, const kb_node *nd, const idx *ix, idx *out);
+/* dp[v] and the passes of a ROW / COL region (and its online normalizers) */
+void cg_plan_passes(cg *c);
+/* the pass that writes FULL output v: the first one after the reductions it depends on */
+int cg_pass_of_output(const cg *c, int32_t v);
+/* the kernel's body for the region's kind (into c->out) */
+void cg_emit_body(cg *c);
+/* the finishing kernel's body of a COL region with col_split > 1 */
+void cg_emit_col_finish(cg *c);
 
-/* codegen_int.c: integer indices with ranges, and where() branches under guards */
-void cg_ev_int(cg *c, int32_t v, const idx *x, cg_int *r);
-int cg_parse_affine(const char *e, char *var, int64_t *off);
-int cg_int_compare(cg *c, const kb_node *nd, const idx *x, char *out);
-int cg_where_guards(cg *c, int32_t cond, const idx *x, cg_guard *t, cg_guard *f);
-int cg_guard_empty(const cg_guard *g);
-int cg_chunk_guard(cg *c, char *out);
-void cg_guarded_ref(cg *c, int32_t v, const char *lin, char *out);
+/* ================================================================ layer 5: source (generate.c, preamble.c) */
+
+/* the header comments, the headers the kernel's types need and the device helpers it uses */
+void cg_emit_preamble(cg *c, kb_sb *sb);
 
 #endif /* KBENCH_CODEGEN_H */

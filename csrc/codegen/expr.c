@@ -1,80 +1,13 @@
-/* codegen_expr.c — the expression side of code generation: a value of the region at an index
- * becomes a named C variable (v12), computed once per scope (a small CSE cache keyed by value
- * and index). Views never move data: they rewrite the index (codegen_index.c), so a view of an
- * input becomes strided load addressing. Loads become 16-byte vector loads when
- * the index is contiguous along the chunk, and come from the row cache where the plan says so. */
+/* expr.c — the expression layer of code generation (with int.c): a value of the region at an
+ * index becomes a named C variable (v12), computed once per scope (a small CSE cache keyed by
+ * value and index). Views never move data: they rewrite the index (index.c), so a view of an
+ * input becomes strided load addressing. Loads become 16-byte vector loads when the index is
+ * contiguous along the chunk, and come from the row cache where the plan says so. */
 #include "codegen/codegen.h"
 
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
-
-/* ---------------------------------------------------------------- type map */
-
-static const struct dtype_render {
-    const char *storage;
-    const char *load;  /* storage → float (or the value itself) */
-    const char *store; /* compute type → storage */
-} DT[KB_DTYPE_COUNT] = {
-    [KB_F32] = {"float", "%s", "(float)(%s)"},
-    [KB_F16] = {"__half", "__half2float(%s)", "__float2half_rn((float)(%s))"},
-    [KB_BF16] = {"__nv_bfloat16", "__bfloat162float(%s)", "__float2bfloat16_rn((float)(%s))"},
-    [KB_F64] = {"double", "%s", "(double)(%s)"},
-    [KB_I64] = {"long long", "%s", "(long long)(%s)"},
-    [KB_I32] = {"int", "%s", "(int)(%s)"},
-    [KB_BOOL] = {"unsigned char", "%s", "(unsigned char)((%s) != 0)"},
-};
-
-const char *cg_storage(kb_dtype t) { return (unsigned)t < KB_DTYPE_COUNT ? DT[t].storage : "float"; }
-
-/* ---------------------------------------------------------------- small helpers */
-
-static void fail(cg *c, kb_status s, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
-static void fail(cg *c, kb_status s, const char *fmt, ...) {
-    if (c->st != KB_OK) return;
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    c->st = KB_FAIL(c->ctx, s, "codegen: region %d: %s", (int)c->r, msg);
-}
-
-/* snprintf that turns truncation into a failure instead of wrong code */
-void cg_fmt(cg *c, char *dst, size_t n, const char *f, ...) {
-    va_list ap;
-    va_start(ap, f);
-    int k = vsnprintf(dst, n, f, ap);
-    va_end(ap);
-    if (k < 0 || (size_t)k >= n) {
-        fail(c, KB_ERR_UNSUPPORTED, "an index expression is too long (views nested too deeply)");
-        if (n) snprintf(dst, n, "0");
-    }
-}
-
-void cg_line(cg *c, const char *f, ...) {
-    if (c->dry) return;
-    for (int i = 0; i < c->ind; i++) kb_sb_puts(c->out, "    ");
-    char buf[2048];
-    va_list ap;
-    va_start(ap, f);
-    int k = vsnprintf(buf, sizeof buf, f, ap);
-    va_end(ap);
-    if (k < 0 || (size_t)k >= sizeof buf) fail(c, KB_ERR_UNSUPPORTED, "a generated line is too long");
-    kb_sb_puts(c->out, buf);
-    kb_sb_puts(c->out, "\n");
-}
-
-void cg_scope_push(cg *c) { c->scope++; }
-
-void cg_scope_pop(cg *c) {
-    c->scope--;
-    while (c->nents > 0 && c->ents[c->nents - 1].scope > c->scope) c->nents--;
-}
 
 static const kb_node *NODE(const cg *c, int32_t v) { return kb_graph_node(c->g, v); }
 
@@ -202,7 +135,7 @@ static void respell(cg *c, const char *t, char *out, size_t n) {
         }
     }
 #undef PUT
-    if (len >= n) fail(c, KB_ERR_UNSUPPORTED, "a pointwise template is too long");
+    if (len >= n) cg_failf(c, KB_ERR_UNSUPPORTED, "a pointwise template is too long");
 }
 
 static void substitute(cg *c, const char *t, const char ops[3][EXPR_LEN], const kb_node *nd, char *out) {
@@ -222,7 +155,7 @@ static void substitute(cg *c, const char *t, const char ops[3][EXPR_LEN], const 
         if (rep) len += (size_t)snprintf(buf + len, n - len, "%s", rep);
         else buf[len++] = *t++, buf[len] = '\0';
     }
-    if (len >= n) fail(c, KB_ERR_UNSUPPORTED, "a pointwise expression is too long");
+    if (len >= n) cg_failf(c, KB_ERR_UNSUPPORTED, "a pointwise expression is too long");
     cg_fmt(c, out, EXPR_LEN * 4, "%s", buf);
 }
 
@@ -246,7 +179,7 @@ static void fill_row_cache(cg *c, int32_t v, int canon, const char *var) {
 
 static void convert_load(cg *c, kb_dtype t, const char *raw, char *out) {
     char conv[EXPR_LEN * 2];
-    cg_fmt(c, conv, sizeof conv, DT[t].load, raw);
+    cg_fmt(c, conv, sizeof conv, cg_load_fmt(t), raw);
     int native = (t == KB_F64 && c->dbl) || ((t == KB_F32 || t == KB_F16 || t == KB_BF16) && !c->dbl);
     if (native) cg_fmt(c, out, EXPR_LEN * 2, "%s", conv);
     else cg_fmt(c, out, EXPR_LEN * 2, "(%s)%s", c->ct, conv);
@@ -304,6 +237,17 @@ static const char *vector_request(cg *c, int32_t v, int smem, int fill, const ch
     return r->name;
 }
 
+/* Is this per-row input (read at the row's own index) one loaded a row ahead into pfs<v>, read
+ * as rs<v>? Registers it where the first pass's elements read it; later passes find it there. */
+static int row_stat_ahead(cg *c, int32_t v) {
+    if (!c->prefetch || c->guard.on) return 0;
+    for (int j = 0; j < c->nps; j++)
+        if (c->ps[j] == v) return 1;
+    if (c->pass != c->pf_pass || !c->in_element || c->nps == (int)(sizeof c->ps / sizeof c->ps[0])) return 0;
+    c->ps[c->nps++] = v;
+    return 1;
+}
+
 static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
     const kb_node *nd = NODE(c, v);
     int canon = c->in_element && x->lin && strcmp(x->e[0], c->full_lin) == 0;
@@ -322,7 +266,7 @@ static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
         int vec_ok = !c->guard.on || cg_chunk_guard(c, guard); /* guarded: whole chunks in or out */
         if (vec_ok && vector_base(c, nd, x, base) && (vn = vector_request(c, v, 0, fill, base, guard)) != NULL) {
             cg_fmt(c, raw, sizeof raw, "%s.v[k]", vn);
-        } else if (!fill && x->lin && c->stat_lin[0] && strcmp(x->e[0], c->stat_lin) == 0 && cg_row_stat_ahead(c, v)) {
+        } else if (!fill && x->lin && c->stat_lin[0] && strcmp(x->e[0], c->stat_lin) == 0 && row_stat_ahead(c, v)) {
             cg_fmt(c, raw, sizeof raw, "rs%d", (int)v);  /* loaded a row ahead */
         } else {
             char lin[EXPR_LEN];
@@ -331,7 +275,7 @@ static void load(cg *c, int32_t v, const idx *x, const char *key, char *out) {
             if (fill) { /* scalar fill of the shared-memory cache */
                 char r[NAME_LEN];
                 snprintf(r, sizeof r, "r%d_%d", (int)v, ++c->counter);
-                cg_line(c, "const %s %s = %s;", DT[nd->dtype].storage, r, raw);
+                cg_line(c, "const %s %s = %s;", cg_storage(nd->dtype), r, raw);
                 cg_line(c, "sm%d[c] = %s;", (int)v, r);
                 cg_fmt(c, raw, sizeof raw, "%s", r);
             }
@@ -464,7 +408,7 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
     }
     if (!c->member[v]) {
         if (c->in_slot[v] < 0) {
-            fail(c, KB_ERR_INVALID, "%%%d is neither computed in the region nor one of its inputs", (int)v);
+            cg_failf(c, KB_ERR_INVALID, "%%%d is neither computed in the region nor one of its inputs", (int)v);
             return;
         }
         load(c, v, &x, key, out);
@@ -527,15 +471,15 @@ static void ev(cg *c, int32_t v, const idx *ix, char *out) {
         return;
     }
     case KB_KIND_REDUCE:
-        fail(c, KB_ERR_UNSUPPORTED, "%%%d (a reduction) is read before its pass ends or at another row's index", (int)v);
+        cg_failf(c, KB_ERR_UNSUPPORTED, "%%%d (a reduction) is read before its pass ends or at another row's index", (int)v);
         return;
     default:
-        fail(c, KB_ERR_UNSUPPORTED, "%%%d: %s cannot be generated inside a kernel", (int)v, info->name);
+        cg_failf(c, KB_ERR_UNSUPPORTED, "%%%d: %s cannot be generated inside a kernel", (int)v, info->name);
         return;
     }
 }
 
-/* ---------------------------------------------------------------- for codegen_chunk.c */
+/* ---------------------------------------------------------------- for the layers above */
 
 void cg_ev(cg *c, int32_t v, const idx *ix, char *out) { ev(c, v, ix, out); }
 
@@ -549,8 +493,6 @@ void cg_ev_store(cg *c, int32_t v, const idx *ix, char *out) {
         v = nd->inputs[0];
     ev(c, v, ix, out);
 }
-const char *cg_store_fmt(kb_dtype t) { return (unsigned)t < KB_DTYPE_COUNT ? DT[t].store : "%s"; }
-void cg_fail(cg *c, const char *what) { fail(c, KB_ERR_UNSUPPORTED, "%s", what); }
 
 void cg_bind(cg *c, int32_t v, const idx *x, const char *var) {
     char key[KEY_LEN];

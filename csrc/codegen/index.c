@@ -1,10 +1,11 @@
-/* codegen_index.c — indices for code generation: the iteration space of a kernel (its anchor's
+/* index.c — the index layer of code generation: the iteration space of a kernel (its anchor's
  * dims as variables a0, a1, ..., the chunks of vec along the last), and an index into any value
  * of the region, in components or linear, rewritten through views (permute, expand, slice,
  * reshape) so that views move no data. */
 #include "codegen/codegen.h"
 
 #include <inttypes.h>
+#include <stdlib.h>
 
 static const kb_node *NODE(const cg *c, int32_t v) { return kb_graph_node(c->g, v); }
 static int is_one(kb_dim d) { return d.coef == 1 && d.nsym == 0; }
@@ -301,6 +302,30 @@ void cg_to_lin(cg *c, const kb_node *nd, const idx *in, char *out, uint32_t *mas
     else if (terms == 1) cg_fmt(c, out, EXPR_LEN, "%s", buf);
     else cg_fmt(c, out, EXPR_LEN, "(%s)", buf);
     if (mask) *mask = m;
+}
+
+/* a component "a1" or "(a1 + 12)" as var + off; 0 if it is anything else */
+int cg_parse_affine(const char *e, char *var, int64_t *off) {
+    const char *p = e;
+    int paren = *p == '(';
+    if (paren) p++;
+    if (*p != 'a') return 0;
+    size_t n = 1;
+    while (p[n] >= '0' && p[n] <= '9') n++;
+    if (n == 1 || n >= NAME_LEN) return 0;
+    memcpy(var, p, n);
+    var[n] = '\0';
+    p += n;
+    if (!paren) {
+        *off = 0;
+        return *p == '\0';
+    }
+    if (strncmp(p, " + ", 3) != 0) return 0;
+    char *end;
+    long long k = strtoll(p + 3, &end, 10);
+    if (end == p + 3 || strcmp(end, ")") != 0) return 0;
+    *off = k;
+    return 1;
 }
 
 /* The index of a view's operand, given the view's index (views move no data). */

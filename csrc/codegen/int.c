@@ -1,9 +1,10 @@
-/* codegen_int.c — integer index arithmetic for code generation. Gather indices and comparisons
- * of coordinates are evaluated as long long (never through float, which is exact only below
- * 2^24), each with the range of values it can take. A where() on a coordinate test generates
- * each branch under a guard: the branch's loads read only where it is selected, and clamps the
- * guard implies drop out. x.chunk(2)'s backward, where(a1 < H, g0[min(a1, H-1)], g1[max(a1 - H,
- * 0)]), so reads g0 at a1 and g1 at a1 - H, contiguous along the chunk: vector loads. */
+/* int.c — integer index arithmetic, half of the expression layer of code generation (with
+ * expr.c, which it calls back for float work). Gather indices and comparisons of coordinates
+ * are evaluated as long long (never through float, which is exact only below 2^24), each with
+ * the range of values it can take. A where() on a coordinate test generates each branch under a
+ * guard: the branch's loads read only where it is selected, and clamps the guard implies drop
+ * out. x.chunk(2)'s backward, where(a1 < H, g0[min(a1, H-1)], g1[max(a1 - H, 0)]), so reads g0
+ * at a1 and g1 at a1 - H, contiguous along the chunk: vector loads. */
 #include "codegen/codegen.h"
 
 #include <inttypes.h>
@@ -29,30 +30,6 @@ static void set_unknown(cg_int *r) {
 static void spell_affine(cg *c, cg_int *r) {
     if (r->off == 0) cg_fmt(c, r->e, EXPR_LEN, "%s", r->var);
     else cg_fmt(c, r->e, EXPR_LEN, "(%s + %" PRId64 ")", r->var, r->off);
-}
-
-/* a component "a1" or "(a1 + 12)" as var + off; 0 if it is anything else */
-int cg_parse_affine(const char *e, char *var, int64_t *off) {
-    const char *p = e;
-    int paren = *p == '(';
-    if (paren) p++;
-    if (*p != 'a') return 0;
-    size_t n = 1;
-    while (p[n] >= '0' && p[n] <= '9') n++;
-    if (n == 1 || n >= NAME_LEN) return 0;
-    memcpy(var, p, n);
-    var[n] = '\0';
-    p += n;
-    if (!paren) {
-        *off = 0;
-        return *p == '\0';
-    }
-    if (strncmp(p, " + ", 3) != 0) return 0;
-    char *end;
-    long long k = strtoll(p + 3, &end, 10);
-    if (end == p + 3 || strcmp(end, ")") != 0) return 0;
-    *off = k;
-    return 1;
 }
 
 /* The variable guards test: the chunk's last coordinate a<last>, or its first element's a<last>_0 */

@@ -1,23 +1,12 @@
-/* codegen.c — (region, genome, device) → CUDA C source and launch geometry. Deterministic: the
- * same inputs give the same bytes. The kernel skeletons (POINTWISE grid-stride, ROW block- or
- * warp-per-row with its passes, COL column sweeps with an optional split and finishing kernel)
- * live here; the expression side (values at an index, loads, vector accesses) is codegen_expr.c.
+/* kernel.c — the kernel layer of code generation: the skeleton of each region kind (POINTWISE
+ * grid-stride, ROW block- or warp-per-row with its passes, COL column sweeps with an optional
+ * split and finishing kernel), planning a ROW / COL region's passes; the chunks inside come from
+ * chunk.c. Deterministic: the same region and genome give the same text.
  *
  * Runtime contract (what the launcher must guarantee): pointers do not alias one another, every
  * tensor is dense and contiguous, and when genome.vec > 1 every pointer is 16-byte aligned
  * (Python: data_ptr() % 16 == 0) — vector kernels issue 16-byte loads and stores. */
 #include "codegen/codegen.h"
-
-#include <inttypes.h>
-
-static const renderer CUDA_RENDERER = {
-    .kernel_prefix = "extern \"C\" __global__ void",
-    .launch_bounds = "__launch_bounds__(%d)",
-    .barrier = "__syncthreads()",
-    .shfl_xor = "__shfl_xor_sync(0xffffffffu, %s, o)",
-    .restrict_kw = "__restrict__",
-    .smem_decl = "extern __shared__ __align__(16) unsigned char kb_smem[];",
-};
 
 static const struct red_render {
     kb_op op;
@@ -35,50 +24,6 @@ static const struct red_render *red_of(kb_op op) {
     for (size_t i = 0; i < sizeof RED / sizeof RED[0]; i++)
         if (RED[i].op == op) return &RED[i];
     return &RED[0];
-}
-
-/* The kernel's parameters, declared (decl=1) or passed on (decl=0: a call's arguments). */
-static void emit_params(cg *c, kb_sb *sb, int decl) {
-    const kb_region *rg = c->rg;
-    int first = 1;
-    for (int32_t i = 0; i < rg->ninputs; i++, first = 0) {
-        kb_sb_puts(sb, first ? "" : ", ");
-        if (decl) kb_sb_printf(sb, "const %s *%s ", cg_storage(kb_graph_node(c->g, rg->inputs[i])->dtype), c->rd->restrict_kw);
-        kb_sb_printf(sb, "p%d", rg->inputs[i]);
-    }
-    for (int32_t j = 0; j < rg->noutputs; j++, first = 0) {
-        kb_sb_puts(sb, first ? "" : ", ");
-        if (decl) kb_sb_printf(sb, "%s *%s ", cg_storage(kb_graph_node(c->g, rg->outputs[j])->dtype), c->rd->restrict_kw);
-        kb_sb_printf(sb, "p%d", rg->outputs[j]);
-    }
-    for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++, first = 0) kb_sb_printf(sb, "%s%ss%d", first ? "" : ", ", decl ? "long long " : "", s);
-    if (c->col_split > 1 || c->ncolsum) {
-        if (decl) kb_sb_printf(sb, "%svoid *%s kb_ws", first ? "" : ", ", c->rd->restrict_kw);
-        else kb_sb_printf(sb, "%skb_ws", first ? "" : ", ");
-    }
-}
-
-static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
-    char lb[64];
-    snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
-    kb_sb_printf(sb, "%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, suffix);
-    emit_params(c, sb, 1);
-    kb_sb_puts(sb, ")\n");
-}
-
-/* A ROW region with saved statistics is one body, two entry points: <name> writes them (a
- * forward a backward will follow), <name>_nostats does not (inference: no buffer, and the
- * stores compiled out, so its registers and schedule are the plain kernel's). */
-static void emit_saving_entries(cg *c, kb_sb *sb) {
-    char lb[64];
-    snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
-    for (int save = 1; save >= 0; save--) {
-        kb_sb_printf(sb, "\n%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, save ? "" : "_nostats");
-        emit_params(c, sb, 1);
-        kb_sb_printf(sb, ")\n{\n    %s_body<%s>(", c->name, save ? "true" : "false");
-        emit_params(c, sb, 0);
-        kb_sb_puts(sb, ");\n}\n");
-    }
 }
 
 /* ---------------------------------------------------------------- passes (ROW / COL) */
@@ -102,7 +47,7 @@ static int32_t online_max_of(cg *c, int32_t s) {
     return m;
 }
 
-static void plan_passes(cg *c) {
+void cg_plan_passes(cg *c) {
     c->npasses = 0;
     for (int32_t k = 0; k < c->rg->nnodes; k++) {
         int32_t v = c->rg->nodes[k];
@@ -128,7 +73,7 @@ static void plan_passes(cg *c) {
 }
 
 /* A FULL output is written in the first pass after the reductions it depends on. */
-static int pass_of_output(cg *c, int32_t v) { return c->dp[v] + 1; }
+int cg_pass_of_output(const cg *c, int32_t v) { return c->dp[v] + 1; }
 
 /* ROW: the loop over a row's chunks; each thread of the row's group takes every G-th chunk. */
 static void row_chunk_loop_open(cg *c) {
@@ -230,10 +175,10 @@ static void row_pass(cg *c, int pass) {
             reds[nred++] = v;
     }
     for (int j = 0; j < c->ncolsum; j++) /* added up where its operand is ready, like an output */
-        if (pass_of_output(c, c->colsums[j]) == pass) csums[ncs++] = c->colsums[j];
+        if (cg_pass_of_output(c, c->colsums[j]) == pass) csums[ncs++] = c->colsums[j];
     for (int32_t j = 0; j < c->rg->noutputs; j++) {
         int32_t v = c->rg->outputs[j];
-        if (cg_out_full(c, v) && pass_of_output(c, v) == pass && nout < 64) outs[nout++] = v;
+        if (cg_out_full(c, v) && cg_pass_of_output(c, v) == pass && nout < 64) outs[nout++] = v;
     }
     if (nred == 0 && nout == 0 && ncs == 0) return;
     if (nred > c->maxred) c->maxred = nred;
@@ -378,7 +323,7 @@ static void col_pass(cg *c, int pass, int partial) {
     }
     for (int32_t j = 0; j < c->rg->noutputs; j++) {
         int32_t v = c->rg->outputs[j];
-        if (cg_out_full(c, v) && pass_of_output(c, v) == pass && nout < 64) outs[nout++] = v;
+        if (cg_out_full(c, v) && cg_pass_of_output(c, v) == pass && nout < 64) outs[nout++] = v;
     }
     if (nred == 0 && nout == 0) return;
     c->pass = pass;
@@ -461,7 +406,7 @@ static void fail_unsupported(cg *c, const char *what) {
 
 /* The finishing kernel of a split COL region: partials summed in split order, then the
  * per-column statistics and outputs. */
-static void emit_col_finish(cg *c) {
+void cg_emit_col_finish(cg *c) {
     col_prologue(c, 1);
     c->pass = 1;
     cg_line(c, "const %s *ws = static_cast<const %s *>(kb_ws);", c->ct, c->ct);
@@ -550,63 +495,9 @@ static void emit_pointwise_body(cg *c) {
     cg_line(c, "}");
 }
 
-/* ---------------------------------------------------------------- unused declarations */
+/* ---------------------------------------------------------------- the body of the kernel */
 
-/* The skeletons declare every index variable a scope might need; this drops the `const`
- * declarations nothing reads (to a fixpoint: dropping a1 may orphan a1_0), so the kernel
- * compiles without warnings and reads without noise. Comments are not searched. */
-static int has_token(const char *s, const char *e, const char *name, size_t n) {
-    for (const char *p = s; p + n <= e; p++) {
-        if (p[0] == '/' && p[1] == '/') {
-            while (p < e && *p != '\n') p++;
-            continue;
-        }
-        if (memcmp(p, name, n) != 0) continue;
-        char before = p > s ? p[-1] : ' ', after = p + n < e ? p[n] : ' ';
-        int id_b = (before >= 'a' && before <= 'z') || (before >= 'A' && before <= 'Z') || (before >= '0' && before <= '9') || before == '_';
-        int id_a = (after >= 'a' && after <= 'z') || (after >= 'A' && after <= 'Z') || (after >= '0' && after <= '9') || after == '_';
-        if (!id_b && !id_a) return 1;
-    }
-    return 0;
-}
-
-static void prune_unused(char *src) {
-    for (int changed = 1; changed;) {
-        changed = 0;
-        for (char *line = src; *line;) {
-            char *eol = strchr(line, '\n');
-            if (!eol) break;
-            char *p = line;
-            while (*p == ' ') p++;
-            char *eq = strstr(p, " = "), *code_end = strstr(p, "//");
-            if (!code_end || code_end > eol) code_end = eol;
-            while (code_end > p && code_end[-1] == ' ') code_end--;
-            if (strncmp(p, "const ", 6) == 0 && eq && eq < code_end && code_end[-1] == ';' &&
-                !memchr(p, '(', (size_t)(eq - p))) {
-                char *name = eq;
-                while (name > p && name[-1] != ' ' && name[-1] != '*') name--;
-                size_t n = (size_t)(eq - name);
-                /* the rest of the enclosing block */
-                int depth = 0;
-                char *end = eol + 1;
-                for (; *end; end++) {
-                    if (*end == '{') depth++;
-                    if (*end == '}' && --depth < 0) break;
-                }
-                if (n > 0 && !has_token(eol + 1, end, name, n)) {
-                    memmove(line, eol + 1, strlen(eol + 1) + 1);
-                    changed = 1;
-                    continue;
-                }
-            }
-            line = eol + 1;
-        }
-    }
-}
-
-/* ---------------------------------------------------------------- driver */
-
-static void emit_body(cg *c) {
+void cg_emit_body(cg *c) {
     c->ind = 1;
     switch (c->rg->kind) {
     case KB_REGION_POINTWISE: emit_pointwise_body(c); break;
@@ -616,176 +507,3 @@ static void emit_body(cg *c) {
     }
 }
 
-static kb_status check_genome(cg *c) {
-    const kb_genome *gn = &c->gn;
-    kb_ctx *ctx = c->ctx;
-    if (gn->threads < 32 || gn->threads > 1024 || gn->threads % 32)
-        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: threads=%d (32..1024, a multiple of 32)", gn->threads);
-    if (gn->vec != 1 && gn->vec != 2 && gn->vec != 4 && gn->vec != 8 && gn->vec != 16)
-        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: vec=%d (1, 2, 4, 8 or 16)", gn->vec);
-    if (gn->items < 1 || gn->items > 64) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: items=%d (1..64)", gn->items);
-    if (gn->vec > 1 && c->rg->kind != KB_REGION_POINTWISE && !c->aligned)
-        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: vec=%d needs the last dim pinned and a multiple of it", gn->vec);
-    if (c->rg->kind == KB_REGION_ROW) {
-        if (gn->rows < 1 || gn->threads % gn->rows) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: rows=%d must divide threads", gn->rows);
-        int G = gn->threads / gn->rows;
-        if (G & (G - 1)) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: threads/rows=%d must be a power of two", G);
-        if (gn->cache != KB_CACHE_REREAD && !c->red_pinned)
-            return KB_FAIL(ctx, KB_ERR_INVALID, "genome: cache=%s needs a pinned row length", gn->cache == KB_CACHE_REGS ? "regs" : "smem");
-        if (c->ncolsum && !c->red_pinned) return KB_FAIL(ctx, KB_ERR_INVALID, "column sums need a pinned row length");
-        if ((int64_t)c->ncolsum * c->U * c->vec > 128)
-            return KB_FAIL(ctx, KB_ERR_INVALID, "genome: %d column sums need %d registers per thread (more threads per row)",
-                           c->ncolsum, c->ncolsum * c->U * c->vec);
-    } else if (gn->rows != 1) {
-        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: rows=%d applies to ROW regions only", gn->rows);
-    }
-    if (c->rg->kind == KB_REGION_COL && gn->col_split > 1) {
-        if (c->npasses > 1) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: col_split>1 with reductions in sequence");
-        for (int32_t j = 0; j < c->rg->noutputs; j++)
-            if (cg_out_full(c, c->rg->outputs[j]) && pass_of_output(c, c->rg->outputs[j]) > 0)
-                return KB_FAIL(ctx, KB_ERR_INVALID, "genome: col_split>1 with a full-size output after the reduction");
-    } else if (c->rg->kind != KB_REGION_COL && gn->col_split != 1) {
-        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: col_split=%d applies to COL regions only", gn->col_split);
-    }
-    return KB_OK;
-}
-
-void kb_kernel_free(kb_ctx *ctx, kb_kernel *k) {
-    if (!k) return;
-    kb_string_free(ctx, k->source);
-    kb_free(ctx, k, sizeof *k);
-}
-
-kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
-                             kb_kernel **out) {
-    if (!p || !gn || !out) return KB_ERR_INVALID;
-    *out = NULL;
-    kb_ctx *ctx = kb_graph_ctx(p->graph);
-    kb_status st = KB_OK;
-    kb_sb src, body, finish, scratch;
-    kb_sb_init(&src, ctx);
-    kb_sb_init(&body, ctx);
-    kb_sb_init(&finish, ctx);
-    kb_sb_init(&scratch, ctx);
-    kb_kernel *k = NULL;
-    cg c;
-    memset(&c, 0, sizeof c);
-    KB_CHECK(ctx, r >= 0 && r < p->nregions, KB_ERR_INVALID, "codegen: region %d of %d", (int)r, (int)p->nregions);
-    KB_CHECK(ctx, p->regions[r].kind != KB_REGION_EXTERN, KB_ERR_INVALID, "codegen: region %d is EXTERN", (int)r);
-    KB_TRY(cg_init(&c, p, r, gn, dev, &CUDA_RENDERER));
-    plan_passes(&c);
-    KB_TRY(check_genome(&c));
-    c.saving = c.rg->kind == KB_REGION_ROW && c.rg->nsaved > 0;
-
-    /* dry runs: which values several passes evaluate (those a row cache holds), then which of
-       those caches a later pass actually reads */
-    c.out = &scratch;
-    c.dry = 1;
-    for (int round = 0; round < 2; round++) {
-        size_t n = (size_t)(c.n ? c.n : 1);
-        memset(c.uses, 0, sizeof(uint32_t) * n);
-        memset(c.reads, 0, sizeof(uint32_t) * n);
-        memset(c.cached, 0, n);
-        for (int stage = 0; stage < 2; stage++) {
-            emit_body(&c);
-            KB_TRY(cg_status(&c));
-            kb_sb_discard(&scratch);
-            KB_TRY(cg_plan_cache(&c, stage));
-            cg_reset(&c);
-        }
-        if (!c.replan) break;
-        c.replan = 0;
-        c.inputs_only = 1;
-    }
-    c.dry = 0;
-    c.out = &body;
-    emit_body(&c);
-    if (c.col_split > 1 || c.ncolsum) {
-        c.out = &finish;
-        kb_sb_puts(&finish, "\n");
-        emit_signature(&c, &finish, "_finish");
-        kb_sb_puts(&finish, "{\n");
-        cg_reset(&c);
-        if (c.ncolsum) cg_colsum_finish(&c);
-        else emit_col_finish(&c);
-        kb_sb_puts(&finish, "}\n");
-    }
-    KB_TRY(cg_status(&c));
-    KB_CHECK(ctx, !body.oom && !finish.oom, KB_ERR_OOM, "out of memory");
-    if (body.buf) prune_unused(body.buf);
-    if (finish.buf) prune_unused(finish.buf);
-
-    cg_emit_preamble(&c, &src);
-    if (c.maxred > 0 && c.G > 32) kb_sb_printf(&src, "#define KB_NRED %d\n", c.maxred);
-    if (c.saving) {
-        kb_sb_printf(&src, "template <bool KB_SAVE>\n__device__ __forceinline__ void %s_body(", c.name);
-        emit_params(&c, &src, 1);
-        kb_sb_puts(&src, ")\n");
-    } else {
-        emit_signature(&c, &src, "");
-    }
-    kb_sb_puts(&src, "{\n");
-    if (body.buf) kb_sb_puts(&src, body.buf);
-    kb_sb_puts(&src, "}\n");
-    if (c.saving) emit_saving_entries(&c, &src);
-    if (finish.buf) kb_sb_puts(&src, finish.buf);
-
-    k = kb_calloc(ctx, 1, sizeof *k);
-    KB_CHECK(ctx, k != NULL, KB_ERR_OOM, "out of memory");
-    KB_TRY(kb_sb_finish(&src, &k->source));
-    snprintf(k->name, sizeof k->name, "%s", c.name);
-    k->block = gn->threads;
-    k->smem_bytes = c.smem_bytes;
-    k->genome = *gn;
-    k->nkernels = c.col_split > 1 || c.ncolsum ? 2 : 1;
-    k->nostats = c.saving;
-    /* grid_units of a split COL region count (column, split) pairs: one partial per reduction */
-    k->workspace_bytes_per_unit = c.col_split > 1 ? (int64_t)c.nred_total * (c.dbl ? 8 : 4) : 0;
-    if (c.ncolsum) { /* a partial row per column sum and row slot of each block: few blocks, about 1024
-                        threads per SM (persistent=1: 2048, twice the partials) */
-        int64_t R = 1;
-        for (int d = 0; d < c.arank; d++)
-            if (c.red & (1u << d)) R *= c.adims[d].coef;
-        k->workspace_bytes_per_block = (int64_t)gn->rows * c.ncolsum * R * (c.dbl ? 8 : 4);
-        int per_sm = (gn->persistent ? 2048 : 1024) / gn->threads;
-        k->max_blocks_per_sm = per_sm > 1 ? per_sm : 1;
-    }
-    KB_TRY(cg_grid_units(&c, &k->grid_units, &k->units_per_block));
-    /* the block's limit covers the static arrays too (the reductions' partials, under 4 KiB) */
-    KB_CHECK(ctx, dev == NULL || dev->max_smem_per_block <= 0 || k->smem_bytes + 4096 <= dev->max_smem_per_block,
-             KB_ERR_INVALID, "genome: %d bytes of shared memory, the device allows %d with the static arrays",
-             k->smem_bytes, dev ? dev->max_smem_per_block - 4096 : 0);
-    *out = k;
-    k = NULL;
-cleanup:
-    kb_kernel_free(ctx, k);
-    kb_sb_discard(&src);
-    kb_sb_discard(&body);
-    kb_sb_discard(&finish);
-    kb_sb_discard(&scratch);
-    cg_done(&c);
-    return st;
-}
-
-int64_t kb_kernel_max_blocks(const kb_kernel *k, const kb_device_info *dev) {
-    if (!(k->genome.persistent || k->max_blocks_per_sm) || !dev || dev->num_sms <= 0) return 0;
-    int64_t per_sm = k->max_blocks_per_sm ? k->max_blocks_per_sm : 2048 / (k->block > 0 ? k->block : 1);
-    if (k->smem_bytes > 0 && dev->max_smem_per_block > 0) {
-        int64_t by_smem = dev->max_smem_per_block / k->smem_bytes;
-        if (by_smem < per_sm) per_sm = by_smem;
-    }
-    if (per_sm < 1) per_sm = 1;
-    return per_sm * dev->num_sms;
-}
-
-void kb_kernel_grid(const kb_kernel *k, const int64_t *symvals, const kb_device_info *dev, uint32_t grid[3]) {
-    int64_t units = kb_dim_eval(k->grid_units, symvals);
-    int64_t upb = k->units_per_block > 0 ? k->units_per_block : 1;
-    int64_t g = (units + upb - 1) / upb;
-    int64_t cap = kb_kernel_max_blocks(k, dev);
-    if (g < 1) g = 1;
-    if (cap > 0 && g > cap) g = cap;
-    if (g > 0x7fffffff) g = 0x7fffffff; /* every kernel loops over its work, so a cap is safe */
-    grid[0] = (uint32_t)g;
-    grid[1] = grid[2] = 1;
-}

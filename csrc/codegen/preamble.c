@@ -1,6 +1,7 @@
-/* codegen_preamble.c — what every generated kernel starts with: the region as comments, the
- * headers its types need, and the device helpers (vector loads and stores, NaN-propagating
- * max/min, fast-math exp, bf16 element reads, warp reductions, the online softmax normalizer). */
+/* preamble.c — part of the source layer of code generation: what every generated kernel starts
+ * with, the region as comments, the headers its types need and the device helpers (vector loads
+ * and stores, NaN-propagating max/min, fast-math exp, bf16 element reads, warp reductions, the
+ * online softmax normalizer). */
 #include "codegen/codegen.h"
 
 void cg_emit_preamble(cg *c, kb_sb *sb) {
@@ -77,7 +78,7 @@ void cg_emit_preamble(cg *c, kb_sb *sb) {
                        "    asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x * 1.44269504088896341f));\n"
                        "    return y;\n"
                        "}\n");
-    if (c->use_bf16 && c->vec > 1) /* vector elements read from their words (codegen_expr.c load) */
+    if (c->use_bf16 && c->vec > 1) /* vector elements read from their words (expr.c load) */
         kb_sb_puts(sb, "// element k of a bf16 vector as float, from its 32-bit word: the upper element is one mask (a\n"
                        "// byte permute and a shift otherwise)\n"
                        "template <int N> __device__ __forceinline__ float kb_bf16_at(const kb_vec<__nv_bfloat16, N> &x, int k) {\n"

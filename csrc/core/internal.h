@@ -99,7 +99,7 @@ void kb_node_dump(kb_sb *sb, const kb_graph *g, int32_t id);
 const char *kb_type_str(const kb_graph *g, const kb_node *nd, char *buf, size_t n);
 
 /* Does the op's CUDA spelling contain any of marks ("expf(", ...)? What fast math respells
- * (codegen_expr.c's FAST table) is read this way by the default genome and the search. */
+ * (codegen/expr.c's FAST table) is read this way by the default genome and the search. */
 static inline int kb_op_spelled_with(const kb_op_info *info, const char *const *marks, size_t n) {
     if (info->kind != KB_KIND_UNARY && info->kind != KB_KIND_BINARY) return 0;
     for (size_t i = 0; i < n; i++)
