@@ -2,7 +2,7 @@
  * a genome, derived from the region's shape and the device, and an ask/tell genetic search over
  * them (tournament selection, crossover, mutation, elitism, dedup by canonical form, seeded PRNG).
  * It measures nothing: the caller compiles, times and tells (kbench/search.py on the GPU). */
-#include "core/internal.h"
+#include "tune/tune.h"
 
 #include <math.h>
 
@@ -38,122 +38,11 @@ static int64_t pow2_ceil(int64_t x) {
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* ---------------------------------------------------------------- region facts */
-
-/* What legality depends on, at the example sizes (mirrors genome.c's view of the region so the
- * default genome is always legal). */
-typedef struct facts {
-    kb_region_kind kind;
-    int64_t full;        /* elements of the iteration space */
-    int64_t red;         /* ROW: row length; COL: column height */
-    int64_t kept;        /* ROW: rows; COL: columns */
-    int red_pinned;      /* every reduced dim is pinned */
-    int64_t last;        /* the anchor's last dim when pinned, else 0 */
-    int minsz;           /* narrowest element of the bulk (full-size) inputs and outputs */
-    int nbulk_in;        /* full-size inputs: what a row cache holds */
-    int bulk_in_bytes;   /* their element sizes summed */
-    int multipass;       /* a reduction, or a full-size output, reads another reduction */
-    int online;          /* softmax's max and sum(exp): two_pass=0 computes them in one pass */
-    int transcendental;  /* an op fast math changes (exp, log, sin, cos, pow), in float */
-    int64_t smem_cap;
-} facts;
-
-/* An op whose CUDA spelling fast math changes (mirrors codegen_expr.c's FAST table: expf, logf,
- * sinf, cosf, powf become intrinsics; a region computed in double has none). */
-static int op_has_fast_form(const kb_op_info *info) {
-    static const char *const marks[] = {"expf(", "logf(", "sinf(", "cosf(", "powf("};
-    return kb_op_spelled_with(info, marks, sizeof marks / sizeof marks[0]);
-}
-
-enum { DEP_REDUCE = 1, DEP_MEMBER = 2 };
-
-/* sum(exp(y - expand(max(y)))) over the same axes, all inside the region: what two_pass=0 turns
- * into one pass with an online normalizer (mirrors codegen.c's online_max_of). */
-static int online_pattern(const kb_graph *g, const uint8_t *dep, const kb_node *S) {
-    int32_t e = S->inputs[0];
-    const kb_node *E = kb_graph_node(g, e);
-    if (!(dep[e] & DEP_MEMBER) || E->op != KB_OP_EXP || !(dep[E->inputs[0]] & DEP_MEMBER)) return 0;
-    const kb_node *D = kb_graph_node(g, E->inputs[0]);
-    if (D->op != KB_OP_SUB || !(dep[D->inputs[1]] & DEP_MEMBER)) return 0;
-    const kb_node *X = kb_graph_node(g, D->inputs[1]);
-    if (X->op != KB_OP_EXPAND || !(dep[X->inputs[0]] & DEP_MEMBER)) return 0;
-    const kb_node *M = kb_graph_node(g, X->inputs[0]);
-    return M->op == KB_OP_RMAX && M->axes == S->axes && M->inputs[0] == D->inputs[0];
-}
-
-static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
-                          facts *f) {
-    const kb_graph *g = p->graph;
-    kb_ctx *ctx = kb_graph_ctx(g);
-    const kb_region *rg = &p->regions[r];
-    const kb_node *a = kb_graph_node(g, rg->anchor);
-    memset(f, 0, sizeof *f);
-    f->kind = rg->kind;
-    f->full = f->red = f->kept = 1;
-    f->red_pinned = 1;
-    for (int d = 0; d < a->rank; d++) {
-        int64_t s = kb_dim_eval(a->dims[d], symvals);
-        f->full *= s;
-        if (rg->reduce_axes & (1u << d)) {
-            f->red *= s;
-            if (a->dims[d].nsym) f->red_pinned = 0;
-        } else {
-            f->kept *= s;
-        }
-    }
-    f->last = a->rank == 0 ? 1 : a->dims[a->rank - 1].nsym == 0 ? a->dims[a->rank - 1].coef : 0;
-    f->smem_cap = dev && dev->max_smem_per_block > 0 ? dev->max_smem_per_block : 48 * 1024;
-    int64_t sizes[KB_MAX_RANK];
-    int any = 0;
-    for (int pass = 0; pass < 2 && !any; pass++) { /* bulk values first; all of them if none is */
-        for (int32_t i = 0; i < rg->ninputs + rg->noutputs; i++) {
-            int32_t v = i < rg->ninputs ? rg->inputs[i] : rg->outputs[i - rg->ninputs];
-            int bulk = kb_value_sizes(g, v, symvals, sizes) == f->full;
-            if (!bulk && pass == 0) continue;
-            int sz = (int)kb_dtype_size(kb_graph_node(g, v)->dtype);
-            if (!any || sz < f->minsz) f->minsz = sz;
-            any = 1;
-            if (bulk && i < rg->ninputs) {
-                f->nbulk_in++;
-                f->bulk_in_bytes += sz;
-            }
-        }
-    }
-    if (f->minsz == 0) f->minsz = 4;
-    int32_t n = kb_graph_nnodes(g);
-    uint8_t *dep = kb_calloc(ctx, (size_t)(n ? n : 1), 1);
-    if (!dep) return KB_ERR_OOM;
-    int dbl = 0;
-    for (int32_t k = 0; k < rg->nnodes; k++) {
-        int32_t v = rg->nodes[k];
-        const kb_node *nd = kb_graph_node(g, v);
-        const kb_op_info *info = kb_op_get(nd->op);
-        if (op_has_fast_form(info)) f->transcendental = 1;
-        if (nd->dtype == KB_F64) dbl = 1;
-        int d = 0;
-        for (int i = 0; i < nd->ninputs; i++) d |= dep[nd->inputs[i]] & DEP_REDUCE;
-        if (info->kind == KB_KIND_REDUCE) {
-            if (d) f->multipass = 1;
-            d = DEP_REDUCE;
-        }
-        dep[v] = (uint8_t)(d | DEP_MEMBER);
-        if (nd->op == KB_OP_SUM && online_pattern(g, dep, nd)) f->online = 1;
-    }
-    for (int32_t i = 0; i < rg->ninputs; i++)
-        if (kb_graph_node(g, rg->inputs[i])->dtype == KB_F64) dbl = 1;
-    if (dbl) f->transcendental = 0;
-    for (int32_t j = 0; j < rg->noutputs; j++)
-        if ((dep[rg->outputs[j]] & DEP_REDUCE) && kb_value_sizes(g, rg->outputs[j], symvals, sizes) == f->full && f->red > 1)
-            f->multipass = 1;
-    kb_free(ctx, dep, (size_t)(n ? n : 1));
-    return KB_OK;
-}
-
 /* ---------------------------------------------------------------- legality and canonical form */
 
 /* Legal: codegen accepts it, the device can run it, and it wastes no thread by construction at
  * the example sizes. See kbench.h for the list. */
-static int legal_facts(const facts *f, const kb_genome *g) {
+static int legal_facts(const tune_facts *f, const kb_genome *g) {
     if (!is_pow2(g->threads) || g->threads < 32 || g->threads > 1024) return 0;
     if (g->vec != 1 && g->vec != 2 && g->vec != 4 && g->vec != 8) return 0;
     if (g->items != 1 && g->items != 2 && g->items != 4 && g->items != 8) return 0;
@@ -179,7 +68,7 @@ static int legal_facts(const facts *f, const kb_genome *g) {
     }
     if (f->kind == KB_REGION_COL) {
         if (g->col_split < 1 || g->col_split > 64) return 0;
-        if (g->col_split > 1 && (f->multipass || (int64_t)g->col_split * 8 > f->red)) return 0;
+        if (g->col_split > 1 && (f->rereads || (int64_t)g->col_split * 8 > f->red)) return 0;
         if (g->threads > max64(32, pow2_ceil(cdiv(f->kept, g->vec)))) return 0;
     } else if (g->col_split != 1) {
         return 0;
@@ -193,7 +82,7 @@ static int legal_facts(const facts *f, const kb_genome *g) {
 
 /* Genes a region ignores take the default genome's value, so that two genomes that give the same
  * kernel have the same text and the search does not try both. */
-static void canonical(const facts *f, const kb_genome *d, kb_genome *g) {
+static void canonical(const tune_facts *f, const kb_genome *d, kb_genome *g) {
     if (f->kind != KB_REGION_ROW) g->rows = d->rows;
     if (f->kind != KB_REGION_COL) g->col_split = d->col_split;
     if (!f->transcendental) g->fast_math = d->fast_math;
@@ -201,7 +90,7 @@ static void canonical(const facts *f, const kb_genome *d, kb_genome *g) {
     if (f->kind != KB_REGION_ROW) {
         g->cache = d->cache; /* where a row lives between passes: ROW only */
     } else {
-        if (!f->multipass && g->cache == KB_CACHE_SMEM) g->cache = KB_CACHE_REREAD; /* nothing is re-read */
+        if (!f->rereads && g->cache == KB_CACHE_SMEM) g->cache = KB_CACHE_REREAD; /* nothing is re-read */
         if (g->cache == KB_CACHE_REGS) g->items = 1; /* the register loop is unrolled in full */
     }
 }
@@ -217,8 +106,8 @@ static kb_status check_region(const kb_partition *p, int32_t r) {
 
 int kb_genome_legal(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
                     const kb_genome *gn) {
-    facts f;
-    if (!gn || check_region(p, r) != KB_OK || facts_of(p, r, symvals, dev, &f) != KB_OK) return 0;
+    tune_facts f;
+    if (!gn || check_region(p, r) != KB_OK || tune_facts_of(p, r, symvals, dev, &f) != KB_OK) return 0;
     return legal_facts(&f, gn);
 }
 
@@ -258,7 +147,7 @@ typedef struct rec {
 
 struct kb_evolve {
     kb_ctx *ctx;
-    facts f;
+    tune_facts f;
     kb_genome dflt;
     int32_t dom[NGENES][MAX_VALUES];
     int ndom[NGENES];
@@ -353,7 +242,7 @@ static void dom_add(kb_evolve *ev, int gi, int32_t v) {
 /* Each gene's values for this region: what legality allows on its own, with the ignored genes
  * pinned to their canonical value, and the default's value always among them. */
 static void build_domains(kb_evolve *ev) {
-    const facts *f = &ev->f;
+    const tune_facts *f = &ev->f;
     kb_genome c = ev->dflt;
     for (int t = 32; t <= 1024; t *= 2) dom_add(ev, G_THREADS, t);
     for (int v = 1; v <= 8; v *= 2) {
@@ -366,7 +255,7 @@ static void build_domains(kb_evolve *ev) {
     for (int i = 1; i <= 8; i *= 2) dom_add(ev, G_ITEMS, i);
     if (f->kind == KB_REGION_ROW) {
         if (f->red_pinned) dom_add(ev, G_CACHE, KB_CACHE_REGS);
-        if (f->red_pinned && f->multipass) dom_add(ev, G_CACHE, KB_CACHE_SMEM);
+        if (f->red_pinned && f->rereads) dom_add(ev, G_CACHE, KB_CACHE_SMEM);
         dom_add(ev, G_CACHE, KB_CACHE_REREAD);
     }
     for (int v = 0; v <= 1; v++) {
@@ -376,7 +265,7 @@ static void build_domains(kb_evolve *ev) {
     dom_add(ev, G_PERSISTENT, 0);
     dom_add(ev, G_PERSISTENT, 1);
     dom_add(ev, G_COL_SPLIT, 1);
-    if (f->kind == KB_REGION_COL && !f->multipass)
+    if (f->kind == KB_REGION_COL && !f->rereads)
         for (int s = 2; s <= 64 && (int64_t)s * 8 <= f->red; s *= 2) dom_add(ev, G_COL_SPLIT, s);
     for (int i = 0; i < NGENES; i++) dom_add(ev, i, gene_get(&c, i));
 }
@@ -399,7 +288,7 @@ kb_status kb_evolve_new(const kb_partition *p, int32_t r, const int64_t *symvals
     ev->population = population;
     ev->generation = -1;
     KB_TRY(kb_genome_default(p, r, symvals, dev, &ev->dflt));
-    KB_TRY(facts_of(p, r, symvals, dev, &ev->f));
+    KB_TRY(tune_facts_of(p, r, symvals, dev, &ev->f));
     canonical(&ev->f, &ev->dflt, &ev->dflt); /* a no-op for genome.c's defaults; kept so dedup holds regardless */
     build_domains(ev);
     ev->batch = kb_calloc(ctx, (size_t)population, sizeof *ev->batch);

@@ -2,7 +2,7 @@
  * example sizes and the device), and the canonical text form that names a genome in the cache
  * and in reports ("threads=256 vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0
  * persistent=0 col_split=1"). Legality against a region is codegen's call (KB_ERR_INVALID). */
-#include "core/internal.h"
+#include "tune/tune.h"
 
 #include <stdlib.h>
 
@@ -24,108 +24,8 @@ static int64_t pow2_floor(int64_t x) {
 
 static int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
-/* Region facts the defaults depend on, at the example sizes. */
-typedef struct shape_facts {
-    int64_t full;        /* elements of the iteration space */
-    int64_t red;         /* reduced extent (ROW: row length, COL: column height) */
-    int64_t kept;        /* rows (ROW) / columns (COL) */
-    int red_pinned;      /* every reduced dim is pinned */
-    int64_t last;        /* the anchor's last dim, 0 if it may vary */
-    int maxsz;           /* widest element of the bulk (full-size) inputs and outputs */
-    int nbulk_in;        /* full-size inputs: what a row cache would hold */
-    int bulk_in_bytes;   /* their element sizes summed */
-    int multipass;       /* a reduction or a full-size output reads another reduction */
-    int ncolsum;         /* ROW: sums over the rows (per-thread partials in registers) */
-    int fast_exp_log;    /* fast math changes only exp/log here, and every float output is 16-bit */
-    int precise_math;    /* a transcendental stays precise: erf, tanh, sin, cos, pow, or exp/log
-                            where fast math is not the default */
-} shape_facts;
-
-static kb_status facts_of(const kb_partition *p, int32_t r, const int64_t *symvals, shape_facts *f) {
-    const kb_graph *g = p->graph;
-    kb_ctx *ctx = kb_graph_ctx(g);
-    const kb_region *rg = &p->regions[r];
-    const kb_node *a = kb_graph_node(g, rg->anchor);
-    memset(f, 0, sizeof *f);
-    f->full = f->red = f->kept = 1;
-    f->red_pinned = 1;
-    for (int d = 0; d < a->rank; d++) {
-        int64_t s = kb_dim_eval(a->dims[d], symvals);
-        f->full *= s;
-        if (rg->reduce_axes & (1u << d)) {
-            f->red *= s;
-            if (a->dims[d].nsym) f->red_pinned = 0;
-        } else {
-            f->kept *= s;
-        }
-    }
-    /* Fast math by default where it cannot show: __expf/__logf are within ~1e-6 relative of
-     * expf/logf over softmax's range, 1000x below a 16-bit output's rounding (bf16 2^-9), and
-     * on H100 the precise expf is what keeps bf16 softmax from the memory roofline
-     * (benchmarks/bench_genomes.py: 67 -> 60 us). __sinf/__cosf/__powf lose accuracy with the
-     * argument's size, so a region with them keeps precise math. A saved sum of __expf terms is
-     * off by as little (the backward's gradient checks see it), so saved outputs do not count. */
-    static const char *const exp_log[] = {"expf(", "logf("}, *const trig_pow[] = {"sinf(", "cosf(", "powf("};
-    static const char *const erf_tanh[] = {"erff(", "tanhf("};
-    int has_exp_log = 0, has_trig_pow = 0, has_erf_tanh = 0, all16 = 1;
-    for (int32_t k = 0; k < rg->nnodes; k++) {
-        const kb_node *nd = kb_graph_node(g, rg->nodes[k]);
-        if (nd->dtype == KB_F64) all16 = 0;
-        has_exp_log |= kb_op_spelled_with(kb_op_get(nd->op), exp_log, 2);
-        has_trig_pow |= kb_op_spelled_with(kb_op_get(nd->op), trig_pow, 3);
-        has_erf_tanh |= kb_op_spelled_with(kb_op_get(nd->op), erf_tanh, 2);
-    }
-    for (int32_t j = 0; j < rg->noutputs - rg->nsaved; j++) { /* saved statistics are f32 for the backward */
-        kb_dtype t = kb_graph_node(g, rg->outputs[j])->dtype;
-        if (kb_dtype_is_float(t) && t != KB_BF16 && t != KB_F16) all16 = 0;
-    }
-    f->fast_exp_log = has_exp_log && !has_trig_pow && all16;
-    f->precise_math = has_trig_pow || has_erf_tanh || (has_exp_log && !f->fast_exp_log);
-    f->last = (a->rank > 0 && a->dims[a->rank - 1].nsym == 0) ? a->dims[a->rank - 1].coef : 0;
-    if (a->rank == 0) f->last = 1;
-    int64_t sizes[KB_MAX_RANK];
-    int any = 0;
-    for (int pass = 0; pass < 2 && !any; pass++) {
-        for (int32_t i = 0; i < rg->ninputs + rg->noutputs; i++) {
-            int32_t v = i < rg->ninputs ? rg->inputs[i] : rg->outputs[i - rg->ninputs];
-            int bulk = kb_value_sizes(g, v, symvals, sizes) == f->full;
-            if (!bulk && pass == 0) continue;
-            int sz = (int)kb_dtype_size(kb_graph_node(g, v)->dtype);
-            if (sz > f->maxsz) f->maxsz = sz;
-            any = 1;
-            if (bulk && i < rg->ninputs) {
-                f->nbulk_in++;
-                f->bulk_in_bytes += sz;
-            }
-        }
-    }
-    if (f->maxsz == 0) f->maxsz = 4;
-    /* multipass: does a reduction (or a full-size output) depend on another reduction? */
-    int32_t n = kb_graph_nnodes(g);
-    uint8_t *dep = kb_calloc(ctx, (size_t)(n ? n : 1), 1);
-    if (!dep) return KB_ERR_OOM;
-    for (int32_t k = 0; k < rg->nnodes; k++) {
-        int32_t v = rg->nodes[k];
-        const kb_node *nd = kb_graph_node(g, v);
-        int d = 0;
-        for (int i = 0; i < nd->ninputs; i++) d |= dep[nd->inputs[i]];
-        if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE && rg->kind == KB_REGION_ROW && nd->axes != rg->reduce_axes) {
-            f->ncolsum++; /* a column sum: no pass of its own */
-        } else if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE) {
-            if (d) f->multipass = 1;
-            d = 1;
-        }
-        dep[v] = (uint8_t)d;
-    }
-    for (int32_t j = 0; j < rg->noutputs; j++)
-        if (dep[rg->outputs[j]] && kb_value_sizes(g, rg->outputs[j], symvals, sizes) == f->full && f->red > 1)
-            f->multipass = 1;
-    kb_free(ctx, dep, (size_t)(n ? n : 1));
-    return KB_OK;
-}
-
 /* The widest vector (elements) whose accesses stay 16 bytes and divide the last dim. */
-static int pick_vec(const shape_facts *f, int need_last) {
+static int pick_vec(const tune_facts *f, int need_last) {
     int vec = (int)clamp64(16 / f->maxsz, 1, 8);
     if (need_last)
         while (vec > 1 && (f->last == 0 || f->last % vec != 0)) vec /= 2;
@@ -139,11 +39,11 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
     const kb_region *rg = &p->regions[r];
     if (rg->kind == KB_REGION_EXTERN)
         return KB_FAIL(ctx, KB_ERR_INVALID, "region %d is EXTERN: torch runs it, it has no schedule", (int)r);
-    shape_facts f;
-    kb_status st = facts_of(p, r, symvals, &f);
+    tune_facts f;
+    kb_status st = tune_facts_of(p, r, symvals, dev, &f);
     if (st != KB_OK) return st;
-    int num_sms = dev && dev->num_sms > 0 ? dev->num_sms : 132;
-    int64_t smem_cap = dev && dev->max_smem_per_block > 0 ? dev->max_smem_per_block : 48 * 1024;
+    int num_sms = f.num_sms;
+    int64_t smem_cap = f.smem_cap;
     kb_genome gn = BASE;
     gn.fast_math = f.fast_exp_log;
 
