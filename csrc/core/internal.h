@@ -109,6 +109,11 @@ static inline int kb_op_spelled_with(const kb_op_info *info, const char *const *
 
 kb_node kb_node_template(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims);
 
+/* The device a schedule decision assumes for dev (NULL: none known): dev's figures where it
+ * gives them (> 0), else the default device's (kb_device_default), but KB_SMEM_PORTABLE of
+ * shared memory (see kb_device_info). */
+kb_device_info kb_device_for_schedule(const kb_device_info *dev);
+
 /* Node `value` of a graph holds the mean of node `of` along axes (keepdim), though it is not a
  * MEAN node there: a saved statistic, an input of the backward (grad.c tells simplify.c). */
 typedef struct kb_mean_fact {

@@ -279,13 +279,28 @@ typedef struct kb_genome {
     int32_t col_split;      /* COL: blocks along the reduced dim (partials, then a finishing kernel) */
 } kb_genome;
 
+/* What schedules and launches need to know of a device (kb_cuda_device_info reads it from the
+ * driver). Where a function takes a kb_device_info pointer, NULL means no device is known:
+ * schedule decisions (kb_genome_default, kb_genome_legal, kb_evolve_new) then assume the
+ * default device's SM count but only KB_SMEM_PORTABLE of shared memory, so what they choose
+ * runs anywhere; code generation checks no shared memory limit, and the grid takes no cap
+ * (kb_kernel_max_blocks is 0). A field <= 0 counts as not said, field by field. */
 typedef struct kb_device_info {
     int32_t sm;             /* 80, 90, ... */
     int32_t num_sms;
-    int32_t max_smem_per_block;
+    int32_t max_smem_per_block;  /* with opt-in (cuFuncSetAttribute) */
     int32_t regs_per_sm;
     int32_t l2_bytes;
 } kb_device_info;
+
+/* Shared memory a block gets on every device without opting in: a kernel asking for more must
+ * opt in (kb_cuda_function does), and a schedule chosen without a device stays within it. */
+#define KB_SMEM_PORTABLE (48 * 1024)
+
+/* The device a caller who knows none targets (generate() without a GPU, the Python binding's
+ * dev=None and its missing keys): an H100 SXM, the one table of device defaults (core/device.c).
+ * Static storage. */
+const kb_device_info *kb_device_default(void);
 
 kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *symvals,
                             const kb_device_info *dev, kb_genome *out);

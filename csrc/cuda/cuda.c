@@ -766,13 +766,13 @@ kb_status kb_cuda_function(kb_ctx *ctx, kb_cuda *c, kb_cuda_module *m, const cha
         snprintf(call, sizeof call, "cuModuleGetFunction(\"%.80s\")", name);
         CU_TRY(ctx, c, call, c->ModuleGetFunction(&f, m->mod, name));
     }
-    /* above 48 KiB of shared memory, static (the reductions' partials) and dynamic (a row cache)
+    /* above KB_SMEM_PORTABLE (48 KiB) of shared memory, static (the reductions' partials) and dynamic (a row cache)
      * together, a kernel must opt in, once per function: a 48 KiB row cache alone fits, but
      * not with the partials next to it (the launch fails with CUDA_ERROR_INVALID_VALUE) */
     if (smem_bytes > 0) {
         CU_TRY(ctx, c, "cuFuncGetAttribute(SHARED_SIZE_BYTES)",
                c->FuncGetAttribute(&v, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f));
-        if (smem_bytes + v > 48 * 1024)
+        if (smem_bytes + v > KB_SMEM_PORTABLE)
             CU_TRY(ctx, c, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
                    c->FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes));
     }

@@ -127,6 +127,29 @@ static int dtype_from_py(const char *name, kb_dtype *out) {
     return 0;
 }
 
+/* dev: None (the default device, kb_device_default) or a mapping with any of the keys of
+ * _C.device_info()'s dict; a missing key keeps the default device's figure. -1 with an exception
+ * set for a value that is not an int, or a dev that is not a mapping. */
+int kb_py_devinfo(PyObject *dev, kb_device_info *out) {
+    *out = *kb_device_default();
+    if (dev == NULL || dev == Py_None) return 0;
+    static const char *const keys[] = {"sm", "num_sms", "max_smem_per_block", "regs_per_sm", "l2_bytes"};
+    int32_t *fields[] = {&out->sm, &out->num_sms, &out->max_smem_per_block, &out->regs_per_sm, &out->l2_bytes};
+    for (int i = 0; i < 5; i++) {
+        PyObject *v = PyMapping_GetItemString(dev, keys[i]);
+        if (!v) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+            PyErr_Clear();
+            continue;
+        }
+        long x = PyLong_AsLong(v);
+        Py_DECREF(v);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        *fields[i] = (int32_t)x;
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- Graph */
 
 static PyObject *graph_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -622,30 +645,6 @@ static PyObject *py_interp_graph(PyObject *module, PyObject *args) {
 
 /* ---------------------------------------------------------------- schedules and codegen */
 
-static int devinfo_from_py(PyObject *dev, int sm, kb_device_info *out) {
-    /* Defaults: an H100 SXM when the caller knows nothing better (generate() without a GPU). */
-    out->sm = sm;
-    out->num_sms = 132;
-    out->max_smem_per_block = 227 * 1024;
-    out->regs_per_sm = 65536;
-    out->l2_bytes = 50 * 1024 * 1024;
-    if (dev == NULL || dev == Py_None) return 0;
-    static const char *const keys[] = {"sm", "num_sms", "max_smem_per_block", "regs_per_sm", "l2_bytes"};
-    int32_t *fields[] = {&out->sm, &out->num_sms, &out->max_smem_per_block, &out->regs_per_sm, &out->l2_bytes};
-    for (int i = 0; i < 5; i++) {
-        PyObject *v = PyMapping_GetItemString(dev, keys[i]);
-        if (!v) {
-            PyErr_Clear();
-            continue;
-        }
-        long x = PyLong_AsLong(v);
-        Py_DECREF(v);
-        if (x == -1 && PyErr_Occurred()) return -1;
-        *fields[i] = (int32_t)x;
-    }
-    return 0;
-}
-
 static PyObject *py_genome_default(PyObject *module, PyObject *args) {
     kb_module_state *state = kb_py_state(module);
     kb_py_partition *p;
@@ -655,7 +654,7 @@ static PyObject *py_genome_default(PyObject *module, PyObject *args) {
     if (r < 0 || r >= p->part->nregions) return PyErr_Format(PyExc_IndexError, "region %d out of range", r);
     int64_t symvals[KB_MAX_SYMS];
     kb_device_info info;
-    if (symvals_from_py(p->graph->graph, symseq, symvals) < 0 || devinfo_from_py(dev, 90, &info) < 0) return NULL;
+    if (symvals_from_py(p->graph->graph, symseq, symvals) < 0 || kb_py_devinfo(dev, &info) < 0) return NULL;
     kb_genome gn;
     kb_status st = kb_genome_default(p->part, r, symvals, &info, &gn);
     if (st != KB_OK) return kb_py_raise(module, p->graph->ctx, st, "genome_default");
@@ -674,8 +673,8 @@ static PyObject *py_generate(PyObject *module, PyObject *args) {
         return NULL;
     if (r < 0 || r >= p->part->nregions) return PyErr_Format(PyExc_IndexError, "region %d out of range", r);
     kb_device_info info;
-    if (devinfo_from_py(dev, sm, &info) < 0) return NULL;
-    info.sm = sm;
+    if (kb_py_devinfo(dev, &info) < 0) return NULL;
+    info.sm = sm; /* the architecture compiled for, whatever dev says */
     kb_ctx *ctx = p->graph->ctx;
     const kb_graph *g = p->graph->graph;
     kb_genome gn;

@@ -39,4 +39,8 @@ typedef struct kb_py_partition {
 /* Reads a sequence of Python ints into out[0..n); returns -1 with an exception set. */
 int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what);
 
+/* The device a dev argument names: None for the default device, else a mapping with any of
+ * device_info()'s keys (the rest from the default device). -1 with an exception set. */
+int kb_py_devinfo(PyObject *dev, kb_device_info *out);
+
 #endif

@@ -24,27 +24,6 @@ static evolve_handle *handle_of(PyObject *cap) {
     return PyCapsule_GetPointer(cap, EVOLVE_CAPSULE); /* sets TypeError/ValueError on a wrong object */
 }
 
-/* dev: None (an H100 SXM, as module.c's generate assumes) or a dict with any of the device_info keys */
-static int devinfo_from_py(PyObject *dev, kb_device_info *out) {
-    *out = (kb_device_info){90, 132, 227 * 1024, 65536, 50 * 1024 * 1024};
-    if (dev == NULL || dev == Py_None) return 0;
-    static const char *const keys[] = {"sm", "num_sms", "max_smem_per_block", "regs_per_sm", "l2_bytes"};
-    int32_t *fields[] = {&out->sm, &out->num_sms, &out->max_smem_per_block, &out->regs_per_sm, &out->l2_bytes};
-    for (int i = 0; i < 5; i++) {
-        PyObject *v = PyMapping_GetItemString(dev, keys[i]);
-        if (!v) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
-            PyErr_Clear();
-            continue;
-        }
-        long x = PyLong_AsLong(v);
-        Py_DECREF(v);
-        if (x == -1 && PyErr_Occurred()) return -1;
-        *fields[i] = (int32_t)x;
-    }
-    return 0;
-}
-
 /* The common head of evolve_new and genome_legal: partition, region index, symbol values, device. */
 static int region_args(PyObject *module, PyObject *part, int r, PyObject *symseq, PyObject *dev, int64_t *symvals,
                        kb_device_info *info) {
@@ -59,7 +38,7 @@ static int region_args(PyObject *module, PyObject *part, int r, PyObject *symseq
         return -1;
     }
     if (kb_py_int64s(symseq, symvals, kb_graph_nsymbols(p->graph), "symvals") < 0) return -1;
-    return devinfo_from_py(dev, info);
+    return kb_py_devinfo(dev, info);
 }
 
 static kb_status parse_text(kb_ctx *ctx, PyObject *text, kb_genome *out, int *pyerr) {

@@ -43,8 +43,9 @@ kb_status tune_facts_of(const kb_partition *p, int32_t r, const int64_t *symvals
         }
     }
     f->last = a->rank == 0 ? 1 : a->dims[a->rank - 1].nsym == 0 ? a->dims[a->rank - 1].coef : 0;
-    f->num_sms = dev && dev->num_sms > 0 ? dev->num_sms : 132;
-    f->smem_cap = dev && dev->max_smem_per_block > 0 ? dev->max_smem_per_block : 48 * 1024;
+    kb_device_info on = kb_device_for_schedule(dev);
+    f->num_sms = on.num_sms;
+    f->smem_cap = on.max_smem_per_block;
 
     /* bulk values first; all of them if none is */
     int64_t sizes[KB_MAX_RANK];

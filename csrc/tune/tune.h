@@ -37,8 +37,8 @@ typedef struct tune_facts {
     int fast_exp_log;    /* it changes only exp/log, and every float output is 16-bit: on by default */
     int precise_math;    /* a transcendental stays precise: erf, tanh, sin, cos, pow, or exp/log where
                             fast math is not the default */
-    int num_sms;         /* the device's, or 132 (an H100's) where dev does not say */
-    int64_t smem_cap;    /* shared memory per block: the device's, or 48 KiB where dev does not say */
+    int num_sms;         /* the device's (kb_device_for_schedule: the default device's if unsaid) */
+    int64_t smem_cap;    /* shared memory per block (kb_device_for_schedule: KB_SMEM_PORTABLE if unsaid) */
 } tune_facts;
 
 kb_status tune_facts_of(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
