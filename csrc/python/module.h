@@ -1,5 +1,6 @@
-/* module.h — what the binding's files (module.c, module_cuda.c) share: the module state and
- * the one function that turns a kb_status into the right Python exception. */
+/* module.h — what the binding's files (module.c, module_graph.c, module_cuda.c, module_evolve.c)
+ * share: the module state, the kb_status -> exception mapping, the Graph and Partition objects
+ * and the argument converters. */
 #ifndef KBENCH_MODULE_H
 #define KBENCH_MODULE_H
 
@@ -38,6 +39,15 @@ typedef struct kb_py_partition {
 
 /* Reads a sequence of Python ints into out[0..n); returns -1 with an exception set. */
 int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what);
+
+/* symvals: a sequence of one int per symbol of g. -1 with an exception set. */
+int kb_py_symvals(const kb_graph *g, PyObject *seq, int64_t *out);
+
+/* A kb_dim as Python sees it: an int (pinned) or (coef, (sym, ...)). New reference. */
+PyObject *kb_py_dim(kb_dim d);
+
+/* The Graph and Partition types (module_graph.c), made at exec. */
+extern PyType_Spec kb_graph_spec, kb_partition_spec;
 
 /* The device a dev argument names: None for the default device, else a mapping with any of
  * device_info()'s keys (the rest from the default device). -1 with an exception set. */
