@@ -128,3 +128,67 @@ def test_codegen_layers_never_call_up():
             assert home.get(decl) in lfiles, f"codegen.h declares {decl} under layer {name}, defined in {home.get(decl)}"
             declared += 1
     assert declared > 40, "codegen.h's layer sections declare too few functions"
+
+
+# ---------------------------------------------------------------- names in the IR and in kernels
+
+EVIL = 'w\n__global__ void pwn(int*p){*p=1;}//"\\'
+
+
+def _named_graph(names):
+    """x + w0 + w1 + ... over rows of 64, each w a parameter named as given."""
+    from kbench import _C
+    g = _C.Graph()
+    g.add_symbol("s0", 4)
+    rows = [(1, (0,)), 64]
+    y = g.add_input("x", "user", "f32", rows)
+    for name in names:
+        w = g.add_input(name, "param", "f32", [64])
+        we = g.add_node("expand", [g.add_node("reshape", [w], "f32", [1, 64])], "f32", rows)
+        y = g.add_node("add", [y, we], "f32", rows)
+    g.add_output(y)
+    return g
+
+
+def test_names_of_any_length_and_any_characters():
+    """A node's name is kept whole by the IR (a Hugging Face parameter path is longer than the
+    48 bytes names once had), printed escaped on one line, and never becomes code: in a kernel
+    it is a comment-safe string and an identifier."""
+    from kbench import _C
+    path = "m.model.layers.0.post_attention_layernorm.weight"
+    g = _named_graph([path * 4, EVIL])
+    assert [g.node(v)["name"] for v in g.inputs] == ["x", path * 4, EVIL]
+    dump = str(g)
+    assert '"w\\x0a__global__ void pwn(int*p){*p=1;}//\\x22\\x5c"' in dump and len(dump.splitlines()) == g.num_nodes + 3
+    src = _C.generate(g.partition(), 0, 90, None)["source"]
+    assert "pwn(int*p)" not in src and "*p=1" not in src and "\\" not in src
+    assert all(not line.lstrip().startswith("__global__ void pwn") for line in src.splitlines())
+
+
+def test_capture_keeps_long_parameter_paths():
+    """torch.nn modules nested as in Hugging Face models capture with their full parameter paths."""
+    import torch
+    import kbench
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.post_attention_layernorm = torch.nn.LayerNorm(64)
+
+        def forward(self, x):
+            return self.post_attention_layernorm(x)
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([Block()])
+    top = torch.nn.Sequential()
+    top.add_module("m", torch.nn.Sequential(model.model.layers[0]))
+    graph = kbench.capture(top, (torch.randn(8, 64),))
+    names = [graph.ir.node(v)["name"] for v in graph.ir.inputs]
+    assert "m.0.post_attention_layernorm.weight" in names, names
+    deep = torch.nn.Sequential()
+    deep.add_module("model_with_a_long_name", torch.nn.Sequential())
+    deep.model_with_a_long_name.add_module("layers", torch.nn.Sequential(Block()))
+    graph = kbench.capture(deep, (torch.randn(8, 64),))
+    names = [graph.ir.node(v)["name"] for v in graph.ir.inputs]
+    assert "model_with_a_long_name.layers.0.post_attention_layernorm.weight" in names, names

@@ -12,19 +12,22 @@ void cg_emit_preamble(cg *c, kb_sb *sb) {
     kb_sb_printf(sb, "// genome: %s\n", gtext);
     for (int32_t i = 0; i < rg->ninputs; i++) {
         kb_sb_printf(sb, "// in  p%d = ", rg->inputs[i]);
-        kb_node_dump(sb, c->g, rg->inputs[i]);
+        kb_node_dump(sb, c->g, rg->inputs[i], KB_NAME_COMMENT);
         kb_sb_puts(sb, "\n");
     }
     for (int32_t k = 0; k < rg->nnodes; k++) {
         kb_sb_puts(sb, "//   ");
-        kb_node_dump(sb, c->g, rg->nodes[k]);
+        kb_node_dump(sb, c->g, rg->nodes[k], KB_NAME_COMMENT);
         kb_sb_puts(sb, "\n");
     }
     kb_sb_puts(sb, "// out");
     for (int32_t j = 0; j < rg->noutputs; j++) kb_sb_printf(sb, " p%d", rg->outputs[j]);
     kb_sb_puts(sb, "\n");
-    for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++)
-        kb_sb_printf(sb, "// s%d = %s\n", s, kb_graph_symbol_name(c->g, s));
+    for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++) {
+        char sym[KB_NAME_COMMENT_MAX + 4];
+        kb_name_comment(kb_graph_symbol_name(c->g, s), sym, sizeof sym);
+        kb_sb_printf(sb, "// s%d = %s\n", s, sym);
+    }
     if (c->use_bf16) kb_sb_puts(sb, "#include <cuda_bf16.h>\n");
     if (c->use_f16) kb_sb_puts(sb, "#include <cuda_fp16.h>\n");
     kb_sb_puts(sb,

@@ -83,6 +83,7 @@ struct kb_graph {
     int32_t nsyms;
     char sym_names[KB_MAX_SYMS][16];
     int64_t sym_examples[KB_MAX_SYMS];
+    struct kb_name_block *names; /* the nodes' names, in blocks freed with the graph */
 };
 
 /* Gives `to` (a graph with no symbols yet) from's symbols: same ids, names and examples, so
@@ -93,8 +94,29 @@ kb_status kb_graph_copy_symbols(const kb_graph *from, kb_graph *to);
 kb_status kb_graph_rebuild(const kb_graph *g, const int32_t *order, int32_t norder, kb_graph **out);
 /* Prints a dim ("128", "s0", "2*s0*s1") into buf; returns buf. */
 const char *kb_dim_str(const kb_graph *g, kb_dim d, char *buf, size_t n);
+/* Names as text. In the IR's text (KB_NAME_IR) a name is quoted, with '"', '\\' and every byte
+ * outside printable ASCII written \xNN: one line, lossless, no quote inside the quotes. In a
+ * comment of generated source (KB_NAME_COMMENT) it is kb_name_comment's spelling. */
+typedef enum kb_name_style { KB_NAME_IR, KB_NAME_COMMENT } kb_name_style;
+void kb_sb_put_name(kb_sb *sb, const char *name, kb_name_style style);
+/* The graph's copy of name (names.c): "" for NULL or "", NULL when out of memory (error set). */
+const char *kb_graph_keep_name(kb_graph *g, const char *name);
+void kb_graph_free_names(kb_graph *g);
 /* Appends one node as "%3 = op %1, %2 attrs : f32[s0,64]" (no newline) — the dump's line format. */
-void kb_node_dump(kb_sb *sb, const kb_graph *g, int32_t id);
+void kb_node_dump(kb_sb *sb, const kb_graph *g, int32_t id, kb_name_style names);
+/* A name as it may appear in a // comment of generated source: letters, digits and " ._-:,=+#@()[]<>"
+ * kept, every other byte '_' (so no newline, backslash, quote, '?', '/' or '*': nothing ends the
+ * comment, splices a line or forms a trigraph), cut to KB_NAME_COMMENT_MAX characters with "..."
+ * after. out holds n bytes (n > KB_NAME_COMMENT_MAX + 3 takes any name whole or cut). */
+#define KB_NAME_COMMENT_MAX 64
+void kb_name_comment(const char *name, char *out, size_t n);
+/* A C identifier made from a name, for generated source: the last dotted component (a parameter
+ * path's "weight"), or the one before joined with '_' where that one does not start with a letter
+ * ("layers.0" -> "layers_0"), other bytes '_', no leading '_' or digit (prefix "v"), cut to
+ * KB_NAME_IDENT_MAX characters; "" for a name with no letter or digit. Not checked against
+ * keywords or other names: the caller does that (codegen/generate.c). */
+#define KB_NAME_IDENT_MAX 24
+void kb_name_ident(const char *name, char *out, size_t n);
 /* Prints "f32[s0,128]" into buf; returns buf. */
 const char *kb_type_str(const kb_graph *g, const kb_node *nd, char *buf, size_t n);
 

@@ -280,6 +280,7 @@ void kb_graph_free(kb_graph *g) {
     kb_free(ctx, g->nodes, sizeof(kb_node) * (size_t)g->cap);
     kb_free(ctx, g->inputs, sizeof(int32_t) * (size_t)g->inputs_cap);
     kb_free(ctx, g->outputs, sizeof(int32_t) * (size_t)g->outputs_cap);
+    kb_graph_free_names(g);
     kb_free(ctx, g, sizeof *g);
 }
 
@@ -474,6 +475,8 @@ kb_status kb_graph_add(kb_graph *g, const kb_node *tmpl, int32_t *id) {
     char msg[160];
     const char *why = check_node(g, tmpl, msg, sizeof msg);
     if (why) return KB_FAIL(g->ctx, KB_ERR_INVALID, "%s", why);
+    const char *name = kb_graph_keep_name(g, tmpl->name);
+    if (!name) return KB_ERR_OOM;
     if (g->nnodes == g->cap) {
         int32_t ncap = g->cap ? g->cap * 2 : 32;
         kb_node *p = kb_realloc(g->ctx, g->nodes, sizeof(kb_node) * (size_t)g->cap, sizeof(kb_node) * (size_t)ncap);
@@ -483,7 +486,7 @@ kb_status kb_graph_add(kb_graph *g, const kb_node *tmpl, int32_t *id) {
     }
     kb_node *nd = &g->nodes[g->nnodes];
     *nd = *tmpl;
-    nd->name[sizeof nd->name - 1] = '\0';
+    nd->name = name;
     if (nd->op == KB_OP_INPUT) {
         nd->index = g->ninputs;
         kb_status st = push_id(g->ctx, &g->inputs, &g->ninputs, &g->inputs_cap, g->nnodes);
@@ -500,11 +503,12 @@ kb_status kb_graph_add_output(kb_graph *g, int32_t v) {
 
 /* ---------------------------------------------------------------- text dump */
 
-static void dump_attrs(kb_sb *sb, const kb_graph *g, const kb_node *nd) {
+static void dump_attrs(kb_sb *sb, const kb_graph *g, const kb_node *nd, kb_name_style names) {
     static const char *const input_kinds[] = {"user", "param", "buffer"};
     switch (nd->op) {
     case KB_OP_INPUT:
-        kb_sb_printf(sb, " %s \"%s\"", input_kinds[nd->input_kind], nd->name);
+        kb_sb_printf(sb, " %s ", input_kinds[nd->input_kind]);
+        kb_sb_put_name(sb, nd->name, names);
         break;
     case KB_OP_CONST:
         kb_sb_printf(sb, " %.9g", nd->scalar[0]);
@@ -529,7 +533,10 @@ static void dump_attrs(kb_sb *sb, const kb_graph *g, const kb_node *nd) {
         break;
     case KB_OP_EXTERN:
         kb_sb_printf(sb, " #%d.%d", nd->index, nd->axis);
-        if (nd->name[0]) kb_sb_printf(sb, " \"%s\"", nd->name);
+        if (nd->name[0]) {
+            kb_sb_puts(sb, " ");
+            kb_sb_put_name(sb, nd->name, names);
+        }
         break;
     default:
         break;
@@ -548,12 +555,12 @@ static void dump_attrs(kb_sb *sb, const kb_graph *g, const kb_node *nd) {
 }
 
 /* One node as "%3 = op %1, %2 attrs : f32[s0,64]" (no newline). */
-void kb_node_dump(kb_sb *sb, const kb_graph *g, int32_t id) {
+void kb_node_dump(kb_sb *sb, const kb_graph *g, int32_t id, kb_name_style names) {
     const kb_node *nd = &g->nodes[id];
     char type[256];
     kb_sb_printf(sb, "%%%d = %s", id, kb_op_get(nd->op)->name);
     for (int i = 0; i < nd->ninputs; i++) kb_sb_printf(sb, "%s %%%d", i ? "," : "", nd->inputs[i]);
-    dump_attrs(sb, g, nd);
+    dump_attrs(sb, g, nd, names);
     kb_sb_printf(sb, " : %s", kb_type_str(g, nd, type, sizeof type));
 }
 
@@ -566,7 +573,7 @@ kb_status kb_graph_dump(const kb_graph *g, char **out) {
     kb_sb_puts(&sb, ") {\n");
     for (int32_t i = 0; i < g->nnodes; i++) {
         kb_sb_puts(&sb, "  ");
-        kb_node_dump(&sb, g, i);
+        kb_node_dump(&sb, g, i, KB_NAME_IR);
         kb_sb_puts(&sb, "\n");
     }
     kb_sb_puts(&sb, "  return");
@@ -583,6 +590,7 @@ kb_node kb_node_template(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims
     n.dtype = dt;
     n.rank = rank;
     n.step = 1;
+    n.name = "";
     if (rank > 0) memcpy(n.dims, dims, sizeof(kb_dim) * (size_t)rank);
     return n;
 }

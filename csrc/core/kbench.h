@@ -125,7 +125,11 @@ typedef struct kb_node {
     int32_t nograd;         /* its gradient is zero by construction (the max a softmax subtracts
                                for stability): autodiff sends none through it */
     kb_input_kind input_kind;
-    char name[48];          /* source name (parameter path, FX node name); may be "" */
+    const char *name;       /* source name (parameter path, FX node name): any length, any bytes
+                               but NUL; "" if none. In a graph it is the graph's own copy (never
+                               NULL, valid while the graph lives); kb_graph_add copies a
+                               template's (NULL counts as ""). Names never become code: generated
+                               sources spell them escaped (kb_name_ident, kb_name_comment). */
 } kb_node;
 
 typedef struct kb_graph kb_graph;

@@ -171,7 +171,7 @@ kb_status kb_partition_dump(const kb_partition *p, char **out) {
         kb_sb_puts(&sb, "\n");
         for (int32_t k = 0; k < rg->nnodes; k++) {
             kb_sb_puts(&sb, "  ");
-            kb_node_dump(&sb, p->graph, rg->nodes[k]);
+            kb_node_dump(&sb, p->graph, rg->nodes[k], KB_NAME_IR);
             kb_sb_puts(&sb, "\n");
         }
     }
@@ -214,8 +214,9 @@ kb_status kb_region_graph(const kb_partition *p, int32_t r, kb_graph **out)
         kb_node t = kb_node_template(KB_OP_INPUT, src->dtype, src->rank, src->dims);
         /* a parameter stays one: fusion floats parameter-only work (a weight's cast) into readers */
         t.input_kind = src->op == KB_OP_INPUT ? src->input_kind : KB_INPUT_USER;
-        if (src->op == KB_OP_INPUT && src->name[0]) memcpy(t.name, src->name, sizeof t.name);
-        else snprintf(t.name, sizeof t.name, "in%d", (int)k);
+        char name[32];
+        snprintf(name, sizeof name, "in%d", (int)k);
+        t.name = src->op == KB_OP_INPUT && src->name[0] ? src->name : name;
         KB_TRY(kb_graph_add(rg, &t, &map[v]));
     }
     /* Nodes in id order, except that a node with no operands (a constant, an iota) comes just

@@ -566,7 +566,9 @@ static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsave
         KB_CHECK(ctx, on->op != KB_OP_INPUT, KB_ERR_INVALID, "grad: saved output %d is an input", (int)k);
         kb_node t = gb_tmpl(KB_OP_INPUT, on->dtype, on->rank, on->dims);
         t.input_kind = KB_INPUT_USER;
-        snprintf(t.name, sizeof t.name, "saved%d", (int)(k - nreal));
+        char name[32];
+        snprintf(name, sizeof name, "saved%d", (int)(k - nreal));
+        t.name = name;
         KB_TRY(gb_emit(&gc.b, &t, &gc.map[o]));
     }
     /* then the reused outputs: a value the backward needs that one holds is read, not recomputed */
@@ -576,7 +578,9 @@ static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsave
         const kb_node *on = kb_graph_node(g, kb_graph_output(g, k));
         kb_node t = gb_tmpl(KB_OP_INPUT, on->dtype, on->rank, on->dims);
         t.input_kind = KB_INPUT_USER;
-        snprintf(t.name, sizeof t.name, "out%d", (int)k);
+        char name[32];
+        snprintf(name, sizeof name, "out%d", (int)k);
+        t.name = name;
         KB_TRY(gb_emit(&gc.b, &t, &out_inputs[nreused++]));
     }
     /* a saved row mean stays known as one (simplify: the deviations from it sum to 0) */
@@ -607,7 +611,9 @@ static kb_status grad_build(const kb_graph *g, const uint8_t *wrt, int32_t nsave
         } else {
             kb_node t = gb_tmpl(KB_OP_INPUT, on->dtype, on->rank, on->dims);
             t.input_kind = KB_INPUT_USER;
-            snprintf(t.name, sizeof t.name, "grad_out%d", (int)k);
+            char name[32];
+            snprintf(name, sizeof name, "grad_out%d", (int)k);
+            t.name = name;
             KB_TRY(gb_emit(&gc.b, &t, &gid));
         }
         if (gc.req[o]) KB_TRY(accumulate(&gc, o, gid));

@@ -215,8 +215,7 @@ static PyObject *graph_add_input(kb_py_graph *self, PyObject *args) {
         if (strcmp(kind, kinds[i]) == 0) k = i;
     if (k < 0) return PyErr_Format(PyExc_ValueError, "input kind must be user, param or buffer, not '%s'", kind);
     t.input_kind = (kb_input_kind)k;
-    if (strlen(name) >= sizeof t.name) return PyErr_Format(PyExc_ValueError, "input name too long: '%s'", name);
-    strcpy(t.name, name);
+    t.name = name; /* any length: the graph keeps its own copy */
     if (dtype_from_py(dtype, &t.dtype) < 0 || dims_from_py(dims, &t) < 0) return NULL;
     int32_t id;
     kb_status st = kb_graph_add(self->graph, &t, &id);
@@ -267,7 +266,7 @@ static PyObject *graph_add_node(kb_py_graph *self, PyObject *args, PyObject *kwd
     t.step = step;
     t.index = index;
     t.nograd = nograd;
-    snprintf(t.name, sizeof t.name, "%s", name);
+    t.name = name;
     int32_t id;
     kb_status st = kb_graph_add(self->graph, &t, &id);
     return st == KB_OK ? PyLong_FromLong(id) : graph_raise(self, st);

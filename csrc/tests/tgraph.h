@@ -58,7 +58,7 @@ static inline int32_t tg_add(tg *t, const kb_node *n)
 static inline int32_t tg_input(tg *t, const char *name, kb_dtype dt, const char *dims)
 {
     kb_node n = tg_tmpl(KB_OP_INPUT, dt, dims);
-    strncpy(n.name, name, sizeof n.name - 1);
+    n.name = name;
     return tg_add(t, &n);
 }
 
