@@ -192,3 +192,65 @@ def test_capture_keeps_long_parameter_paths():
     graph = kbench.capture(deep, (torch.randn(8, 64),))
     names = [graph.ir.node(v)["name"] for v in graph.ir.inputs]
     assert "model_with_a_long_name.layers.0.post_attention_layernorm.weight" in names, names
+
+
+def _signature(src):
+    """The parameter names of a generated source's first entry point, in order."""
+    m = re.search(r"__global__ void __launch_bounds__\(\d+\) \w+\(([^)]*)\)", src)
+    return [re.findall(r"\w+", p)[-1] for p in m.group(1).split(",")]
+
+
+def test_kernel_parameters_are_named_after_the_values():
+    """Parameters take the IR's names (a parameter path's last component), outputs out, out1, ...,
+    saved statistics stat<k> where the IR has no name for them; a name that is not a safe C
+    identifier is made one, and one the kernel's code uses (threadIdx's x aside) gets a suffix.
+    The order and types (the ABI) are the region's inputs, outputs, symbols, as before."""
+    import torch
+    from kbench import _C, api
+    path = "m.model.layers.0.post_attention_layernorm.weight"
+    g = _named_graph([path, EVIL, "layers.0", "b", "n"])
+    src = _C.generate(g.partition(), 0, 90, None)["source"]
+    assert _signature(src) == ["x", "weight", "w_global_void_pwn_int_p", "layers_0", "b", "n_1", "out", "s0"], _signature(src)
+    try:
+        from kbench import nvrtc
+        handle = nvrtc.handle()
+    except (FileNotFoundError, OSError):
+        handle = None
+    if handle is not None:
+        for arch in ("sm_80", "sm_90"):
+            assert _C.nvrtc_compile(handle, src, arch, None)
+    ln = torch.nn.LayerNorm(256)
+    part = api._fresh_capture(ln, (torch.randn(8, 256),), "cuda").graph.partition()
+    part.save_stats(0)
+    k = _C.generate(part, 0, 90, None)
+    assert _signature(k["source"]) == ["input", "weight", "bias", "out", "stat0", "stat1", "s0"], _signature(k["source"])
+    assert "stat0[row] = " in k["source"] and k["nostats"]
+
+
+def test_preamble_holds_only_what_the_kernel_uses():
+    """Every helper the preamble defines is named by the kernel or by another helper, and the
+    fp16/bf16 headers come only with their types."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import test_codegen as tc
+    from kbench import _C
+    seen = set()
+    for name in ("layernorm", "softmax", "bias_gelu", "col_var", "cross_entropy", "row_colsum"):
+        for dt in ("f32", "bf16", "f16"):
+            g, symvals, _, _ = tc.build(name, dt)
+            p = g.partition()
+            for r in range(len(p)):
+                for text in tc.variants(p, r, symvals):
+                    src = _C.generate(p, r, 90, text)["source"]
+                    start = re.search(r"^(#define KB_NRED|template <bool KB_SAVE>|extern \"C\")", src, flags=re.M).start()
+                    pre, code = _strip_c(src[:start]), _strip_c(src[start:])
+                    defined = set(re.findall(r"#define (KB_\w+)", src[:start]))
+                    defined |= set(re.findall(r"(?:__forceinline__|struct)[^;{]*?\b(kb_\w+)\s*[({]", pre))
+                    seen |= defined
+                    for h in defined:
+                        definitions = len(re.findall(r"(?:__forceinline__|struct)[^;{]*?\b%s\s*[({]" % h, pre))
+                        uses = len(re.findall(r"\b%s\b" % h, pre)) - definitions + len(re.findall(r"\b%s\b" % h, code))
+                        assert uses > 0, (name, dt, r, text, h)
+                    assert ("cuda_bf16.h" in src[:start]) == bool(re.search(r"\b__\w*bfloat16", pre + code)), (name, dt)
+                    assert ("cuda_fp16.h" in src[:start]) == bool(re.search(r"\b__\w*half", pre + code)), (name, dt)
+    assert {"KB_INF", "kb_vec", "kb_ld", "kb_st", "kb_maxf", "kb_warp_sum", "kb_online_add", "kb_bf16_at"} <= seen, seen

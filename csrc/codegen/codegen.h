@@ -246,9 +246,26 @@ void cg_emit_body(cg *c);
 /* the finishing kernel's body of a COL region with col_split > 1 */
 void cg_emit_col_finish(cg *c);
 
-/* ================================================================ layer 5: source (generate.c, preamble.c) */
+/* ================================================================ layer 5: source (generate.c, params.c, preamble.c) */
 
-/* the header comments, the headers the kernel's types need and the device helpers it uses */
-void cg_emit_preamble(cg *c, kb_sb *sb);
+/* params.c: the kernel's parameters, declared (decl=1) or passed on (decl=0: a call's arguments) */
+void cg_emit_params(cg *c, kb_sb *sb, int decl);
+void cg_emit_signature(cg *c, kb_sb *sb, const char *suffix);
+/* a ROW region with saved statistics: the two entry points around its one body */
+void cg_emit_saving_entries(cg *c, kb_sb *sb);
+/* src (the whole source) with the parameters named after the model's values, none a name code
+ * (the kernel's text: signatures, bodies, entry points) already uses: *out is a new string
+ * (kb_string_free) */
+kb_status cg_name_params(cg *c, const char *src, const char *code, char **out);
+
+/* preamble.c: the header comments, then the headers and device helpers that kernel (the text
+ * after the preamble: signatures, bodies, entry points) names, with the helpers they use */
+void cg_emit_preamble(cg *c, kb_sb *sb, const char *kernel);
+/* the next identifier of C source at or after s (comments, string literals and numbers
+ * skipped) and its length, NULL at the end */
+const char *cg_next_ident(const char *s, size_t *len);
+/* does code (NULL: none) name identifier name outside comments and string literals (a member
+ * after '.' or '->' aside)? */
+int cg_code_names(const char *code, const char *name);
 
 #endif /* KBENCH_CODEGEN_H */

@@ -1,7 +1,8 @@
-/* generate.c — the top layer of code generation: kb_kernel_generate sets the generator up,
- * checks the genome against the region, runs the kernel skeleton (kernel.c) dry to plan the row
- * cache and then for real, and assembles the source: preamble (preamble.c), signature, body,
- * entry points; plus the launch geometry of the result (grid units, the grid's cap). */
+/* generate.c — the top of code generation's source layer: kb_kernel_generate sets the generator
+ * up, checks the genome against the region, runs the kernel skeleton (kernel.c) dry to plan the
+ * row cache and then for real, and assembles the source: the kernel's text (signatures, body,
+ * entry points; params.c), the preamble it needs (preamble.c) in front, its parameters named
+ * last (params.c); plus the launch geometry of the result (grid units, the grid's cap). */
 #include "codegen/codegen.h"
 
 
@@ -15,50 +16,6 @@ static const renderer CUDA_RENDERER = {
     .restrict_kw = "__restrict__",
     .smem_decl = "extern __shared__ __align__(16) unsigned char kb_smem[];",
 };
-
-/* The kernel's parameters, declared (decl=1) or passed on (decl=0: a call's arguments). */
-static void emit_params(cg *c, kb_sb *sb, int decl) {
-    const kb_region *rg = c->rg;
-    int first = 1;
-    for (int32_t i = 0; i < rg->ninputs; i++, first = 0) {
-        kb_sb_puts(sb, first ? "" : ", ");
-        if (decl) kb_sb_printf(sb, "const %s *%s ", cg_storage(kb_graph_node(c->g, rg->inputs[i])->dtype), c->rd->restrict_kw);
-        kb_sb_printf(sb, "p%d", rg->inputs[i]);
-    }
-    for (int32_t j = 0; j < rg->noutputs; j++, first = 0) {
-        kb_sb_puts(sb, first ? "" : ", ");
-        if (decl) kb_sb_printf(sb, "%s *%s ", cg_storage(kb_graph_node(c->g, rg->outputs[j])->dtype), c->rd->restrict_kw);
-        kb_sb_printf(sb, "p%d", rg->outputs[j]);
-    }
-    for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++, first = 0) kb_sb_printf(sb, "%s%ss%d", first ? "" : ", ", decl ? "long long " : "", s);
-    if (c->col_split > 1 || c->ncolsum) {
-        if (decl) kb_sb_printf(sb, "%svoid *%s kb_ws", first ? "" : ", ", c->rd->restrict_kw);
-        else kb_sb_printf(sb, "%skb_ws", first ? "" : ", ");
-    }
-}
-
-static void emit_signature(cg *c, kb_sb *sb, const char *suffix) {
-    char lb[64];
-    snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
-    kb_sb_printf(sb, "%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, suffix);
-    emit_params(c, sb, 1);
-    kb_sb_puts(sb, ")\n");
-}
-
-/* A ROW region with saved statistics is one body, two entry points: <name> writes them (a
- * forward a backward will follow), <name>_nostats does not (inference: no buffer, and the
- * stores compiled out, so its registers and schedule are the plain kernel's). */
-static void emit_saving_entries(cg *c, kb_sb *sb) {
-    char lb[64];
-    snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
-    for (int save = 1; save >= 0; save--) {
-        kb_sb_printf(sb, "\n%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, save ? "" : "_nostats");
-        emit_params(c, sb, 1);
-        kb_sb_printf(sb, ")\n{\n    %s_body<%s>(", c->name, save ? "true" : "false");
-        emit_params(c, sb, 0);
-        kb_sb_puts(sb, ");\n}\n");
-    }
-}
 
 /* ---------------------------------------------------------------- the generator's state */
 
@@ -331,8 +288,10 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     *out = NULL;
     kb_ctx *ctx = kb_graph_ctx(p->graph);
     kb_status st = KB_OK;
-    kb_sb src, body, finish, scratch;
+    kb_sb src, body, finish, scratch, kernel;
+    char *text = NULL;
     kb_sb_init(&src, ctx);
+    kb_sb_init(&kernel, ctx);
     kb_sb_init(&body, ctx);
     kb_sb_init(&finish, ctx);
     kb_sb_init(&scratch, ctx);
@@ -372,7 +331,7 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     if (c.col_split > 1 || c.ncolsum) {
         c.out = &finish;
         kb_sb_puts(&finish, "\n");
-        emit_signature(&c, &finish, "_finish");
+        cg_emit_signature(&c, &finish, "_finish");
         kb_sb_puts(&finish, "{\n");
         cg_reset(&c);
         if (c.ncolsum) cg_colsum_finish(&c);
@@ -384,24 +343,28 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     if (body.buf) prune_unused(body.buf);
     if (finish.buf) prune_unused(finish.buf);
 
-    cg_emit_preamble(&c, &src);
-    if (c.maxred > 0 && c.G > 32) kb_sb_printf(&src, "#define KB_NRED %d\n", c.maxred);
+    /* the kernel's text first: the preamble holds what it names */
+    if (c.maxred > 0 && c.G > 32) kb_sb_printf(&kernel, "#define KB_NRED %d\n", c.maxred);
     if (c.saving) {
-        kb_sb_printf(&src, "template <bool KB_SAVE>\n__device__ __forceinline__ void %s_body(", c.name);
-        emit_params(&c, &src, 1);
-        kb_sb_puts(&src, ")\n");
+        kb_sb_printf(&kernel, "template <bool KB_SAVE>\n__device__ __forceinline__ void %s_body(", c.name);
+        cg_emit_params(&c, &kernel, 1);
+        kb_sb_puts(&kernel, ")\n");
     } else {
-        emit_signature(&c, &src, "");
+        cg_emit_signature(&c, &kernel, "");
     }
-    kb_sb_puts(&src, "{\n");
-    if (body.buf) kb_sb_puts(&src, body.buf);
-    kb_sb_puts(&src, "}\n");
-    if (c.saving) emit_saving_entries(&c, &src);
-    if (finish.buf) kb_sb_puts(&src, finish.buf);
+    kb_sb_puts(&kernel, "{\n");
+    if (body.buf) kb_sb_puts(&kernel, body.buf);
+    kb_sb_puts(&kernel, "}\n");
+    if (c.saving) cg_emit_saving_entries(&c, &kernel);
+    if (finish.buf) kb_sb_puts(&kernel, finish.buf);
+    KB_CHECK(ctx, !kernel.oom, KB_ERR_OOM, "out of memory");
+    cg_emit_preamble(&c, &src, kernel.buf);
+    if (kernel.buf) kb_sb_puts(&src, kernel.buf);
+    KB_TRY(kb_sb_finish(&src, &text));
 
     k = kb_calloc(ctx, 1, sizeof *k);
     KB_CHECK(ctx, k != NULL, KB_ERR_OOM, "out of memory");
-    KB_TRY(kb_sb_finish(&src, &k->source));
+    KB_TRY(cg_name_params(&c, text, kernel.buf, &k->source));
     snprintf(k->name, sizeof k->name, "%s", c.name);
     k->block = gn->threads;
     k->smem_bytes = c.smem_bytes;
@@ -429,6 +392,8 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
 cleanup:
     kb_kernel_free(ctx, k);
     kb_sb_discard(&src);
+    kb_sb_discard(&kernel);
+    kb_string_free(ctx, text);
     kb_sb_discard(&body);
     kb_sb_discard(&finish);
     kb_sb_discard(&scratch);

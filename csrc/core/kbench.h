@@ -316,7 +316,11 @@ kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out);
 
 /* A generated kernel. Arguments, in order: one pointer per region input, one per region
  * output, then one int64 per graph symbol (every symbol, in id order), then, for COL regions
- * with col_split > 1, a float* workspace. All owned by the kernel (kb_kernel_free). */
+ * with col_split > 1 and ROW regions with column sums, a workspace pointer. The pointers are
+ * named after the model's values (a parameter path's last component, a user input's name, out,
+ * out1, ..., the saved statistics' names or stat0, ...), made safe C identifiers; launchers
+ * pass arguments by position. The source's preamble holds only the helpers the kernel uses.
+ * All owned by the kernel (kb_kernel_free). */
 typedef struct kb_kernel {
     char *source;           /* CUDA C, NUL-terminated */
     char name[64];          /* entry point */
