@@ -1,5 +1,5 @@
-# test_codegen.py — fusion (csrc/fuse.c), default schedules (csrc/genome.c) and CUDA generation
-# (csrc/codegen*.c) through kbench._C: the partition of each model-like graph, run region by
+# test_codegen.py — fusion (csrc/fuse/), default schedules (csrc/tune/) and CUDA generation
+# (csrc/codegen/) through kbench._C: the partition of each model-like graph, run region by
 # region in the interpreter, computes what the whole graph computes; generation is deterministic
 # (golden sources under tests/golden_cuda/, KBENCH_UPDATE_GOLDEN=1 rewrites them); illegal
 # genomes are refused with ValueError; where NVRTC is present every kernel compiles for sm_80 and

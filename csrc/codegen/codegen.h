@@ -122,7 +122,7 @@ typedef struct cg {
      * elements, then exp(y - that max) once per element into ol<S>[u][k] (kept: a later pass
      * reads exp(y - M) as ol<S> * olc<S>), and the pairs merge once per row (online_local) */
     int online_local;
-    /* ROW: column sums (sums over the rows, COLSUM in fuse.c) kept as per-thread partials */
+    /* ROW: column sums (sums over the rows, COLSUM in fuse/fuse.c) kept as per-thread partials */
     uint8_t *colsum;    /* 1: a column sum; 2: a reshape of one (same elements) */
     int32_t colsums[16];
     int ncolsum;
@@ -149,7 +149,7 @@ typedef struct cg {
     cg_guard guard;     /* POINTWISE: the where() branch being generated (off outside one) */
 } cg;
 
-/* ================================================================ layer 0: emit (emit.c) */
+/* ================================ layer 0: emit (emit.c) */
 
 void cg_failf(cg *c, kb_status s, const char *fmt, ...)
 #if defined(__GNUC__)
@@ -176,7 +176,7 @@ const char *cg_storage(kb_dtype t);
 const char *cg_load_fmt(kb_dtype t);
 const char *cg_store_fmt(kb_dtype t);
 
-/* ================================================================ layer 1: index (index.c) */
+/* ================================ layer 1: index (index.c) */
 
 uint32_t cg_all_bits(const cg *c);
 int cg_same_dims(const kb_node *a, int rank, const kb_dim *dims);
@@ -198,7 +198,7 @@ void cg_to_lin(cg *c, const kb_node *nd, const idx *in, char *out, uint32_t *mas
 int cg_parse_affine(const char *e, char *var, int64_t *off);
 void cg_view_map(cg *c, const kb_node *nd, const idx *ix, idx *out);
 
-/* ================================================================ layer 2: expression (expr.c, int.c) */
+/* ================================ layer 2: expression (expr.c, int.c) */
 
 /* expr.c: a value at an index as a C variable, and the pieces around it */
 void cg_ev(cg *c, int32_t v, const idx *ix, char *out);
@@ -213,7 +213,7 @@ int cg_guard_empty(const cg_guard *g);
 int cg_chunk_guard(cg *c, char *out);
 void cg_guarded_ref(cg *c, int32_t v, const char *lin, char *out);
 
-/* ================================================================ layer 3: chunk (chunk.c) */
+/* ================================ layer 3: chunk (chunk.c) */
 
 /* one chunk: vector loads, the element loop (reductions, FULL outputs), vector stores */
 void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nout, const int32_t *csums, int ncs);
@@ -235,7 +235,7 @@ void cg_colsum_decl(cg *c);
 void cg_colsum_store(cg *c);
 void cg_colsum_finish(cg *c);
 
-/* ================================================================ layer 4: kernel (kernel.c) */
+/* ================================ layer 4: kernel (kernel.c) */
 
 /* dp[v] and the passes of a ROW / COL region (and its online normalizers) */
 void cg_plan_passes(cg *c);
@@ -246,7 +246,7 @@ void cg_emit_body(cg *c);
 /* the finishing kernel's body of a COL region with col_split > 1 */
 void cg_emit_col_finish(cg *c);
 
-/* ================================================================ layer 5: source (generate.c, params.c, preamble.c) */
+/* ================================ layer 5: source (generate.c, params.c, preamble.c) */
 
 /* params.c: the kernel's parameters, declared (decl=1) or passed on (decl=0: a call's arguments) */
 void cg_emit_params(cg *c, kb_sb *sb, int decl);

@@ -114,7 +114,7 @@ void kb_name_comment(const char *name, char *out, size_t n);
  * path's "weight"), or the one before joined with '_' where that one does not start with a letter
  * ("layers.0" -> "layers_0"), other bytes '_', no leading '_' or digit (prefix "v"), cut to
  * KB_NAME_IDENT_MAX characters; "" for a name with no letter or digit. Not checked against
- * keywords or other names: the caller does that (codegen/generate.c). */
+ * keywords or other names: the caller does that (codegen/params.c). */
 #define KB_NAME_IDENT_MAX 24
 void kb_name_ident(const char *name, char *out, size_t n);
 /* Prints "f32[s0,128]" into buf; returns buf. */
@@ -137,7 +137,7 @@ kb_node kb_node_template(kb_op op, kb_dtype dt, int32_t rank, const kb_dim *dims
 kb_device_info kb_device_for_schedule(const kb_device_info *dev);
 
 /* Node `value` of a graph holds the mean of node `of` along axes (keepdim), though it is not a
- * MEAN node there: a saved statistic, an input of the backward (grad.c tells simplify.c). */
+ * MEAN node there: a saved statistic, an input of the backward (grad/grad.c tells simplify.c). */
 typedef struct kb_mean_fact {
     int32_t value, of;
     uint32_t axes;

@@ -1,6 +1,7 @@
 /* interp.c — the CPU interpreter: runs a whole graph or one region of a partition on host
  * buffers, every value a dense row-major array of doubles. It is the reference CI runs without
- * a GPU (DESIGN §2), so it rounds only where torch does: on CAST and on storing an output. */
+ * a GPU (docs/DESIGN.md, "Verification"), so it rounds only where torch does: on CAST and on
+ * storing an output. */
 #include "core/internal.h"
 
 #include <limits.h>

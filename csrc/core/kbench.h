@@ -2,9 +2,13 @@
  * CUDA code generation and the CUDA/NVRTC runtime. No libtorch, no CUDA headers: tensors
  * are raw pointers whose shapes the graph knows, streams and functions are opaque handles.
  *
- * Conventions (DESIGN §10): fallible calls return kb_status and write results through
- * out-parameters; the message of the last failure is kb_ctx_error(ctx); every pointer a
- * function returns says who owns it; kb_X_free(NULL) is a no-op. */
+ * Its sections follow the pipeline's stages, one folder of csrc/ each: core (context, IR,
+ * rewrites, interpreter, device defaults), fuse, grad, tune, codegen, cuda.
+ *
+ * Conventions (docs/DESIGN.md, "The IR"): public names start with kb_; fallible calls return
+ * kb_status and write results through out-parameters; the message of the last failure is
+ * kb_ctx_error(ctx); every pointer a function returns says who owns it; kb_X_free(NULL) is a
+ * no-op. */
 #ifndef KBENCH_H
 #define KBENCH_H
 
@@ -229,18 +233,18 @@ kb_status kb_graph_grad_joint(const kb_graph *g, const uint8_t *wrt, kb_graph **
 
 /* The forward's save policy (grad/save.c, which builds each ROW region's backward both ways to
  * decide). Row statistics for the backward (a forward partition's choice; a backward's is not
- * differentiated again): in each ROW region whose rows hold at least min_row_bytes (4 per element at the example
- * sizes), the row reductions no other region reads and that the row's elements are computed from
- * (a softmax's max and sum, a LayerNorm's mean and variance; not a mean loss's sum) become extra
- * outputs after its own, counted by nsaved. The forward writes one value per row; the backward
- * reads them rather than reducing the row again: a pass fewer per statistic, and for a row too
- * long to keep on chip (a 32k-vocabulary cross-entropy) no second read of the whole input.
- * Where the region's backward reads fewer bytes reading the region's own outputs (a log_softmax:
- * its output y alone, as eager's), those are marked in saved_outputs, and statistics that
- * backward does not read are not kept. */
+ * differentiated again): in each ROW region whose rows hold at least min_row_bytes (4 per
+ * element at the example sizes), the row reductions no other region reads and that the row's
+ * elements are computed from (a softmax's max and sum, a LayerNorm's mean and variance; not a
+ * mean loss's sum) become extra outputs after its own, counted by nsaved. The forward writes one
+ * value per row; the backward reads them rather than reducing the row again: a pass fewer per
+ * statistic, and for a row too long to keep on chip (a 32k-vocabulary cross-entropy) no second
+ * read of the whole input. Where the region's backward reads fewer bytes reading the region's
+ * own outputs (a log_softmax: its output y alone, as eager's), those are marked in
+ * saved_outputs, and statistics that backward does not read are not kept. */
 kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes);
 
-/* ---------------------------------------------------------------- rewrites (simplify.c) */
+/* ---------------------------------------------------------------- rewrites (core/simplify.c) */
 
 /* g rebuilt with rewrites that take work out of its kernels, and without the nodes its outputs
  * do not need: same inputs (all of them, in order, first), same outputs, same values. The
@@ -248,14 +252,14 @@ kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes);
  * (integer) and D the same all along a and f a chain of neg, float casts, products with finite
  * constants and quotients by finite nonzero ones, becomes f(where(0 <= T < size_a, D, 0)) per
  * row, exactly, for any T (a backward's cross-entropy loses a pass over the row; an axis of
- * length 0 aside, see simplify.c); a sum over one axis of per-row multiples of terms is split into
+ * length 0 aside, see core/simplify.c); a sum over one axis of per-row multiples of terms is split into
  * per-row multiples of the terms' sums where that nests reductions less deeply, and a term that
  * is a deviation from its own mean along that axis, x - mean_a(x), sums to 0 and is dropped.
  * kb_graph_grad's result has been through it (knowing which saved statistics are means). The caller owns
  * *out (kb_graph_free); same ctx as g. */
 kb_status kb_graph_simplify(const kb_graph *g, kb_graph **out);
 
-/* ---------------------------------------------------------------- CPU interpreter (interp.c) */
+/* ---------------------------------------------------------------- CPU interpreter (core/interp.c) */
 
 /* Runs region r on host buffers, computing in double. ins[i] is region input i, outs[j]
  * region output j: dense, contiguous, in their value's dtype, caller-allocated, sized for
@@ -266,7 +270,7 @@ kb_status kb_interp_region(kb_ctx *ctx, const kb_partition *p, int32_t r, const 
 kb_status kb_interp_graph(kb_ctx *ctx, const kb_graph *g, const int64_t *symvals,
                           const void *const *ins, void *const *outs);
 
-/* ---------------------------------------------------------------- schedules (genome.c) */
+/* ---------------------------------------------------------------- schedules (tune/) */
 
 typedef enum kb_cache_where { KB_CACHE_REGS = 0, KB_CACHE_SMEM, KB_CACHE_REREAD } kb_cache_where;
 
@@ -312,7 +316,7 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
 int kb_genome_format(const kb_genome *gn, char *buf, size_t n);
 kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out);
 
-/* ---------------------------------------------------------------- code generation (codegen.c) */
+/* ---------------------------------------------------------------- code generation (codegen/) */
 
 /* A generated kernel. Arguments, in order: one pointer per region input, one per region
  * output, then one int64 per graph symbol (every symbol, in id order), then, for COL regions
@@ -346,50 +350,50 @@ int64_t kb_kernel_max_blocks(const kb_kernel *k, const kb_device_info *dev);
 void kb_kernel_grid(const kb_kernel *k, const int64_t *symvals, const kb_device_info *dev,
                     uint32_t grid[3]);
 
-/* ---------------------------------------------------------------- CUDA runtime (cuda.c) */
+/* ---------------------------------------------------------------- CUDA runtime (cuda/) */
 
-/* NVRTC, dlopen'ed on first use; searched in order: $KBENCH_NVRTC, the nvidia/<pkg>/lib
- * folders given by the caller (the torch wheel's), $CUDA_HOME/lib64, /usr/local/cuda/lib64,
- * the loader's path. Owned by the caller: kb_nvrtc_close. */
+/* NVRTC (cuda/nvrtc.c), dlopen'ed on first use; searched in order: $KBENCH_NVRTC, the
+ * nvidia/<pkg>/lib folders given by the caller (the torch wheel's), $CUDA_HOME/lib64,
+ * /usr/local/cuda/lib64, the loader's path. Owned by the caller: kb_nvrtc_close. */
 typedef struct kb_nvrtc kb_nvrtc;
 kb_status kb_nvrtc_open(kb_ctx *ctx, const char *const *extra_dirs, int ndirs, kb_nvrtc **out);
 void kb_nvrtc_close(kb_nvrtc *n);
 const char *kb_nvrtc_path(const kb_nvrtc *n);   /* the library that was loaded */
 int kb_nvrtc_version(const kb_nvrtc *n);        /* major*1000 + minor*10 */
+/* The folder passed as -I for cuda_fp16.h / cuda_bf16.h ("" if none was found): NVRTC 13 has
+ * no built-in copies. Searched: $KBENCH_CUDA_INCLUDE, <libnvrtc's folder>/../include, beside
+ * each extra dir (../include, ../../cuda_runtime/include), $CUDA_HOME/include,
+ * /usr/local/cuda/include. */
+const char *kb_nvrtc_include_dir(const kb_nvrtc *n);
 /* Compiles source for arch ("sm_90") to a CUBIN; *cubin is allocated with the ctx allocator
  * (kb_blob_free). With cache_dir != NULL, looks up / stores <cache_dir>/<hash>.cubin keyed by
- * source, arch, options and NVRTC version. On failure the ctx error holds NVRTC's log. */
+ * source, arch, options and NVRTC version. On failure the ctx error holds NVRTC's log. *log
+ * (if log != NULL) is set whenever NVRTC printed something (warnings on success, the errors on
+ * KB_ERR_NVRTC), else NULL; free with kb_string_free. A cache hit leaves it NULL. */
 kb_status kb_nvrtc_compile(kb_ctx *ctx, kb_nvrtc *n, const char *source, const char *arch,
                            const char *cache_dir, void **cubin, size_t *size, char **log);
 void kb_blob_free(kb_ctx *ctx, void *blob, size_t size);
 
-/* The driver, dlopen'ed once ("libcuda.so.1"). Owned by the caller: kb_cuda_close. */
+/* The driver (cuda/driver.c), dlopen'ed once ("libcuda.so.1"). Owned by the caller:
+ * kb_cuda_close. */
 typedef struct kb_cuda kb_cuda;
 kb_status kb_cuda_open(kb_ctx *ctx, kb_cuda **out);
 void kb_cuda_close(kb_cuda *c);
+int kb_cuda_driver_version(const kb_cuda *c);   /* cuDriverGetVersion: 12080 = 12.8 */
 kb_status kb_cuda_device_info(kb_ctx *ctx, kb_cuda *c, int device, kb_device_info *out);
 
 typedef struct kb_cuda_module kb_cuda_module;  /* a loaded CUBIN in the current context */
 kb_status kb_cuda_module_load(kb_ctx *ctx, kb_cuda *c, const void *cubin, size_t size,
                               kb_cuda_module **out);
 void kb_cuda_module_unload(kb_cuda *c, kb_cuda_module *m);
-/* An entry point; *fn is an opaque CUfunction owned by the module. */
+/* An entry point; *fn is an opaque CUfunction owned by the module. Above KB_SMEM_PORTABLE of
+ * shared memory (static and smem_bytes dynamic together) it opts the function in. */
 kb_status kb_cuda_function(kb_ctx *ctx, kb_cuda *c, kb_cuda_module *m, const char *name,
                            int smem_bytes, void **fn, int *regs, int *spill_bytes);
 /* cuLaunchKernel on stream (a CUstream; NULL = the legacy default stream). args: pointers to
  * each argument's value, as the driver takes them. */
 kb_status kb_cuda_launch(kb_ctx *ctx, kb_cuda *c, void *fn, const uint32_t grid[3], int block,
                          int smem_bytes, void *stream, void **args);
-
-/* -- cuda.c additions (additive; by the CUDA-runtime helper) --
- * NVRTC's *log: set whenever NVRTC printed something (warnings on success, the errors on
- * KB_ERR_NVRTC), else NULL; free with kb_string_free. A cache hit leaves it NULL. */
-/* The folder passed as -I for cuda_fp16.h / cuda_bf16.h ("" if none was found): NVRTC 13 has
- * no built-in copies. Searched: $KBENCH_CUDA_INCLUDE, <libnvrtc's folder>/../include, beside
- * each extra dir (../include, ../../cuda_runtime/include), $CUDA_HOME/include,
- * /usr/local/cuda/include. */
-const char *kb_nvrtc_include_dir(const kb_nvrtc *n);
-int kb_cuda_driver_version(const kb_cuda *c);   /* cuDriverGetVersion: 12080 = 12.8 */
 /* Whether stream is being captured into a CUDA graph (cuStreamIsCapturing). */
 kb_status kb_cuda_stream_capturing(kb_ctx *ctx, kb_cuda *c, void *stream, int *capturing);
 /* cuStreamSynchronize(stream), or cuCtxSynchronize when stream is NULL. */
@@ -400,10 +404,10 @@ void kb_cuda_mem_free(kb_cuda *c, uint64_t dptr);
 kb_status kb_cuda_copy_to_device(kb_ctx *ctx, kb_cuda *c, uint64_t dst, const void *src, size_t bytes);
 kb_status kb_cuda_copy_to_host(kb_ctx *ctx, kb_cuda *c, void *dst, uint64_t src, size_t bytes);
 
-/* ---------------------------------------------------------------- search (evolve.c) */
-/* (additive section, by the search helper) */
+/* ---------------------------------------------------------------- search (tune/evolve.c) */
 
-/* Legal for region r at the example sizes symvals on dev (NULL: 48 KiB shared memory):
+/* Legal for region r at the example sizes symvals on dev (NULL: KB_SMEM_PORTABLE, see
+ * kb_device_info):
  *   threads  32..1024, a power of two
  *   vec      1, 2, 4, 8 with vec * (narrowest full-size element) <= 16 bytes; ROW and COL also
  *            need the anchor's last dim pinned and a multiple of vec

@@ -1,6 +1,6 @@
 /* simplify.c — whole-graph rewrites (kb_graph_simplify): algebra that takes a pass over a row
  * out of a kernel before the partitioner sees the graph, then dead nodes dropped. Every backward
- * goes through it (grad.c); any graph may. A rule matches on the graph being rebuilt and emits
+ * goes through it (grad/grad.c); any graph may. A rule matches on the graph being rebuilt and emits
  * its replacement there, with the replaced value's dtype and shape. */
 #include "core/internal.h"
 
@@ -296,7 +296,7 @@ cleanup:
  * them holds only rounding). LayerNorm's backward has k * sum(x - mean), the variance's adjoint
  * through the mean: as a sum it is a third row reduction (an add per element and a shuffle chain
  * per row); torch's LayerNorm backward has no such term. A mean is a MEAN node, or a value the
- * caller knows to hold one (grad.c: a statistic the forward saved is an input of the backward). */
+ * caller knows to hold one (grad/grad.c: a statistic the forward saved is an input of the backward). */
 typedef struct known_means {
     const kb_mean_fact *facts;   /* in the caller's graph's ids */
     int nfacts;
@@ -512,7 +512,7 @@ static int32_t find_node(const kb_graph *w, kb_op op, int32_t x, int32_t y, cons
 /* exp(a) * expand(k / s), where w also has y = a - expand(log s), is expand(k) * exp(y): the
  * same value, e^a / s = e^(a - log s). A log_softmax's backward has the first (log s's adjoint
  * reaching the row through the exponentials); its forward output is y, so written the second way
- * the backward can read that output alone, as eager's does, where it is at hand (grad.c's
+ * the backward can read that output alone, as eager's does, where it is at hand (grad/grad.c's
  * reused outputs), instead of the row and its statistics. */
 static kb_status exp_over_sum(kb_graph *w, const kb_node *t, int32_t *out)
 {

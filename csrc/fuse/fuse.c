@@ -1,7 +1,8 @@
 /* fuse.c — the partitioner: one greedy pass over the topological node list groups nodes into
  * regions (one kernel each): POINTWISE, ROW (reduce dims including the last one), COL (reduce
  * dims that leave the last one) and EXTERN. Whether a node may join a region is a table of
- * (node class, region kind, predicate) rules (DESIGN §10), not a nest of ifs.
+ * (node class, region kind, predicate) rules (docs/DESIGN.md, "Regions and genomes"), not a
+ * nest of ifs.
  *
  * Vocabulary. A value computed in a region has a *level*: FULL (one per element of the
  * anchor, the iteration space) or STAT (one per row of a ROW region / column of a COL region,
@@ -12,7 +13,8 @@
  * region that reads them; the INPUTs and other regions' outputs they read are what the region
  * actually reads. Pointwise work floats too where recomputing it in each reader is cheaper
  * than a full write and read (FLOAT_RULES). Regions only ever read regions with a smaller
- * index, so the list is an execution order. */
+ * index, so the list is an execution order. The pass's result, each node's region and level, is
+ * a fuse_build (fuse.h), which partition.c assembles into the kb_partition. */
 #include "fuse/fuse.h"
 
 /* What a floating value reads: FL_PARAMS, parameters, buffers and constants alone; FL_SMALL,
@@ -410,7 +412,8 @@ static void make_floating(fuse_build *b, int32_t v) {
 /* ---------------------------------------------------------------- float rules */
 
 /* Pointwise work that floats instead of joining a region: recomputed by every region that
- * reads it, at the index it reads it at. A table (DESIGN §10): the first rule that holds. */
+ * reads it, at the index it reads it at. A table, as the join rules are: the first rule that
+ * holds. */
 typedef int (*float_fn)(const fuse_build *b, int32_t v);
 
 /* On parameters alone (a bf16 weight cast to f32, a scale made of weights): a few flops on

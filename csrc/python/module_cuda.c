@@ -1,4 +1,4 @@
-/* module_cuda.c — kbench._C's CUDA runtime functions over cuda.c: NVRTC (open, compile to a
+/* module_cuda.c — kbench._C's CUDA runtime functions over cuda/: NVRTC (open, compile to a
  * CUBIN through the disk cache), the driver (device info, modules, functions) and launch, the
  * hot path: METH_FASTCALL, arguments packed on the stack, the GIL released around the launch. */
 #include "python/module.h"

@@ -1,6 +1,6 @@
-/* module_evolve.c — kbench._C's schedule search functions over evolve.c: a search per region as a
- * capsule (it keeps its Partition alive), asked and told in canonical genome texts, and the
- * legality test of one genome. kbench/search.py drives them. */
+/* module_evolve.c — kbench._C's schedule search functions over tune/evolve.c: a search per
+ * region as a capsule (it keeps its Partition alive), asked and told in canonical genome texts,
+ * and the legality test of one genome. kbench/search.py drives them. */
 #include "python/module.h"
 
 #include "python/module_evolve.h"

@@ -1,4 +1,4 @@
-/* gpu_cuda.c — the driver half of cuda.c on a real GPU (skips where libcuda is missing):
+/* gpu_cuda.c — the CUDA driver (cuda/driver.c) on a real GPU (skips where libcuda is missing):
  * device info, compile for the device's arch, load, launch, read back; a launch from a thread
  * with no current context; refused launches reported with the driver's error name. */
 #define _GNU_SOURCE

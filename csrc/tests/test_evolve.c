@@ -1,8 +1,8 @@
-/* test_evolve.c — the schedule search (evolve.c) with made-up fitness functions: legality rules and
- * the default genome, asks legal and never repeated, a known optimum found, seeded repeatability,
- * failures never re-asked nor parents, an exhausted space, told-from-elsewhere genomes, and OOM at
- * every allocation (a failed ask or tell leaves the search unchanged: retried, it goes on as if
- * nothing had failed). */
+/* test_evolve.c — the schedule search (tune/evolve.c) with made-up fitness functions: legality
+ * rules and the default genome, asks legal and never repeated, a known optimum found, seeded
+ * repeatability, failures never re-asked nor parents, an exhausted space, told-from-elsewhere
+ * genomes, and OOM at every allocation (a failed ask or tell leaves the search unchanged:
+ * retried, it goes on as if nothing had failed). */
 #include <stdint.h>
 #include <stdlib.h>
 

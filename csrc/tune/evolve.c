@@ -1,7 +1,8 @@
-/* evolve.c — the schedule search of one region (DESIGN §4): each gene's domain and the legality of
- * a genome, derived from the region's shape and the device, and an ask/tell genetic search over
- * them (tournament selection, crossover, mutation, elitism, dedup by canonical form, seeded PRNG).
- * It measures nothing: the caller compiles, times and tells (kbench/search.py on the GPU). */
+/* evolve.c — the schedule search of one region (docs/DESIGN.md, "Regions and genomes"): each
+ * gene's domain and the legality of a genome, from the region's facts (tune/facts.c) and the
+ * device, and an ask/tell genetic search over them (tournament selection, crossover, mutation,
+ * elitism, dedup by canonical form, seeded PRNG). It measures nothing: the caller compiles,
+ * times and tells (kbench/search.py on the GPU). */
 #include "tune/tune.h"
 
 #include <math.h>

@@ -69,8 +69,9 @@ kb_status tune_facts_of(const kb_partition *p, int32_t r, const int64_t *symvals
     if (f->maxsz == 0) f->maxsz = 4;
 
     /* Fast math by default where it cannot show: __expf/__logf are within ~1e-6 relative of
-     * expf/logf over softmax's range, 1000x below a 16-bit output's rounding (bf16 2^-9), and
-     * where precise expf keeps a bf16 softmax from the memory roofline it is worth having on.
+     * expf/logf over softmax's range, 1000x below a 16-bit output's rounding (bf16 2^-9), and the
+     * precise expf is what keeps a bf16 softmax from the memory roofline (benchmarks/
+     * bench_genomes.py softmax --dtype bfloat16 --genome fast_math=0 shows the difference).
      * __sinf/__cosf/__powf lose accuracy with the argument's size, so a region with them keeps
      * precise math. A saved sum of __expf terms is off by as little (the backward's gradient
      * checks see it), so saved outputs do not count. A region computed in double has no fast

@@ -1,7 +1,8 @@
-/* genome.c — a region's schedule: the default genome (chosen from the region's shape at the
- * example sizes and the device), and the canonical text form that names a genome in the cache
- * and in reports ("threads=256 vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0
- * persistent=0 col_split=1"). Legality against a region is codegen's call (KB_ERR_INVALID). */
+/* genome.c — a region's schedule: the default genome (chosen from the region's facts at the
+ * example sizes and the device, tune/facts.c), and the canonical text form that names a genome
+ * in the cache and in reports ("threads=256 vec=4 rows=1 items=1 cache=regs two_pass=1
+ * fast_math=0 persistent=0 col_split=1"). The search's legality is evolve.c's; codegen refuses
+ * what it cannot generate (KB_ERR_INVALID). */
 #include "tune/tune.h"
 
 #include <stdlib.h>
@@ -48,13 +49,15 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
     gn.fast_math = f.fast_exp_log;
 
     if (rg->kind == KB_REGION_POINTWISE) {
-        /* 16-byte accesses, one per thread, 128 threads a block; several per thread only where
-           the body is heavy (precise transcendentals on eight 16-bit elements a vector) and the
-           grid has waves to spare. H100 at 8192x4096 (bench_genomes.py, session 17), one item
-           against the old four: bias+GELU tanh bf16 46.7 -> 44.1 us, SwiGLU bf16 66.1 -> 63.5,
-           bias+GELU erf f32 90.0 -> 87.7; but bias+GELU erf bf16 48.4 -> 51.2: its precise erff
-           (~30 instructions an element, by estimate, 8 elements a load) likely makes it
-           issue-bound, so the per-thread setup is worth sharing across four vectors. */
+        /* 16-byte accesses, one per thread, 128 threads a block: a memory-bound body wants
+           many small blocks in flight, and one vector a thread beats four (H100, 8192x4096:
+           bias+GELU(tanh) bf16 46.7 us against 44.1 with four; benchmarks/bench_genomes.py
+           bias_gelu_tanh --dtype bfloat16). Several vectors per thread only where the body is
+           heavy, a precise transcendental on eight 16-bit elements a vector (erff is some 30
+           instructions an element), so the kernel is issue-bound and the per-thread setup is
+           worth sharing, and where the grid has waves to spare (bias+GELU(erf) bf16: 48.4 us
+           with four vectors a thread, 51.2 with one; bench_genomes.py bias_gelu_erf --dtype
+           bfloat16). */
         gn.vec = pick_vec(&f, 0);
         int64_t waves = f.full / ((int64_t)num_sms * 2048 * gn.vec);
         int heavy = f.precise_math && gn.vec >= 8;
@@ -70,12 +73,10 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
             if (short_colsum) {
                 /* with column sums a thread keeps a partial per column it visits, so the row
                    takes many threads, about two chunks of 2 elements each, 512 threads a block
-                   and 2048 an SM (persistent). A warp per row held 24 columns' partials a thread:
-                   114-167 registers, one block an SM. H100, backward at 2048x768
-                   (bench_genomes.py, session 19), warp per row -> this: LayerNorm f32 36.4 ->
-                   17.5 us, bf16 77.3 -> 16.8, RMSNorm f32 32.8 -> 14.8, residual LayerNorm f32
-                   36.6 -> 19.5; LayerNorm f32 at 16384x768 73.8 -> 60.1, bf16 at 8192x1024 99.6
-                   -> 32.2; within 7% of the best of 18 block-per-row variants in each. */
+                   and 2048 an SM (persistent). A warp per row would hold 24 columns' partials a
+                   thread at 768 columns: 114-167 registers, one block an SM (H100, LayerNorm f32
+                   backward at 2048x768: 36.4 us a warp per row, 17.5 this way;
+                   benchmarks/bench_genomes.py layer_norm --shape 2048,768 --no-forward). */
                 if (gn.vec > 2) gn.vec = 2;
                 chunks = (f.red + gn.vec - 1) / gn.vec;
                 group = clamp64(pow2_ceil((chunks + 1) / 2), 1, 512);
@@ -89,20 +90,20 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
             gn.threads = (int32_t)(rows * group);
         } else { /* a block per row, ~16 elements per thread (never more threads than vectors); with
                     column sums one 16-byte vector per thread, whose partials also live in
-                    registers. H100, rows of 4096 f32 (bench_genomes): 1024 threads of 4 beat or tie
-                    512 of 8 on every backward with column sums, LayerNorm 152 -> 143 us, residual
-                    LayerNorm 245 -> 230, RMSNorm 145 -> 139, bias+GELU(erf) 141 -> 138. */
+                    registers: more threads, fewer partials each (H100, LayerNorm f32 backward
+                    at 8192x4096: 152 us with 512 threads of 8, 143 with 1024 of 4;
+                    benchmarks/bench_genomes.py layer_norm --no-forward). */
             group = clamp64(pow2_floor(f.red / (f.ncolsum ? 16 / f.maxsz : 16)), 128, 1024);
             if (group > pow2_ceil(chunks)) group = pow2_ceil(chunks);
             gn.threads = (int32_t)group;
             gn.rows = 1;
         }
         /* where the row lives between passes: registers, else shared memory, else re-read.
-           Measured on H100 (benchmarks/bench_genomes.py, rows of 4096): registers win while a
-           thread holds at most 16 values (inputs and column-sum partials); past that, the
-           registers cost more in occupancy than shared memory costs in traffic (bf16 softmax
-           backward 156 -> 123 us, LayerNorm backward 410 -> 162 us). Short rows keep the older
-           budget of 64 (warp per row; tuned on GPT-2's 768). */
+           On a block per row, registers win while a thread holds at most 16 values (inputs and
+           column-sum partials); past that they cost more in occupancy than shared memory costs
+           in traffic (H100, rows of 4096, bf16 softmax backward: 156 us in registers, 123 in
+           shared memory; benchmarks/bench_genomes.py softmax --dtype bfloat16 --no-forward).
+           Short rows (a warp or less per row, GPT-2's 768 the case in mind) hold up to 64. */
         int64_t nbulk = f.nbulk_in ? f.nbulk_in : 1;
         int64_t per_thread = (chunks + group - 1) / group * gn.vec * (nbulk + f.ncolsum);
         int64_t reg_budget = gn.rows > 1 || f.red <= 1024 ? (gn.threads >= 1024 ? 32 : 64) : 16;
@@ -126,9 +127,9 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
         /* column sums of a single pass (a bias gradient), or of short rows (above): a streaming
            kernel, twice the blocks */
         if ((f.ncolsum && !f.multipass) || short_colsum) gn.persistent = 1;
-    } else { /* COL: threads across columns, a loop down them; split the height to fill the GPU.
-                H100: many small blocks (~8 column blocks x up to 64 splits, 8-byte vectors, 8 rows
-                in flight per thread) beat few wide ones by 1.3x. */
+    } else { /* COL: threads across columns, a loop down them; split the height to fill the GPU
+                with many small blocks (about 8 column blocks x up to 64 splits, 8-byte vectors,
+                8 rows in flight a thread), which keep more loads in flight than few wide ones. */
         gn.vec = pick_vec(&f, 1);
         if (gn.vec > 4 && f.last % 4 == 0) gn.vec = 4;
         int64_t cols = (f.kept + gn.vec - 1) / gn.vec;
