@@ -128,10 +128,17 @@ kb_status cg_name_params(cg *c, const char *src, const char *code, char **out) {
         base_name(c, k, base, sizeof base);
         unique_name(code, names, k, base, names[k]);
     }
-    /* p<id> tokens of the parameters take their names, everywhere (comments say what they are) */
+    /* p<id> tokens of the parameters take their names, everywhere (comments say what they are)
+     * but in quotes: a name quoted in the header comments is the model's, whatever it spells */
     for (const char *s = src; *s;) {
         const char *t = s;
-        while (*t && !((*t >= 'a' && *t <= 'z') || (*t >= 'A' && *t <= 'Z') || *t == '_' || (*t >= '0' && *t <= '9'))) t++;
+        while (*t && !((*t >= 'a' && *t <= 'z') || (*t >= 'A' && *t <= 'Z') || *t == '_' || (*t >= '0' && *t <= '9'))) {
+            if (*t == '"') { /* to the closing quote (none inside: kb_name_comment, and code's strings have no p<id>) */
+                const char *q = strchr(t + 1, '"');
+                t = q ? q : t + strlen(t) - 1;
+            }
+            t++;
+        }
         const char *e = t;
         while ((*e >= 'a' && *e <= 'z') || (*e >= 'A' && *e <= 'Z') || *e == '_' || (*e >= '0' && *e <= '9')) e++;
         kb_sb_printf(&sb, "%.*s", (int)(t - s), s);
