@@ -1,5 +1,6 @@
-# setup.py — builds the C11 extension kbench._C from csrc/ with the Python C API alone (no libtorch
-# link, no CUDA headers: libcuda and NVRTC are dlopen'ed at run time), and kbench._fast from
+# setup.py — builds the C11 extension kbench._C from csrc/'s stage folders (core, fuse, grad, tune,
+# codegen, cuda, and python: the CPython module) with the Python C API alone (no libtorch link,
+# no CUDA headers: libcuda and NVRTC are dlopen'ed at run time), and kbench._fast from
 # csrc/fast/, the CUDA backend's hot path in C++ against the torch being built with (the launch
 # and autograd node without Python). _fast needs torch at build time (pip's
 # --no-build-isolation); without it kbench runs that path in Python and says so.
@@ -9,7 +10,12 @@ import sys
 
 from setuptools import Extension, setup
 
-sources = sorted(glob.glob(os.path.join("csrc", "*.c")))
+# the pipeline's stages in order (csrc/Makefile builds the same ones but python/ for its C tests);
+# includes are rooted at csrc/: #include "core/kbench.h"
+STAGES = ("core", "fuse", "grad", "tune", "codegen", "cuda", "python")
+sources = sorted(f for stage in STAGES for f in glob.glob(os.path.join("csrc", stage, "*.c")))
+headers = sorted(f for stage in STAGES for pattern in ("*.h", "*.def")
+                 for f in glob.glob(os.path.join("csrc", stage, pattern)))
 extra = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Wno-missing-field-initializers",
          "-fvisibility=hidden"]
 if os.environ.get("KBENCH_WERROR"):
@@ -19,7 +25,7 @@ extensions = [
     Extension(
         "kbench._C",
         sources=sources,
-        depends=sorted(glob.glob(os.path.join("csrc", "*.h")) + glob.glob(os.path.join("csrc", "*.def"))),
+        depends=headers,
         include_dirs=["csrc"],
         extra_compile_args=extra,
         libraries=["dl", "m"],
@@ -46,7 +52,7 @@ def fast_extension():
     return Extension(
         "kbench._fast",
         sources=sorted(glob.glob(os.path.join("csrc", "fast", "*.cpp"))),
-        depends=sorted(glob.glob(os.path.join("csrc", "fast", "*.h"))) + [os.path.join("csrc", "launch_api.h")],
+        depends=sorted(glob.glob(os.path.join("csrc", "fast", "*.h"))) + [os.path.join("csrc", "cuda", "launch_api.h")],
         include_dirs=["csrc"] + cpp_extension.include_paths(),
         library_dirs=[torch_lib],
         libraries=["c10", "torch", "torch_cpu", "torch_python"],

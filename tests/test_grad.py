@@ -1,4 +1,4 @@
-"""Autodiff on the IR (csrc/grad.c) through the binding: Graph.grad(wrt) builds the backward graph,
+"""Autodiff on the IR (csrc/grad/) through the binding: Graph.grad(wrt) builds the backward graph,
 the C interpreter runs forward and backward on CPU tensors, and the gradients must match
 torch.autograd in float64 at two symbol bindings. Also Partition.region_graph(r)."""
 import math

@@ -3,7 +3,7 @@
  * nn.Module.__call__ does nothing but forward(*args); this makes the same checks and runs the
  * forward's fast path (Program) without the three Python frames in between. Anything else
  * goes to torch's own __call__, and a call the Program declines to the Python forward. */
-#include "fast.h"
+#include "fast/fast.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/frontend/tracer.h>

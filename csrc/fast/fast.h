@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "../launch_api.h"
+#include "cuda/launch_api.h"
 
 namespace kbfast {
 
@@ -37,8 +37,8 @@ struct WorkspaceCache {
     std::vector<std::pair<void *, at::Tensor>> by_stream;
 };
 
-/* One kernel (and its finishing kernel, if any) bound to one set of sizes: what
- * cuda_backend.CudaExecutor.launcher used to resolve in a Python closure, once per signature. */
+/* One kernel (and its finishing kernel, if any) bound to one set of sizes: what the Python path
+ * (cuda_backend.CudaExecutor.launcher) resolves in a closure, once per signature. */
 struct LaunchSpec {
     void *cuda = nullptr;        /* the kb_cuda behind the capsule */
     void *fn = nullptr;          /* CUfunction */

@@ -3,7 +3,7 @@
  * contiguity of the inputs not known contiguous, 16-byte alignment where the kernel uses
  * vector loads, one allocation per output from torch's caching allocator, and the launch on
  * torch's current stream. The same code serves the Python forward and the autograd backward. */
-#include "fast.h"
+#include "fast/fast.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

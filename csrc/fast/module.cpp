@@ -1,7 +1,7 @@
 /* module.cpp — kbench._fast's module: its types (launch.cpp, region.cpp, program.cpp), module_call
  * (call.cpp) and init(), which kbench.cuda_backend calls once with kbench._C's launch API and the
  * exceptions to raise. */
-#include "fast.h"
+#include "fast/fast.h"
 
 namespace kbfast {
 

@@ -2,7 +2,7 @@
  * common case (tensors in, a signature already bound, every region a generated kernel), the
  * guards runtime.OptimizedModule.forward and _run make included. Anything else it declines
  * (returns NotImplemented) before any launch, and the Python path runs as it always did. */
-#include "fast.h"
+#include "fast/fast.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/csrc/Dtype.h>

@@ -6,7 +6,7 @@
  * built, checked and registered that backward for the set of inputs that want gradients.
  * Anything else (the first backward of a pattern, create_graph, an eager region, a check a
  * launch refuses) goes through the Python backward the region was made with. */
-#include "fast.h"
+#include "fast/fast.h"
 
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>

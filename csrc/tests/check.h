@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kbench.h"
+#include "core/kbench.h"
 
 static int check_passed, check_failed;
 

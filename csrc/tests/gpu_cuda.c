@@ -1,15 +1,15 @@
-/* gpu_cuda.c — the driver half of cuda.c on a real GPU (skips where libcuda is missing):
+/* gpu_cuda.c — the CUDA driver (cuda/driver.c) on a real GPU (skips where libcuda is missing):
  * device info, compile for the device's arch, load, launch, read back; a launch from a thread
  * with no current context; refused launches reported with the driver's error name. */
 #define _GNU_SOURCE
-#include "../internal.h"
+#include "core/internal.h"
 
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <time.h>
 
-#include "cuda_check.h"
+#include "tests/cuda_check.h"
 
 static const char *SAXPY =
     "extern \"C\" __global__ void saxpy(float *y, const float *x, long long n, float a) {\n"

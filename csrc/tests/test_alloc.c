@@ -6,8 +6,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "check.h"
-#include "tgraph.h"
+#include "tests/check.h"
+#include "tests/tgraph.h"
 
 
 static int ok_or_oom(kb_status st) { return st == KB_OK || st == KB_ERR_OOM; }

@@ -7,8 +7,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "check.h"
-#include "tgraph.h"
+#include "tests/check.h"
+#include "tests/tgraph.h"
 
 static kb_ctx *ctx;
 static const char *outdir;
@@ -156,12 +156,11 @@ static void write_kernel(const char *name, int r, const char *tag, const char *s
     nwritten++;
 }
 
-static const kb_device_info H100 = {90, 132, 227 * 1024, 65536, 50 * 1024 * 1024};
 
 /* Generates one genome twice (determinism) and writes it. Returns the status. */
 static kb_status gen_one(const char *name, const kb_partition *p, int r, const kb_genome *gn, int must) {
     kb_kernel *k1 = NULL, *k2 = NULL;
-    kb_status s = kb_kernel_generate(p, r, gn, &H100, &k1);
+    kb_status s = kb_kernel_generate(p, r, gn, kb_device_default(), &k1);
     char text[256], tag[96];
     kb_genome_format(gn, text, sizeof text);
     snprintf(tag, sizeof tag, "t%d_v%d_r%d_i%d_%s_tp%d_fm%d_p%d_cs%d", gn->threads, gn->vec, gn->rows, gn->items,
@@ -173,7 +172,7 @@ static kb_status gen_one(const char *name, const kb_partition *p, int r, const k
     }
     CHECK_MSG(s == KB_OK, "%s region %d [%s]: %s", name, r, text, kb_ctx_error(ctx));
     if (s != KB_OK) return s;
-    CHECK_STATUS(ctx, kb_kernel_generate(p, r, gn, &H100, &k2), KB_OK);
+    CHECK_STATUS(ctx, kb_kernel_generate(p, r, gn, kb_device_default(), &k2), KB_OK);
     if (k2) CHECK_MSG(strcmp(k1->source, k2->source) == 0, "%s region %d: generation is not deterministic", name, r);
     CHECK(strstr(k1->source, k1->name) != NULL);
     CHECK(k1->block == gn->threads);
@@ -181,7 +180,7 @@ static kb_status gen_one(const char *name, const kb_partition *p, int r, const k
     uint32_t grid[3];
     int64_t sv[KB_MAX_SYMS];
     for (int i = 0; i < KB_MAX_SYMS; i++) sv[i] = 37;
-    kb_kernel_grid(k1, sv, &H100, grid);
+    kb_kernel_grid(k1, sv, kb_device_default(), grid);
     CHECK(grid[0] >= 1 && grid[1] == 1 && grid[2] == 1);
     write_kernel(name, r, tag, k1->source);
     kb_kernel_free(ctx, k1);
@@ -194,11 +193,11 @@ static void check_codegen(const char *name, const kb_partition *p, const int64_t
     for (int32_t r = 0; r < p->nregions; r++) {
         if (p->regions[r].kind == KB_REGION_EXTERN) continue;
         kb_genome gn;
-        CHECK_STATUS(ctx, kb_genome_default(p, r, sv, &H100, &gn), KB_OK);
+        CHECK_STATUS(ctx, kb_genome_default(p, r, sv, kb_device_default(), &gn), KB_OK);
         char text[256];
         kb_genome_format(&gn, text, sizeof text);
         kb_genome back;
-        CHECK_MSG(kb_genome_legal(p, r, sv, &H100, &gn), "%s region %d: the default genome is illegal for the search: %s",
+        CHECK_MSG(kb_genome_legal(p, r, sv, kb_device_default(), &gn), "%s region %d: the default genome is illegal for the search: %s",
                   name, r, text);
         CHECK_STATUS(ctx, kb_genome_parse(ctx, text, &back), KB_OK);
         CHECK_MSG(memcmp(&back, &gn, sizeof gn) == 0, "genome text does not round-trip: %s", text);
@@ -492,8 +491,8 @@ static kb_status alloc_run(books *b) {
         int64_t sv = 6;
         kb_genome gn;
         kb_kernel *k = NULL;
-        if ((st = kb_genome_default(p, r, &sv, &H100, &gn)) != KB_OK) goto done;
-        st = kb_kernel_generate(p, r, &gn, &H100, &k);
+        if ((st = kb_genome_default(p, r, &sv, kb_device_default(), &gn)) != KB_OK) goto done;
+        st = kb_kernel_generate(p, r, &gn, kb_device_default(), &k);
         kb_kernel_free(c, k);
         if (st != KB_OK) goto done;
     }

@@ -1,13 +1,13 @@
-/* test_evolve.c — the schedule search (evolve.c) with made-up fitness functions: legality rules and
- * the default genome, asks legal and never repeated, a known optimum found, seeded repeatability,
- * failures never re-asked nor parents, an exhausted space, told-from-elsewhere genomes, and OOM at
- * every allocation (a failed ask or tell leaves the search unchanged: retried, it goes on as if
- * nothing had failed). */
+/* test_evolve.c — the schedule search (tune/evolve.c) with made-up fitness functions: legality
+ * rules and the default genome, asks legal and never repeated, a known optimum found, seeded
+ * repeatability, failures never re-asked nor parents, an exhausted space, told-from-elsewhere
+ * genomes, and OOM at every allocation (a failed ask or tell leaves the search unchanged:
+ * retried, it goes on as if nothing had failed). */
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "check.h"
-#include "tgraph.h"
+#include "tests/check.h"
+#include "tests/tgraph.h"
 
 /* ---------------------------------------------------------------- one region over a whole graph */
 
@@ -99,7 +99,6 @@ static kb_status fx_colsum(fixture *f, kb_dtype dt, int64_t s0, const char *n, i
     return fx_region(f, KB_REGION_COL, x, 1);
 }
 
-static const kb_device_info H100 = {90, 132, 227 * 1024, 65536, 50 * 1024 * 1024};
 
 static void fmt(const kb_genome *g, char *buf) { kb_genome_format(g, buf, 256); }
 
@@ -115,7 +114,7 @@ static kb_genome parse(const char *text) {
 
 static int legal(fixture *f, const char *text) {
     kb_genome g = parse(text);
-    return kb_genome_legal(&f->part, 0, f->symvals, &H100, &g);
+    return kb_genome_legal(&f->part, 0, f->symvals, kb_device_default(), &g);
 }
 
 /* ---------------------------------------------------------------- legality */
@@ -138,7 +137,7 @@ static void test_default_is_legal(void) {
                     CHECK_STATUS(f.ctx, st, KB_OK);
                     for (int dev = 0; dev < 2 && st == KB_OK; dev++) {
                         kb_genome gn;
-                        const kb_device_info *di = dev ? &H100 : NULL;
+                        const kb_device_info *di = dev ? kb_device_default() : NULL;
                         CHECK_STATUS(f.ctx, kb_genome_default(&f.part, 0, f.symvals, di, &gn), KB_OK);
                         char text[256];
                         fmt(&gn, text);
@@ -296,7 +295,7 @@ static int seen_add(seen_set *s, const kb_genome *g) { /* 0 if already there */
 /* Runs gens generations of the layer_norm search; fails every genome with fail_vec (0: none). */
 static int run_ln(fixture *f, uint64_t seed, int pop, int gens, int fail_vec, seen_set *seen, int *found_at) {
     kb_evolve *ev = NULL;
-    CHECK_STATUS(f->ctx, kb_evolve_new(&f->part, 0, f->symvals, &H100, seed, pop, &ev), KB_OK);
+    CHECK_STATUS(f->ctx, kb_evolve_new(&f->part, 0, f->symvals, kb_device_default(), seed, pop, &ev), KB_OK);
     if (!ev) return 0;
     kb_genome out[64];
     int total = 0, bad = 0;
@@ -309,7 +308,7 @@ static int run_ln(fixture *f, uint64_t seed, int pop, int gens, int fail_vec, se
         for (int i = 0; i < n; i++) {
             char t[256];
             fmt(&out[i], t);
-            if (!kb_genome_legal(&f->part, 0, f->symvals, &H100, &out[i])) bad++;
+            if (!kb_genome_legal(&f->part, 0, f->symvals, kb_device_default(), &out[i])) bad++;
             CHECK_MSG(seen_add(seen, &out[i]), "asked twice: %s", t);
             if (strcmp(t, LN_BEST) == 0 && *found_at < 0) *found_at = gen;
             double ms = fail_vec && out[i].vec == fail_vec ? -1.0 : ln_cost(&out[i]);
@@ -357,7 +356,7 @@ static void test_failures_never_asked_again(void) {
 
 static void record_asks(fixture *f, uint64_t seed, char (*texts)[256], int count) {
     kb_evolve *ev = NULL;
-    CHECK_STATUS(f->ctx, kb_evolve_new(&f->part, 0, f->symvals, &H100, seed, 8, &ev), KB_OK);
+    CHECK_STATUS(f->ctx, kb_evolve_new(&f->part, 0, f->symvals, kb_device_default(), seed, 8, &ev), KB_OK);
     int k = 0;
     while (ev && k < count) {
         kb_genome out[8];
@@ -403,7 +402,7 @@ static void test_failures_never_parents(void) {
     CHECK_STATUS(f.ctx, fx_pointwise(&f, KB_OP_GELU, KB_F32, 4096, "s0,1024"), KB_OK);
     for (uint64_t seed = 0; seed < 6; seed++) {
         kb_evolve *ev = NULL;
-        CHECK_STATUS(f.ctx, kb_evolve_new(&f.part, 0, f.symvals, &H100, seed, 10, &ev), KB_OK);
+        CHECK_STATUS(f.ctx, kb_evolve_new(&f.part, 0, f.symvals, kb_device_default(), seed, 10, &ev), KB_OK);
         kb_genome out[10], dflt;
         int n = 0;
         CHECK_STATUS(f.ctx, kb_evolve_ask(ev, out, 10, &n), KB_OK);
@@ -446,7 +445,7 @@ static void test_canonical_domains(void) {
                        : cases[i].kind == 3 ? fx_pointwise(&f, KB_OP_SILU, dt, 4096, "s0,768")
                                             : fx_colsum(&f, dt, 4096, "768", 0);
         kb_evolve *ev = NULL;
-        if (st == KB_OK) st = kb_evolve_new(&f.part, 0, f.symvals, &H100, 1, 8, &ev);
+        if (st == KB_OK) st = kb_evolve_new(&f.part, 0, f.symvals, kb_device_default(), 1, 8, &ev);
         CHECK_STATUS(f.ctx, st, KB_OK);
         int32_t v[16];
         CHECK_MSG(kb_evolve_domain(ev, 5, v, 16) == cases[i].two_pass, "case %zu two_pass", i);
@@ -473,7 +472,7 @@ static void test_exhausted_space(void) {
     fixture f;
     CHECK_STATUS(f.ctx, fx_pointwise(&f, KB_OP_ADD, KB_F64, 1, "8,8"), KB_OK);
     kb_evolve *ev = NULL;
-    CHECK_STATUS(f.ctx, kb_evolve_new(&f.part, 0, f.symvals, &H100, 5, 6, &ev), KB_OK);
+    CHECK_STATUS(f.ctx, kb_evolve_new(&f.part, 0, f.symvals, kb_device_default(), 5, 6, &ev), KB_OK);
     /* brute force over the domains */
     int32_t dom[9][16];
     int nd[9];
@@ -486,7 +485,7 @@ static void test_exhausted_space(void) {
             for (int c = 0; c < nd[3]; c++)
                 for (int d = 0; d < nd[7]; d++) {
                     kb_genome g = {dom[0][a], dom[1][b], dom[2][0], dom[3][c], dom[4][0], dom[5][0], dom[6][0], dom[7][d], dom[8][0]};
-                    legal_count += kb_genome_legal(&f.part, 0, f.symvals, &H100, &g);
+                    legal_count += kb_genome_legal(&f.part, 0, f.symvals, kb_device_default(), &g);
                 }
     CHECK(legal_count == 18);
     seen_set seen = {0};
@@ -498,7 +497,7 @@ static void test_exhausted_space(void) {
         if (n == 0 || ++rounds > 100) break;
         for (int i = 0; i < n; i++) {
             CHECK(seen_add(&seen, &out[i]));
-            CHECK(kb_genome_legal(&f.part, 0, f.symvals, &H100, &out[i]));
+            CHECK(kb_genome_legal(&f.part, 0, f.symvals, kb_device_default(), &out[i]));
             kb_evolve_tell(ev, &out[i], 1.0 + out[i].threads / 1024.0 + (i % 3 == 2 ? -3 : 0));
             asked++;
         }
@@ -519,9 +518,9 @@ static void test_told_from_elsewhere(void) {
     fixture f;
     CHECK_STATUS(f.ctx, fx_layernorm(&f, NULL, NULL, KB_F32, 4096, "768"), KB_OK);
     kb_evolve *ev = NULL;
-    CHECK_STATUS(f.ctx, kb_evolve_new(&f.part, 0, f.symvals, &H100, 9, 8, &ev), KB_OK);
+    CHECK_STATUS(f.ctx, kb_evolve_new(&f.part, 0, f.symvals, kb_device_default(), 9, 8, &ev), KB_OK);
     kb_genome ext = parse(LN_BEST), dflt;
-    CHECK_STATUS(f.ctx, kb_genome_default(&f.part, 0, f.symvals, &H100, &dflt), KB_OK);
+    CHECK_STATUS(f.ctx, kb_genome_default(&f.part, 0, f.symvals, kb_device_default(), &dflt), KB_OK);
     CHECK_STATUS(f.ctx, kb_evolve_tell(ev, &ext, 0.5), KB_OK);
     CHECK_STATUS(f.ctx, kb_evolve_tell(ev, &dflt, 3.0), KB_OK); /* the default told early: not asked either */
     seen_set seen = {0};
@@ -562,7 +561,7 @@ static void test_codegen_accepts_asks(void) {
                            : kind == 3 ? fx_colsum(&f, dt, 300, rows[i], 1)
                                        : fx_pointwise(&f, KB_OP_SILU, dt, 300, rows[i]);
             kb_evolve *ev = NULL;
-            if (st == KB_OK) st = kb_evolve_new(&f.part, 0, f.symvals, &H100, i, 8, &ev);
+            if (st == KB_OK) st = kb_evolve_new(&f.part, 0, f.symvals, kb_device_default(), i, 8, &ev);
             CHECK_STATUS(f.ctx, st, KB_OK);
             for (int gen = 0; ev && gen < 4; gen++) {
                 kb_genome out[8];
@@ -570,7 +569,7 @@ static void test_codegen_accepts_asks(void) {
                 CHECK_STATUS(f.ctx, kb_evolve_ask(ev, out, 8, &n), KB_OK);
                 for (int k = 0; k < n; k++) {
                     kb_kernel *kern = NULL;
-                    kb_status gs = kb_kernel_generate(&f.part, 0, &out[k], &H100, &kern);
+                    kb_status gs = kb_kernel_generate(&f.part, 0, &out[k], kb_device_default(), &kern);
                     char t[256];
                     fmt(&out[k], t);
                     CHECK_MSG(gs == KB_OK, "kind %d rows %s: codegen rejects %s: %s", kind, rows[i], t, kb_ctx_error(f.ctx));
@@ -604,7 +603,7 @@ static void test_real_partition(void) {
     for (int32_t r = 0; p && r < p->nregions; r++) {
         if (p->regions[r].kind == KB_REGION_EXTERN) continue;
         kb_evolve *ev = NULL;
-        CHECK_STATUS(f.ctx, kb_evolve_new(p, r, f.symvals, &H100, 1, 8, &ev), KB_OK);
+        CHECK_STATUS(f.ctx, kb_evolve_new(p, r, f.symvals, kb_device_default(), 1, 8, &ev), KB_OK);
         seen_set seen = {0};
         for (int gen = 0; ev && gen < 6; gen++) {
             kb_genome out[8];
@@ -612,7 +611,7 @@ static void test_real_partition(void) {
             CHECK_STATUS(f.ctx, kb_evolve_ask(ev, out, 8, &n), KB_OK);
             for (int i = 0; i < n; i++) {
                 CHECK(seen_add(&seen, &out[i]));
-                CHECK(kb_genome_legal(p, r, f.symvals, &H100, &out[i]));
+                CHECK(kb_genome_legal(p, r, f.symvals, kb_device_default(), &out[i]));
                 kb_evolve_tell(ev, &out[i], out[i].threads / 256.0 + out[i].vec);
             }
         }
@@ -642,7 +641,7 @@ static int oom_run(books *b, char (*texts)[256], int *failed_in_search) {
     *failed_in_search = 0;
     kb_evolve *ev = NULL;
     kb_status st = fx_layernorm(&f, failing_alloc, b, KB_F32, 4096, "768");
-    if (st == KB_OK) st = kb_evolve_new(&f.part, 0, f.symvals, &H100, 11, 8, &ev);
+    if (st == KB_OK) st = kb_evolve_new(&f.part, 0, f.symvals, kb_device_default(), 11, 8, &ev);
     CHECK_MSG(st == KB_OK || st == KB_ERR_OOM, "fail_at %ld: %s", b->fail_at, kb_status_name(st));
     if (st == KB_ERR_OOM && f.ctx) CHECK_MSG(kb_ctx_error(f.ctx)[0] != '\0', "fail_at %ld: OOM without a message", b->fail_at);
     for (int gen = 0; st == KB_OK && gen < 12; gen++) {

@@ -4,8 +4,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "check.h"
-#include "tgraph.h"
+#include "tests/check.h"
+#include "tests/tgraph.h"
 
 static kb_ctx *ctx;
 

@@ -3,8 +3,9 @@
  * small graph against its expected form (golden: a change to the dump format shows here). */
 #include <stdint.h>
 
-#include "check.h"
-#include "tgraph.h"
+#include "core/internal.h" /* kb_name_ident, kb_name_comment */
+#include "tests/check.h"
+#include "tests/tgraph.h"
 
 static kb_ctx *ctx;
 
@@ -196,7 +197,7 @@ static void test_dump(void)
     int32_t x = tg_input(&t, "x", KB_F32, "s0,s1,64");
     kb_node n = tg_tmpl(KB_OP_INPUT, KB_BF16, "64");
     n.input_kind = KB_INPUT_PARAM;
-    strcpy(n.name, "ln.weight");
+    n.name = "ln.weight";
     int32_t w = tg_add(&t, &n);
     int32_t r = tg_op(&t, KB_OP_RESHAPE, KB_F32, "s0*s1,64", x, -1, -1);
     int32_t m = tg_reduce(&t, KB_OP_RMAX, KB_F32, "s0*s1,1", r, 2);
@@ -223,6 +224,54 @@ static void test_dump(void)
     kb_graph_free(NULL);
 }
 
+/* Names: any length and any bytes in the IR (the graph keeps its own copy), escaped in the dump,
+ * and spelled safely for generated source (a comment, an identifier). */
+static void test_names(void)
+{
+    tg t = {NULL, KB_OK};
+    CHECK_STATUS(ctx, kb_graph_new(ctx, &t.g), KB_OK);
+    char path[600], evil[] = "w\n__global__ void pwn(int*p){*p=1;}//\"\\";
+    size_t len = 0;
+    while (len + 50 < sizeof path) len += (size_t)snprintf(path + len, sizeof path - len, "m.model.layers.%zu.post_attention_layernorm", len);
+    snprintf(path + len, sizeof path - len, ".weight");
+    char scratch[sizeof path];
+    strcpy(scratch, path);
+    int32_t a = tg_input(&t, scratch, KB_F32, "64");
+    memset(scratch, 'x', sizeof scratch - 1); /* the graph does not keep the caller's buffer */
+    int32_t b = tg_input(&t, evil, KB_F32, "64");
+    int32_t c = tg_input(&t, NULL, KB_F32, "64");
+    tg_output(&t, tg_op(&t, KB_OP_ADD, KB_F32, "64", tg_op(&t, KB_OP_ADD, KB_F32, "64", a, b, -1), c, -1));
+    CHECK_MSG(t.st == KB_OK, "%s", kb_ctx_error(ctx));
+    CHECK(strcmp(kb_graph_node(t.g, a)->name, path) == 0 && strlen(path) > 500);
+    CHECK(strcmp(kb_graph_node(t.g, b)->name, evil) == 0);
+    CHECK(kb_graph_node(t.g, c)->name && kb_graph_node(t.g, c)->name[0] == '\0');
+    char *text = NULL;
+    CHECK_STATUS(ctx, kb_graph_dump(t.g, &text), KB_OK);
+    CHECK_MSG(text && strstr(text, "input user \"w\\x0a__global__ void pwn(int*p){*p=1;}//\\x22\\x5c\" : f32[64]"), "%s", text);
+    CHECK(text && strstr(text, path));
+    kb_string_free(ctx, text);
+    kb_graph_free(t.g);
+
+    static const struct { const char *name, *ident; } idents[] = {
+        {"x", "x"}, {"m.model.layers.0.post_attention_layernorm.weight", "weight"}, {"layers.0", "layers_0"},
+        {"0", "v0"}, {"grad_out1", "grad_out1"}, {"_private", "private"}, {"a__b..c", "c"}, {"...", ""},
+        {"", ""}, {"w\n__global__ void pwn(int*p){*p=1;}//", "w_global_void_pwn_int_p"},
+        {"a_very_long_parameter_name_indeed_more_than_24", "a_very_long_parameter_na"},
+    };
+    for (size_t i = 0; i < sizeof idents / sizeof idents[0]; i++) {
+        char out[64];
+        kb_name_ident(idents[i].name, out, sizeof out);
+        CHECK_MSG(strcmp(out, idents[i].ident) == 0, "kb_name_ident(\"%s\") = \"%s\", want \"%s\"", idents[i].name, out,
+                  idents[i].ident);
+    }
+    char out[KB_NAME_COMMENT_MAX + 4];
+    kb_name_comment(evil, out, sizeof out);
+    CHECK_MSG(strcmp(out, "w___global__ void pwn(int_p)__p=1______") == 0, "%s", out);
+    kb_name_comment(path, out, sizeof out);
+    CHECK(strlen(out) == KB_NAME_COMMENT_MAX + 3 && strcmp(out + KB_NAME_COMMENT_MAX, "...") == 0);
+    for (const char *p = out; *p; p++) CHECK(*p >= 0x20 && *p < 0x7f && *p != '/' && *p != '*' && *p != '\\');
+}
+
 int main(void)
 {
     if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK) return 2;
@@ -231,6 +280,7 @@ int main(void)
     test_sizes();
     test_tables();
     test_dump();
+    test_names();
     kb_ctx_free(ctx);
     kb_ctx_free(NULL);
     return check_report();

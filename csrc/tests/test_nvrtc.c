@@ -2,14 +2,14 @@
  * not-found message, CUBIN output for sm_80/sm_90 (with and without bf16/fp16 headers), the
  * compile-error log, the on-disk cache (hit, corrupted file replaced), allocation failures. */
 #define _GNU_SOURCE
-#include "../internal.h"
+#include "core/internal.h"
 
 #include <dirent.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "cuda_check.h"
+#include "tests/cuda_check.h"
 
 static const char *SAXPY =
     "extern \"C\" __global__ void saxpy(float *y, const float *x, float a, long long n) {\n"

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kbench.h"
+#include "core/kbench.h"
 
 typedef struct tg {
     kb_graph *g;
@@ -58,7 +58,7 @@ static inline int32_t tg_add(tg *t, const kb_node *n)
 static inline int32_t tg_input(tg *t, const char *name, kb_dtype dt, const char *dims)
 {
     kb_node n = tg_tmpl(KB_OP_INPUT, dt, dims);
-    strncpy(n.name, name, sizeof n.name - 1);
+    n.name = name;
     return tg_add(t, &n);
 }
 

@@ -1,17 +1,15 @@
 // kbench: region 0 (POINTWISE), float compute
 // genome: threads=128 vec=8 rows=1 items=1 cache=regs two_pass=1 fast_math=1 persistent=0 col_split=1
-// in  p0 = %0 = input user "x" : bf16[s0,768]
-// in  p1 = %1 = input param "bias" : bf16[768]
+// in  x = %0 = input user "x" : bf16[s0,768]
+// in  bias = %1 = input param "bias" : bf16[768]
 //   %2 = reshape %1 : bf16[1,768]
 //   %3 = expand %2 : bf16[s0,768]
 //   %4 = add %0, %3 : bf16[s0,768]
 //   %5 = gelu_tanh %4 : bf16[s0,768]
-// out p5
+// out out = %5
 // s0 = s0
 #include <cuda_bf16.h>
 
-#define KB_INF __int_as_float(0x7f800000)
-#define KB_NAN __int_as_float(0x7fffffff)
 template <typename T, int N> struct alignas(sizeof(T) * N) kb_vec { T v[N]; };
 // N elements at p in accesses of at most 16 bytes (p is 16-byte aligned, or N*sizeof(T)-aligned)
 template <typename T, int N> __device__ __forceinline__ kb_vec<T, N> kb_ld(const T *p) {
@@ -26,32 +24,6 @@ template <typename T, int N> __device__ __forceinline__ void kb_st(T *p, const k
 #pragma unroll
     for (int j = 0; j < N; j += C) *reinterpret_cast<kb_vec<T, C> *>(p + j) = *reinterpret_cast<const kb_vec<T, C> *>(&r.v[j]);
 }
-// the same bytes as another vector type: registers carried from one row to the next stay
-// whole 32-bit words (16-bit elements would be unpacked and packed again with byte permutes)
-template <typename T, int N, typename W, int M> __device__ __forceinline__ kb_vec<T, N> kb_bits(const kb_vec<W, M> &w) {
-    return *reinterpret_cast<const kb_vec<T, N> *>(&w);
-}
-// max / min that propagate NaN like torch (sm_80+: one instruction)
-__device__ __forceinline__ float kb_maxf(float a, float b) {
-#if __CUDA_ARCH__ >= 800
-    float r;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#else
-    return (a > b || a != a) ? a : b;
-#endif
-}
-__device__ __forceinline__ float kb_minf(float a, float b) {
-#if __CUDA_ARCH__ >= 800
-    float r;
-    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#else
-    return (a < b || a != a) ? a : b;
-#endif
-}
-__device__ __forceinline__ double kb_maxf(double a, double b) { return (a > b || a != a) ? a : b; }
-__device__ __forceinline__ double kb_minf(double a, double b) { return (a < b || a != a) ? a : b; }
 // fast-math exp: ex2.approx with denormal results flushed to zero, two instructions (__expf
 // without -ftz wraps the same approximation in a denormal fix-up)
 __device__ __forceinline__ float kb_fexp(float x) {
@@ -65,23 +37,8 @@ template <int N> __device__ __forceinline__ float kb_bf16_at(const kb_vec<__nv_b
     const unsigned w = *reinterpret_cast<const unsigned *>(&x.v[k & ~1]);
     return __uint_as_float(k & 1 ? w & 0xffff0000u : w << 16);
 }
-template <int W, typename T> __device__ __forceinline__ T kb_warp_sum(T v) {
-#pragma unroll
-    for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = v + w; }
-    return v;
-}
-template <int W, typename T> __device__ __forceinline__ T kb_warp_max(T v) {
-#pragma unroll
-    for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = kb_maxf(v, w); }
-    return v;
-}
-template <int W, typename T> __device__ __forceinline__ T kb_warp_min(T v) {
-#pragma unroll
-    for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = kb_minf(v, w); }
-    return v;
-}
 
-extern "C" __global__ void __launch_bounds__(128) kb_r0_pointwise(const __nv_bfloat16 *__restrict__ p0, const __nv_bfloat16 *__restrict__ p1, __nv_bfloat16 *__restrict__ p5, long long s0)
+extern "C" __global__ void __launch_bounds__(128) kb_r0_pointwise(const __nv_bfloat16 *__restrict__ x, const __nv_bfloat16 *__restrict__ bias, __nv_bfloat16 *__restrict__ out, long long s0)
 {
     const long long n = (768*s0);
     // 128 threads x 1 chunk(s) of 8 element(s) per block, grid-stride
@@ -91,8 +48,8 @@ extern "C" __global__ void __launch_bounds__(128) kb_r0_pointwise(const __nv_bfl
             const long long i0 = (q0 + it * 128 + threadIdx.x) * 8;
             if (i0 + 8 <= n) {
                 const long long a1_0 = i0 % 768;
-                const kb_vec<__nv_bfloat16, 8> x0_1 = kb_ld<__nv_bfloat16, 8>(p0 + i0);
-                const kb_vec<__nv_bfloat16, 8> x1_3 = kb_ld<__nv_bfloat16, 8>(p1 + a1_0);
+                const kb_vec<__nv_bfloat16, 8> x0_1 = kb_ld<__nv_bfloat16, 8>(x + i0);
+                const kb_vec<__nv_bfloat16, 8> x1_3 = kb_ld<__nv_bfloat16, 8>(bias + a1_0);
                 kb_vec<__nv_bfloat16, 8> y5;
                 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
@@ -102,17 +59,17 @@ extern "C" __global__ void __launch_bounds__(128) kb_r0_pointwise(const __nv_bfl
                     const float v5 = (v4 / (1.f + kb_fexp(-1.5957691216f * (v4 + 0.044715f * v4 * v4 * v4))));
                     y5.v[k] = __float2bfloat16_rn((float)(v5));
                 }
-                kb_st<__nv_bfloat16, 8>(p5 + i0, y5);
+                kb_st<__nv_bfloat16, 8>(out + i0, y5);
             } else {
                 for (long long i1 = i0; i1 < n; ++i1) {  // the tail: one element at a time
                     {
                         const long long i = i1;
                         const long long a1 = i % 768;
-                        const float v0 = __bfloat162float(p0[i]);
-                        const float v1_4 = __bfloat162float(p1[a1]);
+                        const float v0 = __bfloat162float(x[i]);
+                        const float v1_4 = __bfloat162float(bias[a1]);
                         const float v4 = (v0 + v1_4);
                         const float v5 = (v4 / (1.f + kb_fexp(-1.5957691216f * (v4 + 0.044715f * v4 * v4 * v4))));
-                        p5[i] = __float2bfloat16_rn((float)(v5));
+                        out[i] = __float2bfloat16_rn((float)(v5));
                     }
                 }
             }

@@ -1,8 +1,8 @@
 // kbench: region 0 (ROW), float compute
 // genome: threads=256 vec=8 rows=8 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1
-// in  p0 = %0 = input user "x" : bf16[s0,1024]
-// in  p1 = %1 = input param "w" : bf16[1024]
-// in  p2 = %2 = input param "b" : bf16[1024]
+// in  x = %0 = input user "x" : bf16[s0,1024]
+// in  w = %1 = input param "w" : bf16[1024]
+// in  b = %2 = input param "b" : bf16[1024]
 //   %3 = mean %0 axes=[1] : bf16[s0,1]
 //   %4 = expand %3 : bf16[s0,1024]
 //   %5 = sub %0, %4 : bf16[s0,1024]
@@ -19,12 +19,12 @@
 //   %16 = expand %15 : bf16[s0,1024]
 //   %17 = mul %12, %14 : bf16[s0,1024]
 //   %18 = add %17, %16 : bf16[s0,1024]
-// out p3 p10 p18
+// out out = %3
+// out out1 = %10
+// out out2 = %18
 // s0 = s0
 #include <cuda_bf16.h>
 
-#define KB_INF __int_as_float(0x7f800000)
-#define KB_NAN __int_as_float(0x7fffffff)
 template <typename T, int N> struct alignas(sizeof(T) * N) kb_vec { T v[N]; };
 // N elements at p in accesses of at most 16 bytes (p is 16-byte aligned, or N*sizeof(T)-aligned)
 template <typename T, int N> __device__ __forceinline__ kb_vec<T, N> kb_ld(const T *p) {
@@ -39,32 +39,6 @@ template <typename T, int N> __device__ __forceinline__ void kb_st(T *p, const k
 #pragma unroll
     for (int j = 0; j < N; j += C) *reinterpret_cast<kb_vec<T, C> *>(p + j) = *reinterpret_cast<const kb_vec<T, C> *>(&r.v[j]);
 }
-// the same bytes as another vector type: registers carried from one row to the next stay
-// whole 32-bit words (16-bit elements would be unpacked and packed again with byte permutes)
-template <typename T, int N, typename W, int M> __device__ __forceinline__ kb_vec<T, N> kb_bits(const kb_vec<W, M> &w) {
-    return *reinterpret_cast<const kb_vec<T, N> *>(&w);
-}
-// max / min that propagate NaN like torch (sm_80+: one instruction)
-__device__ __forceinline__ float kb_maxf(float a, float b) {
-#if __CUDA_ARCH__ >= 800
-    float r;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#else
-    return (a > b || a != a) ? a : b;
-#endif
-}
-__device__ __forceinline__ float kb_minf(float a, float b) {
-#if __CUDA_ARCH__ >= 800
-    float r;
-    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#else
-    return (a < b || a != a) ? a : b;
-#endif
-}
-__device__ __forceinline__ double kb_maxf(double a, double b) { return (a > b || a != a) ? a : b; }
-__device__ __forceinline__ double kb_minf(double a, double b) { return (a < b || a != a) ? a : b; }
 // element k of a bf16 vector as float, from its 32-bit word: the upper element is one mask (a
 // byte permute and a shift otherwise)
 template <int N> __device__ __forceinline__ float kb_bf16_at(const kb_vec<__nv_bfloat16, N> &x, int k) {
@@ -76,18 +50,8 @@ template <int W, typename T> __device__ __forceinline__ T kb_warp_sum(T v) {
     for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = v + w; }
     return v;
 }
-template <int W, typename T> __device__ __forceinline__ T kb_warp_max(T v) {
-#pragma unroll
-    for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = kb_maxf(v, w); }
-    return v;
-}
-template <int W, typename T> __device__ __forceinline__ T kb_warp_min(T v) {
-#pragma unroll
-    for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = kb_minf(v, w); }
-    return v;
-}
 
-extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const __nv_bfloat16 *__restrict__ p0, const __nv_bfloat16 *__restrict__ p1, const __nv_bfloat16 *__restrict__ p2, __nv_bfloat16 *__restrict__ p3, __nv_bfloat16 *__restrict__ p10, __nv_bfloat16 *__restrict__ p18, long long s0)
+extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const __nv_bfloat16 *__restrict__ x, const __nv_bfloat16 *__restrict__ w, const __nv_bfloat16 *__restrict__ b, __nv_bfloat16 *__restrict__ out, __nv_bfloat16 *__restrict__ out1, __nv_bfloat16 *__restrict__ out2, long long s0)
 {
     const long long O = s0;  // rows
     const long long R = 1024;  // row length
@@ -106,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const __nv_bfloat16 
         for (int u = 0; u < 4; ++u) {
             const long long c0 = ((long long)u * 32 + lane) * 8;
             if (c0 < Rl) {
-                const kb_vec<__nv_bfloat16, 8> x0_1 = kb_ld<__nv_bfloat16, 8>(p0 + (rb + c0));
+                const kb_vec<__nv_bfloat16, 8> x0_1 = kb_ld<__nv_bfloat16, 8>(x + (rb + c0));
                 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
                     const float v0 = kb_bf16_at(x0_1, k);
@@ -147,8 +111,8 @@ extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const __nv_bfloat16 
             const long long c0 = ((long long)u * 32 + lane) * 8;
             if (c0 < Rl) {
                 const long long a1_0 = c0;
-                const kb_vec<__nv_bfloat16, 8> x1_3 = kb_ld<__nv_bfloat16, 8>(p1 + a1_0);
-                const kb_vec<__nv_bfloat16, 8> x2_5 = kb_ld<__nv_bfloat16, 8>(p2 + a1_0);
+                const kb_vec<__nv_bfloat16, 8> x1_3 = kb_ld<__nv_bfloat16, 8>(w + a1_0);
+                const kb_vec<__nv_bfloat16, 8> x2_5 = kb_ld<__nv_bfloat16, 8>(b + a1_0);
                 kb_vec<__nv_bfloat16, 8> y18;
                 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
@@ -160,14 +124,14 @@ extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const __nv_bfloat16 
                     const float v18 = (v17 + v2_4);
                     y18.v[k] = __float2bfloat16_rn((float)(v18));
                 }
-                kb_st<__nv_bfloat16, 8>(p18 + (rb + c0), y18);
+                kb_st<__nv_bfloat16, 8>(out2 + (rb + c0), y18);
             }
         }
 
         // per-row outputs
         if (lane == 0 && row < O) {
-            p3[row] = __float2bfloat16_rn((float)(v3));
-            p10[row] = __float2bfloat16_rn((float)(v10));
+            out[row] = __float2bfloat16_rn((float)(v3));
+            out1[row] = __float2bfloat16_rn((float)(v10));
         }
     }
 }

@@ -1,6 +1,6 @@
 // kbench: region 0 (ROW), float compute
 // genome: threads=256 vec=4 rows=8 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1
-// in  p0 = %0 = input user "x" : f32[s0,1000]
+// in  x = %0 = input user "x" : f32[s0,1000]
 //   %1 = max %0 axes=[1] : f32[s0,1]
 //   %2 = expand %1 : f32[s0,1000]
 //   %3 = sub %0, %2 : f32[s0,1000]
@@ -8,12 +8,11 @@
 //   %5 = sum %4 axes=[1] : f32[s0,1]
 //   %6 = expand %5 : f32[s0,1000]
 //   %7 = div %4, %6 : f32[s0,1000]
-// out p7
+// out out = %7
 // s0 = s0
 // s1 = s1
 
 #define KB_INF __int_as_float(0x7f800000)
-#define KB_NAN __int_as_float(0x7fffffff)
 template <typename T, int N> struct alignas(sizeof(T) * N) kb_vec { T v[N]; };
 // N elements at p in accesses of at most 16 bytes (p is 16-byte aligned, or N*sizeof(T)-aligned)
 template <typename T, int N> __device__ __forceinline__ kb_vec<T, N> kb_ld(const T *p) {
@@ -28,11 +27,6 @@ template <typename T, int N> __device__ __forceinline__ void kb_st(T *p, const k
 #pragma unroll
     for (int j = 0; j < N; j += C) *reinterpret_cast<kb_vec<T, C> *>(p + j) = *reinterpret_cast<const kb_vec<T, C> *>(&r.v[j]);
 }
-// the same bytes as another vector type: registers carried from one row to the next stay
-// whole 32-bit words (16-bit elements would be unpacked and packed again with byte permutes)
-template <typename T, int N, typename W, int M> __device__ __forceinline__ kb_vec<T, N> kb_bits(const kb_vec<W, M> &w) {
-    return *reinterpret_cast<const kb_vec<T, N> *>(&w);
-}
 // max / min that propagate NaN like torch (sm_80+: one instruction)
 __device__ __forceinline__ float kb_maxf(float a, float b) {
 #if __CUDA_ARCH__ >= 800
@@ -43,17 +37,6 @@ __device__ __forceinline__ float kb_maxf(float a, float b) {
     return (a > b || a != a) ? a : b;
 #endif
 }
-__device__ __forceinline__ float kb_minf(float a, float b) {
-#if __CUDA_ARCH__ >= 800
-    float r;
-    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#else
-    return (a < b || a != a) ? a : b;
-#endif
-}
-__device__ __forceinline__ double kb_maxf(double a, double b) { return (a > b || a != a) ? a : b; }
-__device__ __forceinline__ double kb_minf(double a, double b) { return (a < b || a != a) ? a : b; }
 template <int W, typename T> __device__ __forceinline__ T kb_warp_sum(T v) {
 #pragma unroll
     for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = v + w; }
@@ -64,13 +47,8 @@ template <int W, typename T> __device__ __forceinline__ T kb_warp_max(T v) {
     for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = kb_maxf(v, w); }
     return v;
 }
-template <int W, typename T> __device__ __forceinline__ T kb_warp_min(T v) {
-#pragma unroll
-    for (int o = W / 2; o > 0; o >>= 1) { const T w = __shfl_xor_sync(0xffffffffu, v, o); v = kb_minf(v, w); }
-    return v;
-}
 
-extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const float *__restrict__ p0, float *__restrict__ p7, long long s0, long long s1)
+extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const float *__restrict__ x, float *__restrict__ out, long long s0, long long s1)
 {
     const long long O = s0;  // rows
     const long long R = 1000;  // row length
@@ -89,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const float *__restr
         for (int u = 0; u < 8; ++u) {
             const long long c0 = ((long long)u * 32 + lane) * 4;
             if (c0 < Rl) {
-                const kb_vec<float, 4> x0_1 = kb_ld<float, 4>(p0 + (rb + c0));
+                const kb_vec<float, 4> x0_1 = kb_ld<float, 4>(x + (rb + c0));
                 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const float v0 = x0_1.v[k];
@@ -134,7 +112,7 @@ extern "C" __global__ void __launch_bounds__(256) kb_r0_row(const float *__restr
                     const float v7 = (v4 / v5);
                     y7.v[k] = (float)(v7);
                 }
-                kb_st<float, 4>(p7 + (rb + c0), y7);
+                kb_st<float, 4>(out + (rb + c0), y7);
             }
         }
     }

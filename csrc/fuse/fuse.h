@@ -1,0 +1,42 @@
+/* fuse.h — private to fuse/: the greedy pass's per-node assignment (fuse.c), which partition.c
+ * assembles into a kb_partition (each region's nodes, inputs and outputs). Nothing here is
+ * public API. */
+#ifndef KBENCH_FUSE_H
+#define KBENCH_FUSE_H
+
+#include "core/internal.h"
+
+/* A value's level in its region (see fuse.c): none, one per element of the anchor, one per row
+ * or column (a reduction's kept dims), or a ROW region's column sum. */
+enum { LV_NONE = 0, LV_FULL, LV_STAT, LV_COLSUM };
+
+typedef struct fuse_region {
+    kb_region_kind kind;
+    int32_t anchor;       /* value whose shape is the iteration space */
+    uint32_t red;         /* reduce axes over the anchor's dims (ROW / COL) */
+    int32_t extern_index; /* EXTERN: the Python callable */
+} fuse_region;
+
+/* The greedy pass's state and result: for each node, its region and level there, or floating
+ * (copied into every region that reads it). */
+typedef struct fuse_build {
+    const kb_graph *g;
+    kb_ctx *ctx;
+    int32_t n;
+    int32_t *reg;      /* region of each computed node, -1 */
+    int8_t *lvl;       /* its level there */
+    int8_t *floating;  /* 1: folded view / const / recomputed work, copied into its readers */
+    int32_t *dep;      /* floating: the latest region whose output it reads (-1: inputs only) */
+    uint8_t *fl;       /* floating: FL_* facts about what it reads */
+    uint8_t *index_read; /* read only through static index maps (mark_index_reads) */
+    uint8_t *lone_read;  /* from graph inputs alone, with one reader (mark_lone_reads) */
+    fuse_region *regs;
+    int32_t nreg, capreg;
+} fuse_build;
+
+/* Runs the greedy pass over g into *b (zeroed first; free with fuse_build_free, also after a
+ * failure). Every region in b->regs has at least one node or a floating anchor. */
+kb_status fuse_assign(const kb_graph *g, fuse_build *b);
+void fuse_build_free(fuse_build *b);
+
+#endif /* KBENCH_FUSE_H */

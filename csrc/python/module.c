@@ -1,0 +1,297 @@
+/* module.c — the CPython extension kbench._C: the module (multi-phase init with module state,
+ * CPython's _bisectmodule.c is the model), the kb_status -> exception mapping and the argument
+ * converters the binding's files share, and the interpreter and code generation entry points.
+ * The Graph and Partition types are module_graph.c's, the CUDA runtime's functions
+ * module_cuda.c's, the search's module_evolve.c's; all are added to the module at exec time. */
+#include "python/module.h"
+
+#include <string.h>
+
+#include "core/internal.h"
+#include "python/module_cuda.h"
+#include "python/module_evolve.h"
+
+kb_module_state *kb_py_state(PyObject *module) { return (kb_module_state *)PyModule_GetState(module); }
+
+PyObject *kb_py_raise(PyObject *module, kb_ctx *ctx, kb_status st, const char *prefix) {
+    kb_module_state *state = module ? kb_py_state(module) : NULL;
+    PyObject *type;
+    switch (st) {
+    case KB_ERR_OOM: type = PyExc_MemoryError; break;
+    case KB_ERR_INVALID: type = PyExc_ValueError; break;
+    case KB_ERR_UNSUPPORTED: type = PyExc_NotImplementedError; break;
+    case KB_ERR_CUDA: type = state ? state->cuda_error : PyExc_RuntimeError; break;
+    case KB_ERR_NVRTC: type = state ? state->compile_error : PyExc_RuntimeError; break;
+    case KB_ERR_NOT_FOUND: type = PyExc_FileNotFoundError; break;
+    case KB_ERR_IO: type = PyExc_OSError; break;
+    default: type = PyExc_RuntimeError; break;
+    }
+    const char *msg = ctx ? kb_ctx_error(ctx) : "";
+    if (!*msg) msg = kb_status_name(st);
+    if (prefix)
+        PyErr_Format(type, "%s: %s", prefix, msg);
+    else
+        PyErr_SetString(type, msg);
+    return NULL;
+}
+
+int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd values, got %zd", what, n, PySequence_Fast_GET_SIZE(fast));
+        Py_DECREF(fast);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (out[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* symvals: one int per symbol of g */
+int kb_py_symvals(const kb_graph *g, PyObject *seq, int64_t *out) {
+    return kb_py_int64s(seq, out, kb_graph_nsymbols(g), "symvals");
+}
+
+/* dev: None (the default device, kb_device_default) or a mapping with any of the keys of
+ * _C.device_info()'s dict; a missing key keeps the default device's figure. -1 with an exception
+ * set for a value that is not an int, or a dev that is not a mapping. */
+int kb_py_devinfo(PyObject *dev, kb_device_info *out) {
+    *out = *kb_device_default();
+    if (dev == NULL || dev == Py_None) return 0;
+    static const char *const keys[] = {"sm", "num_sms", "max_smem_per_block", "regs_per_sm", "l2_bytes"};
+    int32_t *fields[] = {&out->sm, &out->num_sms, &out->max_smem_per_block, &out->regs_per_sm, &out->l2_bytes};
+    for (int i = 0; i < 5; i++) {
+        PyObject *v = PyMapping_GetItemString(dev, keys[i]);
+        if (!v) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+            PyErr_Clear();
+            continue;
+        }
+        long x = PyLong_AsLong(v);
+        Py_DECREF(v);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        *fields[i] = (int32_t)x;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- interpreter */
+
+/* Pointers arrive as Python ints (tensor.data_ptr()). */
+static int ptrs_from_py(PyObject *seq, void **out, Py_ssize_t n, const char *what) {
+    int64_t vals[64];
+    if (n > 64) {
+        PyErr_Format(PyExc_ValueError, "%s: at most 64 buffers", what);
+        return -1;
+    }
+    if (kb_py_int64s(seq, vals, n, what) < 0) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = (void *)(intptr_t)vals[i];
+    return 0;
+}
+
+static PyObject *run_interp(PyObject *module, const kb_graph *g, const kb_partition *p, int32_t r, PyObject *symseq,
+                            PyObject *ins, PyObject *outs) {
+    int64_t symvals[KB_MAX_SYMS];
+    void *in_ptrs[64], *out_ptrs[64];
+    Py_ssize_t nin = p ? p->regions[r].ninputs : kb_graph_ninputs(g);
+    Py_ssize_t nout = p ? p->regions[r].noutputs : kb_graph_noutputs(g);
+    if (kb_py_symvals(g, symseq, symvals) < 0 || ptrs_from_py(ins, in_ptrs, nin, "inputs") < 0 ||
+        ptrs_from_py(outs, out_ptrs, nout, "outputs") < 0)
+        return NULL;
+    /* A context per call: the interpreter runs without the GIL, and errors stay this call's. */
+    kb_ctx *ctx;
+    if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK) return PyErr_NoMemory();
+    kb_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = p ? kb_interp_region(ctx, p, r, symvals, (const void *const *)in_ptrs, out_ptrs)
+           : kb_interp_graph(ctx, g, symvals, (const void *const *)in_ptrs, out_ptrs);
+    Py_END_ALLOW_THREADS
+    PyObject *result = st == KB_OK ? Py_NewRef(Py_None) : kb_py_raise(module, ctx, st, "interpreter");
+    kb_ctx_free(ctx);
+    return result;
+}
+
+static PyObject *py_interp_region(PyObject *module, PyObject *args) {
+    kb_module_state *state = kb_py_state(module);
+    kb_py_partition *p;
+    int r;
+    PyObject *symseq, *ins, *outs;
+    if (!PyArg_ParseTuple(args, "O!iOOO:interp_region", state->partition_type, &p, &r, &symseq, &ins, &outs))
+        return NULL;
+    if (r < 0 || r >= p->part->nregions) return PyErr_Format(PyExc_IndexError, "region %d out of range", r);
+    return run_interp(module, p->graph->graph, p->part, r, symseq, ins, outs);
+}
+
+static PyObject *py_interp_graph(PyObject *module, PyObject *args) {
+    kb_module_state *state = kb_py_state(module);
+    kb_py_graph *g;
+    PyObject *symseq, *ins, *outs;
+    if (!PyArg_ParseTuple(args, "O!OOO:interp_graph", state->graph_type, &g, &symseq, &ins, &outs)) return NULL;
+    return run_interp(module, g->graph, NULL, 0, symseq, ins, outs);
+}
+
+/* ---------------------------------------------------------------- schedules and codegen */
+
+static PyObject *py_genome_default(PyObject *module, PyObject *args) {
+    kb_module_state *state = kb_py_state(module);
+    kb_py_partition *p;
+    int r;
+    PyObject *symseq, *dev = Py_None;
+    if (!PyArg_ParseTuple(args, "O!iO|O:genome_default", state->partition_type, &p, &r, &symseq, &dev)) return NULL;
+    if (r < 0 || r >= p->part->nregions) return PyErr_Format(PyExc_IndexError, "region %d out of range", r);
+    int64_t symvals[KB_MAX_SYMS];
+    kb_device_info info;
+    if (kb_py_symvals(p->graph->graph, symseq, symvals) < 0 || kb_py_devinfo(dev, &info) < 0) return NULL;
+    kb_genome gn;
+    kb_status st = kb_genome_default(p->part, r, symvals, &info, &gn);
+    if (st != KB_OK) return kb_py_raise(module, p->graph->ctx, st, "genome_default");
+    char text[256];
+    kb_genome_format(&gn, text, sizeof text);
+    return PyUnicode_FromString(text);
+}
+
+/* generate(p, r, sm, genome_text_or_None, dev=None) -> dict describing the kernel */
+static PyObject *py_generate(PyObject *module, PyObject *args) {
+    kb_module_state *state = kb_py_state(module);
+    kb_py_partition *p;
+    int r, sm;
+    PyObject *genome_obj, *dev = Py_None;
+    if (!PyArg_ParseTuple(args, "O!iiO|O:generate", state->partition_type, &p, &r, &sm, &genome_obj, &dev))
+        return NULL;
+    if (r < 0 || r >= p->part->nregions) return PyErr_Format(PyExc_IndexError, "region %d out of range", r);
+    kb_device_info info;
+    if (kb_py_devinfo(dev, &info) < 0) return NULL;
+    info.sm = sm; /* the architecture compiled for, whatever dev says */
+    kb_ctx *ctx = p->graph->ctx;
+    const kb_graph *g = p->graph->graph;
+    kb_genome gn;
+    kb_status st;
+    if (genome_obj == Py_None) {
+        int64_t symvals[KB_MAX_SYMS];
+        for (int s = 0; s < kb_graph_nsymbols(g); s++) symvals[s] = kb_graph_symbol_example(g, s);
+        st = kb_genome_default(p->part, r, symvals, &info, &gn);
+    } else {
+        const char *text = PyUnicode_AsUTF8(genome_obj);
+        if (!text) return NULL;
+        st = kb_genome_parse(ctx, text, &gn);
+    }
+    if (st != KB_OK) return kb_py_raise(module, ctx, st, "genome");
+    kb_kernel *k = NULL;
+    st = kb_kernel_generate(p->part, r, &gn, &info, &k);
+    if (st != KB_OK) return kb_py_raise(module, ctx, st, "codegen");
+    char text[256];
+    kb_genome_format(&k->genome, text, sizeof text);
+    /* max_blocks: the cap kb_kernel_grid applies (0 = none), so Python computes the same grid
+       without a Kernel object. Not read off a grid at huge sizes: there the 2^31 - 1 clamp of a
+       region with two dynamic dims looked like a cap, and the loader made it one wave. */
+    long long max_blocks = (long long)kb_kernel_max_blocks(k, &info);
+    PyObject *result = Py_BuildValue("{s:s,s:s,s:i,s:i,s:s,s:N,s:L,s:i,s:L,s:L,s:L,s:i}", "source", k->source, "name",
+                                     k->name, "block", k->block, "smem", k->smem_bytes, "genome", text, "grid_units",
+                                     kb_py_dim(k->grid_units), "units_per_block", (long long)k->units_per_block,
+                                     "nkernels", k->nkernels, "workspace_bytes_per_unit",
+                                     (long long)k->workspace_bytes_per_unit, "workspace_bytes_per_block",
+                                     (long long)k->workspace_bytes_per_block, "max_blocks", max_blocks,
+                                     "nostats", k->nostats);
+    kb_kernel_free(ctx, k);
+    return result;
+}
+
+static PyObject *py_ops(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    static const char *const kinds[] = {"leaf", "unary", "binary", "ternary", "reduce", "view", "gather", "extern"};
+    PyObject *d = PyDict_New();
+    for (int op = 0; d && op < KB_OP_COUNT; op++) {
+        const kb_op_info *info = kb_op_get((kb_op)op);
+        PyObject *v = Py_BuildValue("{s:i,s:s}", "arity", info->arity, "kind", kinds[info->kind]);
+        if (!v || PyDict_SetItemString(d, info->name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return d;
+}
+
+static PyMethodDef module_methods[] = {
+    {"interp_region", py_interp_region, METH_VARARGS,
+     "interp_region(partition, r, symvals, in_ptrs, out_ptrs): run region r on host buffers"},
+    {"interp_graph", py_interp_graph, METH_VARARGS,
+     "interp_graph(graph, symvals, in_ptrs, out_ptrs): run a graph without EXTERN nodes on host buffers"},
+    {"genome_default", py_genome_default, METH_VARARGS, "genome_default(partition, r, symvals, dev=None) -> text"},
+    {"generate", py_generate, METH_VARARGS,
+     "generate(partition, r, sm, genome_text_or_None, dev=None) -> dict(source, name, block, smem, genome, ...)"},
+    {"ops", py_ops, METH_NOARGS, "ops() -> {name: {arity, kind}} for every IR op"},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---------------------------------------------------------------- module */
+
+static int module_exec(PyObject *module) {
+    kb_module_state *state = kb_py_state(module);
+    state->graph_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &kb_graph_spec, NULL);
+    if (!state->graph_type || PyModule_AddType(module, state->graph_type) < 0) return -1;
+    state->partition_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &kb_partition_spec, NULL);
+    if (!state->partition_type || PyModule_AddType(module, state->partition_type) < 0) return -1;
+    state->compile_error = PyErr_NewExceptionWithDoc("kbench._C.CompileError",
+                                                     "NVRTC could not compile a kernel; the message holds its log.",
+                                                     PyExc_RuntimeError, NULL);
+    if (!state->compile_error || PyModule_AddObjectRef(module, "CompileError", state->compile_error) < 0) return -1;
+    state->cuda_error = PyErr_NewExceptionWithDoc("kbench._C.CudaError",
+                                                  "A CUDA driver call failed; the message names the driver's error.",
+                                                  PyExc_RuntimeError, NULL);
+    if (!state->cuda_error || PyModule_AddObjectRef(module, "CudaError", state->cuda_error) < 0) return -1;
+    if (PyModule_AddFunctions(module, kb_cuda_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, kb_evolve_methods) < 0) return -1;
+    if (PyModule_AddStringConstant(module, "CORE_VERSION", KB_VERSION) < 0) return -1;
+    if (PyModule_AddIntConstant(module, "MAX_RANK", KB_MAX_RANK) < 0) return -1;
+    return PyModule_AddIntConstant(module, "MAX_SYMS", KB_MAX_SYMS);
+}
+
+static int module_traverse(PyObject *module, visitproc visit, void *arg) {
+    kb_module_state *state = kb_py_state(module);
+    Py_VISIT(state->graph_type);
+    Py_VISIT(state->partition_type);
+    Py_VISIT(state->compile_error);
+    Py_VISIT(state->cuda_error);
+    return 0;
+}
+
+static int module_clear(PyObject *module) {
+    kb_module_state *state = kb_py_state(module);
+    Py_CLEAR(state->graph_type);
+    Py_CLEAR(state->partition_type);
+    Py_CLEAR(state->compile_error);
+    Py_CLEAR(state->cuda_error);
+    return 0;
+}
+
+static void module_free(void *module) { module_clear((PyObject *)module); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef kbench_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kbench._C",
+    .m_doc = "kbench's C core: IR, fusion, interpreter, CUDA code generation and runtime.",
+    .m_size = sizeof(kb_module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&kbench_module); }

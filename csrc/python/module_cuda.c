@@ -1,0 +1,507 @@
+/* module_cuda.c — kbench._C's CUDA runtime functions over cuda/: NVRTC (open, compile to a
+ * CUBIN through the disk cache), the driver (device info, modules, functions) and launch, the
+ * hot path: METH_FASTCALL, arguments packed on the stack, the GIL released around the launch. */
+#include "python/module.h"
+
+#include <pthread.h>
+#include <string.h>
+
+#include "core/internal.h"
+#include "cuda/launch_api.h"
+#include "python/module_cuda.h"
+
+#define NVRTC_CAPSULE "kbench._C.nvrtc"
+#define CUDA_CAPSULE "kbench._C.cuda"
+#define MODULE_CAPSULE "kbench._C.cuda_module"
+#define MAX_DIRS 64
+#define MAX_ARGS 128 /* kernel arguments in one launch */
+
+/* Each calling thread gets its own kb_ctx for error messages (and short-lived allocations):
+ * compiles run in parallel threads with the GIL released, and a shared ctx would race on its
+ * error buffer. Freed by pthread at thread exit. */
+static pthread_key_t tls_key;
+static pthread_once_t tls_once = PTHREAD_ONCE_INIT;
+static int tls_ok;
+
+static void tls_free(void *p) { kb_ctx_free(p); }
+static void tls_init(void) { tls_ok = pthread_key_create(&tls_key, tls_free) == 0; }
+
+/* The calling thread's ctx, or NULL (no Python error set: callable without the GIL). */
+static kb_ctx *thread_ctx_raw(void) {
+    pthread_once(&tls_once, tls_init);
+    if (!tls_ok) return NULL;
+    kb_ctx *ctx = pthread_getspecific(tls_key);
+    if (!ctx) {
+        if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK || pthread_setspecific(tls_key, ctx) != 0) {
+            kb_ctx_free(ctx);
+            return NULL;
+        }
+    }
+    return ctx;
+}
+
+static kb_ctx *thread_ctx(void) {
+    kb_ctx *ctx = thread_ctx_raw();
+    if (!ctx) PyErr_SetString(PyExc_MemoryError, "kbench: no thread-local context (key or memory)");
+    return ctx;
+}
+
+/* ---------------------------------------------------------------- handles */
+
+typedef struct { kb_ctx *ctx; kb_nvrtc *nvrtc; } nvrtc_handle;  /* ctx allocated the handle */
+typedef struct { kb_ctx *ctx; kb_cuda *cuda; } cuda_handle;
+typedef struct {
+    kb_ctx *ctx;              /* this module's own: it may outlive the thread that loaded it */
+    PyObject *owner;          /* the cuda capsule, kept alive while the module is */
+    kb_cuda *cuda;
+    kb_cuda_module *module;
+} module_handle;
+
+static void nvrtc_capsule_free(PyObject *cap) {
+    nvrtc_handle *h = PyCapsule_GetPointer(cap, NVRTC_CAPSULE);
+    if (!h) return;
+    kb_nvrtc_close(h->nvrtc);
+    kb_ctx_free(h->ctx);
+    PyMem_Free(h);
+}
+
+static void cuda_capsule_free(PyObject *cap) {
+    cuda_handle *h = PyCapsule_GetPointer(cap, CUDA_CAPSULE);
+    if (!h) return;
+    kb_cuda_close(h->cuda);
+    kb_ctx_free(h->ctx);
+    PyMem_Free(h);
+}
+
+static void module_capsule_free(PyObject *cap) {
+    module_handle *h = PyCapsule_GetPointer(cap, MODULE_CAPSULE);
+    if (!h) return;
+    kb_cuda_module_unload(h->cuda, h->module);
+    kb_ctx_free(h->ctx);
+    Py_XDECREF(h->owner);
+    PyMem_Free(h);
+}
+
+/* PyLong_AsInt is public only from 3.13 */
+static int as_int(PyObject *o, int *out) {
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < INT32_MIN || v > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "value does not fit in an int");
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* The pointer in a capsule of the given kind, or NULL with TypeError. */
+static void *handle_of(PyObject *o, const char *kind) {
+    if (!PyCapsule_IsValid(o, kind)) {
+        PyErr_Format(PyExc_TypeError, "expected a %s handle, got %.100s", kind, Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    return PyCapsule_GetPointer(o, kind);
+}
+
+static nvrtc_handle *get_nvrtc(PyObject *o) { return handle_of(o, NVRTC_CAPSULE); }
+static cuda_handle *get_cuda(PyObject *o) { return handle_of(o, CUDA_CAPSULE); }
+
+/* ---------------------------------------------------------------- NVRTC */
+
+static PyObject *py_nvrtc_open(PyObject *self, PyObject *arg) {
+    PyObject *fast = PySequence_Fast(arg, "nvrtc_open: extra_dirs must be a list of str");
+    if (!fast) return NULL;
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(fast);
+    const char *dirs[MAX_DIRS];
+    nvrtc_handle *h = NULL;
+    PyObject *cap = NULL;
+    if (nd > MAX_DIRS) {
+        PyErr_Format(PyExc_ValueError, "nvrtc_open: at most %d folders", MAX_DIRS);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        PyObject *d = PySequence_Fast_GET_ITEM(fast, i);
+        if (!PyUnicode_Check(d)) {
+            PyErr_SetString(PyExc_TypeError, "nvrtc_open: extra_dirs must be a list of str");
+            goto done;
+        }
+        if (!(dirs[i] = PyUnicode_AsUTF8(d))) goto done;
+    }
+    h = PyMem_Calloc(1, sizeof *h);
+    if (!h) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (kb_ctx_new(NULL, NULL, &h->ctx) != KB_OK) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    kb_status st = kb_nvrtc_open(h->ctx, dirs, (int)nd, &h->nvrtc);
+    if (st != KB_OK) {
+        kb_py_raise(self, h->ctx, st, NULL);
+        goto done;
+    }
+    cap = PyCapsule_New(h, NVRTC_CAPSULE, nvrtc_capsule_free);
+    if (cap) h = NULL;
+done:
+    if (h) {
+        kb_nvrtc_close(h->nvrtc);
+        kb_ctx_free(h->ctx);
+        PyMem_Free(h);
+    }
+    Py_DECREF(fast);
+    return cap;
+}
+
+static PyObject *py_nvrtc_info(PyObject *self, PyObject *arg) {
+    (void)self;
+    nvrtc_handle *h = get_nvrtc(arg);
+    if (!h) return NULL;
+    return Py_BuildValue("(si)", kb_nvrtc_path(h->nvrtc), kb_nvrtc_version(h->nvrtc));
+}
+
+static PyObject *py_nvrtc_include_dir(PyObject *self, PyObject *arg) {
+    (void)self;
+    nvrtc_handle *h = get_nvrtc(arg);
+    if (!h) return NULL;
+    const char *d = kb_nvrtc_include_dir(h->nvrtc);
+    if (!d[0]) Py_RETURN_NONE;
+    return PyUnicode_FromString(d);
+}
+
+static PyObject *py_nvrtc_compile(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "nvrtc_compile(handle, source, arch, cache_dir_or_None)");
+        return NULL;
+    }
+    nvrtc_handle *h = get_nvrtc(args[0]);
+    if (!h) return NULL;
+    const char *source = PyUnicode_AsUTF8(args[1]);
+    const char *arch = source ? PyUnicode_AsUTF8(args[2]) : NULL;
+    if (!arch) return NULL;
+    const char *cache_dir = NULL;
+    PyObject *dir_str = NULL; /* str or os.PathLike */
+    if (args[3] != Py_None) {
+        if (!(dir_str = PyOS_FSPath(args[3]))) return NULL;
+        if (!PyUnicode_Check(dir_str) || !(cache_dir = PyUnicode_AsUTF8(dir_str))) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "nvrtc_compile: cache_dir must be a str path");
+            Py_DECREF(dir_str);
+            return NULL;
+        }
+    }
+    kb_ctx *ctx = thread_ctx();
+    if (!ctx) {
+        Py_XDECREF(dir_str);
+        return NULL;
+    }
+    void *cubin = NULL;
+    size_t size = 0;
+    char *log = NULL;
+    kb_status st;
+    /* the str objects stay alive (the caller holds them) while the GIL is released */
+    Py_BEGIN_ALLOW_THREADS
+    st = kb_nvrtc_compile(ctx, h->nvrtc, source, arch, cache_dir, &cubin, &size, &log);
+    Py_END_ALLOW_THREADS
+    PyObject *out = NULL;
+    if (st == KB_OK) {
+        out = PyBytes_FromStringAndSize(cubin, (Py_ssize_t)size);
+    } else if (st == KB_ERR_NVRTC && log) {
+        kb_module_state *state = kb_py_state(self);
+        PyErr_SetString(state ? state->compile_error : PyExc_RuntimeError, log); /* the message is the log */
+    } else {
+        kb_py_raise(self, ctx, st, NULL);
+    }
+    kb_blob_free(ctx, cubin, size);
+    kb_string_free(ctx, log);
+    Py_XDECREF(dir_str);
+    return out;
+}
+
+/* ---------------------------------------------------------------- the driver */
+
+static PyObject *py_cuda_open(PyObject *self, PyObject *unused) {
+    (void)unused;
+    cuda_handle *h = PyMem_Calloc(1, sizeof *h);
+    if (!h) return PyErr_NoMemory();
+    PyObject *cap = NULL;
+    if (kb_ctx_new(NULL, NULL, &h->ctx) != KB_OK) {
+        PyErr_NoMemory();
+    } else {
+        kb_status st = kb_cuda_open(h->ctx, &h->cuda);
+        if (st != KB_OK) kb_py_raise(self, h->ctx, st, NULL);
+        else if ((cap = PyCapsule_New(h, CUDA_CAPSULE, cuda_capsule_free))) return cap;
+    }
+    kb_cuda_close(h->cuda);
+    kb_ctx_free(h->ctx);
+    PyMem_Free(h);
+    return NULL;
+}
+
+static PyObject *py_device_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "device_info(handle, device)");
+        return NULL;
+    }
+    cuda_handle *h = get_cuda(args[0]);
+    if (!h) return NULL;
+    int device;
+    if (as_int(args[1], &device) < 0) return NULL;
+    kb_ctx *ctx = thread_ctx();
+    if (!ctx) return NULL;
+    kb_device_info info;
+    kb_status st = kb_cuda_device_info(ctx, h->cuda, device, &info);
+    if (st != KB_OK) return kb_py_raise(self, ctx, st, NULL);
+    return Py_BuildValue("{sisisisisisi}", "sm", info.sm, "num_sms", info.num_sms, "max_smem_per_block",
+                         info.max_smem_per_block, "regs_per_sm", info.regs_per_sm, "l2_bytes", info.l2_bytes,
+                         "driver_version", kb_cuda_driver_version(h->cuda));
+}
+
+static PyObject *py_module_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "module_load(handle, cubin)");
+        return NULL;
+    }
+    cuda_handle *ch = get_cuda(args[0]);
+    if (!ch) return NULL;
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[1], &buf, PyBUF_SIMPLE) < 0) return NULL;
+    module_handle *h = PyMem_Calloc(1, sizeof *h);
+    PyObject *cap = NULL;
+    if (!h || kb_ctx_new(NULL, NULL, &h->ctx) != KB_OK) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    kb_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = kb_cuda_module_load(h->ctx, ch->cuda, buf.buf, (size_t)buf.len, &h->module);
+    Py_END_ALLOW_THREADS
+    if (st != KB_OK) {
+        kb_py_raise(self, h->ctx, st, NULL);
+        goto done;
+    }
+    h->cuda = ch->cuda;
+    h->owner = Py_NewRef(args[0]);
+    if ((cap = PyCapsule_New(h, MODULE_CAPSULE, module_capsule_free))) h = NULL;
+done:
+    if (h) {
+        kb_cuda_module_unload(ch->cuda, h->module);
+        kb_ctx_free(h->ctx);
+        Py_XDECREF(h->owner);
+        PyMem_Free(h);
+    }
+    PyBuffer_Release(&buf);
+    return cap;
+}
+
+static PyObject *py_get_function(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "get_function(handle, module, name, smem)");
+        return NULL;
+    }
+    cuda_handle *ch = get_cuda(args[0]);
+    module_handle *mh = ch ? handle_of(args[1], MODULE_CAPSULE) : NULL;
+    const char *name = mh ? PyUnicode_AsUTF8(args[2]) : NULL;
+    if (!name) return NULL;
+    int smem;
+    if (as_int(args[3], &smem) < 0) return NULL;
+    if (mh->cuda != ch->cuda) {
+        PyErr_SetString(PyExc_ValueError, "get_function: the module was loaded through another handle");
+        return NULL;
+    }
+    kb_ctx *ctx = thread_ctx();
+    if (!ctx) return NULL;
+    void *fn = NULL;
+    int regs = 0, spills = 0;
+    kb_status st = kb_cuda_function(ctx, ch->cuda, mh->module, name, smem, &fn, &regs, &spills);
+    if (st != KB_OK) return kb_py_raise(self, ctx, st, NULL);
+    /* NOTE: fn belongs to the module: the caller keeps the module capsule alive while using it */
+    return Py_BuildValue("(Nii)", PyLong_FromVoidPtr(fn), regs, spills);
+}
+
+/* ---------------------------------------------------------------- launch (the hot path) */
+
+/* Items of a tuple or list without a copy; NULL with TypeError otherwise. */
+static PyObject *const *seq_items(PyObject *o, Py_ssize_t *n, const char *what) {
+    if (PyTuple_Check(o)) {
+        *n = PyTuple_GET_SIZE(o);
+        return &PyTuple_GET_ITEM(o, 0);
+    }
+    if (PyList_Check(o)) {
+        *n = PyList_GET_SIZE(o);
+        return (PyObject *const *)&PyList_GET_ITEM(o, 0);
+    }
+    PyErr_Format(PyExc_TypeError, "launch: %s must be a tuple or list", what);
+    return NULL;
+}
+
+/* launch(handle, fn, grid, block, smem, stream, ptrs, ints, floats=()) */
+static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8 && nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "launch(handle, fn, grid, block, smem, stream, ptrs, ints, floats=())");
+        return NULL;
+    }
+    cuda_handle *h = get_cuda(args[0]);
+    if (!h) return NULL;
+    void *fn = PyLong_AsVoidPtr(args[1]);
+    if (!fn) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "launch: fn is NULL");
+        return NULL;
+    }
+    uint32_t grid[3] = {1, 1, 1};
+    if (PyLong_Check(args[2])) {
+        unsigned long g = PyLong_AsUnsignedLong(args[2]);
+        if (g == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+        grid[0] = (uint32_t)g;
+    } else {
+        Py_ssize_t ng;
+        PyObject *const *gi = seq_items(args[2], &ng, "grid");
+        if (!gi) return NULL;
+        if (ng < 1 || ng > 3) {
+            PyErr_SetString(PyExc_ValueError, "launch: grid has 1 to 3 entries");
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < ng; i++) {
+            unsigned long g = PyLong_AsUnsignedLong(gi[i]);
+            if (g == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+            if (g > UINT32_MAX) {
+                PyErr_SetString(PyExc_OverflowError, "launch: grid entry over 2^32-1");
+                return NULL;
+            }
+            grid[i] = (uint32_t)g;
+        }
+    }
+    long block = PyLong_AsLong(args[3]);
+    if (block == -1 && PyErr_Occurred()) return NULL;
+    long smem = PyLong_AsLong(args[4]);
+    if (smem == -1 && PyErr_Occurred()) return NULL;
+    if (block <= 0 || block > INT32_MAX || smem < 0 || smem > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "launch: bad block %ld or smem %ld", block, smem);
+        return NULL;
+    }
+    void *stream = PyLong_AsVoidPtr(args[5]);
+    if (!stream && PyErr_Occurred()) return NULL;
+
+    Py_ssize_t np, ni, nf = 0;
+    PyObject *const *pi = seq_items(args[6], &np, "ptrs");
+    if (!pi) return NULL;
+    PyObject *const *ii = seq_items(args[7], &ni, "ints");
+    if (!ii) return NULL;
+    PyObject *const *fi = NULL;
+    if (nargs == 9 && !(fi = seq_items(args[8], &nf, "floats"))) return NULL;
+    if (np + ni + nf > MAX_ARGS) {
+        PyErr_Format(PyExc_ValueError, "launch: at most %d kernel arguments", MAX_ARGS);
+        return NULL;
+    }
+    /* each argument's value in its own 8-byte slot; the driver reads as many bytes as the
+     * kernel's parameter has: CUdeviceptr and int64 take 8, float32 takes 4 */
+    union { uint64_t u; int64_t i; float f; } vals[MAX_ARGS];
+    void *argp[MAX_ARGS + 1];
+    Py_ssize_t k = 0;
+    for (Py_ssize_t j = 0; j < np; j++, k++) {
+        vals[k].u = PyLong_AsUnsignedLongLong(pi[j]);
+        if (vals[k].u == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+        argp[k] = &vals[k];
+    }
+    for (Py_ssize_t j = 0; j < ni; j++, k++) {
+        vals[k].i = PyLong_AsLongLong(ii[j]);
+        if (vals[k].i == -1 && PyErr_Occurred()) return NULL;
+        argp[k] = &vals[k];
+    }
+    for (Py_ssize_t j = 0; j < nf; j++, k++) {
+        double d = PyFloat_AsDouble(fi[j]);
+        if (d == -1.0 && PyErr_Occurred()) return NULL;
+        vals[k].u = 0;
+        vals[k].f = (float)d;
+        argp[k] = &vals[k];
+    }
+    argp[k] = NULL;
+    kb_ctx *ctx = thread_ctx();
+    if (!ctx) return NULL;
+    kb_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = kb_cuda_launch(ctx, h->cuda, fn, grid, (int)block, (int)smem, stream, argp);
+    Py_END_ALLOW_THREADS
+    if (st != KB_OK) return kb_py_raise(self, ctx, st, NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_synchronize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1 && nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "synchronize(handle, stream=0)");
+        return NULL;
+    }
+    cuda_handle *h = get_cuda(args[0]);
+    if (!h) return NULL;
+    void *stream = nargs == 2 ? PyLong_AsVoidPtr(args[1]) : NULL;
+    if (!stream && PyErr_Occurred()) return NULL;
+    kb_ctx *ctx = thread_ctx();
+    if (!ctx) return NULL;
+    kb_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = kb_cuda_synchronize(ctx, h->cuda, stream);
+    Py_END_ALLOW_THREADS
+    if (st != KB_OK) return kb_py_raise(self, ctx, st, NULL);
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- launch API (launch_api.h) */
+
+static void *capi_cuda_of(void *capsule) {
+    PyObject *o = capsule;
+    if (!PyCapsule_IsValid(o, CUDA_CAPSULE)) return NULL;
+    return ((cuda_handle *)PyCapsule_GetPointer(o, CUDA_CAPSULE))->cuda;
+}
+
+static int capi_launch(void *cuda, void *fn, const uint32_t grid[3], int block, int smem, void *stream,
+                       void **args, char *err, size_t errlen) {
+    kb_ctx *ctx = thread_ctx_raw();
+    if (!ctx) {
+        snprintf(err, errlen, "kbench: no thread-local context for a launch");
+        return -1;
+    }
+    if (kb_cuda_launch(ctx, cuda, fn, grid, block, smem, stream, args) == KB_OK) return 0;
+    snprintf(err, errlen, "%s", kb_ctx_error(ctx));
+    return -1;
+}
+
+static int capi_capturing(void *cuda, void *stream, char *err, size_t errlen) {
+    kb_ctx *ctx = thread_ctx_raw();
+    int capturing = 0;
+    if (ctx && kb_cuda_stream_capturing(ctx, cuda, stream, &capturing) == KB_OK) return capturing;
+    snprintf(err, errlen, "%s", ctx ? kb_ctx_error(ctx) : "kbench: no thread-local context");
+    return -1;
+}
+
+static const kb_launch_api launch_api = {
+    KB_LAUNCH_API_VERSION, sizeof(kb_launch_api), capi_cuda_of, capi_launch, capi_capturing,
+};
+
+static PyObject *py_launch_api(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyCapsule_New((void *)&launch_api, KB_LAUNCH_API_CAPSULE, NULL);
+}
+
+PyMethodDef kb_cuda_methods[] = {
+    {"launch_api", py_launch_api, METH_NOARGS,
+     "launch_api() -> capsule of launch_api.h's kb_launch_api (for kbench._fast, the C++ hot path)"},
+    {"nvrtc_open", py_nvrtc_open, METH_O,
+     "nvrtc_open(extra_dirs: list[str]) -> handle; FileNotFoundError names every place looked"},
+    {"nvrtc_info", py_nvrtc_info, METH_O, "nvrtc_info(handle) -> (path, version as major*1000 + minor*10)"},
+    {"nvrtc_include_dir", py_nvrtc_include_dir, METH_O,
+     "nvrtc_include_dir(handle) -> the folder passed as -I for cuda_fp16.h/cuda_bf16.h, or None"},
+    {"nvrtc_compile", (PyCFunction)(void (*)(void))py_nvrtc_compile, METH_FASTCALL,
+     "nvrtc_compile(handle, source, arch, cache_dir_or_None) -> CUBIN bytes; CompileError(log)"},
+    {"cuda_open", py_cuda_open, METH_NOARGS, "cuda_open() -> handle (libcuda.so.1, cuInit)"},
+    {"device_info", (PyCFunction)(void (*)(void))py_device_info, METH_FASTCALL,
+     "device_info(handle, device) -> dict(sm, num_sms, max_smem_per_block, regs_per_sm, l2_bytes, driver_version)"},
+    {"module_load", (PyCFunction)(void (*)(void))py_module_load, METH_FASTCALL,
+     "module_load(handle, cubin: bytes) -> module handle (unloaded when collected)"},
+    {"get_function", (PyCFunction)(void (*)(void))py_get_function, METH_FASTCALL,
+     "get_function(handle, module, name, smem) -> (fn, registers, spill bytes); fn lives as long as module"},
+    {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL,
+     "launch(handle, fn, grid, block, smem, stream, ptrs, ints, floats=()): cuLaunchKernel on stream; "
+     "arguments in order: ptrs (8-byte pointers), ints (int64), floats (float32)"},
+    {"synchronize", (PyCFunction)(void (*)(void))py_synchronize, METH_FASTCALL,
+     "synchronize(handle, stream=0): the stream, or the whole context when 0"},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,212 @@
+/* genome.c — a region's schedule: the default genome (chosen from the region's facts at the
+ * example sizes and the device, tune/facts.c), and the canonical text form that names a genome
+ * in the cache and in reports ("threads=256 vec=4 rows=1 items=1 cache=regs two_pass=1
+ * fast_math=0 persistent=0 col_split=1"). The search's legality is evolve.c's; codegen refuses
+ * what it cannot generate (KB_ERR_INVALID). */
+#include "tune/tune.h"
+
+#include <stdlib.h>
+
+static const char *const cache_names[] = {"regs", "smem", "reread"};
+
+static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1};
+
+static int64_t pow2_ceil(int64_t x) {
+    int64_t p = 1;
+    while (p < x) p <<= 1;
+    return p;
+}
+
+static int64_t pow2_floor(int64_t x) {
+    int64_t p = 1;
+    while (p * 2 <= x) p <<= 1;
+    return p;
+}
+
+static int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+/* The widest vector (elements) whose accesses stay 16 bytes and divide the last dim. */
+static int pick_vec(const tune_facts *f, int need_last) {
+    int vec = (int)clamp64(16 / f->maxsz, 1, 8);
+    if (need_last)
+        while (vec > 1 && (f->last == 0 || f->last % vec != 0)) vec /= 2;
+    return vec;
+}
+
+kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
+                            kb_genome *out) {
+    if (!p || !out || r < 0 || r >= p->nregions) return KB_ERR_INVALID;
+    kb_ctx *ctx = kb_graph_ctx(p->graph);
+    const kb_region *rg = &p->regions[r];
+    if (rg->kind == KB_REGION_EXTERN)
+        return KB_FAIL(ctx, KB_ERR_INVALID, "region %d is EXTERN: torch runs it, it has no schedule", (int)r);
+    tune_facts f;
+    kb_status st = tune_facts_of(p, r, symvals, dev, &f);
+    if (st != KB_OK) return st;
+    int num_sms = f.num_sms;
+    int64_t smem_cap = f.smem_cap;
+    kb_genome gn = BASE;
+    gn.fast_math = f.fast_exp_log;
+
+    if (rg->kind == KB_REGION_POINTWISE) {
+        /* 16-byte accesses, one per thread, 128 threads a block: a memory-bound body wants
+           many small blocks in flight, and one vector a thread beats four (H100, 8192x4096:
+           bias+GELU(tanh) bf16 46.7 us against 44.1 with four; benchmarks/bench_genomes.py
+           bias_gelu_tanh --dtype bfloat16). Several vectors per thread only where the body is
+           heavy, a precise transcendental on eight 16-bit elements a vector (erff is some 30
+           instructions an element), so the kernel is issue-bound and the per-thread setup is
+           worth sharing, and where the grid has waves to spare (bias+GELU(erf) bf16: 48.4 us
+           with four vectors a thread, 51.2 with one; bench_genomes.py bias_gelu_erf --dtype
+           bfloat16). */
+        gn.vec = pick_vec(&f, 0);
+        int64_t waves = f.full / ((int64_t)num_sms * 2048 * gn.vec);
+        int heavy = f.precise_math && gn.vec >= 8;
+        gn.items = !heavy ? 1 : waves >= 8 ? 4 : waves >= 2 ? 2 : 1;
+        gn.threads = gn.items == 1 ? 128 : 256;
+    } else if (rg->kind == KB_REGION_ROW) {
+        gn.vec = pick_vec(&f, 1);
+        int64_t chunks = (f.red + gn.vec - 1) / gn.vec;
+        int64_t group;
+        int short_colsum = f.red <= 1024 && f.ncolsum > 0;
+        if (f.red <= 1024) { /* short rows: several rows per block */
+            int64_t block = 256;
+            if (short_colsum) {
+                /* with column sums a thread keeps a partial per column it visits, so the row
+                   takes many threads, about two chunks of 2 elements each, 512 threads a block
+                   and 2048 an SM (persistent). A warp per row would hold 24 columns' partials a
+                   thread at 768 columns: 114-167 registers, one block an SM (H100, LayerNorm f32
+                   backward at 2048x768: 36.4 us a warp per row, 17.5 this way;
+                   benchmarks/bench_genomes.py layer_norm --shape 2048,768 --no-forward). */
+                if (gn.vec > 2) gn.vec = 2;
+                chunks = (f.red + gn.vec - 1) / gn.vec;
+                group = clamp64(pow2_ceil((chunks + 1) / 2), 1, 512);
+                block = 512;
+            } else { /* a warp (or less) per row */
+                group = clamp64(pow2_ceil(chunks), 1, 32);
+            }
+            int64_t rows = clamp64(pow2_ceil(f.kept), 1, block / group);
+            if (rows * group < 32) rows = 32 / group;
+            gn.rows = (int32_t)rows;
+            gn.threads = (int32_t)(rows * group);
+        } else { /* a block per row, ~16 elements per thread (never more threads than vectors); with
+                    column sums one 16-byte vector per thread, whose partials also live in
+                    registers: more threads, fewer partials each (H100, LayerNorm f32 backward
+                    at 8192x4096: 152 us with 512 threads of 8, 143 with 1024 of 4;
+                    benchmarks/bench_genomes.py layer_norm --no-forward). */
+            group = clamp64(pow2_floor(f.red / (f.ncolsum ? 16 / f.maxsz : 16)), 128, 1024);
+            if (group > pow2_ceil(chunks)) group = pow2_ceil(chunks);
+            gn.threads = (int32_t)group;
+            gn.rows = 1;
+        }
+        /* where the row lives between passes: registers, else shared memory, else re-read.
+           On a block per row, registers win while a thread holds at most 16 values (inputs and
+           column-sum partials); past that they cost more in occupancy than shared memory costs
+           in traffic (H100, rows of 4096, bf16 softmax backward: 156 us in registers, 123 in
+           shared memory; benchmarks/bench_genomes.py softmax --dtype bfloat16 --no-forward).
+           Short rows (a warp or less per row, GPT-2's 768 the case in mind) hold up to 64. */
+        int64_t nbulk = f.nbulk_in ? f.nbulk_in : 1;
+        int64_t per_thread = (chunks + group - 1) / group * gn.vec * (nbulk + f.ncolsum);
+        int64_t reg_budget = gn.rows > 1 || f.red <= 1024 ? (gn.threads >= 1024 ? 32 : 64) : 16;
+        int64_t smem = (int64_t)gn.rows * f.red * f.bulk_in_bytes;
+        if (f.red_pinned && per_thread <= reg_budget) {
+            gn.cache = KB_CACHE_REGS;
+            gn.items = 1;
+        } else if (f.red_pinned && f.multipass && smem <= smem_cap / 2) {
+            gn.cache = KB_CACHE_SMEM;
+            gn.items = 4;
+            if (gn.rows == 1 && gn.threads > 256 && !f.ncolsum) gn.threads = 256;
+        } else {
+            gn.cache = KB_CACHE_REREAD;
+            gn.items = 4;
+            /* a re-read row is read twice; one pass with column sums reads it once */
+            if (gn.rows == 1 && gn.threads > 512 && (f.multipass || !f.ncolsum)) gn.threads = 512;
+        }
+        /* re-reading the row: fold max and sum(exp) into one pass where the region has them
+           (codegen's online normalizer; no effect elsewhere). Variance keeps two passes. */
+        gn.two_pass = gn.cache == KB_CACHE_REREAD && f.multipass ? 0 : 1;
+        /* column sums of a single pass (a bias gradient), or of short rows (above): a streaming
+           kernel, twice the blocks */
+        if ((f.ncolsum && !f.multipass) || short_colsum) gn.persistent = 1;
+    } else { /* COL: threads across columns, a loop down them; split the height to fill the GPU
+                with many small blocks (about 8 column blocks x up to 64 splits, 8-byte vectors,
+                8 rows in flight a thread), which keep more loads in flight than few wide ones. */
+        gn.vec = pick_vec(&f, 1);
+        if (gn.vec > 4 && f.last % 4 == 0) gn.vec = 4;
+        int64_t cols = (f.kept + gn.vec - 1) / gn.vec;
+        gn.threads = (int32_t)clamp64(pow2_floor(cols / 8), 32, 256);
+        int64_t colblocks = (cols + gn.threads - 1) / gn.threads;
+        int64_t split = (4 * (int64_t)num_sms + colblocks - 1) / colblocks;
+        split = clamp64(split, 1, 64);
+        split = clamp64(split, 1, f.red / 32 > 0 ? f.red / 32 : 1);
+        gn.col_split = f.multipass ? 1 : (int32_t)split;
+        gn.items = 8;
+        gn.cache = KB_CACHE_REREAD;
+    }
+    *out = gn;
+    return KB_OK;
+}
+
+int kb_genome_format(const kb_genome *gn, char *buf, size_t n) {
+    const char *cache = (unsigned)gn->cache < 3 ? cache_names[gn->cache] : "?";
+    int len = snprintf(buf, n,
+                       "threads=%d vec=%d rows=%d items=%d cache=%s two_pass=%d fast_math=%d persistent=%d "
+                       "col_split=%d",
+                       gn->threads, gn->vec, gn->rows, gn->items, cache, gn->two_pass, gn->fast_math,
+                       gn->persistent, gn->col_split);
+    if (n > 0 && len >= 0 && (size_t)len >= n) buf[n - 1] = '\0';
+    return len < 0 ? 0 : len;
+}
+
+/* One gene of the text form: its name, where it lives, and its domain. */
+static const struct gene {
+    const char *name;
+    size_t offset;
+    int32_t lo, hi;
+} GENES[] = {
+    {"threads", offsetof(kb_genome, threads), 1, 1024},
+    {"vec", offsetof(kb_genome, vec), 1, 16},
+    {"rows", offsetof(kb_genome, rows), 1, 1024},
+    {"items", offsetof(kb_genome, items), 1, 64},
+    {"cache", offsetof(kb_genome, cache), 0, 2},
+    {"two_pass", offsetof(kb_genome, two_pass), 0, 1},
+    {"fast_math", offsetof(kb_genome, fast_math), 0, 1},
+    {"persistent", offsetof(kb_genome, persistent), 0, 1},
+    {"col_split", offsetof(kb_genome, col_split), 1, 4096},
+};
+
+kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out) {
+    if (!text || !out) return KB_FAIL(ctx, KB_ERR_INVALID, "genome text is NULL");
+    kb_genome gn = BASE;
+    const char *s = text;
+    for (;;) {
+        while (*s == ' ' || *s == '\t' || *s == '\n') s++;
+        if (!*s) break;
+        const char *eq = s;
+        while (*eq && *eq != '=' && *eq != ' ') eq++;
+        if (*eq != '=') return KB_FAIL(ctx, KB_ERR_INVALID, "genome: expected key=value at \"%.20s\"", s);
+        size_t klen = (size_t)(eq - s);
+        const char *val = eq + 1, *end = val;
+        while (*end && *end != ' ' && *end != '\t' && *end != '\n') end++;
+        const struct gene *gene = NULL;
+        for (size_t i = 0; i < sizeof GENES / sizeof GENES[0]; i++)
+            if (strlen(GENES[i].name) == klen && strncmp(GENES[i].name, s, klen) == 0) gene = &GENES[i];
+        if (!gene) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: unknown gene \"%.*s\"", (int)klen, s);
+        long v = -1;
+        if (gene->offset == offsetof(kb_genome, cache)) {
+            for (int c = 0; c < 3; c++)
+                if (strlen(cache_names[c]) == (size_t)(end - val) && strncmp(cache_names[c], val, (size_t)(end - val)) == 0)
+                    v = c;
+        } else {
+            char *stop;
+            v = strtol(val, &stop, 10);
+            if (stop != end || end == val) v = -1;
+        }
+        if (v < gene->lo || v > gene->hi)
+            return KB_FAIL(ctx, KB_ERR_INVALID, "genome: bad value \"%.*s\" for %s (%d..%d)", (int)(end - val), val,
+                           gene->name, gene->lo, gene->hi);
+        *(int32_t *)((char *)&gn + gene->offset) = (int32_t)v;
+        s = end;
+    }
+    *out = gn;
+    return KB_OK;
+}
