@@ -4,11 +4,37 @@
 # csrc/fast/, the CUDA backend's hot path in C++ against the torch being built with (the launch
 # and autograd node without Python). _fast needs torch at build time (pip's
 # --no-build-isolation); without it kbench runs that path in Python and says so.
+import concurrent.futures
 import glob
 import os
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class ParallelBuildExt(build_ext):
+    """Compiles each extension's sources on every core (extensions one after the other):
+    setuptools compiles one file at a time, and kbench._fast's C++ files (torch's headers) take
+    most of an install. KBENCH_BUILD_JOBS sets the number of jobs."""
+
+    def build_extension(self, ext):
+        compiler = self.compiler
+        jobs = int(os.environ.get("KBENCH_BUILD_JOBS", 0)) or os.cpu_count() or 1
+        serial = compiler.compile
+
+        def compile_parallel(sources, *args, **kwargs):
+            if jobs <= 1 or len(sources) <= 1:
+                return serial(sources, *args, **kwargs)
+            with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+                parts = pool.map(lambda src: serial([src], *args, **kwargs), sources)
+                return [obj for part in parts for obj in part]
+
+        compiler.compile = compile_parallel
+        try:
+            super().build_extension(ext)
+        finally:
+            compiler.compile = serial
 
 # the pipeline's stages in order (csrc/Makefile builds the same ones but python/ for its C tests);
 # includes are rooted at csrc/: #include "core/kbench.h"
@@ -66,4 +92,4 @@ fast = fast_extension()
 if fast is not None:
     extensions.append(fast)
 
-setup(ext_modules=extensions)
+setup(ext_modules=extensions, cmdclass={"build_ext": ParallelBuildExt})

@@ -1,5 +1,5 @@
 """Tests of the benchmark's two timings and its search report (benchmarks/bench_ops.py,
-kbench/bench/timing.py): device time from CUDA-graph replay beside the per-call event time, and
+kbench/tune/timing.py): device time from CUDA-graph replay beside the per-call event time, and
 kbench's searched-vs-default genome gain read from a plan. The CPU tests use fake plans and
 synthetic rows; the gpu-marked ones (run with -m gpu) time real calls and failed captures."""
 from __future__ import annotations

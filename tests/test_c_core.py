@@ -212,7 +212,7 @@ def test_kernel_parameters_are_named_after_the_values():
     src = _C.generate(g.partition(), 0, 90, None)["source"]
     assert _signature(src) == ["x", "weight", "w_global_void_pwn_int_p", "layers_0", "b", "n_1", "out", "s0"], _signature(src)
     try:
-        from kbench import nvrtc
+        from kbench.runtime import nvrtc
         handle = nvrtc.handle()
     except (FileNotFoundError, OSError):
         handle = None

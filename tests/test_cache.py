@@ -1,4 +1,4 @@
-"""The persistent kernel cache (kbench/cache.py): round trips, misses and their explanation, the
+"""The persistent kernel cache (kbench/tune/cache.py): round trips, misses and their explanation, the
 search record, robustness against foreign files, unusable locations and concurrent writers, the CLI."""
 import dataclasses
 import io

@@ -1,4 +1,4 @@
-"""The capture kept between processes (kbench/capture_cache.py): what its key sees, that a stored
+"""The capture kept between processes (kbench/capture/cache.py): what its key sees, that a stored
 capture rebuilds the same graph, that a hit is checked against eager and a stale or corrupt entry
 is replaced, and what is never kept."""
 import contextlib

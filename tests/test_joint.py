@@ -1,4 +1,4 @@
-"""A loss's gradients computed in its forward (kbench/joint.py), on the CPU (interp backend):
+"""A loss's gradients computed in its forward (kbench/runtime/joint.py), on the CPU (interp backend):
 the joint graph's partition (the cross-entropy's gradient written by the kernel that reduces the
 rows), gradients that match eager for upstream gradients of 1 and not 1, a second backward, a
 double backward, ignored targets, parameters accumulating into .grad, unused inputs, and the

@@ -208,7 +208,7 @@ class Builder:
         return v
 
     def check(self, op, inputs, dims, attrs):
-        """The builder checks of csrc/ir.c, early: a failure means "no lowering", not a crash."""
+        """The builder checks of csrc/core/ir.c, early: a failure means "no lowering", not a crash."""
         if not _KIND:
             _load_kinds()
         kind = "reduce" if op in ("max", "min") and len(inputs) == 1 else _KIND.get(op)
@@ -533,7 +533,7 @@ class Builder:
             name = n["name"] or self.value_names.get(i, "")
             try:
                 m[i] = g.add_node(n["op"], [m[j] for j in n["inputs"]], n["dtype"], list(n["dims"]),
-                                  name=name[:47], **kw)
+                                  name=name, **kw)
             except Exception as e:  # noqa: BLE001 - the Python checks should have caught it
                 raise CaptureError(f"internal: the IR builder rejected {n['op']} {n['dims']} "
                                    f"({name}): {e}") from e
