@@ -60,7 +60,7 @@ def test_search_fast(name, factory, shape, dtype):
             ok = [c for c in res.candidates if c["time_ms"] is not None]
             assert len(ok) >= len(res.candidates) // 2, res.candidates
             # the winner computes what eager does on a fresh input
-            out = ex._launch(res.kernel, r, symvals, ex._region_inputs(r, symvals, "normal",
+            out = ex.launch(res.kernel, r, symvals, ex.region_inputs(r, symvals, "normal",
                                                                        torch.Generator().manual_seed(1)))
             assert all(torch.isfinite(o.float()).all() for o in out if o.is_floating_point())
             again = search.search_region(ex, r, symvals, budget="fast", seed=0)
