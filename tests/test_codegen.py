@@ -370,7 +370,8 @@ def test_select_over_uneven_halves_reads_element_by_element():
     b.g.add_output(b.op("mul", [b.op("silu", [lo], "f32", ["s0", 501]), hi], "f32", ["s0", 501]))
     g = b.g.grad([True])
     p = g.partition()
-    src = _C.generate(p, 0, 90, _C.Genome.parse("threads=256 vec=2 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1")).source
+    genome = _C.Genome.parse("threads=256 vec=2 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1")
+    src = _C.generate(p, 0, 90, genome).source
     assert "(a1 < 501) ?" in src and "(a1 >= 501) ?" in src, src
     assert not any("kb_ld<" in ln and "?" in ln for ln in src.splitlines()), src
 
@@ -562,7 +563,8 @@ def variants(p, r, symvals):
     sweeps = {"POINTWISE": [{"vec": 1}, {"vec": 2, "items": 2}, {"persistent": 1}],
               "ROW": [{"cache": c, "threads": t, "rows": rw, "two_pass": tp} for c in ("regs", "smem", "reread")
                       for t, rw in ((256, 1), (256, 8), (64, 8)) for tp in (0, 1)] + [{"vec": 1}]
-                   + [{"persistent": 1, "cache": "regs"}, {"persistent": 1, "cache": "regs", "rows": 8, "threads": 256}],
+                   + [{"persistent": 1, "cache": "regs"},
+                      {"persistent": 1, "cache": "regs", "rows": 8, "threads": 256}],
               "COL": [{"col_split": 1}, {"col_split": 4}, {"vec": 1}]}[kind]
     out = [base]
     for s in sweeps:

@@ -383,7 +383,7 @@ def test_near_ties_pick_the_earliest_asked(ln):
 
 def test_failures_are_recorded_and_the_search_goes_on(ln):
     g, p, r = ln
-    first = texts(_C.evolve_ask(_C.evolve_new(p, r, [4096], None, 0, 16), 16))   # the seed population, as the search sees it
+    first = texts(_C.evolve_ask(_C.evolve_new(p, r, [4096], None, 0, 16), 16))   # the seed population, as searched
     bad = {"codegen": first[1], "compile": first[2], "slow": first[3], "gate": first[4]}
     bench = FakeBench(ln_cost, codegen_fail={bad["codegen"]}, compile_fail={bad["compile"]}, slow={bad["slow"]: 1.5},
                       gate_fail={bad["gate"]})

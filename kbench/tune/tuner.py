@@ -41,7 +41,8 @@ def stored_kernel(w) -> _C.KernelInfo:
     n = w.launch
     k = _C.KernelInfo(name=w.entries[0], genome=_C.Genome.parse(w.genome), source="", block=n["block"],
                       smem=n["smem"], grid_units=n["grid_units"], units_per_block=n["units_per_block"],
-                      max_blocks=n["max_blocks"], nkernels=n["nkernels"], workspace_bytes_per_unit=n.get("workspace", 0),
+                      max_blocks=n["max_blocks"], nkernels=n["nkernels"],
+                      workspace_bytes_per_unit=n.get("workspace", 0),
                       workspace_bytes_per_block=n.get("workspace_per_block", 0),
                       nostats=len(w.entries) > n["nkernels"])   # the entry without the statistics comes last
     if list(k.entries) != list(w.entries):
