@@ -46,12 +46,14 @@ SWEEP = {
 
 
 def variants(p, r, symvals, extra, no_sweep=False):
-    base = dict(kv.split("=") for kv in _C.genome_default(p, r, symvals).split())
-    out = [" ".join(f"{k}={v}" for k, v in base.items())]
-    for s in ([] if no_sweep else SWEEP.get(p.region(r)["kind"], [])) + extra:
-        text = " ".join(f"{k}={v}" for k, v in {**base, **{k: str(v) for k, v in s.items()}}.items())
-        if text not in out:
-            out.append(text)
+    """The default genome, then the sweep of the region's kind and the extra texts ('key=value ...')
+    over it, each once."""
+    base = _C.genome_default(p, r, symvals)
+    out = [base]
+    sweep = [base.replace(**s) for s in ([] if no_sweep else SWEEP.get(p.region(r)["kind"], []))]
+    for genome in sweep + [_C.Genome.parse(f"{base} {text}") for text in extra]:   # a gene given twice: the last
+        if genome not in out:
+            out.append(genome)
     return out
 
 
@@ -70,9 +72,10 @@ def sweep(label, executor, plan, symvals, extra, reps, profile=False, no_sweep=F
         print(f"\n{label} region {r} {info.kind}: {info.ops}  ({nbytes / 1e6:.1f} MB moved)")
         bench = search.CudaRegionBench(executor, r, symvals)
         rows = []
-        for text in variants(p, r, symvals, extra, profile or no_sweep):
+        for genome in variants(p, r, symvals, extra, profile or no_sweep):
+            text = str(genome)
             try:
-                k = bench.generate(text)
+                k = bench.generate(genome)
                 bench.compile(k)
                 kernel = bench.load(k)
             except Exception as e:  # noqa: BLE001 - a refused genome is a row, not a stop
@@ -139,7 +142,7 @@ def main(argv=None):
         return 1
     cfg = None if a.shape is None else dict(shape=tuple(int(d) for d in a.shape.split(",")))
     model, inputs = task_model(a.task, parse_dtype(a.dtype), cfg)
-    extra = [dict(kv.split("=") for kv in g.split()) for g in a.genome]
+    extra = a.genome
     if a.status:
         return status(model, inputs, a.status)
     opt = kbench.optimize(model, tuple(inputs), backend="cuda", budget="none", verbose=False)

@@ -107,7 +107,7 @@ def compile_and_count(source: str, nvcc: str, cuobjdump: str, arch: str = "sm_90
     return registers(done.stderr), parse_sass(sass)
 
 
-def kernels(task: str, dtype, genome_over: dict, backward: bool, forward: bool):
+def kernels(task: str, dtype, genome_over: str, backward: bool, forward: bool):
     """(label, source) of every kernel of the task at its timed size, captured on the CPU."""
     import torch
     from kbench import _C, api
@@ -122,12 +122,11 @@ def kernels(task: str, dtype, genome_over: dict, backward: bool, forward: bool):
     part.save_stats(SAVE_STATS_MIN_ROW_BYTES)
 
     def gen(p, r, label):
-        text = None
-        if genome_over:
-            base = dict(kv.split("=") for kv in _C.genome_default(p, r, symvals).split())
-            text = " ".join(f"{k}={v}" for k, v in {**base, **genome_over}.items())
-        k = _C.generate(p, r, 90, text)
-        return f"{label} {p.region(r)['kind']} [{k['genome']}]", k["source"]
+        genome = None
+        if genome_over:   # 'key=value ...' over the default: a gene given twice takes the last value
+            genome = _C.Genome.parse(f"{_C.genome_default(p, r, symvals)} {genome_over}")
+        k = _C.generate(p, r, 90, genome)
+        return f"{label} {p.region(r)['kind']} [{k.genome}]", k.source
 
     for r in range(len(part)):
         region = part.region(r)
@@ -163,8 +162,7 @@ def main(argv=None):
     except FileNotFoundError as e:   # one line: what is missing and where to get it
         print(f"sass_counts.py: {e}", file=sys.stderr)
         return 1
-    over = dict(kv.split("=") for kv in a.genome.split())
-    for i, (label, source) in enumerate(kernels(a.task, parse_dtype(a.dtype), over, not a.no_backward,
+    for i, (label, source) in enumerate(kernels(a.task, parse_dtype(a.dtype), a.genome, not a.no_backward,
                                                 not a.no_forward)):
         if a.source:
             os.makedirs(a.source, exist_ok=True)

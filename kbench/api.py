@@ -238,7 +238,7 @@ class GeneratedKernel:
     region: int
     kind: str
     name: str
-    genome: str
+    genome: _C.Genome       # str(genome) is its canonical text
     source: str
     ok: bool
     log: str
@@ -251,7 +251,7 @@ class GeneratedKernel:
 
 def generate(model: torch.nn.Module, example_inputs, *, arch: str = "sm_90", compile: bool = True):
     """Every compute region's CUDA kernel for arch, compiled by NVRTC — no GPU needed.
-    Returns a list of GeneratedKernel (.region, .source, .ok, .log)."""
+    Returns a list of GeneratedKernel (.region, .source, .genome (a _C.Genome), .ok, .log)."""
     if not (isinstance(arch, str) and arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
         raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
     sm = int(arch[3:].rstrip("a"))
@@ -267,8 +267,8 @@ def generate(model: torch.nn.Module, example_inputs, *, arch: str = "sm_90", com
         ok, log, size = True, "", 0
         if compile:
             try:
-                size = len(nvrtc.compile(k["source"], arch))
+                size = len(nvrtc.compile(k.source, arch))
             except (_C.CompileError, FileNotFoundError) as e:
                 ok, log = False, str(e)
-        kernels.append(GeneratedKernel(r, region["kind"], k["name"], k["genome"], k["source"], ok, log, size))
+        kernels.append(GeneratedKernel(r, region["kind"], k.name, k.genome, k.source, ok, log, size))
     return kernels

@@ -160,7 +160,7 @@ def test_names_of_any_length_and_any_characters():
     assert [g.node(v)["name"] for v in g.inputs] == ["x", path * 4, EVIL]
     dump = str(g)
     assert '"w\\x0a__global__ void pwn(int*p){*p=1;}//\\x22\\x5c"' in dump and len(dump.splitlines()) == g.num_nodes + 3
-    src = _C.generate(g.partition(), 0, 90, None)["source"]
+    src = _C.generate(g.partition(), 0, 90, None).source
     assert "pwn(int*p)" not in src and "*p=1" not in src and "\\" not in src
     assert all(not line.lstrip().startswith("__global__ void pwn") for line in src.splitlines())
 
@@ -209,7 +209,7 @@ def test_kernel_parameters_are_named_after_the_values():
     from kbench import _C, api
     path = "m.model.layers.0.post_attention_layernorm.weight"
     g = _named_graph([path, EVIL, "layers.0", "b", "n"])
-    src = _C.generate(g.partition(), 0, 90, None)["source"]
+    src = _C.generate(g.partition(), 0, 90, None).source
     assert _signature(src) == ["x", "weight", "w_global_void_pwn_int_p", "layers_0", "b", "n_1", "out", "s0"], _signature(src)
     try:
         from kbench.runtime import nvrtc
@@ -223,8 +223,8 @@ def test_kernel_parameters_are_named_after_the_values():
     part = api._fresh_capture(ln, (torch.randn(8, 256),), "cuda").graph.partition()
     part.save_stats(0)
     k = _C.generate(part, 0, 90, None)
-    assert _signature(k["source"]) == ["input", "weight", "bias", "out", "stat0", "stat1", "s0"], _signature(k["source"])
-    assert "stat0[row] = " in k["source"] and k["nostats"]
+    assert _signature(k.source) == ["input", "weight", "bias", "out", "stat0", "stat1", "s0"], _signature(k.source)
+    assert "stat0[row] = " in k.source and k.nostats
 
 
 def test_preamble_holds_only_what_the_kernel_uses():
@@ -240,8 +240,8 @@ def test_preamble_holds_only_what_the_kernel_uses():
             g, symvals, _, _ = tc.build(name, dt)
             p = g.partition()
             for r in range(len(p)):
-                for text in tc.variants(p, r, symvals):
-                    src = _C.generate(p, r, 90, text)["source"]
+                for genome in tc.variants(p, r, symvals):
+                    src = _C.generate(p, r, 90, genome).source
                     start = re.search(r"^(#define KB_NRED|template <bool KB_SAVE>|extern \"C\")", src, flags=re.M).start()
                     pre, code = _strip_c(src[:start]), _strip_c(src[start:])
                     defined = set(re.findall(r"#define (KB_\w+)", src[:start]))
@@ -250,7 +250,7 @@ def test_preamble_holds_only_what_the_kernel_uses():
                     for h in defined:
                         definitions = len(re.findall(r"(?:__forceinline__|struct)[^;{]*?\b%s\s*[({]" % h, pre))
                         uses = len(re.findall(r"\b%s\b" % h, pre)) - definitions + len(re.findall(r"\b%s\b" % h, code))
-                        assert uses > 0, (name, dt, r, text, h)
+                        assert uses > 0, (name, dt, r, str(genome), h)
                     assert ("cuda_bf16.h" in src[:start]) == bool(re.search(r"\b__\w*bfloat16", pre + code)), (name, dt)
                     assert ("cuda_fp16.h" in src[:start]) == bool(re.search(r"\b__\w*half", pre + code)), (name, dt)
     assert {"KB_INF", "kb_vec", "kb_ld", "kb_st", "kb_maxf", "kb_warp_sum", "kb_online_add", "kb_bf16_at"} <= seen, seen

@@ -11,7 +11,7 @@ from kbench.tune import cache as kc
 from kbench.runtime import cuda as cuda_runtime
 from kbench.runtime.cuda import CudaExecutor
 from kbench.runtime.plan import RegionInfo, Status
-from kbench.tune.tuner import Tuner
+from kbench.tune.tuner import Tuner, stored_kernel
 
 LAUNCH = {"block": 256, "smem": 0, "grid_units": [1, [0]], "units_per_block": 1, "max_blocks": 0,
           "nkernels": 1, "workspace": 0, "workspace_per_block": 0}
@@ -182,10 +182,12 @@ def test_an_old_entries_grid_clamp_loads_as_no_cap(monkeypatch):
     monkeypatch.setattr(cuda_runtime._C, "get_function", lambda cuda, module, name, smem: (name, 64, 0))
     ex = CudaExecutor.__new__(CudaExecutor)    # no GPU: only what load() reads
     ex.cuda, ex.dev = None, {"num_sms": 132, "regs_per_sm": 65536}
-    k = {**LAUNCH, "source": "", "name": "kb_region0", "genome": "threads=256 vec=4", "workspace_bytes_per_unit": 0}
-    assert ex.load({**k, "max_blocks": 0x7FFFFFFF}, cubin=b"x").max_blocks == 0
+
+    def k(max_blocks):   # a stored winner's kernel, as the tuner rebuilds it
+        return stored_kernel(winner(launch=dict(LAUNCH, max_blocks=max_blocks)))
+    assert ex.load(k(0x7FFFFFFF), cubin=b"x").max_blocks == 0
     fit = cuda_runtime.resident_blocks(64, 256, 65536) * 132
     assert fit == 4 * 132                       # 64 registers x 256 threads: four blocks an SM
-    assert ex.load({**k, "max_blocks": 10 * fit}, cubin=b"x").max_blocks == fit
-    assert ex.load({**k, "max_blocks": fit // 2}, cubin=b"x").max_blocks == fit // 2
-    assert ex.load(k, cubin=b"x").max_blocks == 0
+    assert ex.load(k(10 * fit), cubin=b"x").max_blocks == fit
+    assert ex.load(k(fit // 2), cubin=b"x").max_blocks == fit // 2
+    assert ex.load(k(0), cubin=b"x").max_blocks == 0

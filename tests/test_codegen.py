@@ -347,7 +347,7 @@ def test_swiglu_backward_reads_each_half_where_selected(dt):
     under its column range, so the clamps drop out, the halves read as 16-byte vector loads at
     a1 and a1 - 512 that only chunks the branch selects issue, and no index goes through float."""
     g, _, _, _ = build("swiglu_bwd", dt)
-    src = _C.generate(g.partition(), 0, 90, None)["source"]
+    src = _C.generate(g.partition(), 0, 90, None).source
     vec = 4 if dt == "f32" else 8
     body = src[src.index("if (i0 + %d <= n)" % vec):src.index("// the tail")]
     loads = [ln for ln in body.splitlines() if "kb_ld<" in ln]
@@ -370,7 +370,8 @@ def test_select_over_uneven_halves_reads_element_by_element():
     b.g.add_output(b.op("mul", [b.op("silu", [lo], "f32", ["s0", 501]), hi], "f32", ["s0", 501]))
     g = b.g.grad([True])
     p = g.partition()
-    src = _C.generate(p, 0, 90, "threads=256 vec=2 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1")["source"]
+    genome = _C.Genome.parse("threads=256 vec=2 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1")
+    src = _C.generate(p, 0, 90, genome).source
     assert "(a1 < 501) ?" in src and "(a1 >= 501) ?" in src, src
     assert not any("kb_ld<" in ln and "?" in ln for ln in src.splitlines()), src
 
@@ -383,11 +384,11 @@ def test_row_cache_is_filled_by_every_kind_of_node():
     g, symvals, _, _ = build("masked_center", "f32")
     p = g.partition()
     cached = 0
-    for text in variants(p, 0, symvals):
-        src = _C.generate(p, 0, 90, text)["source"]
+    for genome in variants(p, 0, symvals):
+        src = _C.generate(p, 0, 90, genome).source
         for arr in set(re.findall(r"rc(\d+)\[u\]", src)):
             cached += 1
-            assert re.search(r"rc%s\[u\]\[[^\]]*\] = " % arr, src), (text, arr, src)
+            assert re.search(r"rc%s\[u\]\[[^\]]*\] = " % arr, src), (str(genome), arr, src)
     assert cached, "no variant keeps a value in the register row cache"
 
 
@@ -425,16 +426,16 @@ def test_generate_default_is_deterministic(name, dt):
     g, symvals, _, _ = build(name, dt)
     p = g.partition()
     for r in range(len(p)):
-        text = _C.genome_default(p, r, symvals)
+        genome = _C.genome_default(p, r, symvals)
         k = _C.generate(p, r, 90, None)
-        assert k["genome"] == text
-        again = _C.generate(build(name, dt)[0].partition(), r, 90, text)
-        assert again["source"] == k["source"], "same region and genome, different source"
-        assert k["name"] in k["source"] and f"__launch_bounds__({k['block']})" in k["source"]
-        assert k["units_per_block"] >= 1 and k["nkernels"] in (1, 2)
-        body = k["source"].split("\n\n", 1)[1]  # headers only where the kernel uses the type
-        assert ("cuda_bf16.h" in k["source"]) == ("bfloat16" in body)
-        assert ("cuda_fp16.h" in k["source"]) == ("half" in body.replace("kb_half", ""))   # not the variable
+        assert k.genome == genome
+        again = _C.generate(build(name, dt)[0].partition(), r, 90, genome)
+        assert again.source == k.source, "same region and genome, different source"
+        assert k.name in k.source and f"__launch_bounds__({k.block})" in k.source
+        assert k.units_per_block >= 1 and k.nkernels in (1, 2)
+        body = k.source.split("\n\n", 1)[1]  # headers only where the kernel uses the type
+        assert ("cuda_bf16.h" in k.source) == ("bfloat16" in body)
+        assert ("cuda_fp16.h" in k.source) == ("half" in body.replace("kb_half", ""))   # not the variable
 
 
 def test_genome_text_errors():
@@ -442,23 +443,25 @@ def test_genome_text_errors():
     p = g.partition()
     for bad in ("threads=256 warps=4", "cache=disk", "vec=3", "threads=100", "threads=256 rows=3",
                 "threads=256 col_split=4"):
-        with pytest.raises(ValueError):
-            _C.generate(p, 0, 90, bad)
+        with pytest.raises(ValueError):   # the text (Genome.parse) or the genome (codegen)
+            _C.generate(p, 0, 90, _C.Genome.parse(bad))
     # a row length that varies cannot live in registers
     pd = build("softmax_dyn", "f32")[0].partition()
     with pytest.raises(ValueError):
-        _C.generate(pd, 0, 90, "threads=256 cache=regs")
-    assert "cache=reread" in _C.genome_default(pd, 0, [5, 300])
+        _C.generate(pd, 0, 90, _C.Genome.parse("threads=256 cache=regs"))
+    assert _C.genome_default(pd, 0, [5, 300]).cache == "reread"
+    with pytest.raises(TypeError):        # a genome is a Genome, not its text
+        _C.generate(p, 0, 90, "threads=256 vec=1")
 
 
 def test_default_genomes():
     g, sv, _, _ = build("layernorm", "bf16")
-    text = _C.genome_default(g.partition(), 0, sv)
-    assert "vec=8" in text and "cache=regs" in text  # 16-byte bf16 vectors, the row in registers
+    genome = _C.genome_default(g.partition(), 0, sv)
+    assert genome.vec == 8 and genome.cache == "regs"  # 16-byte bf16 vectors, the row in registers
     g, sv, _, _ = build("bias_gelu", "f32")
-    assert "vec=4" in _C.genome_default(g.partition(), 0, sv)
+    assert _C.genome_default(g.partition(), 0, sv).vec == 4
     g, sv, _, _ = build("col_sum", "f32")
-    assert "col_split=" in _C.genome_default(g.partition(), 0, sv)
+    assert _C.genome_default(g.partition(), 0, sv).col_split >= 1
 
 
 def capture_task(task, dt, cols=4096):
@@ -485,8 +488,8 @@ def test_default_pointwise_items(task, dt, rows, items, threads):
     p = ex.graph.partition()
     r = next(i for i in range(len(p)) if p.region(i)["kind"] == "POINTWISE")
     symvals = [rows if v == 64 else v for v in ex.example_symvals]     # the batch, at `rows`
-    gn = dict(kv.split("=") for kv in _C.genome_default(p, r, symvals).split())
-    assert (int(gn["items"]), int(gn["threads"])) == (items, threads), gn
+    gn = _C.genome_default(p, r, symvals)
+    assert (gn.items, gn.threads) == (items, threads), gn
 
 
 def test_grid_cap_is_only_a_real_one():
@@ -497,11 +500,11 @@ def test_grid_cap_is_only_a_real_one():
     ex = capture_task("swiglu_two", torch.float32)
     p = ex.graph.partition()
     assert len(ex.example_symvals) == 2
-    rest = "vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0 col_split=1"
-    k = _C.generate(p, 0, 90, f"threads=128 {rest} persistent=0")
-    assert k["max_blocks"] == 0 and k["grid_units"][1] == (0, 1)
-    k = _C.generate(p, 0, 90, f"threads=128 {rest} persistent=1")
-    assert 0 < k["max_blocks"] < 2 ** 20    # blocks that fit at once: a few per SM
+    genome = _C.Genome(threads=128, vec=4, rows=1, items=1, cache="regs", two_pass=1, fast_math=0, col_split=1)
+    k = _C.generate(p, 0, 90, genome.replace(persistent=0))
+    assert k.max_blocks == 0 and k.grid_units[1] == (0, 1)
+    k = _C.generate(p, 0, 90, genome.replace(persistent=1))
+    assert 0 < k.max_blocks < 2 ** 20    # blocks that fit at once: a few per SM
 
 
 def column_sum_backward(module, dt, cols):
@@ -531,8 +534,8 @@ def test_default_genome_of_rows_with_column_sums(module, dt, cols, threads, vec,
     f32 LayerNorm backward 152 -> 142 us with 1024); one pass with column sums is not capped at
     512 threads as a re-read row is (bias+GELU bf16 at 8192: 1024 threads)."""
     bp, r = column_sum_backward(module, dt, cols)
-    gn = dict(kv.split("=") for kv in _C.genome_default(bp, r, [64]).split())
-    assert (int(gn["threads"]), int(gn["vec"]), gn["cache"]) == (threads, vec, cache), gn
+    gn = _C.genome_default(bp, r, [64])
+    assert (gn.threads, gn.vec, gn.cache) == (threads, vec, cache), gn
 
 
 @pytest.mark.parametrize("module,dt,cols,genome", [
@@ -547,36 +550,37 @@ def test_default_genome_of_short_rows_with_column_sums(module, dt, cols, genome)
     (H100, LayerNorm f32 backward at 2048x768: 36.4 -> 17.5 us; bf16 77.3 -> 16.8)."""
     bp, r = column_sum_backward(module, dt, cols)
     for rows in (64, 2048):
-        text = _C.genome_default(bp, r, [rows])
-        assert text.startswith(genome) and "persistent=1" in text, text
-        k = _C.generate(bp, r, 90, text)
-        assert k["block"] == 512 and k["max_blocks"] > 0
+        gn = _C.genome_default(bp, r, [rows])
+        assert str(gn).startswith(genome) and gn.persistent == 1, gn
+        k = _C.generate(bp, r, 90, gn)
+        assert k.block == 512 and k.max_blocks > 0
 
 
 def variants(p, r, symvals):
     """The default genome and a sweep over the genes of the region's kind (illegal ones skipped)."""
-    base = dict(kv.split("=") for kv in _C.genome_default(p, r, symvals).split())
+    base = _C.genome_default(p, r, symvals)
     kind = p.region(r)["kind"]
-    sweeps = {"POINTWISE": [{"vec": "1"}, {"vec": "2", "items": "2"}, {"persistent": "1"}],
+    sweeps = {"POINTWISE": [{"vec": 1}, {"vec": 2, "items": 2}, {"persistent": 1}],
               "ROW": [{"cache": c, "threads": t, "rows": rw, "two_pass": tp} for c in ("regs", "smem", "reread")
-                      for t, rw in (("256", "1"), ("256", "8"), ("64", "8")) for tp in ("0", "1")] + [{"vec": "1"}]
-                   + [{"persistent": "1", "cache": "regs"}, {"persistent": "1", "cache": "regs", "rows": "8", "threads": "256"}],
-              "COL": [{"col_split": "1"}, {"col_split": "4"}, {"vec": "1"}]}[kind]
-    out = [_C.genome_default(p, r, symvals)]
+                      for t, rw in ((256, 1), (256, 8), (64, 8)) for tp in (0, 1)] + [{"vec": 1}]
+                   + [{"persistent": 1, "cache": "regs"},
+                      {"persistent": 1, "cache": "regs", "rows": 8, "threads": 256}],
+              "COL": [{"col_split": 1}, {"col_split": 4}, {"vec": 1}]}[kind]
+    out = [base]
     for s in sweeps:
-        text = " ".join(f"{k}={v}" for k, v in {**base, **s}.items())
+        genome = base.replace(**s)
         try:
-            _C.generate(p, r, 90, text)
+            _C.generate(p, r, 90, genome)
         except ValueError:
             continue
-        out.append(text)
+        out.append(genome)
     return out
 
 
 @pytest.mark.parametrize("name", ["layernorm", "softmax", "bias_gelu"])
 def test_golden_sources(name):
     g, _, _, _ = build(name, "bf16" if name != "softmax" else "f32")
-    src = _C.generate(g.partition(), 0, 90, None)["source"]
+    src = _C.generate(g.partition(), 0, 90, None).source
     path = GOLDEN / f"{name}.cu"
     if os.environ.get("KBENCH_UPDATE_GOLDEN"):
         path.parent.mkdir(exist_ok=True)
@@ -599,31 +603,31 @@ def test_kernels_compile(nvrtc, name, dt):
     g, symvals, _, _ = build(name, dt)
     p = g.partition()
     for r in range(len(p)):
-        for text in variants(p, r, symvals):
-            src = _C.generate(p, r, 90, text)["source"]
+        for genome in variants(p, r, symvals):
+            src = _C.generate(p, r, 90, genome).source
             for arch in ("sm_80", "sm_90"):
-                assert _C.nvrtc_compile(nvrtc, src, arch, None), (name, dt, r, text, arch)
+                assert _C.nvrtc_compile(nvrtc, src, arch, None), (name, dt, r, str(genome), arch)
 
 
 # ------------------------------------------------------------------ on the GPU
 
 def launch(cuda, k, fn, finish, symvals, ins, outs):
-    units = k["grid_units"] if isinstance(k["grid_units"], int) else \
-        k["grid_units"][0] * math.prod(symvals[s] for s in k["grid_units"][1])
-    grid = max(1, -(-units // k["units_per_block"]))
-    if k["max_blocks"]:
-        grid = min(grid, k["max_blocks"])
+    units = k.grid_units if isinstance(k.grid_units, int) else \
+        k.grid_units[0] * math.prod(symvals[s] for s in k.grid_units[1])
+    grid = max(1, -(-units // k.units_per_block))
+    if k.max_blocks:
+        grid = min(grid, k.max_blocks)
     ints = list(symvals)
     ws = None
-    ws_bytes = k["workspace_bytes_per_unit"] * units + k["workspace_bytes_per_block"] * grid
+    ws_bytes = k.workspace_bytes_per_unit * units + k.workspace_bytes_per_block * grid
     if ws_bytes:
         ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
         ints.append(ws.data_ptr())
     ptrs = tuple(t.data_ptr() for t in ins) + tuple(t.data_ptr() for t in outs)
     stream = torch.cuda.current_stream().cuda_stream
-    _C.launch(cuda, fn, (grid, 1, 1), k["block"], k["smem"], stream, ptrs, tuple(ints))
+    _C.launch(cuda, fn, (grid, 1, 1), k.block, k.smem, stream, ptrs, tuple(ints))
     if finish is not None:
-        _C.launch(cuda, finish, (grid, 1, 1), k["block"], 0, stream, ptrs, tuple(ints))
+        _C.launch(cuda, finish, (grid, 1, 1), k.block, 0, stream, ptrs, tuple(ints))
     torch.cuda.synchronize()
 
 
@@ -645,15 +649,15 @@ def test_kernels_match_interpreter(name, dt):
             rg = p.region(r)
             want = interp_region(p, g, r, sv, values)
             ins = [values[v].cuda() for v in rg["inputs"]]
-            for text in variants(p, r, symvals):
-                k = _C.generate(p, r, dev["sm"], text, dev)
-                module = _C.module_load(cuda, nv.compile(k["source"], arch))
-                fn, _, _ = _C.get_function(cuda, module, k["name"], k["smem"])
-                finish = _C.get_function(cuda, module, k["name"] + "_finish", 0)[0] if k["nkernels"] > 1 else None
+            for genome in variants(p, r, symvals):
+                k = _C.generate(p, r, dev["sm"], genome, dev)
+                module = _C.module_load(cuda, nv.compile(k.source, arch))
+                fn, _, _ = _C.get_function(cuda, module, k.name, k.smem)
+                finish = _C.get_function(cuda, module, k.finish_name, 0)[0] if k.finish_name else None
                 outs = [poison_like(tuple(want[v].shape), want[v].dtype, "cuda") for v in rg["outputs"]]
                 launch(cuda, k, fn, finish, sv, ins, outs)
                 for v, o in zip(rg["outputs"], outs):
-                    assert_close(o.cpu(), want[v], f"{name}/{dt} region {r} [{text}] sizes {sv} output %{v}")
+                    assert_close(o.cpu(), want[v], f"{name}/{dt} region {r} [{genome}] sizes {sv} output %{v}")
             values.update(want)
 
 
@@ -707,17 +711,17 @@ def test_online_normalizer_special_values(dt):
     e = torch.exp(xr - m)
     s = e.sum(-1, keepdim=True)
     wants = [e, e / s, xr - m - torch.log(s)]
-    texts = variants(p, 0, [9])
-    assert any("two_pass=0" in t and "cache=regs" in t for t in texts)
-    for text in texts:
-        k = _C.generate(p, 0, dev["sm"], text, dev)
-        module = _C.module_load(cuda, nv.compile(k["source"], f"sm_{dev['sm']}"))  # kept: its functions live with it
-        fn, _, _ = _C.get_function(cuda, module, k["name"], k["smem"])
+    genomes = variants(p, 0, [9])
+    assert any(g.two_pass == 0 and g.cache == "regs" for g in genomes)
+    for genome in genomes:
+        k = _C.generate(p, 0, dev["sm"], genome, dev)
+        module = _C.module_load(cuda, nv.compile(k.source, f"sm_{dev['sm']}"))  # kept: its functions live with it
+        fn, _, _ = _C.get_function(cuda, module, k.name, k.smem)
         outs = [poison_like((9, n), DT[dt], "cuda") for _ in wants]
         launch(cuda, k, fn, None, [9], [x.cuda()], outs)
         for j, (o, w) in enumerate(zip(outs, wants)):
             o, w = o.cpu().double(), w.to(DT[dt]).double()
-            what = f"{dt} [{text}] output {j}"
+            what = f"{dt} [{genome}] output {j}"
             assert torch.equal(o.isnan(), w.isnan()), f"{what}: NaN at other places"
             inf = w.isinf()
             assert torch.equal(o.isinf(), inf) and torch.equal(o[inf], w[inf]), f"{what}: infinities differ"
@@ -742,7 +746,7 @@ def test_backward_row_kernel_loads_ahead_in_words():
     assert region["kind"] == "ROW" and region["saved"], region
     bp = p.region_graph(0).grad([True] * len(region["inputs"]), saved=region["saved"]).partition()
     r = next(i for i in range(len(bp)) if bp.region(i)["kind"] == "ROW")
-    src = _C.generate(bp, r, 90, None)["source"]
+    src = _C.generate(bp, r, 90, None).source
     stats = re.findall(r"// in  (\w+) = %(\d+) = input user \"saved\d+\" : f32\[s0,1\]", src)
     assert len(stats) == 2, src[:1500]                      # mean and rstd
     for name, v in stats:

@@ -66,11 +66,17 @@ def region_of_kind(p, kind):
 
 
 def parse(genome):
+    """A genome's canonical text (a record's name for it) as {gene: value}."""
     out = {}
     for part in genome.split():
         k, _, v = part.partition("=")
         out[k] = v if k == "cache" else int(v)
     return out
+
+
+def texts(genomes):
+    """Asked genomes as the search's records name them: their canonical texts."""
+    return [str(g) for g in genomes]
 
 
 # ---------------------------------------------------------------------------------------- binding
@@ -87,18 +93,18 @@ def test_binding_asks_legal_unique_and_repeatable():
     seen += _C.evolve_ask(h, 100)                           # the rest of generation 0, no more
     assert len(seen) == 8 and _C.evolve_generation(h) == 0
     for t in seen:
-        _C.evolve_tell(h, t, 1.0 + parse(t)["threads"] / 1024)
+        _C.evolve_tell(h, t, 1.0 + t.threads / 1024)
     for _ in range(5):
         batch = _C.evolve_ask(h, 8)
         assert len(batch) == 8
         seen += batch
         for t in batch:
             assert _C.genome_legal(p, r, [512], None, t)
-            _C.evolve_tell(h, t, -1.0 if parse(t)["vec"] == 2 else 1.0 + parse(t)["threads"] / 1024)
+            _C.evolve_tell(h, t, -1.0 if t.vec == 2 else 1.0 + t.threads / 1024)
     assert _C.evolve_generation(h) == 5
-    assert len(set(seen)) == len(seen) == 48
+    assert len(set(seen)) == len(seen) == 48 and len(set(texts(seen))) == 48
     best, ms = _C.evolve_best(h)
-    assert parse(best)["threads"] == 32 and ms == pytest.approx(1 + 32 / 1024)
+    assert best.threads == 32 and ms == pytest.approx(1 + 32 / 1024)
     doms = _C.evolve_domains(h)
     assert doms["threads"] == [32, 64, 128, 256, 512, 1024] and doms["col_split"] == [1]
     assert set(doms["cache"]) == {"regs", "smem", "reread"}
@@ -111,7 +117,7 @@ def test_binding_asks_legal_unique_and_repeatable():
             batch = _C.evolve_ask(hh, 8)
             out += batch
             for t in batch:
-                _C.evolve_tell(hh, t, parse(t)["items"] + parse(t)["rows"] / 7)
+                _C.evolve_tell(hh, t, t.items + t.rows / 7)
         return out
     assert run(3) == run(3)
     assert run(3) != run(4)
@@ -126,13 +132,17 @@ def test_binding_errors_and_lifetime():
     assert len(_C.evolve_ask(h, 64)) == 12       # population 0: the default (12)
     assert _C.evolve_ask(h, 0) == []
     with pytest.raises(ValueError, match="not legal"):
-        _C.evolve_tell(h, "threads=256 vec=4 rows=1 col_split=4", 1.0)
+        _C.evolve_tell(h, _C.Genome.parse("threads=256 vec=4 rows=1 col_split=4"), 1.0)
     with pytest.raises(ValueError):
-        _C.evolve_tell(h, "threads=256 bogus=1", 1.0)
+        _C.evolve_tell(h, _C.Genome.parse("threads=256 bogus=1"), 1.0)
     with pytest.raises(ValueError):
         _C.evolve_tell(h, _C.genome_default(p, r, [512]), float("nan"))
     with pytest.raises(ValueError):
-        _C.genome_legal(p, r, [512], None, "threads=")
+        _C.genome_legal(p, r, [512], None, _C.Genome.parse("threads="))
+    with pytest.raises(TypeError):   # a Genome, not its text
+        _C.evolve_tell(h, str(_C.genome_default(p, r, [512])), 1.0)
+    with pytest.raises(TypeError):
+        _C.genome_legal(p, r, [512], None, str(_C.genome_default(p, r, [512])))
     with pytest.raises(IndexError):
         _C.evolve_new(p, len(p), [512], None, 0, 8)
     with pytest.raises(ValueError):
@@ -144,7 +154,7 @@ def test_binding_errors_and_lifetime():
     with pytest.raises((TypeError, ValueError)):
         _C.evolve_ask(object(), 4)
     # a genome told from elsewhere (a cache) is remembered and may be the best
-    t = "threads=128 vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=1 col_split=1"
+    t = _C.Genome.parse("threads=128 vec=4 rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=1 col_split=1")
     assert _C.genome_legal(p, r, [512], None, t)
     _C.evolve_tell(h, t, 0.01)
     assert _C.evolve_best(h) == (t, 0.01)
@@ -159,19 +169,19 @@ def test_binding_errors_and_lifetime():
 def test_genome_legal_rules():
     p = layernorm_graph(n=770).partition()
     r = region_of_kind(p, "ROW")
-    rest = "two_pass=1 fast_math=0 persistent=0 col_split=1"
-    assert _C.genome_legal(p, r, [512], None, f"threads=256 vec=2 rows=1 items=1 cache=regs {rest}")
-    assert not _C.genome_legal(p, r, [512], None, f"threads=256 vec=4 rows=1 items=1 cache=regs {rest}")
+    rest = _C.Genome(threads=256, two_pass=1, fast_math=0, persistent=0, col_split=1)
+    assert _C.genome_legal(p, r, [512], None, rest.replace(vec=2, rows=1, items=1, cache="regs"))
+    assert not _C.genome_legal(p, r, [512], None, rest.replace(vec=4, rows=1, items=1, cache="regs"))
     assert not _C.genome_legal(p, r, [512], {"max_smem_per_block": 1024},
-                               f"threads=256 vec=2 rows=1 items=1 cache=smem {rest}")
-    assert _C.genome_legal(p, r, [512], None, f"threads=256 vec=2 rows=1 items=1 cache=smem {rest}")
+                               rest.replace(vec=2, rows=1, items=1, cache="smem"))
+    assert _C.genome_legal(p, r, [512], None, rest.replace(vec=2, rows=1, items=1, cache="smem"))
     p = layernorm_graph(pinned=False).partition()
     r = region_of_kind(p, "ROW")
-    assert not _C.genome_legal(p, r, [512], None, f"threads=256 vec=1 rows=1 items=1 cache=regs {rest}")
-    assert _C.genome_legal(p, r, [512], None, f"threads=256 vec=1 rows=1 items=4 cache=reread {rest}")
+    assert not _C.genome_legal(p, r, [512], None, rest.replace(vec=1, rows=1, items=1, cache="regs"))
+    assert _C.genome_legal(p, r, [512], None, rest.replace(vec=1, rows=1, items=4, cache="reread"))
     p = gelu_graph(dtype="bf16").partition()
-    assert _C.genome_legal(p, 0, [4096], None, f"threads=256 vec=8 rows=1 items=2 cache=regs {rest}")
-    assert not _C.genome_legal(p, 0, [4096], None, f"threads=256 vec=8 rows=2 items=2 cache=regs {rest}")
+    assert _C.genome_legal(p, 0, [4096], None, rest.replace(vec=8, rows=1, items=2, cache="regs"))
+    assert not _C.genome_legal(p, 0, [4096], None, rest.replace(vec=8, rows=2, items=2, cache="regs"))
 
 
 # ---------------------------------------------------------------------------------------- fake bench
@@ -183,7 +193,8 @@ class FakeKernel:
 
 
 class FakeBench:
-    """Synthetic device: time = cost(genome); genomes in the sets fail where named."""
+    """Synthetic device: time = cost(genome text); genomes (their texts) in the sets fail where
+    named. Its kernels carry their genome's text, as the search's records name them."""
 
     def __init__(self, cost, *, codegen_fail=(), compile_fail=(), slow=(), gate_fail=(), trap=(), verify_fail=(),
                  real_partition=None, noise=0.0):
@@ -198,17 +209,17 @@ class FakeBench:
         self.rng = __import__("random").Random(0)
 
     def generate(self, genome):
-        if genome in self.codegen_fail:
+        if str(genome) in self.codegen_fail:
             raise ValueError("codegen: genome: not for this region\nsecond line\nthird line")
         if self.real_partition is not None:
             p, r = self.real_partition
             return _C.generate(p, r, 90, genome, None)
-        return {"source": f"// genome: {genome}\n__global__ void k_{abs(hash(genome))}() {{}}\n", "name": "k",
-                "block": parse(genome)["threads"], "smem": 0, "genome": genome, "grid_units": 1, "units_per_block": 1,
-                "nkernels": 1, "workspace_bytes_per_unit": 0, "max_blocks": 0}
+        return _C.KernelInfo(source=f"// genome: {genome}\n__global__ void k_{abs(hash(genome))}() {{}}\n", name="k",
+                             block=genome.threads, smem=0, genome=genome, grid_units=1, units_per_block=1, nkernels=1,
+                             workspace_bytes_per_unit=0, max_blocks=0)
 
     def compile(self, k):
-        g = k["genome"]
+        g = str(k.genome)
         with self.lock:
             self.compiled.append(g)
         if g in self.slow:
@@ -217,8 +228,8 @@ class FakeBench:
             raise _C.CompileError("kernel.cu(3): error: identifier \"x\" is undefined\nline two\nline three")
 
     def load(self, k):
-        self.calls.append(("load", k["genome"]))
-        return FakeKernel(k["genome"])
+        self.calls.append(("load", str(k.genome)))
+        return FakeKernel(str(k.genome))
 
     def gate(self, kernel):
         self.calls.append(("gate", kernel.genome))
@@ -278,8 +289,8 @@ def test_search_finds_the_optimum_and_records_everything(ln):
     bench = FakeBench(ln_cost)
     res = run_search(ln, bench, progress=lambda r, gen, best: progress.append((r, gen, best)))
     assert res.best_genome == LN_BEST and res.best_ms == pytest.approx(ln_cost(LN_BEST))
-    assert res.best_k["genome"] == LN_BEST and res.kernel.genome == LN_BEST and res.verdict
-    assert res.default_genome == res.candidates[0]["genome"] == _C.genome_default(ln[1], ln[2], [4096])
+    assert str(res.best_k.genome) == LN_BEST and res.kernel.genome == LN_BEST and res.verdict
+    assert res.default_genome == res.candidates[0]["genome"] == str(_C.genome_default(ln[1], ln[2], [4096]))
     assert res.default_ms == pytest.approx(ln_cost(res.default_genome))
     assert len(res.candidates) == 160 and len({c["genome"] for c in res.candidates}) == 160
     assert res.generations == 10 and [p[1] for p in progress] == list(range(10))
@@ -335,7 +346,7 @@ def test_finalists_retimed_interleaved_then_verified_in_order(ln):
 
 def test_default_kept_within_two_percent(ln):
     g, p, r = ln
-    default = _C.genome_default(p, r, [4096])
+    default = str(_C.genome_default(p, r, [4096]))
 
     def near(genome):
         return 1.0 if genome == default else 0.99 if parse(genome)["items"] == 2 else 1.5
@@ -352,7 +363,7 @@ def test_near_ties_pick_the_earliest_asked(ln):
     # one generation (fast: its asks are fixed by the seed) where many candidates tie within the
     # noise (any persistent genome but the default): whatever order the noise
     # gives them, the earliest asked get in (all near ones, up to a cap) and the earliest asked wins
-    default = _C.genome_default(ln[1], ln[2], [4096])
+    default = str(_C.genome_default(ln[1], ln[2], [4096]))
 
     def cost(genome):
         return 1.0 if parse(genome)["persistent"] == 1 and genome != default else 2.0
@@ -372,7 +383,7 @@ def test_near_ties_pick_the_earliest_asked(ln):
 
 def test_failures_are_recorded_and_the_search_goes_on(ln):
     g, p, r = ln
-    first = _C.evolve_ask(_C.evolve_new(p, r, [4096], None, 0, 16), 16)   # the seed population, as the search sees it
+    first = texts(_C.evolve_ask(_C.evolve_new(p, r, [4096], None, 0, 16), 16))   # the seed population, as searched
     bad = {"codegen": first[1], "compile": first[2], "slow": first[3], "gate": first[4]}
     bench = FakeBench(ln_cost, codegen_fail={bad["codegen"]}, compile_fail={bad["compile"]}, slow={bad["slow"]: 1.5},
                       gate_fail={bad["gate"]})
@@ -396,11 +407,11 @@ def test_failures_are_recorded_and_the_search_goes_on(ln):
 
 def test_trap_stops_the_search_and_keeps_the_default(ln):
     g, p, r = ln
-    first = _C.evolve_ask(_C.evolve_new(p, r, [4096], None, 0, 12), 12)
+    first = texts(_C.evolve_ask(_C.evolve_new(p, r, [4096], None, 0, 12), 12))
     bench = FakeBench(ln_cost, trap={first[5]})
     res = run_search(ln, bench, budget="fast")
     assert "ILLEGAL_ADDRESS" in res.note and "default genome is kept" in res.note
-    assert res.best_genome == res.default_genome == first[0] and res.best_k["genome"] == first[0]
+    assert res.best_genome == res.default_genome == first[0] and str(res.best_k.genome) == first[0]
     assert res.kernel is None and res.verdict is None
     rec = {c["genome"]: c for c in res.candidates}
     assert rec[first[5]]["verify"].startswith("trap: ")
@@ -453,7 +464,7 @@ def test_bad_budget(ln):
 
 class CpuKernel:
     def __init__(self, k, wrong=False):
-        self.genome, self.regs, self.spills, self.wrong = k["genome"], 32, 0, wrong
+        self.genome, self.regs, self.spills, self.wrong = str(k.genome), 32, 0, wrong
 
 
 class CpuExecutor:
@@ -485,7 +496,7 @@ class CpuExecutor:
         return outs
 
     def load(self, k):
-        return CpuKernel(k, wrong=k["genome"] in self.wrong)
+        return CpuKernel(k, wrong=str(k.genome) in self.wrong)
 
     def launch_params(self, kernel, r, symvals):
         reg = self.plan.partition.region(r)
@@ -541,7 +552,7 @@ def test_cuda_bench_plumbing_on_cpu():
     bench = search.CudaRegionBench(ex, r, [64])
     assert not bench.cuda and bench.flush is None
     k = bench.generate(_C.genome_default(ex.plan.partition, r, [64]))
-    assert k["source"] and "// genome: " in k["source"]
+    assert k.source and "// genome: " in k.source
     kern = bench.load(k)
     assert bench.gate(kern) == ""
     kern.wrong = True
@@ -578,7 +589,7 @@ def test_finalists_rounds_each_on_a_layout_of_their_own(monkeypatch):
     g = softmax_graph(rows=64, n=1000)
     ex = CpuExecutor(g)
     r = region_of_kind(ex.plan.partition, "ROW")
-    kern = search.CudaRegionBench(ex, r, [64]).load({"genome": "g"})
+    kern = search.CudaRegionBench(ex, r, [64]).load(types.SimpleNamespace(genome="g"))
     size = 64 * 1000 * 4   # the f32 input and the output, each 256-byte aligned already
     rounds = 40
     for cap, arena_bytes in ((1 << 40, search.ARENA_MIN_BYTES), (3 * size, 3 * size)):
@@ -633,7 +644,7 @@ def test_search_compiles_every_candidate_with_nvrtc(tmp_path, monkeypatch):
     g = softmax_graph(rows=256, n=1000)
     p = g.partition()
     r = region_of_kind(p, "ROW")
-    first = _C.evolve_ask(_C.evolve_new(p, r, [256], None, 0, 12), 12)
+    first = texts(_C.evolve_ask(_C.evolve_new(p, r, [256], None, 0, 12), 12))
     ex = CpuExecutor(g, wrong={first[3]})
     ex.plan.partition = p
     res = search.search_region(ex, r, [256], budget="fast", seed=0, verifier=lambda ex_, r_, k, sv: ex.verify(r_, k, sv))

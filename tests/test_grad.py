@@ -785,7 +785,7 @@ def test_backward_reading_saved_statistics_is_one_row_kernel(task, width):
     if task == "log_softmax":   # dx = dy - exp(y) * sum(dy): y and dy, not x
         assert bwd.inputs[0] not in regions[0]["inputs"] and bwd.inputs[1] in regions[0]["inputs"], str(bpart)
     assert sorted(regions[0]["outputs"]) == sorted(set(bwd.outputs))
-    src = _C.generate(bpart, 0, 90, None)["source"]
+    src = _C.generate(bpart, 0, 90, None).source
     assert "pass 2 over the row: write the outputs" in src and "pass 3" not in src, src
 
     # gradients through the runtime (interpreter backend), statistics saved by the forward

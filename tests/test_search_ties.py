@@ -6,7 +6,7 @@ import pytest
 
 from kbench import _C
 from kbench.tune import search
-from test_evolve import FakeBench, executor_for, layernorm_graph, region_of_kind
+from test_evolve import FakeBench, executor_for, layernorm_graph, region_of_kind, texts
 
 SEED = 3
 NOISE = 0.1          # each timed repetition within +-5% of the true time
@@ -26,7 +26,7 @@ def ln():
     g = layernorm_graph(rows=4096)
     p = g.partition()
     r = region_of_kind(p, "ROW")
-    return g, p, r, _C.evolve_ask(_C.evolve_new(p, r, [4096], None, SEED, 12), 12)
+    return g, p, r, texts(_C.evolve_ask(_C.evolve_new(p, r, [4096], None, SEED, 12), 12))   # as the records name them
 
 
 def costs(asked, table):

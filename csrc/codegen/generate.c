@@ -331,7 +331,7 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     if (c.col_split > 1 || c.ncolsum) {
         c.out = &finish;
         kb_sb_puts(&finish, "\n");
-        cg_emit_signature(&c, &finish, "_finish");
+        cg_emit_signature(&c, &finish, KB_ENTRY_FINISH);
         kb_sb_puts(&finish, "{\n");
         cg_reset(&c);
         if (c.ncolsum) cg_colsum_finish(&c);

@@ -44,7 +44,7 @@ void cg_emit_saving_entries(cg *c, kb_sb *sb) {
     char lb[64];
     snprintf(lb, sizeof lb, c->rd->launch_bounds, c->gn.threads);
     for (int save = 1; save >= 0; save--) {
-        kb_sb_printf(sb, "\n%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, save ? "" : "_nostats");
+        kb_sb_printf(sb, "\n%s %s %s%s(", c->rd->kernel_prefix, lb, c->name, save ? "" : KB_ENTRY_NOSTATS);
         cg_emit_params(c, sb, 1);
         kb_sb_printf(sb, ")\n{\n    %s_body<%s>(", c->name, save ? "true" : "false");
         cg_emit_params(c, sb, 0);

@@ -314,7 +314,32 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
                             const kb_device_info *dev, kb_genome *out);
 /* Writes the canonical text into buf (always NUL-terminated); returns its length. */
 int kb_genome_format(const kb_genome *gn, char *buf, size_t n);
+/* The text's genes ("key=value" separated by blanks, any order) over kb_genome_base(); a gene
+ * given twice takes its last value. KB_ERR_INVALID for an unknown gene or a value out of its
+ * range (kb_genome_genes). */
 kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out);
+
+/* The genes of a kb_genome in field order (kb_evolve_domain numbers them the same way): each
+ * one's name in the text form, the offset of its int32_t, and the values the text may give it
+ * (cache: a kb_cache_where, written by its name). Static storage, KB_NGENES entries. */
+#define KB_NGENES 9
+typedef struct kb_gene {
+    const char *name;
+    size_t offset;
+    int32_t lo, hi;
+} kb_gene;
+const kb_gene *kb_genome_genes(void);
+/* The genes a text leaves out ("threads=256 vec=1 rows=1 items=1 cache=regs two_pass=1
+ * fast_math=0 persistent=0 col_split=1"). Static storage. */
+const kb_genome *kb_genome_base(void);
+/* A kb_cache_where's name in the text ("regs", "smem", "reread"); NULL out of range. */
+const char *kb_cache_where_name(int32_t where);
+/* The kb_cache_where named by the n bytes at name (not NUL-terminated), or -1. */
+int32_t kb_cache_where_of(const char *name, size_t n);
+/* KB_OK when every gene is within its range (what kb_genome_parse accepts), else
+ * KB_ERR_INVALID naming the first that is not. Whether a region can run it is
+ * kb_genome_legal's question. */
+kb_status kb_genome_check(kb_ctx *ctx, const kb_genome *gn);
 
 /* ---------------------------------------------------------------- code generation (codegen/) */
 
@@ -333,12 +358,17 @@ typedef struct kb_kernel {
     int64_t workspace_bytes_per_unit; /* COL split: bytes of workspace per column (0 if none) */
     int64_t workspace_bytes_per_block; /* ROW column sums: partials per block of the grid */
     int32_t max_blocks_per_sm; /* grid cap (with the device's SM count); 0: none unless persistent */
-    int32_t nkernels;       /* 1, or 2 when a finishing kernel follows (name + "_finish") */
-    int32_t nostats;        /* 1: also name + "_nostats", the same kernel without the saved statistics */
+    int32_t nkernels;       /* 1, or 2 when a finishing kernel follows (name KB_ENTRY_FINISH) */
+    int32_t nostats;        /* 1: also name KB_ENTRY_NOSTATS, the same kernel without the saved statistics */
     kb_genome genome;
     kb_dim grid_units;      /* work items: grid.x = ceil(units / units_per_block) (or capped) */
     int64_t units_per_block;
 } kb_kernel;
+
+/* The suffixes of a kernel's other entry points, after its name: the finishing kernel
+ * (nkernels == 2) and the entry without the saved statistics (nostats). */
+#define KB_ENTRY_FINISH "_finish"
+#define KB_ENTRY_NOSTATS "_nostats"
 
 kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *gn,
                              const kb_device_info *dev, kb_kernel **out);

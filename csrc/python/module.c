@@ -1,10 +1,12 @@
 /* module.c — the CPython extension kbench._C: the module (multi-phase init with module state,
- * CPython's _bisectmodule.c is the model), the kb_status -> exception mapping and the argument
- * converters the binding's files share, and the interpreter and code generation entry points.
- * The Graph and Partition types are module_graph.c's, the CUDA runtime's functions
- * module_cuda.c's, the search's module_evolve.c's; all are added to the module at exec time. */
+ * CPython's _bisectmodule.c is the model), the kb_status -> exception mapping, the per-thread
+ * context and the argument converters the binding's files share, and the interpreter and code
+ * generation entry points. The Graph and Partition types are module_graph.c's, Genome and
+ * KernelInfo module_types.c's, the CUDA runtime's functions module_cuda.c's, the search's
+ * module_evolve.c's; all are added to the module at exec time. */
 #include "python/module.h"
 
+#include <pthread.h>
 #include <string.h>
 
 #include "core/internal.h"
@@ -33,6 +35,33 @@ PyObject *kb_py_raise(PyObject *module, kb_ctx *ctx, kb_status st, const char *p
     else
         PyErr_SetString(type, msg);
     return NULL;
+}
+
+/* One kb_ctx per calling thread, made on first use, freed by pthread at thread exit. */
+static pthread_key_t tls_key;
+static pthread_once_t tls_once = PTHREAD_ONCE_INIT;
+static int tls_ok;
+
+static void tls_free(void *p) { kb_ctx_free(p); }
+static void tls_init(void) { tls_ok = pthread_key_create(&tls_key, tls_free) == 0; }
+
+kb_ctx *kb_py_thread_ctx_raw(void) {
+    pthread_once(&tls_once, tls_init);
+    if (!tls_ok) return NULL;
+    kb_ctx *ctx = pthread_getspecific(tls_key);
+    if (!ctx) {
+        if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK || pthread_setspecific(tls_key, ctx) != 0) {
+            kb_ctx_free(ctx);
+            return NULL;
+        }
+    }
+    return ctx;
+}
+
+kb_ctx *kb_py_thread_ctx(void) {
+    kb_ctx *ctx = kb_py_thread_ctx_raw();
+    if (!ctx) PyErr_SetString(PyExc_MemoryError, "kbench: no thread-local context (key or memory)");
+    return ctx;
 }
 
 int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
@@ -152,12 +181,10 @@ static PyObject *py_genome_default(PyObject *module, PyObject *args) {
     kb_genome gn;
     kb_status st = kb_genome_default(p->part, r, symvals, &info, &gn);
     if (st != KB_OK) return kb_py_raise(module, p->graph->ctx, st, "genome_default");
-    char text[256];
-    kb_genome_format(&gn, text, sizeof text);
-    return PyUnicode_FromString(text);
+    return kb_py_genome_new(state, &gn);
 }
 
-/* generate(p, r, sm, genome_text_or_None, dev=None) -> dict describing the kernel */
+/* generate(p, r, sm, genome_or_None, dev=None) -> KernelInfo */
 static PyObject *py_generate(PyObject *module, PyObject *args) {
     kb_module_state *state = kb_py_state(module);
     kb_py_partition *p;
@@ -166,39 +193,26 @@ static PyObject *py_generate(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!iiO|O:generate", state->partition_type, &p, &r, &sm, &genome_obj, &dev))
         return NULL;
     if (r < 0 || r >= p->part->nregions) return PyErr_Format(PyExc_IndexError, "region %d out of range", r);
+    kb_genome gn;
+    if (genome_obj != Py_None && kb_py_genome_of(state, genome_obj, &gn, "generate: genome") < 0) return NULL;
     kb_device_info info;
     if (kb_py_devinfo(dev, &info) < 0) return NULL;
     info.sm = sm; /* the architecture compiled for, whatever dev says */
     kb_ctx *ctx = p->graph->ctx;
     const kb_graph *g = p->graph->graph;
-    kb_genome gn;
-    kb_status st;
     if (genome_obj == Py_None) {
         int64_t symvals[KB_MAX_SYMS];
         for (int s = 0; s < kb_graph_nsymbols(g); s++) symvals[s] = kb_graph_symbol_example(g, s);
-        st = kb_genome_default(p->part, r, symvals, &info, &gn);
-    } else {
-        const char *text = PyUnicode_AsUTF8(genome_obj);
-        if (!text) return NULL;
-        st = kb_genome_parse(ctx, text, &gn);
+        kb_status st = kb_genome_default(p->part, r, symvals, &info, &gn);
+        if (st != KB_OK) return kb_py_raise(module, ctx, st, "genome");
     }
-    if (st != KB_OK) return kb_py_raise(module, ctx, st, "genome");
     kb_kernel *k = NULL;
-    st = kb_kernel_generate(p->part, r, &gn, &info, &k);
+    kb_status st = kb_kernel_generate(p->part, r, &gn, &info, &k);
     if (st != KB_OK) return kb_py_raise(module, ctx, st, "codegen");
-    char text[256];
-    kb_genome_format(&k->genome, text, sizeof text);
     /* max_blocks: the cap kb_kernel_grid applies (0 = none), so Python computes the same grid
        without a Kernel object. Not read off a grid at huge sizes: there the 2^31 - 1 clamp of a
        region with two dynamic dims looked like a cap, and the loader made it one wave. */
-    long long max_blocks = (long long)kb_kernel_max_blocks(k, &info);
-    PyObject *result = Py_BuildValue("{s:s,s:s,s:i,s:i,s:s,s:N,s:L,s:i,s:L,s:L,s:L,s:i}", "source", k->source, "name",
-                                     k->name, "block", k->block, "smem", k->smem_bytes, "genome", text, "grid_units",
-                                     kb_py_dim(k->grid_units), "units_per_block", (long long)k->units_per_block,
-                                     "nkernels", k->nkernels, "workspace_bytes_per_unit",
-                                     (long long)k->workspace_bytes_per_unit, "workspace_bytes_per_block",
-                                     (long long)k->workspace_bytes_per_block, "max_blocks", max_blocks,
-                                     "nostats", k->nostats);
+    PyObject *result = kb_py_kernel_info_new(state, k, kb_kernel_max_blocks(k, &info));
     kb_kernel_free(ctx, k);
     return result;
 }
@@ -224,9 +238,11 @@ static PyMethodDef module_methods[] = {
      "interp_region(partition, r, symvals, in_ptrs, out_ptrs): run region r on host buffers"},
     {"interp_graph", py_interp_graph, METH_VARARGS,
      "interp_graph(graph, symvals, in_ptrs, out_ptrs): run a graph without EXTERN nodes on host buffers"},
-    {"genome_default", py_genome_default, METH_VARARGS, "genome_default(partition, r, symvals, dev=None) -> text"},
+    {"genome_default", py_genome_default, METH_VARARGS,
+     "genome_default(partition, r, symvals, dev=None) -> Genome: region r's default schedule at these sizes"},
     {"generate", py_generate, METH_VARARGS,
-     "generate(partition, r, sm, genome_text_or_None, dev=None) -> dict(source, name, block, smem, genome, ...)"},
+     "generate(partition, r, sm, genome_or_None, dev=None) -> KernelInfo: region r's kernel for sm_<sm> "
+     "(None: the default genome at the graph's example sizes); ValueError where codegen refuses the genome"},
     {"ops", py_ops, METH_NOARGS, "ops() -> {name: {arity, kind}} for every IR op"},
     {NULL, NULL, 0, NULL},
 };
@@ -239,6 +255,10 @@ static int module_exec(PyObject *module) {
     if (!state->graph_type || PyModule_AddType(module, state->graph_type) < 0) return -1;
     state->partition_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &kb_partition_spec, NULL);
     if (!state->partition_type || PyModule_AddType(module, state->partition_type) < 0) return -1;
+    state->genome_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &kb_genome_spec, NULL);
+    if (!state->genome_type || PyModule_AddType(module, state->genome_type) < 0) return -1;
+    state->kernel_info_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &kb_kernel_info_spec, NULL);
+    if (!state->kernel_info_type || PyModule_AddType(module, state->kernel_info_type) < 0) return -1;
     state->compile_error = PyErr_NewExceptionWithDoc("kbench._C.CompileError",
                                                      "NVRTC could not compile a kernel; the message holds its log.",
                                                      PyExc_RuntimeError, NULL);
@@ -258,6 +278,8 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     kb_module_state *state = kb_py_state(module);
     Py_VISIT(state->graph_type);
     Py_VISIT(state->partition_type);
+    Py_VISIT(state->genome_type);
+    Py_VISIT(state->kernel_info_type);
     Py_VISIT(state->compile_error);
     Py_VISIT(state->cuda_error);
     return 0;
@@ -267,6 +289,8 @@ static int module_clear(PyObject *module) {
     kb_module_state *state = kb_py_state(module);
     Py_CLEAR(state->graph_type);
     Py_CLEAR(state->partition_type);
+    Py_CLEAR(state->genome_type);
+    Py_CLEAR(state->kernel_info_type);
     Py_CLEAR(state->compile_error);
     Py_CLEAR(state->cuda_error);
     return 0;

@@ -3,7 +3,6 @@
  * hot path: METH_FASTCALL, arguments packed on the stack, the GIL released around the launch. */
 #include "python/module.h"
 
-#include <pthread.h>
 #include <string.h>
 
 #include "core/internal.h"
@@ -15,36 +14,6 @@
 #define MODULE_CAPSULE "kbench._C.cuda_module"
 #define MAX_DIRS 64
 #define MAX_ARGS 128 /* kernel arguments in one launch */
-
-/* Each calling thread gets its own kb_ctx for error messages (and short-lived allocations):
- * compiles run in parallel threads with the GIL released, and a shared ctx would race on its
- * error buffer. Freed by pthread at thread exit. */
-static pthread_key_t tls_key;
-static pthread_once_t tls_once = PTHREAD_ONCE_INIT;
-static int tls_ok;
-
-static void tls_free(void *p) { kb_ctx_free(p); }
-static void tls_init(void) { tls_ok = pthread_key_create(&tls_key, tls_free) == 0; }
-
-/* The calling thread's ctx, or NULL (no Python error set: callable without the GIL). */
-static kb_ctx *thread_ctx_raw(void) {
-    pthread_once(&tls_once, tls_init);
-    if (!tls_ok) return NULL;
-    kb_ctx *ctx = pthread_getspecific(tls_key);
-    if (!ctx) {
-        if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK || pthread_setspecific(tls_key, ctx) != 0) {
-            kb_ctx_free(ctx);
-            return NULL;
-        }
-    }
-    return ctx;
-}
-
-static kb_ctx *thread_ctx(void) {
-    kb_ctx *ctx = thread_ctx_raw();
-    if (!ctx) PyErr_SetString(PyExc_MemoryError, "kbench: no thread-local context (key or memory)");
-    return ctx;
-}
 
 /* ---------------------------------------------------------------- handles */
 
@@ -189,7 +158,7 @@ static PyObject *py_nvrtc_compile(PyObject *self, PyObject *const *args, Py_ssiz
             return NULL;
         }
     }
-    kb_ctx *ctx = thread_ctx();
+    kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) {
         Py_XDECREF(dir_str);
         return NULL;
@@ -246,7 +215,7 @@ static PyObject *py_device_info(PyObject *self, PyObject *const *args, Py_ssize_
     if (!h) return NULL;
     int device;
     if (as_int(args[1], &device) < 0) return NULL;
-    kb_ctx *ctx = thread_ctx();
+    kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) return NULL;
     kb_device_info info;
     kb_status st = kb_cuda_device_info(ctx, h->cuda, device, &info);
@@ -308,7 +277,7 @@ static PyObject *py_get_function(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "get_function: the module was loaded through another handle");
         return NULL;
     }
-    kb_ctx *ctx = thread_ctx();
+    kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) return NULL;
     void *fn = NULL;
     int regs = 0, spills = 0;
@@ -415,7 +384,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         argp[k] = &vals[k];
     }
     argp[k] = NULL;
-    kb_ctx *ctx = thread_ctx();
+    kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) return NULL;
     kb_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -434,7 +403,7 @@ static PyObject *py_synchronize(PyObject *self, PyObject *const *args, Py_ssize_
     if (!h) return NULL;
     void *stream = nargs == 2 ? PyLong_AsVoidPtr(args[1]) : NULL;
     if (!stream && PyErr_Occurred()) return NULL;
-    kb_ctx *ctx = thread_ctx();
+    kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) return NULL;
     kb_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -454,7 +423,7 @@ static void *capi_cuda_of(void *capsule) {
 
 static int capi_launch(void *cuda, void *fn, const uint32_t grid[3], int block, int smem, void *stream,
                        void **args, char *err, size_t errlen) {
-    kb_ctx *ctx = thread_ctx_raw();
+    kb_ctx *ctx = kb_py_thread_ctx_raw();
     if (!ctx) {
         snprintf(err, errlen, "kbench: no thread-local context for a launch");
         return -1;
@@ -465,7 +434,7 @@ static int capi_launch(void *cuda, void *fn, const uint32_t grid[3], int block, 
 }
 
 static int capi_capturing(void *cuda, void *stream, char *err, size_t errlen) {
-    kb_ctx *ctx = thread_ctx_raw();
+    kb_ctx *ctx = kb_py_thread_ctx_raw();
     int capturing = 0;
     if (ctx && kb_cuda_stream_capturing(ctx, cuda, stream, &capturing) == KB_OK) return capturing;
     snprintf(err, errlen, "%s", ctx ? kb_ctx_error(ctx) : "kbench: no thread-local context");

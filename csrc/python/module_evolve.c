@@ -1,6 +1,6 @@
 /* module_evolve.c — kbench._C's schedule search functions over tune/evolve.c: a search per
- * region as a capsule (it keeps its Partition alive), asked and told in canonical genome texts,
- * and the legality test of one genome. kbench/search.py drives them. */
+ * region as a capsule (it keeps its Partition alive), asked and told in Genome objects, and the
+ * legality test of one genome. kbench/tune/search.py drives them. */
 #include "python/module.h"
 
 #include "python/module_evolve.h"
@@ -41,16 +41,6 @@ static int region_args(PyObject *module, PyObject *part, int r, PyObject *symseq
     return kb_py_devinfo(dev, info);
 }
 
-static kb_status parse_text(kb_ctx *ctx, PyObject *text, kb_genome *out, int *pyerr) {
-    *pyerr = 0;
-    const char *s = PyUnicode_AsUTF8(text);
-    if (!s) {
-        *pyerr = 1;
-        return KB_ERR_INVALID;
-    }
-    return kb_genome_parse(ctx, s, out);
-}
-
 /* evolve_new(partition, r, symvals, dev_or_None, seed, population) -> capsule */
 static PyObject *py_evolve_new(PyObject *module, PyObject *args) {
     PyObject *part, *symseq, *dev;
@@ -78,7 +68,7 @@ static PyObject *py_evolve_new(PyObject *module, PyObject *args) {
     return cap;
 }
 
-/* evolve_ask(h, max) -> [genome text, ...] (empty: the legal space is exhausted) */
+/* evolve_ask(h, max) -> [Genome, ...] (empty: the legal space is exhausted) */
 static PyObject *py_evolve_ask(PyObject *module, PyObject *args) {
     PyObject *cap;
     int max;
@@ -95,48 +85,43 @@ static PyObject *py_evolve_ask(PyObject *module, PyObject *args) {
         PyMem_Free(out);
         return kb_py_raise(module, h->part->graph->ctx, st, "evolve_ask");
     }
+    kb_module_state *state = kb_py_state(module);
     PyObject *list = PyList_New(n);
     for (int i = 0; list && i < n; i++) {
-        char text[256];
-        kb_genome_format(&out[i], text, sizeof text);
-        PyObject *s = PyUnicode_FromString(text);
-        if (!s) {
+        PyObject *g = kb_py_genome_new(state, &out[i]);
+        if (!g) {
             Py_CLEAR(list);
             break;
         }
-        PyList_SET_ITEM(list, i, s);
+        PyList_SET_ITEM(list, i, g);
     }
     PyMem_Free(out);
     return list;
 }
 
-/* evolve_tell(h, genome_text, ms): ms < 0 for a failed candidate */
+/* evolve_tell(h, genome, ms): ms < 0 for a failed candidate */
 static PyObject *py_evolve_tell(PyObject *module, PyObject *args) {
-    PyObject *cap, *text;
+    PyObject *cap, *genome;
     double ms;
-    if (!PyArg_ParseTuple(args, "OUd:evolve_tell", &cap, &text, &ms)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOd:evolve_tell", &cap, &genome, &ms)) return NULL;
     evolve_handle *h = handle_of(cap);
     if (!h) return NULL;
-    kb_ctx *ctx = h->part->graph->ctx;
     kb_genome gn;
-    int pyerr;
-    kb_status st = parse_text(ctx, text, &gn, &pyerr);
-    if (pyerr) return NULL;
-    if (st == KB_OK) st = kb_evolve_tell(h->ev, &gn, ms);
-    if (st != KB_OK) return kb_py_raise(module, ctx, st, "evolve_tell");
+    if (kb_py_genome_of(kb_py_state(module), genome, &gn, "evolve_tell: genome") < 0) return NULL;
+    kb_status st = kb_evolve_tell(h->ev, &gn, ms);
+    if (st != KB_OK) return kb_py_raise(module, h->part->graph->ctx, st, "evolve_tell");
     Py_RETURN_NONE;
 }
 
-/* evolve_best(h) -> (genome_text, ms) or None when nothing succeeded */
-static PyObject *py_evolve_best(PyObject *Py_UNUSED(module), PyObject *cap) {
+/* evolve_best(h) -> (Genome, ms) or None when nothing succeeded */
+static PyObject *py_evolve_best(PyObject *module, PyObject *cap) {
     evolve_handle *h = handle_of(cap);
     if (!h) return NULL;
     kb_genome gn;
     double ms;
     if (!kb_evolve_best(h->ev, &gn, &ms)) Py_RETURN_NONE;
-    char text[256];
-    kb_genome_format(&gn, text, sizeof text);
-    return Py_BuildValue("(sd)", text, ms);
+    PyObject *g = kb_py_genome_new(kb_py_state(module), &gn);
+    return g ? Py_BuildValue("(Nd)", g, ms) : NULL;
 }
 
 static PyObject *py_evolve_generation(PyObject *Py_UNUSED(module), PyObject *cap) {
@@ -147,59 +132,56 @@ static PyObject *py_evolve_generation(PyObject *Py_UNUSED(module), PyObject *cap
 
 /* evolve_domains(h) -> {gene: [values]} (cache values by name) */
 static PyObject *py_evolve_domains(PyObject *Py_UNUSED(module), PyObject *cap) {
-    static const char *const genes[] = {"threads", "vec",        "rows",       "items",    "cache",
-                                        "two_pass", "fast_math", "persistent", "col_split"};
-    static const char *const caches[] = {"regs", "smem", "reread"};
+    const kb_gene *genes = kb_genome_genes();
     evolve_handle *h = handle_of(cap);
     if (!h) return NULL;
     PyObject *d = PyDict_New();
-    for (int g = 0; d && g < 9; g++) {
+    for (int g = 0; d && g < KB_NGENES; g++) {
         int32_t vals[64];
         int n = kb_evolve_domain(h->ev, g, vals, 64);
+        if (n > 64) n = 64;
+        int cache = genes[g].offset == offsetof(kb_genome, cache);
         PyObject *list = PyList_New(n);
         for (int i = 0; list && i < n; i++) {
-            PyObject *v = g == 4 && vals[i] >= 0 && vals[i] < 3 ? PyUnicode_FromString(caches[vals[i]]) : PyLong_FromLong(vals[i]);
+            const char *name = cache ? kb_cache_where_name(vals[i]) : NULL;
+            PyObject *v = name ? PyUnicode_FromString(name) : PyLong_FromLong(vals[i]);
             if (!v) {
                 Py_CLEAR(list);
                 break;
             }
             PyList_SET_ITEM(list, i, v);
         }
-        if (!list || PyDict_SetItemString(d, genes[g], list) < 0) Py_CLEAR(d);
+        if (!list || PyDict_SetItemString(d, genes[g].name, list) < 0) Py_CLEAR(d);
         Py_XDECREF(list);
     }
     return d;
 }
 
-/* genome_legal(partition, r, symvals, dev_or_None, genome_text) -> bool */
+/* genome_legal(partition, r, symvals, dev_or_None, genome) -> bool */
 static PyObject *py_genome_legal(PyObject *module, PyObject *args) {
-    PyObject *part, *symseq, *dev, *text;
+    PyObject *part, *symseq, *dev, *genome;
     int r;
-    if (!PyArg_ParseTuple(args, "OiOOU:genome_legal", &part, &r, &symseq, &dev, &text)) return NULL;
+    if (!PyArg_ParseTuple(args, "OiOOO:genome_legal", &part, &r, &symseq, &dev, &genome)) return NULL;
     int64_t symvals[KB_MAX_SYMS];
     kb_device_info info;
     if (region_args(module, part, r, symseq, dev, symvals, &info) < 0) return NULL;
-    kb_py_partition *pp = (kb_py_partition *)part;
     kb_genome gn;
-    int pyerr;
-    kb_status st = parse_text(pp->graph->ctx, text, &gn, &pyerr);
-    if (pyerr) return NULL;
-    if (st != KB_OK) return kb_py_raise(module, pp->graph->ctx, st, "genome_legal");
-    return PyBool_FromLong(kb_genome_legal(pp->part, r, symvals, &info, &gn));
+    if (kb_py_genome_of(kb_py_state(module), genome, &gn, "genome_legal: genome") < 0) return NULL;
+    return PyBool_FromLong(kb_genome_legal(((kb_py_partition *)part)->part, r, symvals, &info, &gn));
 }
 
 PyMethodDef kb_evolve_methods[] = {
     {"evolve_new", py_evolve_new, METH_VARARGS,
      "evolve_new(partition, r, symvals, dev_or_None, seed, population) -> search handle (population <= 0: 12)"},
     {"evolve_ask", py_evolve_ask, METH_VARARGS,
-     "evolve_ask(h, max) -> list of up to max canonical genome texts of the current generation "
-     "(the first of the first ask is the default genome; [] once the legal space is exhausted)"},
+     "evolve_ask(h, max) -> list of up to max Genomes of the current generation (the first of the first ask is "
+     "the default genome; [] once the legal space is exhausted)"},
     {"evolve_tell", py_evolve_tell, METH_VARARGS,
-     "evolve_tell(h, genome_text, ms): the candidate's time in ms, or a negative number if it failed"},
-    {"evolve_best", py_evolve_best, METH_O, "evolve_best(h) -> (genome_text, ms) of the fastest success, or None"},
+     "evolve_tell(h, genome, ms): the candidate's time in ms, or a negative number if it failed"},
+    {"evolve_best", py_evolve_best, METH_O, "evolve_best(h) -> (Genome, ms) of the fastest success, or None"},
     {"evolve_generation", py_evolve_generation, METH_O, "evolve_generation(h) -> the latest batch's generation"},
     {"evolve_domains", py_evolve_domains, METH_O, "evolve_domains(h) -> {gene: [values the search draws from]}"},
     {"genome_legal", py_genome_legal, METH_VARARGS,
-     "genome_legal(partition, r, symvals, dev_or_None, genome_text) -> bool (ValueError for unparsable text)"},
+     "genome_legal(partition, r, symvals, dev_or_None, genome) -> bool: whether the region can run the Genome"},
     {NULL, NULL, 0, NULL},
 };

@@ -10,7 +10,7 @@
 /* ---------------------------------------------------------------- dims <-> Python */
 
 /* A dim is an int (pinned) or (coef, (sym, ...)). */
-static int dim_from_py(PyObject *o, kb_dim *d) {
+int kb_py_dim_from(PyObject *o, kb_dim *d) {
     memset(d, 0, sizeof *d);
     if (PyLong_Check(o)) {
         d->coef = PyLong_AsLongLong(o);
@@ -63,7 +63,7 @@ static int dims_from_py(PyObject *seq, kb_node *t) {
     }
     t->rank = (int32_t)n;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (dim_from_py(PySequence_Fast_GET_ITEM(fast, i), &t->dims[i]) < 0) {
+        if (kb_py_dim_from(PySequence_Fast_GET_ITEM(fast, i), &t->dims[i]) < 0) {
             Py_DECREF(fast);
             return -1;
         }

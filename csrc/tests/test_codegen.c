@@ -461,6 +461,39 @@ static void test_genome_text(void) {
     char tiny[8];
     kb_genome_format(&g, tiny, sizeof tiny);
     CHECK(strlen(tiny) == 7);
+    /* a gene given twice takes its last value; the empty text is the base genome */
+    CHECK_STATUS(ctx, kb_genome_parse(ctx, "threads=128 vec=2 threads=64", &g), KB_OK);
+    CHECK(g.threads == 64 && g.vec == 2);
+    CHECK_STATUS(ctx, kb_genome_parse(ctx, "", &g), KB_OK);
+    CHECK(memcmp(&g, kb_genome_base(), sizeof g) == 0);
+}
+
+/* The gene table: names and fields in kb_genome order, the ranges the parser and the check apply. */
+static void test_genome_genes(void) {
+    const kb_gene *genes = kb_genome_genes();
+    static const char *const names[KB_NGENES] = {"threads",  "vec",       "rows",       "items",    "cache",
+                                                 "two_pass", "fast_math", "persistent", "col_split"};
+    for (int i = 0; i < KB_NGENES; i++) {
+        CHECK(strcmp(genes[i].name, names[i]) == 0);
+        CHECK(genes[i].offset == (size_t)i * sizeof(int32_t) && genes[i].lo <= genes[i].hi);
+    }
+    CHECK(strcmp(kb_cache_where_name(KB_CACHE_REREAD), "reread") == 0 && kb_cache_where_name(3) == NULL &&
+          kb_cache_where_name(-1) == NULL);
+    CHECK(kb_cache_where_of("smem", 4) == KB_CACHE_SMEM && kb_cache_where_of("smemx", 4) == KB_CACHE_SMEM &&
+          kb_cache_where_of("sme", 3) == -1 && kb_cache_where_of("", 0) == -1);
+    kb_genome g = *kb_genome_base();
+    CHECK_STATUS(ctx, kb_genome_check(ctx, &g), KB_OK);
+    for (int i = 0; i < KB_NGENES; i++) {
+        kb_genome bad = g;
+        int32_t *v = (int32_t *)((char *)&bad + genes[i].offset);
+        *v = genes[i].hi + 1;
+        CHECK_STATUS(ctx, kb_genome_check(ctx, &bad), KB_ERR_INVALID);
+        CHECK(strstr(kb_ctx_error(ctx), genes[i].name) != NULL);
+        *v = genes[i].lo - 1;
+        CHECK_STATUS(ctx, kb_genome_check(ctx, &bad), KB_ERR_INVALID);
+        *v = genes[i].lo;
+        CHECK_STATUS(ctx, kb_genome_check(ctx, &bad), KB_OK);
+    }
 }
 
 
@@ -523,6 +556,7 @@ int main(void) {
     if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK) return 1;
     outdir = getenv("KB_CODEGEN_OUT");
     test_genome_text();
+    test_genome_genes();
     test_pointwise();
     test_norms();
     test_softmax_family();

@@ -1,8 +1,8 @@
 /* genome.c — a region's schedule: the default genome (chosen from the region's facts at the
- * example sizes and the device, tune/facts.c), and the canonical text form that names a genome
- * in the cache and in reports ("threads=256 vec=4 rows=1 items=1 cache=regs two_pass=1
- * fast_math=0 persistent=0 col_split=1"). The search's legality is evolve.c's; codegen refuses
- * what it cannot generate (KB_ERR_INVALID). */
+ * example sizes and the device, tune/facts.c), the table of genes (name, field, range) and the
+ * canonical text form that names a genome in the cache and in reports ("threads=256 vec=4
+ * rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1"). The search's
+ * legality is evolve.c's; codegen refuses what it cannot generate (KB_ERR_INVALID). */
 #include "tune/tune.h"
 
 #include <stdlib.h>
@@ -10,6 +10,48 @@
 static const char *const cache_names[] = {"regs", "smem", "reread"};
 
 static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1};
+
+/* The genes of the text form, in kb_genome field order: name, where it lives, its range. */
+static const kb_gene GENES[KB_NGENES] = {
+    {"threads", offsetof(kb_genome, threads), 1, 1024},
+    {"vec", offsetof(kb_genome, vec), 1, 16},
+    {"rows", offsetof(kb_genome, rows), 1, 1024},
+    {"items", offsetof(kb_genome, items), 1, 64},
+    {"cache", offsetof(kb_genome, cache), 0, 2},
+    {"two_pass", offsetof(kb_genome, two_pass), 0, 1},
+    {"fast_math", offsetof(kb_genome, fast_math), 0, 1},
+    {"persistent", offsetof(kb_genome, persistent), 0, 1},
+    {"col_split", offsetof(kb_genome, col_split), 1, 4096},
+};
+
+const kb_gene *kb_genome_genes(void) { return GENES; }
+
+const kb_genome *kb_genome_base(void) { return &BASE; }
+
+const char *kb_cache_where_name(int32_t where) {
+    return where >= 0 && where < 3 ? cache_names[where] : NULL;
+}
+
+int32_t kb_cache_where_of(const char *name, size_t n) {
+    for (int32_t c = 0; c < 3; c++)
+        if (strlen(cache_names[c]) == n && strncmp(cache_names[c], name, n) == 0) return c;
+    return -1;
+}
+
+static int32_t gene_value(const kb_genome *gn, const kb_gene *gene) {
+    return *(const int32_t *)((const char *)gn + gene->offset);
+}
+
+kb_status kb_genome_check(kb_ctx *ctx, const kb_genome *gn) {
+    if (!gn) return KB_FAIL(ctx, KB_ERR_INVALID, "genome is NULL");
+    for (int i = 0; i < KB_NGENES; i++) {
+        int32_t v = gene_value(gn, &GENES[i]);
+        if (v < GENES[i].lo || v > GENES[i].hi)
+            return KB_FAIL(ctx, KB_ERR_INVALID, "genome: bad value %d for %s (%d..%d)", (int)v, GENES[i].name,
+                           (int)GENES[i].lo, (int)GENES[i].hi);
+    }
+    return KB_OK;
+}
 
 static int64_t pow2_ceil(int64_t x) {
     int64_t p = 1;
@@ -147,7 +189,8 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
 }
 
 int kb_genome_format(const kb_genome *gn, char *buf, size_t n) {
-    const char *cache = (unsigned)gn->cache < 3 ? cache_names[gn->cache] : "?";
+    const char *cache = kb_cache_where_name(gn->cache);
+    if (!cache) cache = "?";
     int len = snprintf(buf, n,
                        "threads=%d vec=%d rows=%d items=%d cache=%s two_pass=%d fast_math=%d persistent=%d "
                        "col_split=%d",
@@ -156,23 +199,6 @@ int kb_genome_format(const kb_genome *gn, char *buf, size_t n) {
     if (n > 0 && len >= 0 && (size_t)len >= n) buf[n - 1] = '\0';
     return len < 0 ? 0 : len;
 }
-
-/* One gene of the text form: its name, where it lives, and its domain. */
-static const struct gene {
-    const char *name;
-    size_t offset;
-    int32_t lo, hi;
-} GENES[] = {
-    {"threads", offsetof(kb_genome, threads), 1, 1024},
-    {"vec", offsetof(kb_genome, vec), 1, 16},
-    {"rows", offsetof(kb_genome, rows), 1, 1024},
-    {"items", offsetof(kb_genome, items), 1, 64},
-    {"cache", offsetof(kb_genome, cache), 0, 2},
-    {"two_pass", offsetof(kb_genome, two_pass), 0, 1},
-    {"fast_math", offsetof(kb_genome, fast_math), 0, 1},
-    {"persistent", offsetof(kb_genome, persistent), 0, 1},
-    {"col_split", offsetof(kb_genome, col_split), 1, 4096},
-};
 
 kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out) {
     if (!text || !out) return KB_FAIL(ctx, KB_ERR_INVALID, "genome text is NULL");
@@ -187,15 +213,13 @@ kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out) {
         size_t klen = (size_t)(eq - s);
         const char *val = eq + 1, *end = val;
         while (*end && *end != ' ' && *end != '\t' && *end != '\n') end++;
-        const struct gene *gene = NULL;
-        for (size_t i = 0; i < sizeof GENES / sizeof GENES[0]; i++)
+        const kb_gene *gene = NULL;
+        for (int i = 0; i < KB_NGENES; i++)
             if (strlen(GENES[i].name) == klen && strncmp(GENES[i].name, s, klen) == 0) gene = &GENES[i];
         if (!gene) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: unknown gene \"%.*s\"", (int)klen, s);
         long v = -1;
         if (gene->offset == offsetof(kb_genome, cache)) {
-            for (int c = 0; c < 3; c++)
-                if (strlen(cache_names[c]) == (size_t)(end - val) && strncmp(cache_names[c], val, (size_t)(end - val)) == 0)
-                    v = c;
+            v = kb_cache_where_of(val, (size_t)(end - val));
         } else {
             char *stop;
             v = strtol(val, &stop, 10);

@@ -48,17 +48,6 @@ def resident_blocks(regs: int, threads: int, regs_per_sm: int) -> int:
     return max(1, regs_per_sm // (per_warp * -(-threads // 32)))
 
 
-def _genome_field(genome: str, key: str, default: int) -> int:
-    for part in genome.split():
-        k, _, v = part.partition("=")
-        if k == key:
-            try:
-                return int(v)
-            except ValueError:
-                return default
-    return default
-
-
 class CudaExecutor(Executor):
     """Generated kernels on one CUDA device. `tuner` (kbench.tune.Tuner) prepares each compute
     region: it sets self.kernels[r] for the regions a verified kernel runs, and their status."""
@@ -104,31 +93,32 @@ class CudaExecutor(Executor):
             fn = self._helpers[(file, entry)] = _C.get_function(self.cuda, module, entry, 0)[0]
         return fn
 
-    def load(self, k, cubin=None) -> Kernel:
-        """Compile (NVRTC, disk-cached) and load one generated kernel; CompileError on failure."""
+    def load(self, info, cubin=None) -> Kernel:
+        """Compile (NVRTC, disk-cached) and load one generated kernel (a _C.KernelInfo); a cached
+        winner comes with its CUBIN. CompileError on failure."""
         if cubin is None:
-            cubin = nvrtc.compile(k["source"], self.arch)
+            cubin = nvrtc.compile(info.source, self.arch)
         kernel = Kernel()
-        kernel.source = k["source"]
+        kernel.source = info.source
         kernel.module = _C.module_load(self.cuda, cubin)
-        kernel.fn, kernel.regs, kernel.spills = _C.get_function(self.cuda, kernel.module, k["name"], k["smem"])
+        kernel.fn, kernel.regs, kernel.spills = _C.get_function(self.cuda, kernel.module, info.name, info.smem)
         kernel.finish_fn = kernel.fn_nostats = None
-        if k["nkernels"] > 1:
-            kernel.finish_fn, _, _ = _C.get_function(self.cuda, kernel.module, k["name"] + "_finish", 0)
-        if k.get("nostats"):   # the same kernel without its saved statistics (no backward follows)
-            kernel.fn_nostats, _, _ = _C.get_function(self.cuda, kernel.module, k["name"] + "_nostats", k["smem"])
-        kernel.name, kernel.block, kernel.smem = k["name"], k["block"], k["smem"]
-        kernel.grid_units, kernel.units_per_block = k["grid_units"], k["units_per_block"]
-        kernel.max_blocks, kernel.genome = k["max_blocks"], k["genome"]
+        if info.finish_name is not None:
+            kernel.finish_fn, _, _ = _C.get_function(self.cuda, kernel.module, info.finish_name, 0)
+        if info.nostats_name is not None:   # the same kernel without its saved statistics (no backward follows)
+            kernel.fn_nostats, _, _ = _C.get_function(self.cuda, kernel.module, info.nostats_name, info.smem)
+        kernel.name, kernel.block, kernel.smem = info.name, info.block, info.smem
+        kernel.grid_units, kernel.units_per_block = info.grid_units, info.units_per_block
+        kernel.max_blocks, kernel.genome = info.max_blocks, info.genome
         if kernel.max_blocks >= 0x7FFFFFFF:   # an older cache entry's int32 grid clamp, once taken
             kernel.max_blocks = 0             # for a cap; a real cap is a few blocks per SM
         if kernel.max_blocks:   # a capped grid is one wave: no more blocks than fit at once
             fit = resident_blocks(kernel.regs, kernel.block, self.dev.get("regs_per_sm", 0))
             if fit:
                 kernel.max_blocks = min(kernel.max_blocks, fit * self.dev["num_sms"])
-        kernel.vec = _genome_field(k["genome"], "vec", 1)
-        kernel.workspace_per_unit = k["workspace_bytes_per_unit"]
-        kernel.workspace_per_block = k.get("workspace_bytes_per_block", 0)
+        kernel.vec = info.genome.vec
+        kernel.workspace_per_unit = info.workspace_bytes_per_unit
+        kernel.workspace_per_block = info.workspace_bytes_per_block
         return kernel
 
     # ------------------------------------------------------------------ checks

@@ -109,12 +109,12 @@ def is_fatal(exc: BaseException) -> bool:
 
 @dataclass
 class SearchResult:
-    best_k: dict | None              # _C.generate's dict of the winner; None when nothing verified
+    best_k: object | None            # the winner's _C.KernelInfo (generate()); None when nothing verified
     best_ms: float | None            # its time (interleaved re-timing when there were finalists)
     default_ms: float | None         # the default genome's, measured the same way
     candidates: list = field(default_factory=list)   # one dict per candidate (cache.CANDIDATE_FIELDS + extras)
     seconds: float = 0.0
-    best_genome: str = ""
+    best_genome: str = ""            # canonical texts (str(Genome)): the names of their candidates' records
     default_genome: str = ""
     generations: int = 0
     kernel: object = None            # the winner as loaded by the bench (the executor's Kernel)
@@ -126,12 +126,12 @@ def _first_lines(text: str, n: int = 2) -> str:
     return "\n".join(str(text).strip().splitlines()[:n])
 
 
-def kernel_key(k: dict) -> str:
-    """What makes two generated kernels the same: the source (less its genome comment) and the
-    launch. Genomes that differ only in genes codegen ignores give the same key."""
-    src = "\n".join(line for line in k["source"].splitlines() if not line.startswith("// genome:"))
-    launch = (k.get("block"), k.get("smem"), repr(k.get("grid_units")), k.get("units_per_block"), k.get("nkernels"),
-              k.get("workspace_bytes_per_unit"), k.get("workspace_bytes_per_block"), k.get("max_blocks"))
+def kernel_key(k) -> str:
+    """What makes two generated kernels (_C.KernelInfo) the same: the source (less its genome
+    comment) and the launch. Genomes that differ only in genes codegen ignores give the same key."""
+    src = "\n".join(line for line in k.source.splitlines() if not line.startswith("// genome:"))
+    launch = (k.block, k.smem, repr(k.grid_units), k.units_per_block, k.nkernels, k.workspace_bytes_per_unit,
+              k.workspace_bytes_per_block, k.max_blocks)
     return hashlib.sha256((src + "\n" + repr(launch)).encode()).hexdigest()
 
 
@@ -258,15 +258,16 @@ class CudaRegionBench:
         if self.flush is not None:
             self.torch.sum(self.flush, dim=0, dtype=self.torch.int64, out=self.flush_out)
 
-    def generate(self, genome: str) -> dict:
+    def generate(self, genome):
+        """The region's kernel (a _C.KernelInfo) for a _C.Genome; ValueError where codegen refuses it."""
         ex = self.ex
         return _C.generate(ex.plan.partition, self.r, ex.sm, genome, ex.dev)
 
-    def compile(self, k: dict) -> None:
+    def compile(self, k) -> None:
         """NVRTC into the disk cache; runs in a worker thread (the compile releases the GIL)."""
-        nvrtc.compile(k["source"], self.ex.arch)
+        nvrtc.compile(k.source, self.ex.arch)
 
-    def load(self, k: dict):
+    def load(self, k):
         return self.ex.load(k)   # a cache hit after compile()
 
     def _launch(self, kernel, poison=False, buffers=None):
@@ -351,11 +352,13 @@ class _Search:
         self.r, self.symvals, self.b, self.seed, self.progress, self.bench = r, list(symvals), budget, seed, progress, bench
         self.h = _C.evolve_new(executor.plan.partition, r, self.symvals, getattr(executor, "dev", None), seed,
                                budget.population)
+        # every dict below is keyed by the genome's canonical text, as the records name it
         self.records: list[dict] = []
         self.by_genome: dict[str, dict] = {}
         self.by_kernel: dict[str, dict] = {}
-        self.ks: dict[str, dict] = {}         # genome -> generated kernel dict
-        self.kernels: dict[str, object] = {}  # genome -> loaded kernel (timed successfully)
+        self.genomes: dict = {}               # genome text -> the _C.Genome asked
+        self.ks: dict = {}                    # genome text -> generated kernel (_C.KernelInfo)
+        self.kernels: dict[str, object] = {}  # genome text -> loaded kernel (timed successfully)
         self.default_genome = ""
         self.fatal = ""
         self.counted = 0
@@ -367,7 +370,7 @@ class _Search:
         return time.perf_counter() - self.t0
 
     def tell(self, rec: dict, ms: float) -> None:
-        _C.evolve_tell(self.h, rec["genome"], ms)
+        _C.evolve_tell(self.h, self.genomes[rec["genome"]], ms)
 
     def fail(self, rec: dict, status: str | None = None, log_text: str = "", verify: str = "") -> None:
         if status is not None:
@@ -378,11 +381,14 @@ class _Search:
             rec["verify"] = verify
         self.tell(rec, -1.0)
 
-    def new_record(self, genome: str, gen: int) -> dict:
-        rec = {"genome": genome, "compile_status": None, "compile_log": "", "regs": None, "spills": None,
+    def new_record(self, genome, gen: int) -> dict:
+        """The record of an asked _C.Genome, named by its canonical text (the cache stores it)."""
+        text = str(genome)
+        rec = {"genome": text, "compile_status": None, "compile_log": "", "regs": None, "spills": None,
                "time_ms": None, "verify": "", "generation": gen, "seed": self.seed}
         self.records.append(rec)
-        self.by_genome[genome] = rec
+        self.by_genome[text] = rec
+        self.genomes[text] = genome
         return rec
 
     # ------------------------------------------------------------------ generations
@@ -396,24 +402,24 @@ class _Search:
             while not self.fatal and self.counted < b.candidates and self.elapsed() < b.seconds \
                     and self.asked < DUPLICATE_FACTOR * b.candidates \
                     and not (b.generations and self.generations >= b.generations):
-                texts = _C.evolve_ask(self.h, min(b.population, b.candidates - self.counted))
-                if not texts:
+                genomes = _C.evolve_ask(self.h, min(b.population, b.candidates - self.counted))
+                if not genomes:
                     break   # every legal genome was tried
                 gen = _C.evolve_generation(self.h)
                 if not self.default_genome:
-                    self.default_genome = texts[0]
+                    self.default_genome = str(genomes[0])
                 self.generations = gen + 1
-                self.asked += len(texts)
-                self.batch(pool, texts, gen)
+                self.asked += len(genomes)
+                self.batch(pool, genomes, gen)
                 if self.progress is not None:
                     best = _C.evolve_best(self.h)
                     self.progress(self.r, gen, best[1] if best else None)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def batch(self, pool, texts, gen) -> None:
+    def batch(self, pool, genomes, gen) -> None:
         pending, dups = [], []
-        for genome in texts:
+        for genome in genomes:
             rec = self.new_record(genome, gen)
             try:
                 k = self.bench.generate(genome)
@@ -424,7 +430,7 @@ class _Search:
             key = kernel_key(k)
             rec["source_hash"] = key[:12]
             same = self.by_kernel.get(key)
-            self.ks[genome] = k
+            self.ks[rec["genome"]] = k
             if same is not None:   # codegen ignored the genes that differ: share the result, no budget
                 dups.append((rec, same))
                 continue

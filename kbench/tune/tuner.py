@@ -27,6 +27,29 @@ NOSTATS_SLOWER = 0.03         # the statistics-writing entry runs inference wher
 BUDGET_NAMES = ("none", "fast", "default", "max")
 
 
+def stored_launch(k) -> dict:
+    """What a _C.KernelInfo's launch needs, as the cache stores it (cache.LAUNCH_FIELDS)."""
+    launch = {f: getattr(k, f) for f in ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels")}
+    launch["workspace"] = k.workspace_bytes_per_unit
+    launch["workspace_per_block"] = k.workspace_bytes_per_block
+    return launch
+
+
+def stored_kernel(w) -> _C.KernelInfo:
+    """A cached winner's kernel (launched from its CUBIN: no source); ValueError where its stored
+    entry names are not the ones its launch fields give (a stale entry, tuned again)."""
+    n = w.launch
+    k = _C.KernelInfo(name=w.entries[0], genome=_C.Genome.parse(w.genome), source="", block=n["block"],
+                      smem=n["smem"], grid_units=n["grid_units"], units_per_block=n["units_per_block"],
+                      max_blocks=n["max_blocks"], nkernels=n["nkernels"],
+                      workspace_bytes_per_unit=n.get("workspace", 0),
+                      workspace_bytes_per_block=n.get("workspace_per_block", 0),
+                      nostats=len(w.entries) > n["nkernels"])   # the entry without the statistics comes last
+    if list(k.entries) != list(w.entries):
+        raise ValueError(f"stored entry points {w.entries} are not {list(k.entries)}")
+    return k
+
+
 class Tuner:
     """budget: "none" (default genomes, no search, no cache) or a search budget (search.BUDGETS);
     seed makes the search repeatable; verify_kernels=False trusts kernels unverified (tests)."""
@@ -73,7 +96,7 @@ class Tuner:
         info.envelope = envelope
         if kernel is None:
             return
-        info.genome = kernel.genome
+        info.genome = str(kernel.genome)   # the canonical text: the report's and the plan's name for it
         info.extra.update(regs=kernel.regs, spills=kernel.spills)
         ex.kernels[r] = kernel
         if tuned_here and kernel.fn_nostats is not None:   # once per kernel: identical regions share it
@@ -117,11 +140,7 @@ class Tuner:
         if w is None or not w.cubin:
             return None
         try:
-            k = dict(w.launch, name=w.entries[0], genome=w.genome, source="",
-                     nostats=int(w.entries[0] + "_nostats" in w.entries))
-            k["workspace_bytes_per_unit"] = k.pop("workspace", 0)
-            k["workspace_bytes_per_block"] = k.pop("workspace_per_block", 0)
-            kernel = ex.load(k, cubin=w.cubin)
+            kernel = ex.load(stored_kernel(w), cubin=w.cubin)
         except Exception as e:  # noqa: BLE001 - a stale entry is recompiled, not trusted
             log.warning("kbench: cached kernel for region %d unusable (%s); tuning again", r, e)
             return None
@@ -156,7 +175,7 @@ class Tuner:
                 envelope = self.envelope(ex, res.verdict)
                 self.remember(ex, key, res.best_k, kernel, envelope, res)
                 return kernel, (Status.KERNEL, ""), envelope, extra
-            k = res.best_k  # the default genome's dict, when the search could not do better
+            k = res.best_k  # the default genome's kernel, when the search could not do better
         if k is None:
             try:
                 k = _C.generate(ex.plan.partition, r, ex.sm, None, ex.dev)
@@ -168,16 +187,13 @@ class Tuner:
         return kernel, status, envelope, extra
 
     def remember(self, ex, key, k, kernel, envelope, res):
+        """Store k (a _C.KernelInfo), the region's verified kernel, as the key's winner, with the
+        search's record of candidates."""
         try:
-            cubin = nvrtc.compile(k["source"], ex.arch)  # the CUBIN cache makes this a file read
-            launch = {f: k[f] for f in ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels")}
-            launch["workspace"] = k["workspace_bytes_per_unit"]
-            launch["workspace_per_block"] = k["workspace_bytes_per_block"]
-            entries = ([k["name"]] + ([k["name"] + "_finish"] if k["nkernels"] > 1 else [])
-                       + ([k["name"] + "_nostats"] if k.get("nostats") else []))
+            cubin = nvrtc.compile(k.source, ex.arch)  # the CUBIN cache makes this a file read
             db = self.store()
-            db.store(key, cache.Winner(genome=k["genome"], source_hash=hashlib.sha256(k["source"].encode()).hexdigest(),
-                                       cubin=cubin, entries=entries, launch=launch, envelope=envelope,
+            db.store(key, cache.Winner(genome=str(k.genome), source_hash=hashlib.sha256(k.source.encode()).hexdigest(),
+                                       cubin=cubin, entries=list(k.entries), launch=stored_launch(k), envelope=envelope,
                                        best_ms=res.best_ms if res else None, search_s=res.seconds if res else None,
                                        ncandidates=len(res.candidates) if res else 0))
             if res is not None and res.candidates:
