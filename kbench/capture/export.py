@@ -8,8 +8,10 @@ import contextlib
 import dataclasses
 import gc
 import inspect
+import io
 import logging
 import operator
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -148,12 +150,49 @@ def _dynamic_spec(model, inputs, auto, fixed):
     return spec
 
 
+@contextlib.contextmanager
+def _quiet_export():
+    """An export that fails on a data-dependent branch has torch log a warning and print the
+    partial graph to stderr (torch/export/_trace.py); the failure reaches the user as one line
+    (CaptureError), and the graph goes to kbench's debug log. What an export that succeeds
+    prints is passed on."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    except BaseException:
+        if printed.getvalue():
+            _log.debug("torch.export printed:\n%s", printed.getvalue())
+        raise
+    else:
+        sys.stderr.write(printed.getvalue())
+    finally:
+        logger.setLevel(level)
+
+
+def _register_output_types(model) -> None:
+    """Output types torch.export cannot flatten until told how: Hugging Face's KV caches (a
+    decoder returns its DynamicCache with use_cache=True), registered with torch's pytree by
+    transformers' own export support where the model comes from transformers."""
+    if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        return
+    try:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+        register_dynamic_cache_export_support()
+    except Exception as e:  # noqa: BLE001 - an older transformers: export says what it cannot flatten
+        _log.debug("kbench: transformers' cache types not registered for export: %s", e)
+
+
 def _export_once(model, inputs, shapes):
     """torch.export's graph, functional: in-place ops on intermediate values are rewritten to
     their functional forms; a real mutation (a buffer, an input, a view, BatchNorm running
     statistics) makes torch functionalize the graph with run_decompositions({}) instead (the
     empty table keeps the composite ops whole)."""
-    with warnings.catch_warnings():
+    _register_output_types(model)
+    with warnings.catch_warnings(), _quiet_export():
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, inputs, strict=False, dynamic_shapes=shapes)
         if _make_functional(ep):
