@@ -303,14 +303,16 @@ def capture(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: 
 class Exported:
     """The export behind a Captured, kept so that the same program can be lowered again with more
     user-input dims pinned (capture.repin) without running torch.export again. `fixed` lists the
-    input dims the export itself kept static (with `why`); `dynamic` is False when the export is
-    wholly static (then nothing is left to pin)."""
+    input dims kept at their example sizes (with `why`): by the export, or, those in `pinned`, by
+    lowering the export with them pinned; `dynamic` is False when the export is wholly static
+    (then nothing is left to pin)."""
     ep: Any
     model: Any
     inputs: tuple
     fixed: frozenset
     why: Optional[str]
     dynamic: bool
+    pinned: frozenset = frozenset()
 
 
 def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = ""):
@@ -322,16 +324,17 @@ def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin
         # A size the IR cannot write (x[:, 1:] gives s1 - 1, pooling s2 // 2) fixes the input
         # dims it comes from and the export is redone; the other dims stay free.
         fixed, why = set(pin), (pin_reason or None) if pin else None
-        for attempt in range(4):
-            ep, reason = _export_checked(model, inputs, dynamic, fixed)
-            if attempt == 0:
-                _check_integer_inputs(ep, inputs)
-            exported = Exported(ep, model, inputs, frozenset(fixed), why, reason is None)
+        ep, reason = _export_checked(model, inputs, dynamic, fixed)
+        _check_integer_inputs(ep, inputs)
+        pinned = set()   # dims fixed by lowering this export again with them pinned (no re-export)
+        for _ in range(4):
+            exported = Exported(ep, model, inputs, frozenset(fixed), why, reason is None, frozenset(pinned))
+            text = reason
             if reason is None and fixed:
-                reason = (f"input dims {sorted(fixed)} fixed at their example sizes ({why}); "
-                          "the others may vary")
+                text = (f"input dims {sorted(fixed)} fixed at their example sizes ({why}); "
+                        "the others may vary")
             try:
-                return lowering.lower(ep, inputs, reason, model), exported
+                return lowering.lower(ep, inputs, text, model, pin=sorted(pinned)), exported
             except lowering.NeedStatic as e:
                 if reason is not None and not fixed:    # already static: a genuine limitation
                     raise CaptureError(f"cannot capture {name}: {e}") from None
@@ -339,6 +342,11 @@ def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin
                 if not set(e.dims) - fixed:
                     break
                 fixed |= set(e.dims)
+                if reason is None:   # a dynamic export: the same program, those dims pinned
+                    pinned |= set(e.dims)
+                else:
+                    ep, reason = _export_checked(model, inputs, dynamic, fixed)
+                    pinned = set()
         ep = _export_checked(model, inputs, False, ())[0]
         try:
             return lowering.lower(ep, inputs, why, model), Exported(ep, model, inputs, frozenset(), why, False)
@@ -361,7 +369,8 @@ def repin(exported: Exported, pin, pin_reason: str = "") -> Captured:
         why = exported.why if exported.fixed else (pin_reason or None)
         reason = f"input dims {sorted(fixed)} fixed at their example sizes ({why}); the others may vary"
         try:
-            return lowering.lower(exported.ep, exported.inputs, reason, exported.model, pin=sorted(pin))
+            return lowering.lower(exported.ep, exported.inputs, reason, exported.model,
+                                  pin=sorted(pin | exported.pinned))
         except lowering.NeedStatic:
             pass
     return capture(exported.model, exported.inputs, pin=sorted(pin), pin_reason=pin_reason)

@@ -411,7 +411,7 @@ def _split_lower(b, node, x, dim, drop_dim=False):
     starts, acc = [], 0
     for o in outs:
         starts.append(acc)
-        size = o.shape[dim] if not drop_dim else 1
+        size = b.dim(o.shape[dim]) if not drop_dim else 1   # a pinned size is a number here too
         acc = acc + size if isinstance(acc, int) and isinstance(size, int) else None
 
     def get(i):

@@ -59,7 +59,7 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         program = self._fast_program()
         # kbench._fast.module_call reads _kbench_fast_program and passes it the call's own
         # arguments: only a plain signature (tensors, positionally) may go there unflattened
-        self.__dict__.update(_kbench_spec=spec, _kbench_cxx=program,
+        self.__dict__.update(_kbench_spec=spec, _kbench_fast_flat=None if spec.plain else program,
                              _kbench_fast_program=program if spec.plain else None,
                              _kbench_rebuild=rebuild, _kbench_modes={},
                              _kbench_mutated=self._mutated_slots())
@@ -88,7 +88,7 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         inputs = self._inputs(args, kwargs)
         if isinstance(inputs, str):
             return self._fallback(inputs, args, kwargs)
-        program = self._kbench_cxx
+        program = self._kbench_fast_program if self._kbench_spec.plain else self._kbench_fast_flat
         if program is not None:
             try:
                 out = program.call(self, inputs)
