@@ -20,6 +20,7 @@ from .runtime.cuda import CudaExecutor
 from .runtime.interp import InterpExecutor
 from .runtime.module import OptimizedModule
 from .runtime.plan import SAVE_STATS_MIN_ROW_BYTES
+from .tune import gate
 from .tune.tuner import BUDGET_NAMES, Tuner
 
 _log = logging.getLogger("kbench")
@@ -139,7 +140,7 @@ class EagerModule(torch.nn.Module):
 
 def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
              backend: str | None = None, budget: str = "default", seed: int = 0, verbose: bool = True,
-             grad_in_forward: bool = True, strict: bool = False) -> torch.nn.Module:
+             grad_in_forward: bool = True, strict: bool = False, gate: bool = True) -> torch.nn.Module:
     """Return a module that computes what `model` computes, on kbench's regions.
 
     example_inputs, example_kwargs: a call's positional arguments (a tensor or a tuple) and
@@ -159,6 +160,9 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     the upstream gradient.
     strict: a model torch.export cannot capture raises CaptureError; otherwise optimize() logs
     one line saying why and returns a module that runs the model in eager PyTorch.
+    gate: on the GPU, time the optimized module against the model at the example call (forward,
+    and forward + backward for a training model with trainable parameters) and run the model
+    itself where kbench's is not faster (kbench/tune/gate.py; the report gives both times).
     The returned module shares model's parameters and buffers; model itself is not modified."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -167,7 +171,7 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     if budget not in BUDGET_NAMES:
         raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
     options = dict(backend=backend, budget=budget, seed=seed, verbose=verbose, grad_in_forward=grad_in_forward,
-                   strict=strict)
+                   strict=strict, gate=gate)
     if example_inputs is None and example_kwargs is None:   # capture on the first call
         return LazyOptimized(model, options)
     args = () if example_inputs is None else _as_args(example_inputs)
@@ -235,7 +239,7 @@ def _optimize(model, args, kwargs, options):
         if not why:
             optimized.__dict__["_kbench_capture_note"] = ("from the cache (torch.export skipped; checked "
                                                           "against eager on the example inputs)")
-            return optimized
+            return _gated(model, optimized, args, kwargs, backend, device, options)
         _log.warning("kbench: the stored capture of %s does not match eager on the example inputs (%s); "
                      "capturing it again", type(model).__name__, why)
         capture_cache.forget(key)
@@ -244,6 +248,21 @@ def _optimize(model, args, kwargs, options):
         capture_cache.remember(key, captured)
     optimized = build(captured)
     optimized.__dict__["_kbench_capture_note"] = "torch.export" + (", kept in the cache" if key is not None else "")
+    return _gated(model, optimized, args, kwargs, backend, device, options)
+
+
+def _gated(model, optimized, args, kwargs, backend, device, options):
+    """The optimized module, set to run the original model where the gate finds it no faster."""
+    if backend != "cuda" or not options["gate"]:
+        return optimized
+    try:
+        verdict = gate.compare(model, optimized, args, kwargs, device)
+    except Exception as e:  # noqa: BLE001 - an unmeasured gate keeps kbench's module, and says so
+        optimized.__dict__["_kbench_gate"] = f"model gate not measured ({type(e).__name__}: {e})"
+        return optimized
+    optimized.__dict__["_kbench_gate"] = verdict.describe()
+    if not verdict.keep:
+        optimized.run_original(verdict.describe())
     return optimized
 
 

@@ -61,7 +61,7 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         # arguments: only a plain signature (tensors, positionally) may go there unflattened
         self.__dict__.update(_kbench_spec=spec, _kbench_fast_flat=None if spec.plain else program,
                              _kbench_fast_program=program if spec.plain else None,
-                             _kbench_rebuild=rebuild, _kbench_modes={},
+                             _kbench_rebuild=rebuild, _kbench_modes={}, _kbench_original="",
                              _kbench_mutated=self._mutated_slots())
 
     @property
@@ -81,7 +81,14 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         self._note(reason)
         return self._kbench_orig(*args, **kwargs)
 
+    def run_original(self, reason: str) -> None:
+        """From now on every call runs the original module (the model-level gate found kbench's
+        no faster); the report says why."""
+        self.__dict__.update(_kbench_original=reason, _kbench_fast_program=None, _kbench_fast_flat=None)
+
     def forward(self, *args, **kwargs):
+        if self._kbench_original:
+            return self._kbench_orig(*args, **kwargs)
         # the common case in C++ (kbench._fast.Program): a bound signature, every region a
         # generated kernel; NotImplemented for anything else, decided before any launch. A
         # plain call (no hooks) does this in C++ too: kbench._fast.module_call, fast.install_module_call

@@ -6,7 +6,7 @@ Face's GPT-2, BERT and Mistral configurations, random weights: nothing is downlo
 The CPU test machine cannot load torchvision's or timm's wheels, so their tiny sizes are
 equivalent modules written here (the same layers: BatchNorm, in-place ReLU, hardswish, SE
 blocks, patch embedding); transformers works on the CPU and is used at both sizes. Dropout is
-off in the tiny configurations, so a training step is compared with eager's exactly."""
+off in the transformer configurations, so a training step is compared with eager's exactly."""
 from __future__ import annotations
 
 import dataclasses
@@ -244,16 +244,18 @@ def _images(n_tiny, n_real, hw_tiny=16, hw_real=224, channels=3):
 # ------------------------------------------------------------------------------------ transformers
 
 def _hf_config(kind, size):
+    """Dropout is off at both sizes: a training step is then compared with eager's exactly (the
+    kernels are the same with it on: dropout runs as torch's own op)."""
     import transformers
-    off = dict(attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0) if kind == "gpt2" else {}
     if kind == "gpt2":
+        off = dict(attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
         return (transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, **off)
-                if size == "tiny" else transformers.GPT2Config())
+                if size == "tiny" else transformers.GPT2Config(**off))
     if kind == "bert":
+        off = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         return (transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
-                                        intermediate_size=128, vocab_size=128, max_position_embeddings=64,
-                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-                if size == "tiny" else transformers.BertConfig())
+                                        intermediate_size=128, vocab_size=128, max_position_embeddings=64, **off)
+                if size == "tiny" else transformers.BertConfig(**off))
     if kind == "mistral":
         return (transformers.MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                                            num_key_value_heads=2, intermediate_size=128, vocab_size=128,
