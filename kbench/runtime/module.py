@@ -50,6 +50,11 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
              torch.Size(plan.graph.sizes(v, plan.example_symvals)))
             for v in plan.graph.inputs[nuser:]]
         self.__dict__["_kbench_param_chains"] = self._param_chains()
+        # constants the forward makes (lifted by export) where the kernels read them: a 0-dim CPU
+        # tensor mixes with CUDA tensors in eager's ops, so it moves to the module's device
+        self.__dict__["_kbench_constants"] = {
+            k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() == 0 and v.device != device else v
+            for k, v in captured.constants.items()}
         self.__dict__["_kbench_sigs"] = {}
         # a loss: its gradients computed in the forward (joint.py); per need pattern, the
         # joint program (None: not used) and, for the report, whether and why
@@ -259,7 +264,7 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
 
     def _params(self):
         out = []
-        constants = self._kbench_captured.constants
+        constants = self._kbench_constants
         for path, table, leaf in self._kbench_param_chains:
             if path is None:
                 out.append(constants[leaf])
