@@ -2,6 +2,7 @@
 regions), generate (model → every region's CUDA source, compiled by NVRTC, no GPU needed)."""
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -11,11 +12,15 @@ from . import _C
 from .capture import cache as capture_cache
 from .capture import capture_exported, repin, validate
 from .capture import capture as capture_graph
+from .capture.signature import CallSpec, FlatCall
+from .errors import CaptureError
+from .report import Report
 from .runtime import nvrtc
 from .runtime.cuda import CudaExecutor
 from .runtime.interp import InterpExecutor
 from .runtime.module import OptimizedModule
 from .runtime.plan import SAVE_STATS_MIN_ROW_BYTES
+from .tune import gate
 from .tune.tuner import BUDGET_NAMES, Tuner
 
 _log = logging.getLogger("kbench")
@@ -84,7 +89,7 @@ BACKENDS = ("cuda", "interp")
 
 
 class LazyOptimized(torch.nn.Module):
-    """optimize(model) without example inputs: the first call's inputs are the example. Shares
+    """optimize(model) without example inputs: the first call's arguments are the example. Shares
     the model's parameters and buffers like the optimized module it becomes."""
 
     def __init__(self, model: torch.nn.Module, options: dict):
@@ -95,10 +100,7 @@ class LazyOptimized(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if self._kbench_impl is None:
-            if kwargs:
-                raise TypeError("the first call of a lazily optimized module captures its inputs: "
-                                "pass them positionally")
-            self.__dict__["_kbench_impl"] = optimize(self._kbench_orig, args, **self._kbench_options)
+            self.__dict__["_kbench_impl"] = optimize(self._kbench_orig, args, kwargs, **self._kbench_options)
         return self._kbench_impl(*args, **kwargs)
 
     def train(self, mode: bool = True):
@@ -114,12 +116,38 @@ class LazyOptimized(torch.nn.Module):
         return self._kbench_impl.kbench_report
 
 
-def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None = None, budget: str = "default",
-             seed: int = 0, verbose: bool = True, grad_in_forward: bool = True) -> torch.nn.Module:
+class EagerModule(torch.nn.Module):
+    """What optimize() returns for a model it cannot capture (unless strict=True): the model
+    itself, run by eager PyTorch, sharing its parameters, with a report that says why."""
+
+    def __init__(self, model: torch.nn.Module, reason: str):
+        super().__init__()
+        self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
+        self.training = model.training
+        self.__dict__.update(_kbench_orig=model, _kbench_reason=reason)
+
+    def forward(self, *args, **kwargs):
+        return self._kbench_orig(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self._kbench_orig.train(mode)
+        return super().train(mode)
+
+    @property
+    def kbench_report(self):
+        return Report("eager", notes=[f"not captured, the model runs in eager PyTorch: {self._kbench_reason}"])
+
+
+def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
+             backend: str | None = None, budget: str = "default", seed: int = 0, verbose: bool = True,
+             grad_in_forward: bool = True, strict: bool = False, gate: bool = True) -> torch.nn.Module:
     """Return a module that computes what `model` computes, on kbench's regions.
 
-    example_inputs: a tensor or tuple of tensors to capture with; None captures at the first
-    call (`model = kbench.optimize(model)`).
+    example_inputs, example_kwargs: a call's positional arguments (a tensor or a tuple) and
+    keyword arguments, as torch.export takes them; None for both captures at the first call
+    (`model = kbench.optimize(model)`). Tensors anywhere in them (nested tuples, lists, dicts
+    included) are the captured graph's inputs; every other value (a Python number, a string,
+    None) is specialized: a call that passes another value runs in eager, with a one-time reason.
 
     backend: "cuda" (generated kernels; the default for inputs on a GPU) or "interp" (the C
     interpreter on the CPU; the default for CPU inputs).
@@ -127,58 +155,114 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, backend: str | None
     seconds; winners persist in the kernel cache, so a second optimize() searches nothing), or
     "none" (default schedules, no search, no cache). seed makes the search repeatable.
     grad_in_forward: for a module whose output is a scalar (a loss), a forward with gradients
-    enabled computes the gradients too, in the same kernels as the loss (see kbench/runtime/joint.py),
-    where that moves fewer bytes; the backward then only scales them by the upstream gradient.
+    enabled computes the gradients too, in the same kernels as the loss (see
+    kbench/runtime/joint.py), where that moves fewer bytes; the backward then only scales them by
+    the upstream gradient.
+    strict: a model torch.export cannot capture raises CaptureError; otherwise optimize() logs
+    one line saying why and returns a module that runs the model in eager PyTorch.
+    gate: on the GPU, time the optimized module against the model at the example call (forward,
+    and forward + backward for a training model with trainable parameters) and run the model
+    itself where kbench's is not faster (kbench/tune/gate.py; the report gives both times).
     The returned module shares model's parameters and buffers; model itself is not modified."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if example_inputs is None:   # capture on the first call, with its inputs as the example
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        return LazyOptimized(model, dict(backend=backend, budget=budget, seed=seed, verbose=verbose,
-                                         grad_in_forward=grad_in_forward))
-    args = _as_tuple(example_inputs)
-    if backend is None:
-        backend = "cuda" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "interp"
-    if backend not in BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if budget not in BUDGET_NAMES:
         raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
-    devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+    options = dict(backend=backend, budget=budget, seed=seed, verbose=verbose, grad_in_forward=grad_in_forward,
+                   strict=strict, gate=gate)
+    if example_inputs is None and example_kwargs is None:   # capture on the first call
+        return LazyOptimized(model, options)
+    args = () if example_inputs is None else _as_args(example_inputs)
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"example_kwargs must be a dict, got {type(example_kwargs).__name__}")
+    kwargs = dict(example_kwargs or {})
+    try:
+        return _optimize(model, args, kwargs, options)
+    except CaptureError as e:
+        if strict:
+            raise
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        _log.warning("kbench: %s runs in eager PyTorch: %s", type(model).__name__, reason)
+        return EagerModule(model, reason)
+
+
+def _as_args(example_inputs) -> tuple:
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
+def _optimize(model, args, kwargs, options):
+    """optimize() for one example call: its call spec, the capture (from the cache where it
+    holds), the executor, the optimized module."""
+    spec = CallSpec(args, kwargs)
+    target = model if spec.plain else FlatCall(model, spec)
+    tensors = tuple(args) if spec.plain else tuple(spec.tensors(args, kwargs))
+    if not spec.plain:
+        try:
+            inspect.signature(model.forward).bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"the example call does not fit {type(model).__name__}.forward: {e}") from None
+    backend = options["backend"]
+    if backend is None:
+        backend = "cuda" if any(t.is_cuda for t in tensors) else "interp"
+    devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"example_inputs are on several devices: {sorted(map(str, devices))}")
-    device = next(iter(devices)) if devices else torch.device("cpu")
+    device = next(iter(devices)) if devices else next((p.device for p in model.parameters()), torch.device("cpu"))
     if backend == "interp" and device.type != "cpu":
         raise ValueError(f"backend 'interp' runs on the CPU; example_inputs are on {device}")
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(f"backend 'cuda' needs example_inputs on a CUDA device, got {device}")
-    validate(model, args)   # the same errors whether or not the capture is cached
+    validate(target, tensors)   # the same errors whether or not the capture is cached
+    budget = options["budget"]
 
     def executor():
         if backend == "interp":
             return InterpExecutor()
-        return CudaExecutor(Tuner(budget=budget, seed=seed, verbose=verbose))
+        return CudaExecutor(Tuner(budget=budget, seed=options["seed"], verbose=options["verbose"]))
+
+    def build(captured):
+        return OptimizedModule(model, captured, executor(), device, options["grad_in_forward"],
+                               call_spec=None if spec.plain else spec,
+                               rebuild=lambda a, k: _optimize(model, a, k, options))
 
     # budget "none" keeps nothing between processes: neither kernels nor the capture
-    key, captured = capture_cache.lookup(model, args, backend) if budget != "none" else (None, None)
+    key, captured = (capture_cache.lookup(model, tensors, backend, call_key="" if spec.plain else spec.key())
+                     if budget != "none" else (None, None))
     if captured is not None:
         try:
-            optimized = OptimizedModule(model, captured, executor(), device, grad_in_forward)
-            why = capture_cache.matches_eager(model, optimized, args)
+            optimized = build(captured)
+            why = capture_cache.matches_eager(model, optimized, args, kwargs)
         except Exception as e:  # noqa: BLE001 - a stored capture that does not fit is recaptured
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if not why:
             optimized.__dict__["_kbench_capture_note"] = ("from the cache (torch.export skipped; checked "
                                                           "against eager on the example inputs)")
-            return optimized
+            return _gated(model, optimized, args, kwargs, backend, device, options)
         _log.warning("kbench: the stored capture of %s does not match eager on the example inputs (%s); "
                      "capturing it again", type(model).__name__, why)
         capture_cache.forget(key)
-    captured = _fresh_capture(model, args, backend)
+    captured = _fresh_capture(target, tensors, backend)
     if key is not None:
         capture_cache.remember(key, captured)
-    optimized = OptimizedModule(model, captured, executor(), device, grad_in_forward)
+    optimized = build(captured)
     optimized.__dict__["_kbench_capture_note"] = "torch.export" + (", kept in the cache" if key is not None else "")
+    return _gated(model, optimized, args, kwargs, backend, device, options)
+
+
+def _gated(model, optimized, args, kwargs, backend, device, options):
+    """The optimized module, set to run the original model where the gate finds it no faster."""
+    if backend != "cuda" or not options["gate"]:
+        return optimized
+    try:
+        verdict = gate.compare(model, optimized, args, kwargs, device)
+    except Exception as e:  # noqa: BLE001 - an unmeasured gate keeps kbench's module, and says so
+        optimized.__dict__["_kbench_gate"] = f"model gate not measured ({type(e).__name__}: {e})"
+        return optimized
+    optimized.__dict__["_kbench_gate"] = verdict.describe()
+    if not verdict.keep:
+        optimized.run_original(verdict.describe())
     return optimized
 
 

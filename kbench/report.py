@@ -49,6 +49,15 @@ class Report:
         capture_note = module.__dict__.get("_kbench_capture_note")
         if capture_note:
             rep.notes.append(f"capture: {capture_note}")
+        if module.__dict__.get("_kbench_gate"):
+            rep.notes.append(module.__dict__["_kbench_gate"])
+        spec = module.__dict__.get("_kbench_spec")
+        for line in spec.describe() if spec is not None else ():
+            rep.notes.append(f"input: {line}")
+        for mode, other in module.__dict__.get("_kbench_modes", {}).items():
+            what = "training" if mode else "eval"
+            rep.notes.append(f"{what} mode: " + (f"runs in eager ({other})" if isinstance(other, str)
+                                                 else "served by a capture of its own"))
         if plan.nvrtc:
             rep.notes.append(f"NVRTC: {plan.nvrtc}")
         if plan.static_reason:

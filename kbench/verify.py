@@ -86,9 +86,17 @@ def poison_like(shape, dtype, device) -> torch.Tensor:
     return torch.full(shape, -0x5A5A5A5, dtype=dtype, device=device)
 
 
-def compare_grads(got, ref, sizes) -> tuple[str, set]:
+def precision(dtypes) -> torch.dtype | None:
+    """Of the float dtypes a computation passes through, the one with the loosest tolerance: a
+    region that casts to bf16 inside (torch.autocast) is as exact as bf16, whatever the dtype of
+    its outputs. None where there is no float dtype."""
+    floats = [d for d in dtypes if d in TOLERANCE]
+    return max(floats, key=TOLERANCE.__getitem__) if floats else None
+
+
+def compare_grads(got, ref, sizes, precision: torch.dtype | None = None) -> tuple[str, set]:
     """Gradients against torch.autograd's (ref: None where it gives none, and then ours must be
-    zeros): (why not or '', the positions torch leaves None)."""
+    zeros): (why not or '', the positions torch leaves None). precision: see compare."""
     unused = set()
     for i, (mine, theirs) in enumerate(zip(got, ref)):
         if theirs is None:
@@ -96,15 +104,16 @@ def compare_grads(got, ref, sizes) -> tuple[str, set]:
                 return f"input {i} gets a gradient where torch.autograd gives none", unused
             unused.add(i)
             continue
-        ok, _, why = compare(mine, theirs)
+        ok, _, why = compare(mine, theirs, precision)
         if not ok:
             return f"gradient of input {i} at sizes {sizes}: {why}", unused
     return "", unused
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float, str]:
+def compare(out: torch.Tensor, ref: torch.Tensor, precision: torch.dtype | None = None) -> tuple[bool, float, str]:
     """(ok, error relative to the reference's norm, why not). ref is float64 (or the exact
-    integer result); NaN and Inf must sit in the same places."""
+    integer result); NaN and Inf must sit in the same places. precision: the least precise
+    dtype the computation went through (verify.precision), when it is less precise than out's."""
     if out.shape != ref.shape:
         return False, math.inf, f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
     if not out.dtype.is_floating_point:
@@ -129,7 +138,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float, str]:
     norm = float(r.abs().max())
     err = float((o - r).abs().max())
     rel = err / norm if norm > 0 else err
-    tol = TOLERANCE.get(out.dtype, 1e-4)
+    tol = max(TOLERANCE.get(out.dtype, 1e-4), TOLERANCE.get(precision, 0.0))
     # a small absolute floor: a reference of all ~0 is compared absolutely
     ok = err <= tol * max(norm, 1e-6) + (tol * 1e-3 if norm < 1e-3 else 0.0)
     return ok, rel, "" if ok else f"error {rel:.3g} of the norm exceeds {tol:g}"
@@ -179,7 +188,7 @@ def gate(ex, r, kernel, symvals, nostats=False) -> str:
     inputs = ex.region_inputs(r, symvals, "normal", gen)
     outs = ex.launch(kernel, r, symvals, inputs, poison=True, nostats=nostats)
     for o, ref in zip(outs, ex.reference(r, symvals, inputs)):
-        ok, _, why = compare(o, ref)
+        ok, _, why = compare(o, ref, ex.plan.precision(r))
         if not ok:
             return why
     return ""
@@ -202,6 +211,7 @@ def verify_region(ex, r, kernel, example_symvals) -> Verdict:
     verdict = Verdict(ok=True)
     strong = False
     seen = [[] for _ in info.outputs]   # each output's reference at every point (its first values)
+    least = plan.precision(r)
     for symvals in sweep_symvals(example_symvals):
         if symvals != example_symvals and not plan.admits(symvals):
             continue  # sizes the captured graph does not hold for (the runtime guard refuses them too)
@@ -218,7 +228,7 @@ def verify_region(ex, r, kernel, example_symvals) -> Verdict:
                 if not torch.equal(x, c):
                     return Verdict(False, "the kernel modified its input")
             for j, (o1, o2, rf) in enumerate(zip(out1, out2, ref)):
-                ok, err, why = compare(o1, rf)
+                ok, err, why = compare(o1, rf, least)
                 verdict.checked += 1
                 if not ok:
                     return Verdict(False, f"output {j} at sizes {symvals}, {dist} inputs: {why}")

@@ -19,13 +19,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-TOOLS = ["bench_ops.py", "bench_tune.py", "bench_genomes.py", "sass_counts.py", "plot_results.py"]
+TOOLS = ["bench_ops.py", "bench_tune.py", "bench_genomes.py", "bench_models.py", "sass_counts.py",
+         "plot_results.py"]
 # a plain run of each GPU tool: the arguments it needs, none of which asks for the CPU
 GPU_RUNS = {
     "bench_ops.py": ["bench_ops.py"],
     "bench_ops.py --device cuda": ["bench_ops.py", "--device", "cuda"],
     "bench_tune.py": ["bench_tune.py"],
     "bench_genomes.py": ["bench_genomes.py", "softmax"],
+    "bench_models.py": ["bench_models.py"],
 }
 no_gpu_here = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
 

@@ -128,16 +128,33 @@ def test_graph_is_decomposed():
     assert ops.count("gather") == 2 and "log" in ops and "where" in ops
 
 
-def test_linear_is_matmul_extern_plus_bias_add():
+def test_linear_bias_stays_in_the_gemm_unless_kbench_computes_what_follows():
+    """A Linear whose output only torch reads (or returns) is one call, bias inside cuBLAS's
+    GEMM as in eager; one followed by work kbench computes (an activation) is the product plus
+    a bias add, which fuses with that work."""
     _, cap = _captured("linear_bias")
     g = cap.graph
     ops = [g.node(i)["op"] for i in range(g.num_nodes)]
-    assert ops.count("extern") == 1 and g.node(g.outputs[0])["op"] == "add"
+    assert ops.count("extern") == 1 and g.node(g.outputs[0])["op"] == "extern"
     assert cap.param_names == ["fc.weight", "fc.bias"]
     assert cap.input_kinds == ["user", "param", "param"]
-    ext = cap.externs[0]
-    fn, args = ext
+    fn, args = cap.externs[0]
+    assert fn is torch.ops.aten.linear.default and len(args) == 3
+
+    class LinearGelu(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(24, 40)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.fc(x))
+    cap = capture(LinearGelu(), (torch.randn(5, 24),))
+    g = cap.graph
+    ops = [g.node(i)["op"] for i in range(g.num_nodes)]
+    assert ops.count("extern") == 1 and "add" in ops and g.node(g.outputs[0])["op"] == "gelu"
+    fn, args = cap.externs[0]
     assert fn is torch.ops.aten.linear.default and len(args) == 2
+    assert [r["kind"] for r in (g.partition().region(i) for i in range(len(g.partition())))] == ["EXTERN", "POINTWISE"]
 
 
 def test_params_are_fetched_live():

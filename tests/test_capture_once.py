@@ -33,10 +33,10 @@ CASES = {
     # a pinned row length inside a product of symbols (logits.view(-1, V) against targets.view(-1))
     "ce_flat": lambda: (Fn(lambda lg, t: F.cross_entropy(lg.reshape(-1, lg.shape[-1]), t.reshape(-1))),
                         (torch.randn(2, 3, 11), torch.randint(0, 11, (2, 3)))),
-    # a size the IR cannot write (s0 - 1) already fixed dims: one re-export for that, none for the pin
+    # a size the IR cannot write (s0 - 1) fixes dims: lowered again with them pinned, not re-exported
     "slice_softmax": lambda: (Fn(lambda x: torch.softmax(x[:, 1:], -1) * 2), (torch.randn(4, 5, 7),)),
 }
-EXPORTS = {"slice_softmax": 2}
+EXPORTS = {}   # every case: one export
 
 
 def describe(c):
@@ -111,3 +111,43 @@ def test_optimize_interp_exports_once(exports, monkeypatch, tmp_path):
     import kbench
     kbench.optimize(model, args, backend="interp", verbose=False)
     assert len(exports) == 1
+
+
+class Chunk3(torch.nn.Module):
+    def forward(self, x):
+        a, b, c = x.chunk(3, dim=-1)
+        return F.silu(a) * b + torch.tanh(c)
+
+
+class ShiftedLoss(torch.nn.Module):
+    """A causal LM's loss: logits[:, :-1] against labels[:, 1:] (sizes s - 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 11)
+
+    def forward(self, h, labels):
+        logits = self.proj(h)[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, 11), labels[:, 1:].reshape(-1))
+
+
+NEED_STATIC = {
+    "chunk3": lambda: (Chunk3(), (torch.randn(3, 12),)),
+    "shifted_loss": lambda: (ShiftedLoss(), (torch.randn(2, 9, 8), torch.randint(0, 11, (2, 9)))),
+    "slice_softmax": CASES["slice_softmax"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEED_STATIC))
+def test_a_size_the_ir_cannot_write_is_pinned_without_a_second_export(name, exports):
+    """A size like s - 1 or s // 3 fixes the input dims it comes from: the same export is lowered
+    again with them pinned, which must give what an export with them static gives."""
+    torch.manual_seed(0)
+    model, args = NEED_STATIC[name]()
+    captured, exported = capture_exported(model, args)
+    assert len(exports) == 1 and exported.fixed and exported.pinned == exported.fixed
+    static = capture(model, args, pin=sorted(exported.fixed))
+    want, got = describe(static), describe(captured)
+    for key in ("static_reason", "value_names"):   # FX's node names differ between two exports
+        want.pop(key), got.pop(key)
+    assert got == want

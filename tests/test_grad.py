@@ -802,5 +802,9 @@ def test_backward_reading_saved_statistics_is_one_row_kernel(task, width):
     params = list(model.parameters())
     got = torch.autograd.grad(outs, mine + params, ups)
     want = torch.autograd.grad(refs, theirs + params, ups)
+    # the generated backward ran (not torch's recomputation), and matches at the precision of the
+    # model's own arithmetic: Llama's RMSNorm computes in f32 (x.float()) even for f64 inputs
+    assert opt._kbench_plan.regions[0].backward.startswith("interp"), opt._kbench_plan.regions[0].backward
+    rtol, atol = (1e-4, 1e-6) if task == "rms_norm" else (1e-6, 1e-9)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)

@@ -617,6 +617,16 @@ static kb_status assign(fuse_build *b, int32_t v) {
         place(b, v, r, LV_NONE);
         return KB_OK;
     }
+    /* Another output of a torch call already placed (a split's pieces, read by different
+     * regions): the same call, so the same region, which already runs after every operand. */
+    if (cls == C_EXTERN) {
+        for (int32_t q = b->nreg - 1; q > hard; q--) {
+            if (b->regs[q].kind == KB_REGION_EXTERN && b->regs[q].extern_index == nd->index) {
+                place(b, v, q, LV_NONE);
+                return KB_OK;
+            }
+        }
+    }
     /* a new region */
     kb_status st;
     int32_t q;

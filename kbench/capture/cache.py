@@ -51,12 +51,14 @@ class Uncacheable(Exception):
 
 # ------------------------------------------------------------------------------- fingerprint
 
-def fingerprint(model: torch.nn.Module, args: tuple, backend: str) -> str:
+def fingerprint(model: torch.nn.Module, args: tuple, backend: str, call_key: str = "") -> str:
     """The capture's cache key (a sha256 hex digest); Uncacheable when forward hooks or the like
-    make the module tree an incomplete description of what forward does."""
+    make the module tree an incomplete description of what forward does. args: the call's
+    tensors; call_key: the rest of the call (signature.CallSpec.key), "" for tensors passed
+    positionally."""
     h = _Hasher()
     h.add("kbench-capture", FORMAT, __version__, torch.__version__, sys.version_info[:2], backend,
-          torch.is_grad_enabled(), torch.is_autocast_enabled())
+          torch.is_grad_enabled(), torch.is_autocast_enabled(), call_key)
     for a in args:
         h.add("input", a.dtype, tuple(a.shape), a.stride(), a.device.type, a.requires_grad)
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
@@ -274,11 +276,11 @@ def _hop_attr(hop) -> str:
 
 # ------------------------------------------------------------------------------------- store
 
-def lookup(model, args, backend):
+def lookup(model, args, backend, call_key: str = ""):
     """(key, Captured or None). key is None when this model's capture is not kept (the reason
     goes to the debug log); a stored entry that cannot be rebuilt is dropped with a warning."""
     try:
-        key = fingerprint(model, args, backend)
+        key = fingerprint(model, args, backend, call_key)
     except Uncacheable as e:
         log.debug("kbench: capture not cached: %s", e)
         return None, None
@@ -324,12 +326,13 @@ def forget(key: str) -> None:
 
 # ----------------------------------------------------------------------------------- checking
 
-def matches_eager(model, optimized, args) -> str:
-    """'' when the optimized module's outputs on args match the model's (the check a cached
+def matches_eager(model, optimized, args, kwargs=None) -> str:
+    """'' when the optimized module's outputs on the call match the model's (the check a cached
     capture passes before it is used), else what differs. Runs without autograd."""
+    kwargs = kwargs or {}
     with torch.no_grad():
-        want = model(*args)
-        got = optimized(*args)
+        want = model(*args, **kwargs)
+        got = optimized(*args, **kwargs)
     want_leaves, want_spec = pytree.tree_flatten(want)
     got_leaves, got_spec = pytree.tree_flatten(got)
     if want_spec != got_spec:

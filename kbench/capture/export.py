@@ -8,8 +8,10 @@ import contextlib
 import dataclasses
 import gc
 import inspect
+import io
 import logging
 import operator
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -148,12 +150,49 @@ def _dynamic_spec(model, inputs, auto, fixed):
     return spec
 
 
+@contextlib.contextmanager
+def _quiet_export():
+    """An export that fails on a data-dependent branch has torch log a warning and print the
+    partial graph to stderr (torch/export/_trace.py); the failure reaches the user as one line
+    (CaptureError), and the graph goes to kbench's debug log. What an export that succeeds
+    prints is passed on."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    except BaseException:
+        if printed.getvalue():
+            _log.debug("torch.export printed:\n%s", printed.getvalue())
+        raise
+    else:
+        sys.stderr.write(printed.getvalue())
+    finally:
+        logger.setLevel(level)
+
+
+def _register_output_types(model) -> None:
+    """Output types torch.export cannot flatten until told how: Hugging Face's KV caches (a
+    decoder returns its DynamicCache with use_cache=True), registered with torch's pytree by
+    transformers' own export support where the model comes from transformers."""
+    if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        return
+    try:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+        register_dynamic_cache_export_support()
+    except Exception as e:  # noqa: BLE001 - an older transformers: export says what it cannot flatten
+        _log.debug("kbench: transformers' cache types not registered for export: %s", e)
+
+
 def _export_once(model, inputs, shapes):
     """torch.export's graph, functional: in-place ops on intermediate values are rewritten to
     their functional forms; a real mutation (a buffer, an input, a view, BatchNorm running
     statistics) makes torch functionalize the graph with run_decompositions({}) instead (the
     empty table keeps the composite ops whole)."""
-    with warnings.catch_warnings():
+    _register_output_types(model)
+    with warnings.catch_warnings(), _quiet_export():
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, inputs, strict=False, dynamic_shapes=shapes)
         if _make_functional(ep):
@@ -264,14 +303,16 @@ def capture(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: 
 class Exported:
     """The export behind a Captured, kept so that the same program can be lowered again with more
     user-input dims pinned (capture.repin) without running torch.export again. `fixed` lists the
-    input dims the export itself kept static (with `why`); `dynamic` is False when the export is
-    wholly static (then nothing is left to pin)."""
+    input dims kept at their example sizes (with `why`): by the export, or, those in `pinned`, by
+    lowering the export with them pinned; `dynamic` is False when the export is wholly static
+    (then nothing is left to pin)."""
     ep: Any
     model: Any
     inputs: tuple
     fixed: frozenset
     why: Optional[str]
     dynamic: bool
+    pinned: frozenset = frozenset()
 
 
 def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = ""):
@@ -283,16 +324,17 @@ def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin
         # A size the IR cannot write (x[:, 1:] gives s1 - 1, pooling s2 // 2) fixes the input
         # dims it comes from and the export is redone; the other dims stay free.
         fixed, why = set(pin), (pin_reason or None) if pin else None
-        for attempt in range(4):
-            ep, reason = _export_checked(model, inputs, dynamic, fixed)
-            if attempt == 0:
-                _check_integer_inputs(ep, inputs)
-            exported = Exported(ep, model, inputs, frozenset(fixed), why, reason is None)
+        ep, reason = _export_checked(model, inputs, dynamic, fixed)
+        _check_integer_inputs(ep, inputs)
+        pinned = set()   # dims fixed by lowering this export again with them pinned (no re-export)
+        for _ in range(4):
+            exported = Exported(ep, model, inputs, frozenset(fixed), why, reason is None, frozenset(pinned))
+            text = reason
             if reason is None and fixed:
-                reason = (f"input dims {sorted(fixed)} fixed at their example sizes ({why}); "
-                          "the others may vary")
+                text = (f"input dims {sorted(fixed)} fixed at their example sizes ({why}); "
+                        "the others may vary")
             try:
-                return lowering.lower(ep, inputs, reason, model), exported
+                return lowering.lower(ep, inputs, text, model, pin=sorted(pinned)), exported
             except lowering.NeedStatic as e:
                 if reason is not None and not fixed:    # already static: a genuine limitation
                     raise CaptureError(f"cannot capture {name}: {e}") from None
@@ -300,6 +342,11 @@ def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin
                 if not set(e.dims) - fixed:
                     break
                 fixed |= set(e.dims)
+                if reason is None:   # a dynamic export: the same program, those dims pinned
+                    pinned |= set(e.dims)
+                else:
+                    ep, reason = _export_checked(model, inputs, dynamic, fixed)
+                    pinned = set()
         ep = _export_checked(model, inputs, False, ())[0]
         try:
             return lowering.lower(ep, inputs, why, model), Exported(ep, model, inputs, frozenset(), why, False)
@@ -322,7 +369,8 @@ def repin(exported: Exported, pin, pin_reason: str = "") -> Captured:
         why = exported.why if exported.fixed else (pin_reason or None)
         reason = f"input dims {sorted(fixed)} fixed at their example sizes ({why}); the others may vary"
         try:
-            return lowering.lower(exported.ep, exported.inputs, reason, exported.model, pin=sorted(pin))
+            return lowering.lower(exported.ep, exported.inputs, reason, exported.model,
+                                  pin=sorted(pin | exported.pinned))
         except lowering.NeedStatic:
             pass
     return capture(exported.model, exported.inputs, pin=sorted(pin), pin_reason=pin_reason)

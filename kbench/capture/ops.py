@@ -6,6 +6,7 @@ EXTERN call instead; it never has to be complete."""
 from __future__ import annotations
 
 import math
+import operator
 
 import sympy
 import torch
@@ -407,11 +408,13 @@ def _select(b, node, a):
 
 
 def _split_lower(b, node, x, dim, drop_dim=False):
+    if only_torch_consumes(node):
+        raise Unsupported("its pieces feed torch's ops alone: one call (torch's backward is one cat)")
     outs = node.meta["val"]
     starts, acc = [], 0
     for o in outs:
         starts.append(acc)
-        size = o.shape[dim] if not drop_dim else 1
+        size = b.dim(o.shape[dim]) if not drop_dim else 1   # a pinned size is a number here too
         acc = acc + size if isinstance(acc, int) and isinstance(size, int) else None
 
     def get(i):
@@ -791,9 +794,14 @@ def _index_select(b, node, a):
 
 @_reg("linear.default")
 def _linear(b, node, a):
+    """A Linear with bias: the product (torch's) and the bias add (IR), so that the add fuses
+    with what follows (an activation, a residual add, a norm). Where nothing kbench computes
+    follows, the bias stays in cuBLAS's GEMM epilogue (one call, as eager's)."""
     x, w, bias = _t(a["input"]), _t(a["weight"]), a.get("bias")
     if bias is None:
         raise Unsupported("linear without bias is one extern call as it is")
+    if only_torch_consumes(node):
+        raise Unsupported("only torch's ops use it: the bias stays in the GEMM")
     dt, dims = _out(node), _odims(b, node)
     mm = b.extern_call(aten.linear.default, [x, w], (_slot(0), _slot(1)), {}, dt, dims, node.name)
     return b.arith("add", mm, _t(bias), dt, dims)
@@ -801,6 +809,40 @@ def _linear(b, node, a):
 
 def _slot(k):
     return TensorSlot(k)
+
+
+# ---------------------------------------------------------------------------- what follows a node
+
+# Ops that move no data (a lowering renames indices): a value's uses are looked for through them.
+_NO_DATA = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+            aten.transpose.int, aten.t.default, aten.expand.default, aten.unsqueeze.default,
+            aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.contiguous.default, aten.clone.default,
+            aten.alias.default, aten.detach.default, aten.slice.Tensor, aten.narrow.default, aten.select.int,
+            aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
+            aten.flatten.using_ints, aten.unflatten.int}
+# Ops whose lowering is torch's own call (or starts with one): a value they use is read by torch.
+_TORCH_CALLS = {aten.linear.default, aten.cat.default, aten.stack.default}
+
+
+def only_torch_consumes(node, _depth: int = 0) -> bool:
+    """Is every use of node's value — looked for through ops that move no data — an op torch
+    runs (one kbench has no lowering for, a matrix product, attention, a cat) or the graph's
+    output? Then lowering node itself would make a region of its own between torch's calls: a
+    launch more than eager makes, and for a split, a backward of zeros and copies where
+    torch's is one cat."""
+    if _depth > 16 or not node.users:
+        return False
+    for user in node.users:
+        target = getattr(user, "target", None)
+        if user.op == "output":
+            continue
+        if target is operator.getitem or target in _NO_DATA:
+            if not only_torch_consumes(user, _depth + 1):
+                return False
+            continue
+        if user.op != "call_function" or (target in LOWER and target not in _TORCH_CALLS):
+            return False
+    return True
 
 
 @_reg("cat.default", "stack.default")

@@ -268,10 +268,11 @@ def check(plan, program, need, executor, seed=0):
         ref_loss, ref = eager_grads(plan, sv, inputs, need, grad_out, dtype=torch.float64)
         outs = program.run(sv, dict(zip(program.plan.graph.inputs, inputs)))
         executor.scale(outs[1:], grad_out)
-        ok, _, why = verify.compare(outs[0], ref_loss.detach())
+        ok, _, why = verify.compare(outs[0], ref_loss.detach(), plan.precision())
         if not ok:
             return f"loss at sizes {sv}: {why}", None
-        why, point_unused = verify.compare_grads(outs[1:], [r for r, wanted in zip(ref, need) if wanted], sv)
+        why, point_unused = verify.compare_grads(outs[1:], [r for r, wanted in zip(ref, need) if wanted], sv,
+                                                  program.plan.precision())
         if why:
             return why, None
         unused = point_unused if unused is None else unused & point_unused

@@ -12,6 +12,7 @@ from ..dtypes import torch_dtype
 from ..report import Report
 from . import fast, joint
 from .autograd import RegionBackward, apply_region
+from ..capture.signature import CallSpec
 from .plan import KERNEL, MATERIALIZE, Executor, Fallback, Plan, Program, RegionFallback
 
 log = logging.getLogger("kbench")
@@ -22,7 +23,10 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
     buffers (the very same tensors, the same state_dict keys); the original is left as it was."""
 
     def __init__(self, module: torch.nn.Module, captured, executor: Executor, device: torch.device,
-                 grad_in_forward: bool = True):
+                 grad_in_forward: bool = True, call_spec: CallSpec | None = None, rebuild=None):
+        """call_spec: how a call's arguments map to the captured graph's inputs (None: tensors
+        passed positionally). rebuild(args, kwargs) -> an OptimizedModule for the module's other
+        train/eval mode, captured at that call (None: calls in the other mode run in eager)."""
         super().__init__()
         fast.install_module_call(OptimizedModule)   # once: the plain call goes straight to C++
         # share, not copy: the same dicts, so .parameters(), state_dict() and optimizers see the
@@ -46,12 +50,24 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
              torch.Size(plan.graph.sizes(v, plan.example_symvals)))
             for v in plan.graph.inputs[nuser:]]
         self.__dict__["_kbench_param_chains"] = self._param_chains()
+        # constants the forward makes (lifted by export) where the kernels read them: a 0-dim CPU
+        # tensor mixes with CUDA tensors in eager's ops, so it moves to the module's device
+        self.__dict__["_kbench_constants"] = {
+            k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() == 0 and v.device != device else v
+            for k, v in captured.constants.items()}
         self.__dict__["_kbench_sigs"] = {}
         # a loss: its gradients computed in the forward (joint.py); per need pattern, the
         # joint program (None: not used) and, for the report, whether and why
         why = joint.scalar_output(plan, captured) if grad_in_forward else "grad_in_forward=False"
         self.__dict__.update(_kbench_loss_why=why, _kbench_loss={}, _kbench_joint={})
-        self.__dict__["_kbench_fast_program"] = self._fast_program()
+        spec = call_spec if call_spec is not None else CallSpec(tuple(torch.empty(0) for _ in range(nuser)), {})
+        program = self._fast_program()
+        # kbench._fast.module_call reads _kbench_fast_program and passes it the call's own
+        # arguments: only a plain signature (tensors, positionally) may go there unflattened
+        self.__dict__.update(_kbench_spec=spec, _kbench_fast_flat=None if spec.plain else program,
+                             _kbench_fast_program=program if spec.plain else None,
+                             _kbench_rebuild=rebuild, _kbench_modes={}, _kbench_original="",
+                             _kbench_mutated=self._mutated_slots())
 
     @property
     def kbench_report(self):
@@ -70,52 +86,88 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         self._note(reason)
         return self._kbench_orig(*args, **kwargs)
 
+    def run_original(self, reason: str) -> None:
+        """From now on every call runs the original module (the model-level gate found kbench's
+        no faster); the report says why."""
+        self.__dict__.update(_kbench_original=reason, _kbench_fast_program=None, _kbench_fast_flat=None)
+
     def forward(self, *args, **kwargs):
+        if self._kbench_original:
+            return self._kbench_orig(*args, **kwargs)
         # the common case in C++ (kbench._fast.Program): a bound signature, every region a
         # generated kernel; NotImplemented for anything else, decided before any launch. A
         # plain call (no hooks) does this in C++ too: kbench._fast.module_call, fast.install_module_call
-        program = self._kbench_fast_program
-        if program is not None and not kwargs:
+        inputs = self._inputs(args, kwargs)
+        if isinstance(inputs, str):
+            return self._fallback(inputs, args, kwargs)
+        program = self._kbench_fast_program if self._kbench_spec.plain else self._kbench_fast_flat
+        if program is not None:
             try:
-                out = program.call(self, args)
+                out = program.call(self, inputs)
             except Fallback as e:
                 return self._fallback(str(e), args, kwargs)
             if out is not NotImplemented:
                 return out
-        return self._forward_python(args, kwargs)
+        return self._forward_inputs(inputs, args, kwargs)
+
+    def _inputs(self, args, kwargs):
+        """The graph's user inputs for a call (a tuple of tensors), or why it cannot have them."""
+        spec = self._kbench_spec
+        if spec.plain and not kwargs:
+            if len(args) == len(spec.tensor_at) and all(isinstance(a, torch.Tensor) for a in args):
+                return args
+        got = spec.tensors(args, kwargs)
+        return got if isinstance(got, str) else tuple(got)
 
     def _forward_python(self, args, kwargs):
-        """The forward where kbench._fast.Program declines: a new signature to bind, a step or an
-        output it leaves to Python, a fallback."""
-        if kwargs:
-            return self._fallback("keyword arguments are not captured", args, kwargs)
+        """The forward where kbench._fast.Program declines (kbench._fast.module_call calls this
+        with the call's own arguments): a new signature to bind, a step or an output it leaves to
+        Python, a fallback."""
+        inputs = self._inputs(args, kwargs)
+        if isinstance(inputs, str):
+            return self._fallback(inputs, args, kwargs)
+        return self._forward_inputs(inputs, args, kwargs)
+
+    def _forward_inputs(self, inputs, args, kwargs):
+        if self.training != self._kbench_captured_training:
+            return self._other_mode(args, kwargs)
         # the hot path: sizes bound once per input signature (shapes, dtypes, devices)
-        try:
-            sig = tuple((x.shape, x.dtype, x.device) for x in args)
-        except AttributeError:
-            sig = None
-        bound = self._kbench_sigs.get(sig) if sig is not None else None
+        sig = tuple((x.shape, x.dtype, x.device) for x in inputs)
+        bound = self._kbench_sigs.get(sig)
         if bound is None:
-            bound = self._bind(args, sig)
+            bound = self._bind(inputs, sig)
             if isinstance(bound, str):
                 return self._fallback(bound, args, kwargs)
-        if self.training != self._kbench_captured_training:
-            return self._fallback("the module's train/eval mode differs from the captured one", args, kwargs)
         try:
-            return self._run(bound, args)
+            return self._run(bound, inputs)
         except Fallback as e:
             return self._fallback(str(e), args, kwargs)
+
+    def _other_mode(self, args, kwargs):
+        """A call in the train/eval mode the module was not captured in: served by a module of
+        its own, captured and prepared at the first such call (a model that switches between
+        training and evaluation keeps kbench's kernels in both)."""
+        mode = self.training
+        other = self._kbench_modes.get(mode)
+        if other is None:
+            why = "the module's train/eval mode differs from the captured one"
+            if self._kbench_rebuild is not None:
+                try:
+                    other = self._kbench_rebuild(args, kwargs)
+                    why = ""
+                except Exception as e:  # noqa: BLE001 - that mode runs in eager, with the reason
+                    why = f"{'training' if mode else 'eval'} mode could not be captured ({type(e).__name__}: " \
+                          f"{str(e).splitlines()[0] if str(e) else ''})"
+            other = self._kbench_modes[mode] = other if other is not None else why
+        if isinstance(other, str):
+            return self._fallback(other, args, kwargs)
+        other.training = mode
+        return other(*args, **kwargs)
 
     def _bind(self, args, sig):
         """The program bound to a new input signature's sizes, or the reason the call must go to
         eager."""
         captured = self._kbench_captured
-        if len(args) != len(captured.input_names):
-            raise TypeError(f"{type(self._kbench_orig).__name__} was captured with {len(captured.input_names)} "
-                            f"input(s); got {len(args)}")
-        for i, x in enumerate(args):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
         try:
             symvals = tuple(captured.bind(args))
         except ValueError as e:
@@ -180,6 +232,21 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         symvals, build = bound.symvals, captured.build_outputs
         return steps, list(bound.outputs), lambda outs: build(outs, symvals)
 
+    def _mutated_slots(self):
+        """The call's slots (user inputs, then parameters and buffers) that the forward updates in
+        place (BatchNorm's running statistics, an input's x.mul_()): under autograd each region
+        reads a copy taken before the update, since a node saved with the tensor itself would
+        find it changed (torch's version check) when its backward runs."""
+        captured = self._kbench_captured
+        nuser = len(captured.input_names)
+        slots = set()
+        for _, kind, name in captured.mutations:
+            if kind == "user" and name in captured.input_names:
+                slots.add(captured.input_names.index(name))
+            elif name in captured.param_names:
+                slots.add(nuser + captured.param_names.index(name))
+        return sorted(slots)
+
     def _param_chains(self):
         """(module path, table, name) per parameter/buffer input: read through the live modules'
         own dicts at each call, so a replaced tensor or submodule is the one used."""
@@ -197,7 +264,7 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
 
     def _params(self):
         out = []
-        constants = self._kbench_captured.constants
+        constants = self._kbench_constants
         for path, table, leaf in self._kbench_param_chains:
             if path is None:
                 out.append(constants[leaf])
@@ -229,6 +296,9 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
                 raise Fallback(f"tensors on {device} and {x.device}")
         slots = [*args, *params]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in slots)
+        if grad:
+            for i in self._kbench_mutated:
+                slots[i] = slots[i].clone()
         if grad and not self._kbench_loss_why:
             need = tuple(t.requires_grad and t.is_floating_point() for t in slots)
             program = self._kbench_joint.get(need, False)

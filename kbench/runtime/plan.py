@@ -121,6 +121,12 @@ class Plan:
             text = self._region_texts[r] = re.sub(r'"[^"]*"', '""', str(self.partition.region_graph(r)))
         return text
 
+    def precision(self, r=None):
+        """The least precise float dtype region r's values (every node's, r None) pass through:
+        what its results are compared with a float64 reference at (verify.precision)."""
+        nodes = self.nodes if r is None else [self.nodes[n] for n in self.regions[r].nodes]
+        return verify.precision({torch_dtype(nd["dtype"]) for nd in nodes})
+
     def admits(self, symvals) -> bool:
         """Do these sizes satisfy every relation the capture relies on (e.g. a slice's bound)?"""
         return all(g(symvals) for g in self.guards)

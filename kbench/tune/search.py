@@ -183,6 +183,8 @@ class CudaRegionBench:
 
     def __init__(self, executor, r: int, symvals, verifier=verify.verify_region):
         self.torch, self.verify_mod, self.verifier = torch, verify, verifier
+        plan = getattr(executor, "plan", None)
+        self.precision = plan.precision(r) if hasattr(plan, "precision") else None
         self.ex, self.r, self.symvals = executor, r, list(symvals)
         gen = torch.Generator().manual_seed(getattr(executor, "seed", 0) + 7919 * (r + 1))
         self.inputs = executor.region_inputs(r, self.symvals, "normal", gen)
@@ -295,7 +297,7 @@ class CudaRegionBench:
                 x.copy_(c)
                 return f"the kernel modified input {i}"
         for j, (o, ref) in enumerate(zip(outs, self.ref)):
-            ok, _, why = self.verify_mod.compare(o, ref)
+            ok, _, why = self.verify_mod.compare(o, ref, self.precision)
             if not ok:
                 return f"output {j}: {why}"
         return ""

@@ -1,4 +1,4 @@
-"""models.py — small nn.Modules that exercise capture, the interpreter and the runtime.
+"""Small nn.Modules that exercise capture, the interpreter and the runtime.
 MODELS is a list of Case(name, make, inputs, other_inputs): make() builds the module (in eval
 mode), inputs() the example inputs, other_inputs() inputs of another batch size (and, where a
 dim is free to vary, another length) for the dynamic-shape checks. Sizes are chosen distinct so

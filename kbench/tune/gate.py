@@ -1,0 +1,104 @@
+"""The model-level gate: an optimized module is timed end to end against the original at the
+example call — the forward, and forward + backward where the model is training with parameters
+that want gradients — and the original keeps running where kbench's is not faster. Per-region
+timings cannot promise this: a region's time leaves out the launches, the autograd nodes and
+the host work between regions, which on a small or host-bound model are most of a call.
+
+Nothing the user owns changes: gradients are taken with torch.autograd.grad (no .grad is
+written), buffers a training forward updates (BatchNorm's running statistics) and the random
+number generators are put back as they were."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+
+import torch
+import torch.utils._pytree as pytree
+
+KEEP_BELOW = 0.98   # kbench's module runs where its median time is under this fraction of eager's
+WARMUP = 3          # calls of each before timing (binding, the first backward's preparation)
+ROUNDS = 15         # interleaved timed calls of each
+
+
+@dataclasses.dataclass
+class Verdict:
+    keep: bool              # kbench's module runs (else the original)
+    eager_ms: float
+    kbench_ms: float
+    backward: bool          # forward + backward was timed
+    note: str = ""
+
+    def describe(self) -> str:
+        what = "forward + backward" if self.backward else "forward"
+        ratio = self.eager_ms / self.kbench_ms if self.kbench_ms else math.inf
+        head = (f"model gate ({what} at the example call): eager {self.eager_ms:.4g} ms, kbench "
+                f"{self.kbench_ms:.4g} ms ({ratio:.2f}x)")
+        return head + ("" if self.keep else "; kbench is not faster, the original module runs") + \
+            (f"; {self.note}" if self.note else "")
+
+
+def _grad_leaves(out):
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+            and t.is_floating_point()]
+
+
+def _step(module, args, kwargs, params, backward, upstream):
+    out = module(*args, **kwargs)
+    if backward:
+        leaves = _grad_leaves(out)
+        if leaves:
+            grads = upstream(leaves)
+            torch.autograd.grad(leaves, params, grads, allow_unused=True)
+
+
+@contextlib.contextmanager
+def _state_kept(model):
+    """The model's buffers and the random generators as they were, whatever the timed calls did."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def compare(model, optimized, args, kwargs, device) -> Verdict:
+    """Times both modules at the example call on `device` (interleaved rounds, CUDA events,
+    medians) and decides which runs."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    backward = model.training and bool(params) and torch.is_grad_enabled()
+    gen = torch.Generator(device=device).manual_seed(0)
+    cache = {}
+
+    def upstream(leaves):
+        key = tuple((t.shape, t.dtype) for t in leaves)
+        if key not in cache:
+            cache[key] = [torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype) for t in leaves]
+        return cache[key]
+
+    times = {"eager": [], "kbench": []}
+    runs = {"eager": model, "kbench": optimized}
+    with _state_kept(model), torch.no_grad() if not backward else contextlib.nullcontext():
+        for _ in range(WARMUP):
+            for m in runs.values():
+                _step(m, args, kwargs, params, backward, upstream)
+        torch.cuda.synchronize(device)
+        for _ in range(ROUNDS):
+            for name, m in runs.items():
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                _step(m, args, kwargs, params, backward, upstream)
+                b.record()
+                times[name].append((a, b))
+        torch.cuda.synchronize(device)
+    eager = statistics.median(a.elapsed_time(b) for a, b in times["eager"])
+    ours = statistics.median(a.elapsed_time(b) for a, b in times["kbench"])
+    return Verdict(keep=ours < KEEP_BELOW * eager, eager_ms=eager, kbench_ms=ours, backward=backward)
