@@ -1,6 +1,53 @@
-"""Test configuration: `gpu`-marked tests are skipped where CUDA is not available."""
+"""Test configuration.
+
+- `gpu`-marked tests are skipped where CUDA is not available.
+- With pytest-xdist installed, `python -m pytest` runs on every core (`-n`, work stealing) unless
+  told otherwise (`-n 0`, `-p no:xdist`, KBENCH_TEST_WORKERS=N), or unless GPU tests may be selected
+  (they share one device and time kernels).
+- A missing NVRTC skips the compile-only tests, but fails them where KBENCH_REQUIRE_NVRTC=1 (CI,
+  whose .ci/run installs NVRTC): `nvrtc_missing`.
+- `compile_once` compiles generated sources with NVRTC, each distinct (source, arch) once per test
+  session, across xdist's workers too, several at once.
+"""
+import concurrent.futures as cf
+import hashlib
+import os
+
 import pytest
 import torch
+
+
+# ---------------------------------------------------------------- pytest-xdist by default
+
+def _worker_count():
+    env = os.environ.get("KBENCH_TEST_WORKERS")
+    if env:
+        return int(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return min(cores, 8)
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own (tryfirst too; a conftest registers after it)
+def pytest_cmdline_main(config):
+    """`-n <cores>` where pytest-xdist is installed and no -n, --dist or --tx was given."""
+    if hasattr(config, "workerinput") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return   # an xdist worker (it parses the same arguments): never workers of its own
+    opt = config.option
+    if getattr(opt, "numprocesses", "no xdist") is not None or getattr(opt, "dist", "no") != "no" \
+            or getattr(opt, "tx", None) or getattr(opt, "distload", False):
+        return
+    if config.getoption("usepdb", False) or config.getoption("collectonly", False):
+        return
+    mark = (config.getoption("markexpr", "") or "").replace(" ", "")
+    if "gpu" in mark and mark != "notgpu":
+        return   # GPU tests share the device and time kernels: one process
+    n = _worker_count()
+    if n > 1:
+        opt.numprocesses = n
+        opt.dist = "worksteal"   # a few tests take 10-20 s: idle workers take queued ones
 
 
 def pytest_collection_modifyitems(config, items):
@@ -16,7 +63,6 @@ def pytest_collection_modifyitems(config, items):
 def _private_cache_dir(tmp_path_factory):
     """optimize() keeps kernels and captures in $KBENCH_CACHE_DIR (default ~/.cache/kbench): the
     tests use a directory of their own unless one is given."""
-    import os
     if "KBENCH_CACHE_DIR" in os.environ:
         yield
         return
@@ -25,3 +71,79 @@ def _private_cache_dir(tmp_path_factory):
         yield
     finally:
         os.environ.pop("KBENCH_CACHE_DIR", None)
+
+
+def session_dir(tmp_path_factory, name):
+    """A folder of this test session shared by its xdist workers (a worker's basetemp is a
+    subfolder of the session's), created on first use."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# ---------------------------------------------------------------- NVRTC
+
+REQUIRE_NVRTC = os.environ.get("KBENCH_REQUIRE_NVRTC", "") not in ("", "0")
+
+
+def nvrtc_missing(why):
+    """NVRTC (or its headers) is not there: skip, or fail where KBENCH_REQUIRE_NVRTC=1 (CI)."""
+    if REQUIRE_NVRTC:
+        pytest.fail(f"{why} (KBENCH_REQUIRE_NVRTC is set: NVRTC must be here)", pytrace=False)
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def nvrtc():
+    """The process's NVRTC handle (kbench.runtime.nvrtc.handle(): the product's search order)."""
+    from kbench.runtime import nvrtc as nv
+    try:
+        return nv.handle()
+    except (FileNotFoundError, OSError) as e:
+        nvrtc_missing(f"no NVRTC here: {str(e).splitlines()[0]}")
+
+
+@pytest.fixture(scope="session")
+def compile_once(nvrtc, tmp_path_factory):
+    """compile_once([(source, arch), ...]) -> [CUBIN bytes, ...], in order. Each distinct
+    (source, arch) is compiled by NVRTC once in the test session: within a process a memo, across
+    xdist's workers NVRTC's own on-disk CUBIN cache (kbench._C.nvrtc_compile's cache_dir) in a
+    folder of this session, so every entry was compiled by this session's NVRTC. Compiles run in
+    threads (nvrtc_compile releases the GIL). A CompileError propagates with NVRTC's log, noted
+    with the item's label."""
+    from kbench import _C
+    cache = str(session_dir(tmp_path_factory, "nvrtc-cubin"))
+    memo = {}
+    threads = max(2, _worker_count())
+
+    def key(src, arch):
+        return hashlib.sha256(src.encode()).hexdigest(), arch
+
+    def one(src, arch):
+        return _C.nvrtc_compile(nvrtc, src, arch, cache)
+
+    def compile_all(items):
+        """items: (source, arch) or (source, arch, label); a label names the item in an error."""
+        items = [tuple(it) + (None,) * (3 - len(it)) for it in items]
+        todo = {}
+        for src, arch, label in items:
+            k = key(src, arch)
+            if k not in memo and k not in todo:
+                todo[k] = (src, arch, label)
+        if todo:
+            with cf.ThreadPoolExecutor(max_workers=min(threads, len(todo))) as pool:
+                futures = {k: pool.submit(one, src, arch) for k, (src, arch, _) in todo.items()}
+                for k, f in futures.items():
+                    try:
+                        memo[k] = f.result()
+                    except Exception as e:
+                        if hasattr(e, "add_note"):   # Python 3.11
+                            e.add_note(f"compiling {todo[k][2] or ''} for {k[1]}")
+                        raise
+        return [memo[key(src, arch)] for src, arch, _ in items]
+
+    compile_all.stats = memo
+    return compile_all

@@ -536,15 +536,6 @@ def _interp_double(p, r, symvals, ins, outs, graph):
         o.copy_(t.double())
 
 
-def _nvrtc_available():
-    try:
-        from kbench.runtime import nvrtc
-        nvrtc.info()
-        return True
-    except Exception:
-        return False
-
-
 def test_cuda_bench_plumbing_on_cpu():
     g = softmax_graph(rows=64, n=1000)
     ex = CpuExecutor(g)
@@ -635,8 +626,7 @@ def test_finalists_rounds_each_on_a_layout_of_their_own(monkeypatch):
     assert bench.arena is False and ins is bench.inputs and outs[0].shape == (64, 1000) and spans.numel() == 4
 
 
-@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not found")
-def test_search_compiles_every_candidate_with_nvrtc(tmp_path, monkeypatch):
+def test_search_compiles_every_candidate_with_nvrtc(nvrtc, tmp_path, monkeypatch):
     """budget='fast' on a softmax region end to end on the CPU stand-in: every asked genome is
     generated and compiled by the real NVRTC for sm_90; a kernel that computes wrong values is
     caught by the gate; the winner is verified."""
@@ -657,9 +647,8 @@ def test_search_compiles_every_candidate_with_nvrtc(tmp_path, monkeypatch):
     assert res.best_genome != first[3]
 
 
-@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not found")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_the_helper_kernels_compile(arch):
+def test_the_helper_kernels_compile(nvrtc, arch):
     """The helper kernels (kbench/kernels: the search's touch after each L2 flush, a joint loss
     program's gradient scaling) compile wherever kbench runs (the GPU tests run them)."""
     from kbench.runtime import nvrtc

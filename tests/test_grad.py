@@ -7,9 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-_C = pytest.importorskip("kbench._C")
-if not hasattr(_C.Graph, "grad"):
-    pytest.skip("kbench._C.Graph has no grad() yet", allow_module_level=True)
+from kbench import _C
 
 S0 = (1, (0,))  # the dim "s0": 1 * s0
 SYMVALS = ([3], [5])
@@ -309,10 +307,7 @@ def test_region_graph_runs_like_the_region():
     gb = GB()
     x, w, b = gb.input("x", [S0, 8]), gb.input("weight", [8], kind="param"), gb.input("bias", [8], kind="param")
     gb.out(gb.op("gelu", layernorm(gb, softmax(gb, x), w, b, 8, 1e-5)))
-    try:
-        p = gb.g.partition()
-    except NotImplementedError:
-        pytest.skip("partitioner not available")
+    p = gb.g.partition()
     assert len(p) >= 1
     sv = [5]
     for r in range(len(p)):

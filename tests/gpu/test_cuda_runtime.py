@@ -64,7 +64,7 @@ def rt():
     try:
         nv = _C.nvrtc_open(_wheel_dirs())
     except FileNotFoundError as e:
-        pytest.skip(f"no NVRTC: {e}")
+        pytest.fail(f"no NVRTC on a GPU machine (kbench compiles every kernel with it): {e}", pytrace=False)
     dev = _C.device_info(cuda, torch.cuda.current_device())
     return cuda, nv, dev, f"sm_{dev['sm']}"
 
@@ -203,13 +203,53 @@ def test_bad_launches_raise_cuda_error(rt):
     del module
 
 
+# a module whose __device__ array takes 64 MiB of device memory while it is loaded
+BIG = r"""
+__device__ float kb_big[16 << 20];
+extern "C" __global__ void touch_big(float *y) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    kb_big[i * 4096] = (float)i;
+    y[i] = kb_big[i * 4096];
+}
+"""
+
+
 def test_modules_unload_when_collected(rt):
-    cuda = rt[0]
+    """A module handle unloads its CUmodule when Python drops it: a loaded module with a 64 MiB
+    __device__ array holds that much device memory (checked, so the measure can see a module),
+    gives it back once its handle is gone, and 50 such modules loaded and dropped one after
+    another leave the free memory where it was (a leak would hold 3.2 GiB)."""
+    cuda, nv, _, arch = rt
+    big = 64 << 20
+    cubin = _C.nvrtc_compile(nv, BIG, arch, None)
+    y = torch.zeros(4096, device="cuda")   # torch's memory, taken before the baseline
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def load_and_touch():
+        module = _C.module_load(cuda, cubin)
+        fn, _, _ = _C.get_function(cuda, module, "touch_big", 0)
+        _C.launch(cuda, fn, 16, 256, 0, stream, (y.data_ptr(),), ())   # the array is in use
+        torch.cuda.synchronize()
+        return module
+
+    def free_bytes():
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
+
+    free0 = free_bytes()
+    module = load_and_touch()
+    held = free0 - free_bytes()
+    assert held >= big // 2, f"a loaded module with a 64 MiB array took {held >> 20} MiB of device memory"
+    assert torch.equal(y[:8].cpu(), torch.arange(8, dtype=torch.float32))
+    del module
+    back = free0 - free_bytes()
+    assert back < big // 2, f"{back >> 20} MiB still held after the module's handle was dropped"
     for _ in range(50):
-        module, fn, _, _ = _load(rt, SAXPY, "saxpy")
-        del module, fn
-    gc.collect()
-    torch.cuda.synchronize()
+        module = load_and_touch()
+        del module
+    lost = free0 - free_bytes()
+    assert lost < 2 * big, f"{lost >> 20} MiB of device memory held after 50 modules were loaded and dropped"
 
 
 def test_launch_overhead_is_reported(rt, capsys):

@@ -4,6 +4,7 @@ it must give the Python path's exact bits and behave as a torch node does (retai
 second backward, create_graph, inputs without gradients, in-place changes to saved inputs,
 upstream gradients that are misaligned or not contiguous, a model dropped before backward)."""
 import gc
+import os
 import weakref
 
 import pytest
@@ -15,7 +16,28 @@ from kbench.runtime import module as runtime
 
 pytestmark = pytest.mark.gpu
 
-needs_fast = pytest.mark.skipif(fastmod.module() is None, reason="kbench._fast was not built")
+def _fast_built(program=False):
+    """kbench._fast is built with kbench (setup.py): its absence fails, unless KBENCH_FAST=0 asks
+    for the Python path."""
+    m = fastmod.module()
+    if m is None or (program and not hasattr(m, "Program")):
+        if os.environ.get("KBENCH_FAST", "1") == "0":
+            pytest.skip("KBENCH_FAST=0: the Python path was asked for")
+        pytest.fail("kbench._fast%s is not there: it was not built, or does not load (rebuild with "
+                    "pip install --no-build-isolation -e .)" % (".Program" if program else ""), pytrace=False)
+
+
+@pytest.fixture
+def fast_built():
+    _fast_built()
+
+
+@pytest.fixture
+def fast_program_built():
+    _fast_built(program=True)
+
+
+needs_fast = pytest.mark.usefixtures("fast_built")
 
 
 def layer_norm(n=1024):
@@ -160,8 +182,7 @@ def test_model_dropped_before_backward_and_collected_after():
 # Each test runs the same module both ways and wants the same bits, the same exceptions and the
 # same notes.
 
-needs_program = pytest.mark.skipif(fastmod.module() is None or not hasattr(fastmod.module(), "Program"),
-                                   reason="kbench._fast.Program was not built")
+needs_program = pytest.mark.usefixtures("fast_program_built")
 
 
 class python_path:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import kbench
+from kbench import verify
 from kbench.tune import cache, search
 
 pytestmark = pytest.mark.gpu
@@ -59,10 +60,15 @@ def test_search_fast(name, factory, shape, dtype):
                     assert c["tie"] in ("in", "tie", "out", "not faster than the default"), c
             ok = [c for c in res.candidates if c["time_ms"] is not None]
             assert len(ok) >= len(res.candidates) // 2, res.candidates
-            # the winner computes what eager does on a fresh input
-            out = ex.launch(res.kernel, r, symvals, ex.region_inputs(r, symvals, "normal",
-                                                                       torch.Generator().manual_seed(1)))
-            assert all(torch.isfinite(o.float()).all() for o in out if o.is_floating_point())
+            # the winner computes what eager does (the region in float64) on a fresh input
+            ins = ex.region_inputs(r, symvals, "normal", torch.Generator().manual_seed(1))
+            out = ex.launch(res.kernel, r, symvals, ins, poison=True)
+            ref = ex.reference(r, symvals, ins)
+            assert len(out) == len(ref) == len(plan.regions[r].outputs)
+            for j, (o, want) in enumerate(zip(out, ref)):
+                ok, err, why = verify.compare(o, want)
+                assert ok, f"{name} {dtype} region {r} [{res.best_genome}] output {j}: {why}"
+                assert torch.isfinite(o.float()).all()
             again = search.search_region(ex, r, symvals, budget="fast", seed=0)
             if again.best_genome != res.best_genome:   # the whole record, not pytest's truncated repr
                 print("first search finalists:", *_finals(res), "second:", *_finals(again), sep="\n  ")
