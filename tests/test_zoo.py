@@ -61,7 +61,7 @@ def test_training_step_and_inference_match_eager(name):
     scale = max(float(g.abs().max()) for g in want_grads.values())
     for n in grads:   # a gradient that is zero in exact arithmetic is rounding noise: judged on the model's scale
         assert rel(grads[n], want_grads[n], floor=1e-3 * scale) <= F32_TOL, n
-    pscale = max(float(q.abs().max()) for q in twin.parameters())
+    pscale = max(float(q.detach().abs().max()) for q in twin.parameters())
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):   # the optimizer's step, through
         assert rel(p, q, floor=1e-3 * pscale) <= F32_TOL, n                # the shared parameters
     for (n, b), c in zip(model.named_buffers(), twin.buffers()):
