@@ -36,10 +36,12 @@ std::string region_says(const LaunchSpec &l, int input, const char *what) {
 
 Outcome run_launch(const LaunchSpec &l, const std::vector<at::Tensor> &in, std::vector<at::Tensor> &outs,
                    std::string &why) {
-    if (!l.check.empty()) {
-        const at::Tensor &x = in[l.check[0]];
+    // every checked input: a kernel handed a host (or another GPU's) pointer would fault
+    for (int j : l.check) {
+        const at::Tensor &x = in[j];
         if (!x.is_cuda() || x.get_device() != l.device) {
-            why = "the model was optimized for cuda:" + std::to_string(l.device) + "; got a tensor on " + x.device().str();
+            why = "the model was optimized for cuda:" + std::to_string(l.device) + "; got a tensor on " +
+                  x.device().str() + " (region " + std::to_string(l.region) + ", input " + std::to_string(j) + ")";
             return FALLBACK;
         }
     }

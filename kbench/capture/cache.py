@@ -51,13 +51,25 @@ class Uncacheable(Exception):
 
 # ------------------------------------------------------------------------------- fingerprint
 
+@functools.lru_cache(maxsize=None)
+def _lowering_digest() -> str:
+    """The capture package's own source (export, lowering, the op table): a stored capture is the
+    lowering's output, so a change to the lowering (a new op, a fixed rule) must miss, even
+    within one version number (an editable install between commits)."""
+    import pathlib
+    h = hashlib.sha256()
+    for f in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def fingerprint(model: torch.nn.Module, args: tuple, backend: str, call_key: str = "") -> str:
     """The capture's cache key (a sha256 hex digest); Uncacheable when forward hooks or the like
     make the module tree an incomplete description of what forward does. args: the call's
     tensors; call_key: the rest of the call (signature.CallSpec.key), "" for tensors passed
     positionally."""
     h = _Hasher()
-    h.add("kbench-capture", FORMAT, __version__, torch.__version__, sys.version_info[:2], backend,
+    h.add("kbench-capture", FORMAT, __version__, _lowering_digest(), torch.__version__, sys.version_info[:2], backend,
           torch.is_grad_enabled(), torch.is_autocast_enabled(), call_key)
     for a in args:
         h.add("input", a.dtype, tuple(a.shape), a.stride(), a.device.type, a.requires_grad)

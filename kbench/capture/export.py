@@ -195,6 +195,7 @@ def _export_once(model, inputs, shapes):
     with warnings.catch_warnings(), _quiet_export():
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, inputs, strict=False, dynamic_shapes=shapes)
+        _inline_grad_mode_blocks(ep)
         if _make_functional(ep):
             return ep
         before = {n.name: (n.target, _shape_key(n)) for n in ep.graph.nodes}
@@ -243,6 +244,58 @@ def _is_view(n):
         return False
     rets = t._schema.returns
     return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def _inline_grad_mode_blocks(ep):
+    """`with torch.no_grad():` inside a forward (Hugging Face's rotary embeddings) exports as a
+    wrap_with_set_grad_enabled block. Its body is inlined here, and each value leaving a no-grad
+    block is detached — a stop-gradient kbench's backward honours — so the gradients stay
+    eager's. (run_decompositions would inline it too, but drops the grad mode, and torch 2.11's
+    fails on such blocks in a training graph.)"""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    if hop is None:
+        return
+    gm, graph = ep.graph_module, ep.graph
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is hop]:
+        enabled, sub_node, *operands = node.args
+        sub = getattr(gm, sub_node.target)
+        env = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], operands))
+        results = None
+        with graph.inserting_before(node):
+            for inner in sub.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    results = [env[r] if isinstance(r, fx.Node) else r
+                               for r in fx.node.map_arg(inner.args[0], lambda a: a)]
+                    break
+                if inner.op == "get_attr":   # a nested block's submodule: moved to the top
+                    name = f"{sub_node.target}_{inner.target}"
+                    setattr(gm, name, getattr(sub, inner.target))
+                    env[inner] = graph.get_attr(name)
+                    continue
+                env[inner] = graph.node_copy(inner, lambda a: env[a])
+            if not enabled:
+                results = [graph.call_function(torch.ops.aten.detach.default, (r,))
+                           if isinstance(r, fx.Node) else r for r in results]
+                for r in results:
+                    if isinstance(r, fx.Node):
+                        r.meta["val"] = r.args[0].meta.get("val")
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(results[user.args[1]])
+                graph.erase_node(user)
+        if node.users:
+            raise CaptureError("a torch.no_grad() block's outputs are used as a tuple")
+        graph.erase_node(node)
+        if not sub_node.users:
+            graph.erase_node(sub_node)
+            delattr(gm, sub_node.target)
+    # nested blocks were moved up: inline them too
+    if any(n.op == "call_function" and n.target is hop for n in graph.nodes):
+        _inline_grad_mode_blocks(ep)
+    graph.lint()
+    gm.recompile()
 
 
 def _make_functional(ep):

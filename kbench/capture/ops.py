@@ -278,10 +278,17 @@ def _masked_fill(b, node, a):
 
 # ---------------------------------------------------------------------------- casts, copies
 
-@_reg("clone.default", "contiguous.default", "alias.default", "detach.default",
-      "lift_fresh_copy.default", "alias_copy.default", "detach_copy.default")
+@_reg("clone.default", "contiguous.default", "alias.default", "lift_fresh_copy.default",
+      "alias_copy.default")
 def _identity(b, node, a):
     return _t(a["self"])
+
+
+@_reg("detach.default", "detach_copy.default")
+def _detach(b, node, a):
+    """The IR has no stop-gradient: kbench's backward would flow through an identity, so torch
+    runs the detach (its output carries no gradient, as in eager)."""
+    raise Unsupported("a detach (stops the gradient)")
 
 
 @_reg("_to_copy.default", "to.dtype", "to.dtype_layout", "to.device", "to.other", "type_as.default")

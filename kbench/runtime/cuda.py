@@ -68,6 +68,7 @@ class CudaExecutor(Executor):
 
     def prepare(self, plan, device):
         self.plan = plan
+        plan.device = device
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'cuda' needs a CUDA GPU; torch.cuda.is_available() is False "
                                "(use backend='interp' on the CPU)")
@@ -251,9 +252,10 @@ class CudaExecutor(Executor):
         capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
         def run(inputs):
-            if check and inputs[check[0]].device != device:
-                raise Fallback(f"the model was optimized for {device}; got a tensor on {inputs[check[0]].device}")
             for j in check:
+                if inputs[j].device != device:
+                    raise Fallback(f"the model was optimized for {device}; got a tensor on {inputs[j].device} "
+                                   f"(region {r}, input {j})")
                 if not inputs[j].is_contiguous():
                     raise RegionFallback(f"region {r}: input {j} is not contiguous")
             in_ptrs = [x.data_ptr() for x in inputs]

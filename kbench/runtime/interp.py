@@ -16,6 +16,7 @@ class InterpExecutor(Executor):
 
     def prepare(self, plan, device):
         self.plan = plan
+        plan.device = device
         for info in plan.regions:
             if info.kind != "EXTERN":
                 info.set_status(Status.INTERP)

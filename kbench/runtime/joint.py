@@ -127,7 +127,8 @@ def eager_grads(plan, symvals, inputs, need, grad_out, *, dtype=None, create_gra
     """(loss, gradients or None per input) through torch autograd of the graph's torch
     recomputation; dtype=torch.float64 gives the reference the joint program is checked against."""
     def loss(xs):
-        values = torch_eval.evaluate(plan.graph, plan, dict(zip(plan.graph.inputs, xs)), symvals, dtype=dtype)
+        values = torch_eval.evaluate(plan.graph, plan, dict(zip(plan.graph.inputs, xs)), symvals, dtype=dtype,
+                                     device=plan.device)
         return [values[plan.graph.outputs[0]]]
     outs, got = torch_eval.autograd_of(loss, inputs, need, [grad_out], dtype=dtype, create_graph=create_graph)
     return outs[0], got

@@ -94,6 +94,9 @@ class Plan:
         self.example_symvals = list(example_symvals if example_symvals is not None
                                     else [s[1] for s in graph.symbols])
         self.static_reason = static_reason
+        # where values with no tensor input (constants, iotas between regions) are made: the
+        # device the executor runs on (Executor.prepare sets it; None: the CPU)
+        self.device = None
         self.stat_inputs = set()       # a backward's inputs that are a forward's row statistics
         # a backward's inputs that are a forward's outputs (input id -> output index), drawn for
         # checks as the forward makes them: forward_outputs(symvals, dist, gen) -> its outputs
@@ -150,13 +153,13 @@ class Plan:
     def materialize(self, v, values, symvals):
         """A value no region produces (a view or constant between regions): torch computes it."""
         missing = self.missing(v, values)
-        out = torch_eval.evaluate(self.graph, self, values, symvals, nodes=missing)
+        out = torch_eval.evaluate(self.graph, self, values, symvals, nodes=missing, device=self.device)
         values.update({n: out[n] for n in missing if n in out})
 
     def eager_region(self, r, symvals, inputs, dtype=None):
         info = self.regions[r]
         out = torch_eval.evaluate(self.graph, self, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes,
-                                  dtype=dtype)
+                                  dtype=dtype, device=self.device)
         return [out[v] for v in info.outputs]
 
 
@@ -172,6 +175,7 @@ class Executor:
 
     def prepare(self, plan: Plan, device: torch.device) -> None:
         self.plan = plan
+        plan.device = device
 
     def can_run(self, r: int) -> bool:
         return True
@@ -319,7 +323,8 @@ class Program:
         plan = self.plan
 
         def materialize(inputs):
-            out = torch_eval.evaluate(plan.graph, plan, dict(zip(deps, inputs)), symvals, nodes=nodes)
+            out = torch_eval.evaluate(plan.graph, plan, dict(zip(deps, inputs)), symvals, nodes=nodes,
+                                      device=plan.device)
             return [out.get(n) for n in nodes]
         return materialize
 

@@ -54,7 +54,10 @@ def test_zoo_training_step_and_eval_on_kernels(name):
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         assert (p.grad is None) == (q.grad is None), n
         if q.grad is not None:
-            assert rel(p.grad, q.grad, floor=1e-3 * scale) <= 1e-4, n
+            # a gradient that is zero in exact arithmetic (a conv bias before train-mode
+            # BatchNorm) is rounding noise whose size depends on the reduction order: judged on
+            # the model's gradient scale
+            assert rel(p.grad, q.grad, floor=1e-2 * scale) <= 1e-4, n
     assert not opt._kbench_reasons, opt._kbench_reasons   # no call fell back to eager
     opt.eval()
     twin.eval()
