@@ -39,6 +39,7 @@ DTYPES = ("f32", "bf16")
 def load_zoo():
     spec = importlib.util.spec_from_file_location("kbench_zoo", ROOT / "tests" / "models" / "zoo.py")
     zoo = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = zoo   # dataclasses look their module up there (Python 3.12)
     spec.loader.exec_module(zoo)
     return zoo
 
