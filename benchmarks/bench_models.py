@@ -23,6 +23,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODES = ("infer", "train")
+ROUNDS = 5   # interleaved timing rounds per row
 DTYPES = ("f32", "bf16")
 
 
@@ -176,15 +178,26 @@ def one_row(zoo, name, mode, dtype, args) -> dict:
             errs += [rel_err(got_grads[n], p.grad) for n, p in ref_model.named_parameters() if n in got_grads]
         row["impls"]["kbench"]["max_rel_err"] = max(errs) if errs else None
     del ref_model
-    # timing
+    # timing: ROUNDS rounds, each timing every implementation in turn, and the median of each
+    # one's round medians: a drift of the clocks or of the host over the row hits all alike
+    per_round = max(3, args.reps // ROUNDS)
+    times = {key: [] for key in impls}
+    for _ in range(ROUNDS):
+        for key, module in impls.items():
+            cell = row["impls"].setdefault(key, {})
+            try:
+                ms, peak = timed(case, lambda m=module: case.step(m), per_round)
+                times[key].append(ms)
+                cell["peak_mb"] = max(cell.get("peak_mb", 0.0), peak)
+            except Exception as e:  # noqa: BLE001
+                cell["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     for key, module in impls.items():
-        cell = row["impls"].setdefault(key, {})
-        try:
-            cell["ms"], cell["peak_mb"] = timed(case, lambda m=module: case.step(m), args.reps)
-            if mode == "infer":
-                cell["device_ms"] = device_ms(case, lambda m=module: case.step(m))
-        except Exception as e:  # noqa: BLE001
-            cell["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        cell = row["impls"][key]
+        if times[key]:
+            cell["ms"] = statistics.median(times[key])
+            cell["ms_rounds"] = times[key]
+        if mode == "infer" and "error" not in cell:
+            cell["device_ms"] = device_ms(case, lambda m=module: case.step(m))
     eager_ms = row["impls"]["eager"].get("ms")
     for key, cell in row["impls"].items():
         if cell.get("ms") and eager_ms:

@@ -41,6 +41,7 @@ struct StepSpec {
     Ref region;               /* Region: step.fast, where gradients flow through the region */
     std::vector<int> ins;     /* slots it reads */
     size_t nouts = 0;         /* slots it appends (its outputs, statistics included) */
+    std::vector<int> release; /* slots no later step reads and no output is: dropped after it */
 };
 
 /* One input signature (sizes, dtype, device per input) bound by OptimizedModule._bind. */
@@ -292,6 +293,8 @@ PyObject *run(Program *self, PyObject *module, PyObject *const *inputs, size_t n
         ins.clear();
         for (int i : st.ins) ins.push_back(slots[(size_t)i]);
         if (!run_step(self, st, grad, ins, slots)) return nullptr;
+        ins.clear();
+        for (int i : st.release) slots[(size_t)i].reset();
     }
     self->served++;
     if (e.one) return THPVariable_Wrap(slots[(size_t)e.outputs[0]]);
@@ -391,6 +394,18 @@ PyObject *program_add(Program *self, PyObject *a) {
         return nullptr;
     }
     e->nslots = nslots;
+    /* a call holds only live values: each slot is dropped after its last reader (autograd keeps
+     * what a backward needs by itself) */
+    std::vector<int> last(nslots, -1);
+    size_t made = n + self->s.params.size();
+    for (size_t k = 0; k < e->steps.size(); k++) {
+        /* a value nothing reads (a statistic only a backward wants) goes right after its step */
+        for (size_t j = 0; j < e->steps[k].nouts; j++) last[made++] = (int)k;
+        for (int i : e->steps[k].ins) last[(size_t)i] = (int)k;
+    }
+    for (int i : e->outputs) last[(size_t)i] = -1;
+    for (size_t i = 0; i < nslots; i++)
+        if (last[i] >= 0) e->steps[(size_t)last[i]].release.push_back((int)i);
     /* a signature bound again (after the Python table was cleared) replaces the old entry */
     auto &entries = self->s.entries;
     for (auto it = entries.begin(); it != entries.end(); ++it)

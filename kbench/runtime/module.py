@@ -327,6 +327,9 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
                 slots.extend(step.launch(ins))
             else:
                 slots.extend(self._kbench_plan.eager_region(step.r, bound.symvals, ins))
+            del ins
+            for i in step.release:
+                slots[i] = None
         outs = [slots[i] for i in bound.outputs]
         if captured.mutations:
             captured.apply_mutations(self._kbench_orig, args, outs)

@@ -287,6 +287,7 @@ class Program:
             step.launch = self._materializer(deps, nodes, symvals)
             for n in nodes:
                 slot[n] = len(slot)
+            step.made = [slot[n] for n in nodes]
             steps.append(step)
 
         for info in plan.regions:
@@ -314,10 +315,13 @@ class Program:
                 slot[v] = len(slot)
                 if step.launch is not None and info.kind != "EXTERN":
                     fresh.add(slot[v])
+            step.made = [slot[v] for v in info.outputs]
             steps.append(step)
         for v in graph.outputs:
             ensure(v)
-        return Bound(symvals, steps, [slot[v] for v in graph.outputs])
+        outputs = [slot[v] for v in graph.outputs]
+        release_after_last_use(steps, outputs)
+        return Bound(symvals, steps, outputs)
 
     def _materializer(self, deps, nodes, symvals):
         plan = self.plan
@@ -358,7 +362,8 @@ class Step:
     reads, and how to run it, decided once per input signature instead of once per call."""
 
     __slots__ = ("kind", "r", "ins", "launch", "launch_nograd", "program", "symvals", "float_in", "int_outs",
-                 "out_meta", "nsaved", "no_stats", "saved_outputs", "owner", "backward", "fast")
+                 "out_meta", "nsaved", "no_stats", "saved_outputs", "owner", "backward", "fast", "release",
+                 "made")
 
     def run(self, inputs):
         """The region's outputs where no backward will follow (kernel, or eager where the backend
@@ -383,6 +388,24 @@ class Step:
         return self.program.plan.eager_region(self.r, self.symvals, inputs), False
 
 
+def release_after_last_use(steps, outputs) -> None:
+    """step.release: the slots no later step reads and no output is, dropped once the step has
+    run, so that a call holds only live values (an inference call otherwise keeps every
+    intermediate to the end; autograd keeps what a backward needs on its own)."""
+    last = {}
+    for k, step in enumerate(steps):
+        for i in step.made:     # a value nothing reads (a statistic only a backward wants) goes
+            last[i] = k         # right after the step that made it
+        for i in step.ins:
+            last[i] = k
+    keep = set(outputs)
+    for step in steps:
+        step.release = []
+    for i, k in last.items():
+        if i not in keep:
+            steps[k].release.append(i)
+
+
 class Bound:
     """A program bound to one set of sizes: its steps over a flat list of value slots (graph
     inputs first, then each step's outputs in order) and which slots are the graph outputs."""
@@ -400,6 +423,8 @@ class Bound:
                 slots.extend(step.launch(ins))
             else:
                 slots.extend(step.run(ins))
+            for i in step.release:
+                slots[i] = None
         return [slots[i] for i in self.outputs]
 
 

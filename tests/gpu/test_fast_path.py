@@ -432,3 +432,29 @@ def test_module_call_serves_plain_calls_and_leaves_hooked_ones_to_torch():
         handle.remove()
         both_ways(opt, x, served=1)
     assert not opt._kbench_reasons
+
+
+@needs_program
+def test_program_drops_each_value_after_its_last_reader():
+    """An inference call through the C++ Program holds only live values: a chain of 8 regions
+    peaks at a few activations, not at all 8 (csrc/fast/program.cpp: StepSpec.release)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(4096), torch.nn.GELU())
+                                  for _ in range(8)]).cuda()
+    x = torch.randn(512, 4096, device="cuda")
+    opt = kbench.optimize(model, (x,), budget="none", verbose=False, gate=False, cuda_graphs=False)
+    program = opt._kbench_fast_program
+    with torch.no_grad():
+        want = model(x)
+        opt(x)
+        torch.cuda.synchronize()
+        served = program.served
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = opt(x)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    assert program.served == served + 1, program.why
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    one = x.numel() * x.element_size()
+    assert peak <= 3.5 * one, f"peak {peak / one:.1f} activations"
