@@ -15,7 +15,7 @@ from .capture import capture as capture_graph
 from .capture.signature import CallSpec, FlatCall
 from .errors import CaptureError
 from .report import Report
-from .runtime import nvrtc
+from .runtime import graphs, nvrtc
 from .runtime.cuda import CudaExecutor
 from .runtime.interp import InterpExecutor
 from .runtime.module import OptimizedModule
@@ -140,7 +140,8 @@ class EagerModule(torch.nn.Module):
 
 def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
              backend: str | None = None, budget: str = "default", seed: int = 0, verbose: bool = True,
-             grad_in_forward: bool = True, strict: bool = False, gate: bool = True) -> torch.nn.Module:
+             grad_in_forward: bool = True, strict: bool = False, gate: bool = True,
+             cuda_graphs="auto") -> torch.nn.Module:
     """Return a module that computes what `model` computes, on kbench's regions.
 
     example_inputs, example_kwargs: a call's positional arguments (a tensor or a tuple) and
@@ -163,6 +164,11 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     gate: on the GPU, time the optimized module against the model at the example call (forward,
     and forward + backward for a training model with trainable parameters) and run the model
     itself where kbench's is not faster (kbench/tune/gate.py; the report gives both times).
+    cuda_graphs: "auto" (the default) replays a call from a CUDA graph, captured at the third call
+    of its input signature, where that is safe: the cuda backend, every region a generated kernel
+    or a torch op that does not sync, a call without gradients (kbench/runtime/graphs.py says
+    what else is guarded); True the same, and it logs once why a call runs without; False never.
+    The report gives the graphed signatures and the memory they pin.
     The returned module shares model's parameters and buffers; model itself is not modified."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -170,8 +176,9 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if budget not in BUDGET_NAMES:
         raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
+    graphs.check_option(cuda_graphs)
     options = dict(backend=backend, budget=budget, seed=seed, verbose=verbose, grad_in_forward=grad_in_forward,
-                   strict=strict, gate=gate)
+                   strict=strict, gate=gate, cuda_graphs=cuda_graphs)
     if example_inputs is None and example_kwargs is None:   # capture on the first call
         return LazyOptimized(model, options)
     args = () if example_inputs is None else _as_args(example_inputs)
@@ -225,7 +232,8 @@ def _optimize(model, args, kwargs, options):
     def build(captured):
         return OptimizedModule(model, captured, executor(), device, options["grad_in_forward"],
                                call_spec=None if spec.plain else spec,
-                               rebuild=lambda a, k: _optimize(model, a, k, options))
+                               rebuild=lambda a, k: _optimize(model, a, k, options),
+                               cuda_graphs=options["cuda_graphs"])
 
     # budget "none" keeps nothing between processes: neither kernels nor the capture
     key, captured = (capture_cache.lookup(model, tensors, backend, call_key="" if spec.plain else spec.key())
