@@ -438,3 +438,29 @@ def test_a_failed_capture_is_remembered_with_its_reason():
     (entry,) = runner.entries.values()
     assert entry.reason == "capture failed (RuntimeError: operation not permitted when stream is capturing)"
     assert runner.captures == 0
+
+
+class Recorder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("last", torch.zeros(4, 8))
+
+    def forward(self, x):
+        self.last.copy_(x * 2.0)
+        return x + 1.0
+
+
+def test_a_buffer_written_but_not_read_is_guarded_too():
+    model = Recorder()
+    opt = optimized(model, torch.randn(4, 8))
+    assert opt._kbench_param_chains == [] and graphs.written_only(opt) == [((), "_buffers", "last")]
+    runner = graphed(opt)
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 2):
+            x = torch.randn(4, 8)
+            assert torch.equal(opt(x), x + 1.0) and torch.equal(model.last, x * 2.0)
+        assert runner.captures == 1 and runner.replays == 2
+        model.last = torch.zeros(4, 8)            # replaced: the graph would write the old one
+        x = torch.randn(4, 8)
+        assert torch.equal(opt(x), x + 1.0) and torch.equal(model.last, x * 2.0)
+        assert runner.drops == 1

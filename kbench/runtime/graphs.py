@@ -148,7 +148,7 @@ class ParamGuard:
         root, constants = module._kbench_orig, module._kbench_constants
         hop_dicts, hop_keys, hop_mods, seen = [], [], [], set()
         self.dicts, self.keys = [], []
-        for path, table, leaf in module._kbench_param_chains:
+        for path, table, leaf in module._kbench_param_chains + written_only(module):
             if path is None:   # a captured constant: never replaced
                 self.dicts.append(constants)
                 self.keys.append(leaf)
@@ -176,6 +176,21 @@ class ParamGuard:
             return list(map(_getitem, self.dicts, self.keys))
         except KeyError:
             return None
+
+
+def written_only(module) -> list:
+    """(path, table, leaf) of the buffers and parameters the forward updates in place without
+    reading them: the graph writes them at their captured addresses, so they are guarded too."""
+    read = {".".join(path + (leaf,)) for path, _, leaf in module._kbench_param_chains if path is not None}
+    chains = []
+    for _, kind, name in module._kbench_captured.mutations:
+        if kind == "user" or name in read:
+            continue
+        *path, leaf = name.split(".")
+        owner = module._kbench_orig.get_submodule(".".join(path)) if path else module._kbench_orig
+        chains.append((tuple(path), "_buffers" if leaf in owner._buffers else "_parameters", leaf))
+        read.add(name)
+    return chains
 
 
 def same_tensors(live, held, ptrs) -> bool:
@@ -208,7 +223,10 @@ def capture_cuda_graph(fn, pool, device, stream):
     graph = torch.cuda.CUDAGraph()
     prev = torch.cuda.current_stream(device)
     try:
-        with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool, stream=stream):
+        # thread_local: another thread's CUDA calls meanwhile (a DataLoader pinning memory) are
+        # not ours to fail, as torch.compile's graphs leave them alone too
+        with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool, stream=stream,
+                                                         capture_error_mode="thread_local"):
             out = fn()
     except BaseException:
         # torch.cuda.graph's exit does not restore the stream when ending the capture raises
@@ -286,11 +304,13 @@ def _mb(n) -> str:
 class _Entry:
     """One call signature: its warm-up count, its graph once captured, or why it is not graphed."""
 
-    __slots__ = ("key", "label", "warm", "reason", "graph", "static_inputs", "outputs", "replays")
+    __slots__ = ("key", "label", "warm", "reason", "graph", "static_inputs", "outputs", "replays", "bound")
 
     def __init__(self, key, label):
         self.key, self.label, self.warm, self.reason = key, label, 0, ""
-        self.graph = self.static_inputs = self.outputs = None
+        # bound: the steps the graph was captured from, kept as long as it is: their launches own
+        # buffers the kernels write (statistics no one reads) at addresses the graph holds
+        self.graph = self.static_inputs = self.outputs = self.bound = None
         self.replays = 0
 
 
@@ -447,7 +467,7 @@ class GraphRunner:
                 torch.cuda.synchronize(device)   # raises here if the failure broke the device itself
             self._tell(f"{entry.label}: {entry.reason}")
             return _NO
-        entry.graph, entry.static_inputs, entry.outputs = graph, static, outputs
+        entry.graph, entry.static_inputs, entry.outputs, entry.bound = graph, static, outputs, bound
         if self.held is None:
             self.held, self.ptrs = live, [t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in live]
         self.captures += 1
@@ -503,7 +523,7 @@ class GraphRunner:
         if self.cuda and any(e.graph is not None for e in self.entries.values()):
             torch.cuda.synchronize(self.device)   # no replay in flight reads what is freed
         for e in self.entries.values():
-            e.graph = e.static_inputs = e.outputs = None
+            e.graph = e.static_inputs = e.outputs = e.bound = None
             e.warm = 0
         self.held = self.ptrs = None
         self.pool_bytes = 0
