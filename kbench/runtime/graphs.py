@@ -27,6 +27,7 @@ MAX_DROPS = 3        # times the parameters may change under the graphs before g
 WANTS_GRAD = "the call wants gradients (training calls run un-graphed: docs/DESIGN.md, CUDA graphs)"
 
 _NO = object()       # "not replayed": the un-graphed path runs the call
+_deferred = []       # graphs of runners collected during someone's capture, destroyed after it
 
 
 def check_option(value):
@@ -363,6 +364,8 @@ class GraphRunner:
     def call(self, module, inputs):
         """kbench._fast.Program.call's contract: the call's result, NotImplemented (the Python
         path runs it) or Fallback (eager runs it, with the reason)."""
+        if _deferred:
+            _destroy_deferred()
         got, why = _NO, None
         if module.training is self.training and not self.off:
             if self.lock.acquire(False):   # another thread replaying: this call runs un-graphed
@@ -529,6 +532,22 @@ class GraphRunner:
         self.pool_bytes = 0
         self.last_raw = self.last_stream = None
 
+    def __del__(self):
+        """Graphs go before the kernels they launch; collected inside a capture (the caller's
+        torch.cuda.graph around code that drops a model), after it: destroying a graph there
+        could invalidate that capture."""
+        try:
+            entries = list(self.__dict__.get("entries", {}).values())
+            if not any(e.graph is not None for e in entries):
+                return
+            if self.cuda and torch.cuda.is_current_stream_capturing():
+                _deferred.append(entries)   # with their steps: the kernels stay loaded until then
+                return
+            for e in entries:
+                e.graph = None
+        except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter exit)
+            pass
+
     def release(self, why: str) -> None:
         """No more graphs for this module (the model gate runs the original instead); their memory
         goes back to torch's allocator."""
@@ -578,6 +597,15 @@ class GraphRunner:
         for why, n in self.skipped.items():
             lines.append(f"CUDA graphs: {n} call(s) not graphed: {why}")
         return lines
+
+
+def _destroy_deferred():
+    if torch.cuda.is_current_stream_capturing():
+        return
+    entries = [e for batch in _deferred for e in batch]
+    _deferred.clear()
+    for e in entries:    # each graph before the steps (and kernels) it launches
+        e.graph = None
 
 
 def _label(key) -> str:

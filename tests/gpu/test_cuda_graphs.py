@@ -349,3 +349,32 @@ def test_the_report_names_the_memory_pinned():
     pool, static = runner_of(opt).pinned()
     assert pool > 0 and static == 4 * 32 * 64 * 4
     assert float(m.group(2)) == pytest.approx(pool / 2**20, abs=0.01)
+
+
+def test_a_graphed_model_collected_inside_the_callers_capture():
+    """Python's collector may drop a graphed model while the caller captures a graph of their
+    own: its graphs are destroyed after that capture, not in it."""
+    model, new_x = mlp()
+    opt = make(model, new_x())
+    static = new_x()
+    dropped_model = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.GELU()).cuda().eval()
+    dropped = make(dropped_model, static)
+    with torch.no_grad():
+        warm(opt, static)
+        opt(static)
+        warm(dropped, static)
+        dropped(static)
+        assert runner_of(dropped).captures == 1
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = opt(static)
+            del dropped
+            gc.collect()
+        assert graphs._deferred    # kept until no capture is under way
+        static.copy_(new_x())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ungraphed(opt, static))
+        x = new_x()
+        assert torch.equal(opt(x), ungraphed(opt, x))
+    assert not graphs._deferred
