@@ -320,7 +320,7 @@ class GraphRunner:
     module's kbench._fast.Program stands (module._kbench_fast_program, or _kbench_fast_flat for a
     flattened call), and hands every call it does not replay to that Program (`inner`; None: the
     module's Python path). Per signature: WARMUP un-graphed calls, then a capture, then replays
-    under the guards (graph_guards in docs/DESIGN.md)."""
+    under the guards (docs/DESIGN.md, "CUDA graphs")."""
 
     def __init__(self, module, inner, option, capture=None):
         self.inner = inner
