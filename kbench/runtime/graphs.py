@@ -463,6 +463,11 @@ class GraphRunner:
         try:
             graph, out = self.capture(lambda: module._run(bound, static), self.pool, device, self.stream)
             outputs = Outputs(out, forbidden)
+        except Unsafe as e:
+            graph = None
+            entry.reason = str(e)
+            self._tell(f"{entry.label}: {entry.reason}")
+            return _NO
         except Exception as e:  # noqa: BLE001 - this signature runs un-graphed, and the report says why
             graph = None
             entry.reason = f"capture failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})"
