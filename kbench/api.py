@@ -167,8 +167,9 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     cuda_graphs: "auto" (the default) replays a call from a CUDA graph, captured at the third call
     of its input signature, where that is safe: the cuda backend, every region a generated kernel
     or a torch op that does not sync, a call without gradients (kbench/runtime/graphs.py says
-    what else is guarded); True the same, and it logs once why a call runs without; False never.
-    The report gives the graphed signatures and the memory they pin.
+    what else is guarded), and, with the gate on, where the graphed example call is faster than
+    the un-graphed one; True graphs where safe, whatever the gate, and logs once why a call runs
+    without; False never. The report gives the graphed signatures and the memory they pin.
     The returned module shares model's parameters and buffers; model itself is not modified."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -263,12 +264,19 @@ def _gated(model, optimized, args, kwargs, backend, device, options):
     """The optimized module, set to run the original model where the gate finds it no faster."""
     if backend != "cuda" or not options["gate"]:
         return optimized
+    # cuda_graphs="auto": the graphs must also beat the un-graphed call (True keeps them)
+    runner = optimized.__dict__.get("_kbench_graphs")
+    ungraphed = graphs.paused(optimized, runner) if options["cuda_graphs"] == "auto" and \
+        isinstance(runner, graphs.GraphRunner) else None
     try:
-        verdict = gate.compare(model, optimized, args, kwargs, device)
+        verdict = gate.compare(model, optimized, args, kwargs, device, ungraphed=ungraphed)
     except Exception as e:  # noqa: BLE001 - an unmeasured gate keeps kbench's module, and says so
         optimized.__dict__["_kbench_gate"] = f"model gate not measured ({type(e).__name__}: {e})"
         return optimized
     optimized.__dict__["_kbench_gate"] = verdict.describe()
+    if not verdict.graphs and runner.replays:   # graphs served the timed calls, and were not faster
+        runner.release(f"the model gate timed the call at {verdict.graphed_ms:.4g} ms with graphs, "
+                       f"{verdict.ungraphed_ms:.4g} ms without")
     if not verdict.keep:
         optimized.run_original(verdict.describe())
     return optimized

@@ -464,3 +464,40 @@ def test_a_buffer_written_but_not_read_is_guarded_too():
         x = torch.randn(4, 8)
         assert torch.equal(opt(x), x + 1.0) and torch.equal(model.last, x * 2.0)
         assert runner.drops == 1
+
+
+def test_the_model_gate_times_the_graphs_against_the_un_graphed_call(monkeypatch):
+    """api._gated (the cuda backend's, here on the stand-in): with cuda_graphs="auto" the gate
+    also times the module with its graphs paused, and where the graphs were not faster they go."""
+    from kbench import api
+    from kbench.tune import gate
+    model = mlp()
+    x = torch.randn(4, 16)
+    seen = {}
+
+    def compare(model_, optimized, args, kwargs, device, ungraphed=None):
+        with torch.no_grad():
+            for _ in range(graphs.WARMUP + 2):
+                optimized(*args)                 # graphed after the warm-up
+            replays = runner.replays
+            plain = ungraphed(*args)
+            seen["paused_replays"] = runner.replays - replays   # the paused call replayed nothing
+            seen["ungraphed"] = torch.equal(plain, optimized(*args))
+        return gate.Verdict(keep=True, eager_ms=2.0, kbench_ms=1.0, backward=False, graphed_ms=1.2,
+                            ungraphed_ms=1.0, graphs=False)
+    monkeypatch.setattr(gate, "compare", compare)
+    options = dict(gate=True, cuda_graphs="auto")
+    opt = optimized(model, x)
+    runner = graphed(opt, option="auto")
+    assert api._gated(model, opt, (x,), {}, "cuda", torch.device("cpu"), options) is opt
+    assert seen == {"ungraphed": True, "paused_replays": 0} and runner.off and not runner.entries
+    text = str(opt.kbench_report)
+    assert "kbench with CUDA graphs 1.2 ms, without 1 ms (graphs not faster: off)" in text
+    assert "CUDA graphs: off (the model gate timed the call at 1.2 ms with graphs, 1 ms without)" in text
+
+    opt = optimized(model, x)                    # True: the graphs stay whatever the times
+    runner = graphed(opt, option=True)
+    monkeypatch.setattr(gate, "compare", lambda *a, ungraphed=None: (
+        seen.__setitem__("asked", ungraphed) or gate.Verdict(True, 2.0, 1.0, False)))
+    api._gated(model, opt, (x,), {}, "cuda", torch.device("cpu"), dict(gate=True, cuda_graphs=True))
+    assert seen["asked"] is None and not runner.off

@@ -343,6 +343,7 @@ class GraphRunner:
         self.captures = self.replays = 0
         self.lock = threading.Lock()
         self.last_raw = self.last_stream = self.raw_stream = None
+        self.paused = False        # the model gate times the un-graphed call (paused())
 
     # -- what kbench._fast.Program offers its module (OptimizedModule._bind, tests, tools)
 
@@ -367,7 +368,7 @@ class GraphRunner:
         if _deferred:
             _destroy_deferred()
         got, why = _NO, None
-        if module.training is self.training and not self.off:
+        if module.training is self.training and not self.off and not self.paused:
             if self.lock.acquire(False):   # another thread replaying: this call runs un-graphed
                 try:
                     got, why = self._try(module, inputs)
@@ -623,6 +624,18 @@ def _label(key) -> str:
 
 
 # ---------------------------------------------------------------------------- installing
+
+def paused(module, runner):
+    """module's call with its graphs paused (a callable): the un-graphed call, for the model gate
+    to time against the graphed one. Paused calls do not count as a signature's warm-up."""
+    def call(*args, **kwargs):
+        runner.paused = True
+        try:
+            return module(*args, **kwargs)
+        finally:
+            runner.paused = False
+    return call
+
 
 def install(module, option) -> None:
     """Puts a GraphRunner where the module's fast program stands, where the option asks for graphs
