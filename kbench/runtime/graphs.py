@@ -194,14 +194,15 @@ def written_only(module) -> list:
     return chains
 
 
-def same_tensors(live, held, ptrs) -> bool:
+def same_tensors(live, held, ptrs, indices=None) -> bool:
     """The very tensors the graph was captured with, at the same addresses: an optimizer's step
     (in place) keeps both and the replay reads the new values; a replaced tensor or a .data
-    swap (module.to(), .half()) changes one and the graph would read freed memory."""
+    swap (module.to(), .half()) changes one and the graph would read freed memory. indices:
+    list(range(len(held))), made once by the caller."""
     if len(live) != len(held) or not all(map(_is, live, held)):
         return False
     if _ptrs_equal_c is not None:
-        return _ptrs_equal_c(live, ptrs, list(range(len(live))))
+        return _ptrs_equal_c(live, ptrs, indices if indices is not None else list(range(len(live))))
     return [t.data_ptr() for t in live] == ptrs
 
 
@@ -335,7 +336,7 @@ class GraphRunner:
         self.skipped = {}          # reason -> calls not graphed for it
         self.logged = set()
         self.guard = None          # ParamGuard, built at the first need
-        self.held = self.ptrs = None   # the parameters every live graph read, and their addresses
+        self.held = self.ptrs = self.indices = None   # the parameters every live graph read, their addresses
         self.drops = 0
         self.off = ""              # graphs were switched off for good: why
         self.pool = self.stream = None
@@ -414,7 +415,7 @@ class GraphRunner:
         if entry.graph is not None:
             if live is None:
                 live = self._live(module)
-            if live is not None and same_tensors(live, self.held, self.ptrs):
+            if live is not None and same_tensors(live, self.held, self.ptrs, self.indices):
                 return self._replay(entry, inputs), None
             self._drop("a parameter or buffer was replaced, moved or changed dtype since the capture")
             if self.off:
@@ -479,6 +480,7 @@ class GraphRunner:
         entry.graph, entry.static_inputs, entry.outputs, entry.bound = graph, static, outputs, bound
         if self.held is None:
             self.held, self.ptrs = live, [t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in live]
+            self.indices = list(range(len(live)))
         self.captures += 1
         if self.cuda:
             got = pool_bytes(self.pool, device)
