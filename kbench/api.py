@@ -15,7 +15,7 @@ from .capture import capture as capture_graph
 from .capture.signature import CallSpec, FlatCall
 from .errors import CaptureError
 from .report import Report
-from .runtime import nvrtc
+from .runtime import graphs, nvrtc
 from .runtime.cuda import CudaExecutor
 from .runtime.interp import InterpExecutor
 from .runtime.module import OptimizedModule
@@ -140,7 +140,8 @@ class EagerModule(torch.nn.Module):
 
 def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
              backend: str | None = None, budget: str = "default", seed: int = 0, verbose: bool = True,
-             grad_in_forward: bool = True, strict: bool = False, gate: bool = True) -> torch.nn.Module:
+             grad_in_forward: bool = True, strict: bool = False, gate: bool = True,
+             cuda_graphs="auto") -> torch.nn.Module:
     """Return a module that computes what `model` computes, on kbench's regions.
 
     example_inputs, example_kwargs: a call's positional arguments (a tensor or a tuple) and
@@ -163,6 +164,12 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     gate: on the GPU, time the optimized module against the model at the example call (forward,
     and forward + backward for a training model with trainable parameters) and run the model
     itself where kbench's is not faster (kbench/tune/gate.py; the report gives both times).
+    cuda_graphs: "auto" (the default) replays a call from a CUDA graph, captured at the third call
+    of its input signature, where that is safe: the cuda backend, every region a generated kernel
+    or a torch op that does not sync, a call without gradients (kbench/runtime/graphs.py says
+    what else is guarded), and, with the gate on, where the graphed example call is faster than
+    the un-graphed one; True graphs where safe, whatever the gate, and logs once why a call runs
+    without; False never. The report gives the graphed signatures and the memory they pin.
     The returned module shares model's parameters and buffers; model itself is not modified."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -170,8 +177,9 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if budget not in BUDGET_NAMES:
         raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
+    graphs.check_option(cuda_graphs)
     options = dict(backend=backend, budget=budget, seed=seed, verbose=verbose, grad_in_forward=grad_in_forward,
-                   strict=strict, gate=gate)
+                   strict=strict, gate=gate, cuda_graphs=cuda_graphs)
     if example_inputs is None and example_kwargs is None:   # capture on the first call
         return LazyOptimized(model, options)
     args = () if example_inputs is None else _as_args(example_inputs)
@@ -225,7 +233,8 @@ def _optimize(model, args, kwargs, options):
     def build(captured):
         return OptimizedModule(model, captured, executor(), device, options["grad_in_forward"],
                                call_spec=None if spec.plain else spec,
-                               rebuild=lambda a, k: _optimize(model, a, k, options))
+                               rebuild=lambda a, k: _optimize(model, a, k, options),
+                               cuda_graphs=options["cuda_graphs"])
 
     # budget "none" keeps nothing between processes: neither kernels nor the capture
     key, captured = (capture_cache.lookup(model, tensors, backend, call_key="" if spec.plain else spec.key())
@@ -255,12 +264,19 @@ def _gated(model, optimized, args, kwargs, backend, device, options):
     """The optimized module, set to run the original model where the gate finds it no faster."""
     if backend != "cuda" or not options["gate"]:
         return optimized
+    # cuda_graphs="auto": the graphs must also beat the un-graphed call (True keeps them)
+    runner = optimized.__dict__.get("_kbench_graphs")
+    ungraphed = graphs.paused(optimized, runner) if options["cuda_graphs"] == "auto" and \
+        isinstance(runner, graphs.GraphRunner) else None
     try:
-        verdict = gate.compare(model, optimized, args, kwargs, device)
+        verdict = gate.compare(model, optimized, args, kwargs, device, ungraphed=ungraphed)
     except Exception as e:  # noqa: BLE001 - an unmeasured gate keeps kbench's module, and says so
         optimized.__dict__["_kbench_gate"] = f"model gate not measured ({type(e).__name__}: {e})"
         return optimized
     optimized.__dict__["_kbench_gate"] = verdict.describe()
+    if not verdict.graphs and runner.replays:   # graphs served the timed calls, and were not faster
+        runner.release(f"the model gate timed the call at {verdict.graphed_ms:.4g} ms with graphs, "
+                       f"{verdict.ungraphed_ms:.4g} ms without")
     if not verdict.keep:
         optimized.run_original(verdict.describe())
     return optimized

@@ -8,6 +8,17 @@ from dataclasses import dataclass, field
 from .runtime.plan import Status
 
 
+def _graph_lines(module) -> list:
+    """The CUDA-graph mode's lines: module._kbench_graphs is its runner (runtime/graphs.py), or
+    why it has none."""
+    graphs = module.__dict__.get("_kbench_graphs")
+    if graphs is None:
+        return []
+    if isinstance(graphs, str):
+        return [f"CUDA graphs: off ({graphs})"]
+    return graphs.describe()
+
+
 def _ms(v) -> str:
     return f"{v:.4f} ms" if isinstance(v, (int, float)) else "?"
 
@@ -54,10 +65,13 @@ class Report:
         spec = module.__dict__.get("_kbench_spec")
         for line in spec.describe() if spec is not None else ():
             rep.notes.append(f"input: {line}")
+        rep.notes += _graph_lines(module)
         for mode, other in module.__dict__.get("_kbench_modes", {}).items():
             what = "training" if mode else "eval"
             rep.notes.append(f"{what} mode: " + (f"runs in eager ({other})" if isinstance(other, str)
                                                  else "served by a capture of its own"))
+            if not isinstance(other, str):
+                rep.notes += [f"{what} mode: {line}" for line in _graph_lines(other)]
         if plan.nvrtc:
             rep.notes.append(f"NVRTC: {plan.nvrtc}")
         if plan.static_reason:

@@ -10,7 +10,7 @@ import torch
 
 from ..dtypes import torch_dtype
 from ..report import Report
-from . import fast, joint
+from . import fast, graphs, joint
 from .autograd import RegionBackward, apply_region
 from ..capture.signature import CallSpec
 from .plan import KERNEL, MATERIALIZE, Executor, Fallback, Plan, Program, RegionFallback
@@ -23,10 +23,13 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
     buffers (the very same tensors, the same state_dict keys); the original is left as it was."""
 
     def __init__(self, module: torch.nn.Module, captured, executor: Executor, device: torch.device,
-                 grad_in_forward: bool = True, call_spec: CallSpec | None = None, rebuild=None):
+                 grad_in_forward: bool = True, call_spec: CallSpec | None = None, rebuild=None,
+                 cuda_graphs="auto"):
         """call_spec: how a call's arguments map to the captured graph's inputs (None: tensors
         passed positionally). rebuild(args, kwargs) -> an OptimizedModule for the module's other
-        train/eval mode, captured at that call (None: calls in the other mode run in eager)."""
+        train/eval mode, captured at that call (None: calls in the other mode run in eager).
+        cuda_graphs: "auto", True or False (runtime/graphs.py): calls replayed from CUDA graphs
+        where that is safe."""
         super().__init__()
         fast.install_module_call(OptimizedModule)   # once: the plain call goes straight to C++
         # share, not copy: the same dicts, so .parameters(), state_dict() and optimizers see the
@@ -68,6 +71,8 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
                              _kbench_fast_program=program if spec.plain else None,
                              _kbench_rebuild=rebuild, _kbench_modes={}, _kbench_original="",
                              _kbench_mutated=self._mutated_slots())
+        # last: the graph runner stands where the fast program stands, and hands it what it declines
+        graphs.install(self, cuda_graphs)
 
     @property
     def kbench_report(self):
@@ -89,6 +94,9 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
     def run_original(self, reason: str) -> None:
         """From now on every call runs the original module (the model-level gate found kbench's
         no faster); the report says why."""
+        runner = self.__dict__.get("_kbench_graphs")
+        if runner is not None and not isinstance(runner, str):
+            runner.release("the model gate runs the original module")
         self.__dict__.update(_kbench_original=reason, _kbench_fast_program=None, _kbench_fast_flat=None)
 
     def forward(self, *args, **kwargs):
@@ -281,16 +289,21 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
             out.append(t)
         return out
 
-    def _run(self, bound, args):
-        captured = self._kbench_captured
+    def _checked_params(self, device):
+        """The parameters, buffers and constants the graph reads, as captured (else Fallback).
+        Checked every call: module.double() or .to() change a Parameter's dtype in place
+        (param.data = ...), so the same tensor object can come back as something else."""
         params = self._params()
-        device = args[0].device if args else self._kbench_device
-        # checked every call: module.double() or .to() change a Parameter's dtype in place
-        # (param.data = ...), so the same tensor object can come back as something else
         for t, (name, dtype, shape) in zip(params, self._kbench_param_meta):
             if t.dtype != dtype or t.shape != shape or t.device != device:
                 raise Fallback(f"{name} is now {t.dtype}{list(t.shape)} on {t.device}; it was captured as "
                                f"{dtype}{list(shape)}, and the inputs are on {device}")
+        return params
+
+    def _run(self, bound, args):
+        captured = self._kbench_captured
+        device = args[0].device if args else self._kbench_device
+        params = self._checked_params(device)
         for x in args:
             if x.device != device:
                 raise Fallback(f"tensors on {device} and {x.device}")

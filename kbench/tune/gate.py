@@ -18,6 +18,9 @@ import torch
 import torch.utils._pytree as pytree
 
 KEEP_BELOW = 0.98   # kbench's module runs where its median time is under this fraction of eager's
+GRAPHS_BELOW = 0.98  # its CUDA graphs stay where a graphed call's median is under this fraction of
+                     # the un-graphed one's (they pin memory; and a replay copies the inputs in and
+                     # the outputs out, which a small memory-bound module can feel)
 WARMUP = 3          # calls of each before timing (binding, the first backward's preparation)
 ROUNDS = 15         # interleaved timed calls of each
 
@@ -26,15 +29,21 @@ ROUNDS = 15         # interleaved timed calls of each
 class Verdict:
     keep: bool              # kbench's module runs (else the original)
     eager_ms: float
-    kbench_ms: float
+    kbench_ms: float        # kbench as it will run: with its CUDA graphs where `graphs`
     backward: bool          # forward + backward was timed
     note: str = ""
+    graphed_ms: float | None = None     # with its CUDA graphs, and with them paused, where both
+    ungraphed_ms: float | None = None   # were timed (a forward without gradients)
+    graphs: bool = True     # the graphed call was faster: its graphs stay (else they go)
 
     def describe(self) -> str:
         what = "forward + backward" if self.backward else "forward"
         ratio = self.eager_ms / self.kbench_ms if self.kbench_ms else math.inf
         head = (f"model gate ({what} at the example call): eager {self.eager_ms:.4g} ms, kbench "
                 f"{self.kbench_ms:.4g} ms ({ratio:.2f}x)")
+        if self.ungraphed_ms is not None:
+            head += (f"; kbench with CUDA graphs {self.graphed_ms:.4g} ms, without {self.ungraphed_ms:.4g} ms"
+                     + ("" if self.graphs else " (graphs not faster: off)"))
         return head + ("" if self.keep else "; kbench is not faster, the original module runs") + \
             (f"; {self.note}" if self.note else "")
 
@@ -70,9 +79,11 @@ def _state_kept(model):
             torch.cuda.set_rng_state_all(cuda)
 
 
-def compare(model, optimized, args, kwargs, device) -> Verdict:
+def compare(model, optimized, args, kwargs, device, ungraphed=None) -> Verdict:
     """Times both modules at the example call on `device` (interleaved rounds, CUDA events,
-    medians) and decides which runs."""
+    medians) and decides which runs. ungraphed: the optimized module with its CUDA graphs paused
+    (a callable), timed as a third where the forward alone is timed (graphs serve only calls
+    without gradients): the graphs stay only where they make the call faster."""
     params = [p for p in model.parameters() if p.requires_grad]
     backward = model.training and bool(params) and torch.is_grad_enabled()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -84,8 +95,10 @@ def compare(model, optimized, args, kwargs, device) -> Verdict:
             cache[key] = [torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype) for t in leaves]
         return cache[key]
 
-    times = {"eager": [], "kbench": []}
     runs = {"eager": model, "kbench": optimized}
+    if ungraphed is not None and not backward:
+        runs["ungraphed"] = ungraphed
+    times = {name: [] for name in runs}
     with _state_kept(model), torch.no_grad() if not backward else contextlib.nullcontext():
         for _ in range(WARMUP):
             for m in runs.values():
@@ -99,6 +112,13 @@ def compare(model, optimized, args, kwargs, device) -> Verdict:
                 b.record()
                 times[name].append((a, b))
         torch.cuda.synchronize(device)
-    eager = statistics.median(a.elapsed_time(b) for a, b in times["eager"])
-    ours = statistics.median(a.elapsed_time(b) for a, b in times["kbench"])
-    return Verdict(keep=ours < KEEP_BELOW * eager, eager_ms=eager, kbench_ms=ours, backward=backward)
+    med = {name: statistics.median(a.elapsed_time(b) for a, b in pairs) for name, pairs in times.items()}
+    eager, ours = med["eager"], med["kbench"]
+    graphed = plain = None
+    use_graphs = True
+    if "ungraphed" in med:
+        graphed, plain = ours, med["ungraphed"]
+        use_graphs = graphed < GRAPHS_BELOW * plain
+        ours = graphed if use_graphs else plain
+    return Verdict(keep=ours < KEEP_BELOW * eager, eager_ms=eager, kbench_ms=ours, backward=backward,
+                   graphed_ms=graphed, ungraphed_ms=plain, graphs=use_graphs)

@@ -2,7 +2,9 @@
 backward runs the generated backward kernels from C++ once Python has built and checked them;
 it must give the Python path's exact bits and behave as a torch node does (retain_graph, a
 second backward, create_graph, inputs without gradients, in-place changes to saved inputs,
-upstream gradients that are misaligned or not contiguous, a model dropped before backward)."""
+upstream gradients that are misaligned or not contiguous, a model dropped before backward).
+Every module here has cuda_graphs=False: these are the un-graphed path's tests (a graphed call
+never reaches the Program; tests/gpu/test_cuda_graphs.py tests that mode)."""
 import gc
 import os
 import weakref
@@ -63,7 +65,7 @@ def test_backward_runs_from_cpp_after_the_first(monkeypatch):
     model = layer_norm()
     # gate=False: the gate's timed backward (parameters only) would add a need pattern of its own
     fast = kbench.optimize(model, (torch.randn(256, 1024, device="cuda"),), budget="none", verbose=False,
-                           gate=False)
+                           gate=False, cuda_graphs=False)
     calls = []
     orig = runtime.OptimizedModule._fast_backward
 
@@ -88,10 +90,10 @@ def test_same_bits_as_the_python_path(monkeypatch):
     example = (torch.randn(128, 512, device="cuda"),)
     x = torch.randn(128, 512, device="cuda", requires_grad=True)
     g = torch.randn(128, 512, device="cuda")
-    fast = kbench.optimize(model, example, budget="none", verbose=False)
+    fast = kbench.optimize(model, example, budget="none", verbose=False, cuda_graphs=False)
     grads(fast, x, g)   # launches are bound at the first call of a size: before the patch
     monkeypatch.setattr(fastmod, "module", lambda: None)
-    slow = kbench.optimize(model, example, budget="none", verbose=False)
+    slow = kbench.optimize(model, example, budget="none", verbose=False, cuda_graphs=False)
     for _ in range(2):   # the second: the C++ program
         a, b = fast(x), slow(x)
         assert torch.equal(a, b)
@@ -103,7 +105,7 @@ def test_same_bits_as_the_python_path(monkeypatch):
 
 def test_node_semantics_as_torch():
     model = layer_norm()
-    fast = kbench.optimize(model, (torch.randn(64, 1024, device="cuda"),), budget="none", verbose=False)
+    fast = kbench.optimize(model, (torch.randn(64, 1024, device="cuda"),), budget="none", verbose=False, cuda_graphs=False)
     x = torch.randn(64, 1024, device="cuda", requires_grad=True)
     g = torch.randn(64, 1024, device="cuda")
     want = grads(model, x, g)
@@ -148,7 +150,7 @@ def test_node_semantics_as_torch():
 
 def test_awkward_upstream_gradients():
     model = layer_norm()
-    fast = kbench.optimize(model, (torch.randn(64, 1024, device="cuda"),), budget="none", verbose=False)
+    fast = kbench.optimize(model, (torch.randn(64, 1024, device="cuda"),), budget="none", verbose=False, cuda_graphs=False)
     x = torch.randn(64, 1024, device="cuda", requires_grad=True)
     g = torch.randn(64, 1024, device="cuda")
     grads(fast, x, g)   # the C++ program registered
@@ -162,7 +164,7 @@ def test_awkward_upstream_gradients():
 
 def test_model_dropped_before_backward_and_collected_after():
     model = layer_norm()
-    fast = kbench.optimize(model, (torch.randn(64, 1024, device="cuda"),), budget="none", verbose=False)
+    fast = kbench.optimize(model, (torch.randn(64, 1024, device="cuda"),), budget="none", verbose=False, cuda_graphs=False)
     x = torch.randn(64, 1024, device="cuda", requires_grad=True)
     g = torch.randn(64, 1024, device="cuda")
     grads(fast, x, g)
@@ -259,7 +261,7 @@ def optimized_wrapped():
     """(model, x, its optimized module): a LayerNorm of 64 x 1024, default genomes."""
     model = Wrapped().cuda()
     x = torch.randn(64, 1024, device="cuda")
-    return model, x, kbench.optimize(model, (x,), budget="none", verbose=False)
+    return model, x, kbench.optimize(model, (x,), budget="none", verbose=False, cuda_graphs=False)
 
 
 @needs_program
@@ -290,7 +292,7 @@ def test_program_serves_forward_and_grad_calls_with_the_python_paths_bits():
 def test_program_residual_layer_norm_returns_the_tuple():
     model = ResidualLN().cuda()
     x, r = torch.randn(64, 1024, device="cuda"), torch.randn(64, 1024, device="cuda")
-    opt = kbench.optimize(model, (x, r), budget="none", verbose=False)
+    opt = kbench.optimize(model, (x, r), budget="none", verbose=False, cuda_graphs=False)
     opt(x, r)
     with torch.no_grad():
         got = both_ways(opt, x, r, served=1)[1]
@@ -387,7 +389,7 @@ def test_program_region_fallback_inside_the_loop():
 def test_program_leaves_python_steps_and_losses_to_python():
     mlp = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256)).cuda()
     x = torch.randn(32, 256, device="cuda")
-    opt = kbench.optimize(mlp, (x,), budget="none", verbose=False)
+    opt = kbench.optimize(mlp, (x,), budget="none", verbose=False, cuda_graphs=False)
     opt(x)
     assert opt._kbench_fast_program.entries == 0   # an EXTERN (the matmul) between the kernels
     with torch.no_grad():
@@ -403,7 +405,7 @@ def test_program_leaves_python_steps_and_losses_to_python():
 
     loss = Loss().cuda()
     x = torch.randn(64, 1024, device="cuda")
-    opt = kbench.optimize(loss, (x,), budget="none", verbose=False)
+    opt = kbench.optimize(loss, (x,), budget="none", verbose=False, cuda_graphs=False)
     assert not opt._kbench_loss_why   # a loss: its gradients may come from the joint program
     opt(x)
     program = opt._kbench_fast_program

@@ -1,0 +1,503 @@
+"""The CUDA-graph mode's decisions without a GPU (kbench/runtime/graphs.py): the option's
+validation, why a module or an extern step is unsafe to graph, the signature keys, and the
+runner's whole life — warm-up, capture, guarded replays, recapture, release, report — on the
+interp backend with a stand-in for torch.cuda.graph that replays by running the captured call
+again into the first run's outputs (the memory a real graph writes). On a GPU, with real graphs:
+tests/gpu/test_cuda_graphs.py."""
+import types
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import kbench
+from kbench.capture.types import Extern, TensorSlot
+from kbench.runtime import graphs
+
+aten = torch.ops.aten
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32)).eval()
+
+
+def optimized(model, *inputs, **kw):
+    return kbench.optimize(model, inputs, backend="interp", budget="none", verbose=False, **kw)
+
+
+class FakeGraph:
+    """Stands for a captured torch.cuda.CUDAGraph: a replay runs the captured call again and
+    writes its results into the capture's outputs, as a real replay writes the same memory."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self):
+        self.replays += 1
+        for old, new in zip(pytree.tree_leaves(self.out), pytree.tree_leaves(self.fn())):
+            if isinstance(old, torch.Tensor):
+                old.copy_(new)
+
+
+def fake_capture_for(module):
+    """A capture that runs nothing the caller could see: the call runs once for its outputs, and
+    the buffers it updated (BatchNorm's statistics) are put back, as a real capture leaves them."""
+    def capture(fn, pool, device, stream):
+        saved = [(b, b.clone()) for b in module.buffers()]
+        out = fn()
+        with torch.no_grad():
+            for b, s in saved:
+                b.copy_(s)
+        return FakeGraph(fn, out), out
+    return capture
+
+
+def plain(model, *inputs):
+    """The un-graphed kbench path on the same parameters: what a replay must give, bit for bit."""
+    return optimized(model, *inputs, cuda_graphs=False)
+
+
+def graphed(opt, option=True):
+    """opt (an interp module, which never graphs on its own) with a runner on the stand-in."""
+    slot = "_kbench_fast_program" if opt._kbench_spec.plain else "_kbench_fast_flat"
+    runner = graphs.GraphRunner(opt, opt.__dict__[slot], option, capture=fake_capture_for(opt._kbench_orig))
+    opt.__dict__.update({"_kbench_graphs": runner, slot: runner})
+    return runner
+
+
+# ---------------------------------------------------------------------------- the option
+
+@pytest.mark.parametrize("value", ["auto", True, False])
+def test_option_values(value):
+    assert graphs.check_option(value) is value
+
+
+@pytest.mark.parametrize("value", ["yes", "Auto", 1, 0, None, "", "true"])
+def test_bad_option_raises_before_anything_runs(value):
+    with pytest.raises(ValueError, match=r"cuda_graphs must be 'auto', True or False, got"):
+        graphs.check_option(value)
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        kbench.optimize(mlp(), (torch.randn(4, 16),), backend="interp", cuda_graphs=value)
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        kbench.optimize(mlp(), cuda_graphs=value)   # lazy: still checked at once
+
+
+def test_option_threaded_to_the_module_and_its_other_mode():
+    model = mlp()
+    x = torch.randn(4, 16)
+    off = optimized(model, x, cuda_graphs=False)
+    assert off._kbench_graphs == "cuda_graphs=False" and off._kbench_fast_program is None
+    assert "CUDA graphs: off (cuda_graphs=False)" in str(off.kbench_report)
+    off.train()
+    off(x)                                        # the training mode: a capture of its own
+    other = off._kbench_modes[True]
+    assert other._kbench_graphs == "cuda_graphs=False"
+    assert "training mode: CUDA graphs: off (cuda_graphs=False)" in str(off.kbench_report)
+    lazy = kbench.optimize(mlp(), backend="interp", budget="none", verbose=False, cuda_graphs=False)
+    lazy(x)
+    assert lazy._kbench_impl._kbench_graphs == "cuda_graphs=False"
+
+
+def test_interp_backend_is_never_graphed_and_says_why(caplog):
+    x = torch.randn(4, 16)
+    auto = optimized(mlp(), x)
+    assert "interp" in auto._kbench_graphs and auto._kbench_fast_program is None
+    assert "CUDA graphs: off (backend 'interp' runs its regions on the CPU" in str(auto.kbench_report)
+    assert not [r for r in caplog.records if "CUDA graphs" in r.getMessage()]   # auto: no log line
+    with caplog.at_level("WARNING", logger="kbench"):
+        optimized(mlp(), x, cuda_graphs=True)
+    assert any("CUDA graphs asked for" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------- is it safe?
+
+def as_cuda(module, **changes):
+    """The module's plan as if it ran on the cuda backend: what module_blockers would say there."""
+    view = types.SimpleNamespace(
+        _kbench_executor=types.SimpleNamespace(name="cuda"), _kbench_device=torch.device("cuda", 0),
+        _kbench_plan=module._kbench_plan, _kbench_captured=module._kbench_captured,
+        _kbench_constants={})
+    for info in module._kbench_plan.regions:   # as generated kernels, not the interpreter
+        if info.kind != "EXTERN":
+            info.set_status(graphs.Status.KERNEL)
+    view.__dict__.update(changes)
+    return view
+
+
+def test_a_plain_model_would_be_safe_on_cuda():
+    opt = optimized(mlp(), torch.randn(4, 16))
+    assert graphs.module_blockers(opt)[0].startswith("backend 'interp'")
+    assert graphs.module_blockers(as_cuda(opt)) == []
+
+
+def test_what_makes_a_module_unsafe():
+    opt = optimized(mlp(), torch.randn(4, 16))
+    assert "on cpu, not a CUDA device" in graphs.module_blockers(as_cuda(opt, _kbench_device=torch.device("cpu")))[0]
+    got = graphs.module_blockers(as_cuda(opt, _kbench_constants={"c": torch.ones(3)}))
+    assert got == ["constant(s) c are held on the CPU"]
+    opt._kbench_plan.regions[1].set_status(graphs.Status.INTERP)
+    view = as_cuda(opt)
+    opt._kbench_plan.regions[1].set_status(graphs.Status.INTERP)
+    assert graphs.module_blockers(view) == ["region(s) [1] run on the C interpreter, on the CPU"]
+    opt._kbench_plan.regions[1].set_status(graphs.Status.EAGER, "test")   # torch ops: no sync, fine
+    assert graphs.module_blockers(view) == []
+
+
+class Scales(torch.nn.Module):
+    def forward(self, x):
+        x.mul_(2.0)
+        return x + 1.0
+
+
+def test_an_input_updated_in_place_is_unsafe():
+    x = torch.randn(4, 8)
+    opt = optimized(Scales(), x.clone())
+    assert [k for _, k, _ in opt._kbench_captured.mutations] == ["user"]
+    (why,) = graphs.module_blockers(as_cuda(opt))
+    assert "updates its input(s)" in why and "in place" in why
+
+
+class Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(x)
+
+
+def test_buffers_updated_in_place_are_safe():
+    opt = optimized(Norm().train(), torch.randn(16, 8))
+    assert {k for _, k, _ in opt._kbench_captured.mutations} == {"buffer"}
+    assert graphs.module_blockers(as_cuda(opt)) == []
+
+
+def test_extern_steps():
+    i64 = ["f32", "i64"]
+    assert graphs.step_blocker(aten.nonzero.default, (TensorSlot(0),), {}) == \
+        "its output's shape depends on the values"
+    assert "host" in graphs.step_blocker(aten._local_scalar_dense.default, (TensorSlot(0),), {})
+    assert "host" in graphs.step_blocker(aten.item.default, (TensorSlot(0),), {})
+    # integer indexing has the indices' shape; a mask's is counted on the host
+    assert graphs.step_blocker(aten.index.Tensor, (TensorSlot(0), [TensorSlot(1)]), {}, i64) == ""
+    assert graphs.step_blocker(aten.index.Tensor, (TensorSlot(0), [None, TensorSlot(1)]), {}, i64) == ""
+    assert graphs.step_blocker(aten.index.Tensor, (TensorSlot(0), [TensorSlot(1)]), {}, ["f32", "bool"]) != ""
+    assert graphs.step_blocker(aten.index.Tensor, (TensorSlot(0), [TensorSlot(1)]), {}) != ""   # dtypes unknown
+    assert "generator" in graphs.step_blocker(aten.randn.default, ([3],), {"generator": torch.Generator()})
+    assert "holds a tensor on cpu" == graphs.step_blocker(aten.add.Tensor, (TensorSlot(0), torch.ones(3)), {})
+    assert graphs.step_blocker(aten.linear.default, (TensorSlot(0), TensorSlot(1)), {}) == ""
+    dropout = Extern([(aten.native_dropout.default, (TensorSlot(0), 0.1, True), {})], "native_dropout", 1)
+    assert graphs.step_blocker(*dropout.steps[0]) == ""   # torch's default generator: registered by the capture
+    assert graphs.draws_random([dropout])
+    assert not graphs.draws_random([Extern([(aten.linear.default, (TensorSlot(0), TensorSlot(1)), {})], "l", 2)])
+
+
+def test_an_unsafe_extern_is_named():
+    opt = optimized(mlp(), torch.randn(4, 16))
+    captured = types.SimpleNamespace(**vars(opt._kbench_captured))
+    captured.externs = list(captured.externs) + [Extern([(aten.nonzero.default, (TensorSlot(0),), {})], "aten.nonzero", 1)]
+    (why,) = graphs.module_blockers(as_cuda(opt, _kbench_captured=captured))
+    assert why == "extern aten.nonzero: its output's shape depends on the values"
+
+
+# ---------------------------------------------------------------------------- the runner
+
+def test_warm_up_capture_replay_and_fresh_outputs():
+    model = mlp()
+    x = torch.randn(4, 16)
+    opt, ref = optimized(model, x), plain(model, x)
+    runner = graphed(opt)
+    with torch.no_grad():
+        outs = [opt(torch.randn(4, 16)) for _ in range(graphs.WARMUP)]
+        assert runner.captures == 0                      # the warm-up calls ran un-graphed
+        x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
+        y1 = opt(x1)                                     # captured and replayed
+        assert runner.captures == 1 and runner.replays == 1
+        held = y1.clone()
+        y2 = opt(x2)                                     # replayed on other values
+        assert runner.replays == 2
+        assert torch.equal(y1, held)                     # the first caller's tensor is its own
+        assert torch.equal(y2, ref(x2)) and torch.equal(y1, ref(x1))
+        (entry,) = [e for e in runner.entries.values() if e.graph is not None]
+        assert y2.data_ptr() != entry.outputs.one.data_ptr()
+    assert len(outs) == graphs.WARMUP
+    text = str(opt.kbench_report)
+    assert "CUDA graphs: on, 1 signature(s) graphed ([(4, 16) float32] no grad)" in text
+    assert "pinned 0.00 MiB (graph pool 0.00 MiB, static inputs 0.00 MiB); 2 replay(s)" in text
+
+
+def test_signature_keys():
+    opt = optimized(mlp(), torch.randn(4, 16))
+    runner = graphed(opt)
+
+    def calls(x, n=graphs.WARMUP + 1):
+        for _ in range(n):
+            opt(x)
+
+    with torch.no_grad():
+        calls(torch.randn(4, 16))
+        calls(torch.randn(6, 16))                 # another shape: another graph
+    with torch.inference_mode():
+        calls(torch.randn(4, 16))                 # inference mode: its own (inference tensors)
+    calls(torch.randn(4, 16).requires_grad_(False).detach())   # grad mode, parameters want gradients
+    assert runner.skipped == {graphs.WANTS_GRAD: graphs.WARMUP + 1}
+    for p in opt.parameters():
+        p.requires_grad_(False)
+    calls(torch.randn(4, 16))                     # grad mode, nothing wants gradients
+    labels = sorted(e.label for e in runner.entries.values() if e.graph is not None)
+    assert labels == ["[(4, 16) float32] grad mode, nothing wants gradients", "[(4, 16) float32] inference mode",
+                      "[(4, 16) float32] no grad", "[(6, 16) float32] no grad"]
+    assert runner.captures == 4
+    key = next(iter(runner.entries))
+    sig, grad, inference, autocast = key
+    assert sig == ((torch.Size([4, 16]), torch.float32, torch.device("cpu")),) and autocast is None
+
+
+def test_calls_the_graph_does_not_take_run_un_graphed():
+    model = mlp()
+    opt, ref = optimized(model, torch.randn(4, 16)), plain(model, torch.randn(4, 16))
+    runner = graphed(opt)
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 1):
+            opt(torch.randn(4, 16))
+        assert runner.captures == 1
+        xt = torch.randn(16, 4).t()                    # non-contiguous: the un-graphed path
+        assert torch.equal(opt(xt), ref(xt))
+        assert runner.replays == 1
+        assert runner.skipped == {"an input is not contiguous or not 16-byte aligned": 1}
+        x64 = torch.randn(4, 16, dtype=torch.float64)
+        with pytest.raises(RuntimeError):
+            model(x64)                                 # another dtype: eager's outcome, un-graphed
+        with pytest.raises(RuntimeError):
+            opt(x64)
+        with pytest.raises(TypeError):
+            opt(torch.randn(4, 16), torch.randn(4, 16))   # too many inputs: the Python path's error
+    x = torch.randn(4, 16, requires_grad=True)
+    y = opt(x)                                         # gradients wanted: un-graphed, differentiable
+    assert y.requires_grad and runner.replays == 1
+    assert any("gradients" in line for line in runner.describe())
+
+
+def test_train_eval_switch():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5)).eval()
+    x = torch.randn(4, 16)
+    opt, ref = optimized(model, x), plain(model, x)
+    runner = graphed(opt)
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 1):
+            opt(x)
+        opt.train()
+        got = opt(x)                                    # the training mode's own module serves it
+        assert runner.replays == 1 and (got == 0).float().mean() > 0.2   # dropout: training mode's
+        opt.eval()
+        assert torch.equal(opt(x), ref(x)) and runner.replays == 2
+
+
+def test_parameters_updated_in_place_or_replaced():
+    model = mlp()
+    x = torch.randn(4, 16)
+    opt, ref = optimized(model, x), plain(model, x)
+    runner = graphed(opt)
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 1):
+            opt(x)
+        model[0].weight.add_(1.0)                       # an optimizer's step: in place, same address
+        assert torch.equal(opt(x), ref(x)) and runner.captures == 1 and runner.replays == 2
+        model[0].weight = torch.nn.Parameter(model[0].weight + 1.0)   # replaced: the graphs go
+        assert torch.equal(opt(x), ref(x))
+        assert runner.captures == 1 and runner.drops == 1 and runner.held is None
+        for _ in range(graphs.WARMUP):
+            assert torch.equal(opt(x), ref(x))
+        assert runner.captures == 2                     # captured again, with the new one
+        model[2].weight.data = model[2].weight.data.clone()   # a .data swap: another address
+        assert torch.equal(opt(x), ref(x)) and runner.drops == 2
+        for _ in range(graphs.WARMUP):
+            assert torch.equal(opt(x), ref(x))
+        assert runner.captures == 3
+        model[2] = torch.nn.LayerNorm(32)               # a replaced submodule
+        for _ in range(graphs.WARMUP + 1):
+            assert torch.equal(opt(x), ref(x))
+        assert runner.drops == 3 and runner.off         # parameters keep changing: graphs off
+        assert runner.captures == 3 and not any(e.graph for e in runner.entries.values())
+        assert any("graphs are off" in line for line in runner.describe())
+
+
+def test_a_submodule_replaced_is_seen_by_the_guard():
+    model = mlp()
+    opt = optimized(model, torch.randn(4, 16))
+    guard = graphs.ParamGuard(opt)
+    live = guard.live()
+    assert [t is p for t, p in zip(live, opt._params())] == [True] * len(live)
+    assert graphs.same_tensors(live, live, [t.data_ptr() for t in live])
+    model[0] = torch.nn.Linear(16, 32)
+    assert guard.live() is None
+    del model[2]._parameters["bias"]
+    assert graphs.ParamGuard.__init__ and graphs.ParamGuard(opt).live() is None
+
+
+def test_buffers_the_forward_updates_are_updated_by_each_replay():
+    model, twin = Norm().train(), Norm().train()
+    twin.load_state_dict(model.state_dict())
+    opt = optimized(model, torch.randn(16, 8))
+    runner = graphed(opt)
+    with torch.no_grad():
+        for i in range(graphs.WARMUP + 3):
+            x = torch.randn(16, 8)
+            assert torch.allclose(opt(x), twin(x), atol=1e-5)
+    assert runner.replays == 3
+    assert torch.allclose(model.bn.running_mean, twin.bn.running_mean, atol=1e-6)
+    assert torch.allclose(model.bn.running_var, twin.bn.running_var, atol=1e-6)
+    assert model.bn.num_batches_tracked == twin.bn.num_batches_tracked == graphs.WARMUP + 3
+
+
+def test_outputs_keep_their_sharing_and_never_alias_what_the_graph_writes():
+    base = torch.arange(12.0)
+    a, b = base[:6].view(2, 3), base[3:9].view(3, 2)   # overlapping views of one buffer
+    solo = torch.ones(3)
+    outs = graphs.Outputs({"a": a, "b": (b, solo, None, 7)}, forbidden=set())
+    got = outs.fresh()
+    assert torch.equal(got["a"], a) and torch.equal(got["b"][0], b) and got["b"][2:] == (None, 7)
+    assert got["a"].untyped_storage().data_ptr() == got["b"][0].untyped_storage().data_ptr()
+    assert got["a"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    assert got["b"][1].data_ptr() != solo.data_ptr()
+    got["a"].add_(100)
+    assert torch.equal(got["b"][0][0], b[0] + 100) and torch.equal(got["b"][0][2], b[2])
+    assert torch.equal(base, torch.arange(12.0))
+    with pytest.raises(graphs.Unsafe, match="shares memory with an input"):
+        graphs.Outputs((a, solo), forbidden={base.untyped_storage().data_ptr()})
+
+
+class WithScale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.rand(4))
+
+    def forward(self, x):
+        return x * self.scale, self.scale
+
+
+def test_an_output_that_is_a_parameter_is_not_graphed():
+    model = WithScale()
+    opt = optimized(model, torch.randn(4, 4))
+    runner = graphed(opt)
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 2):
+            x = torch.randn(4, 4)
+            y, scale = opt(x)
+            assert scale is model.scale and torch.equal(y, x * model.scale)   # as un-graphed
+    assert runner.captures == 0 and runner.replays == 0
+    (line,) = [line for line in runner.describe() if "not graphed" in line]
+    assert "an output shares memory with an input, a parameter or a buffer" in line
+
+
+def test_release_by_the_gate():
+    model = mlp()
+    x = torch.randn(4, 16)
+    opt = optimized(model, x)
+    runner = graphed(opt)
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 1):
+            opt(x)
+        assert runner.captures == 1
+        opt.run_original("test: kbench is not faster")
+        assert not runner.entries and runner.off
+        assert torch.equal(opt(x), model(x)) and runner.replays == 1
+    assert "CUDA graphs: off (the model gate runs the original module)" in str(opt.kbench_report)
+
+
+def test_the_runner_stands_in_for_the_fast_program():
+    opt = optimized(mlp(), torch.randn(4, 16))
+    inner = types.SimpleNamespace(served=5, why="x", calls=[], cleared=[])
+    inner.call = lambda module, args: inner.calls.append(args) or "inner's"
+    inner.add = lambda *a: True
+    inner.clear = lambda: inner.cleared.append(1)
+    runner = graphs.GraphRunner(opt, inner, "auto", capture=fake_capture_for(opt._kbench_orig))
+    assert runner.served == 5 and runner.why == "x" and runner.add(1, 2) is True
+    runner.clear()
+    assert inner.cleared == [1]
+    x = torch.randn(4, 16)
+    assert runner.call(opt, (x,)) == "inner's" and len(inner.calls) == 1   # grad mode: the Program's
+    bare = graphs.GraphRunner(opt, None, "auto")
+    with pytest.raises(AttributeError):
+        bare.served
+    assert bare.call(opt, (x,)) is NotImplemented and bare.add(1) is False
+
+
+def test_a_failed_capture_is_remembered_with_its_reason():
+    opt = optimized(mlp(), torch.randn(4, 16))
+
+    def broken(fn, pool, device, stream):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    runner = graphs.GraphRunner(opt, None, True, capture=broken)
+    opt.__dict__.update(_kbench_graphs=runner, _kbench_fast_program=runner)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 3):
+            assert torch.allclose(opt(x), opt._kbench_orig(x), atol=1e-6)
+    (entry,) = runner.entries.values()
+    assert entry.reason == "capture failed (RuntimeError: operation not permitted when stream is capturing)"
+    assert runner.captures == 0
+
+
+class Recorder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("last", torch.zeros(4, 8))
+
+    def forward(self, x):
+        self.last.copy_(x * 2.0)
+        return x + 1.0
+
+
+def test_a_buffer_written_but_not_read_is_guarded_too():
+    model = Recorder()
+    opt = optimized(model, torch.randn(4, 8))
+    assert opt._kbench_param_chains == [] and graphs.written_only(opt) == [((), "_buffers", "last")]
+    runner = graphed(opt)
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 2):
+            x = torch.randn(4, 8)
+            assert torch.equal(opt(x), x + 1.0) and torch.equal(model.last, x * 2.0)
+        assert runner.captures == 1 and runner.replays == 2
+        model.last = torch.zeros(4, 8)            # replaced: the graph would write the old one
+        x = torch.randn(4, 8)
+        assert torch.equal(opt(x), x + 1.0) and torch.equal(model.last, x * 2.0)
+        assert runner.drops == 1
+
+
+def test_the_model_gate_times_the_graphs_against_the_un_graphed_call(monkeypatch):
+    """api._gated (the cuda backend's, here on the stand-in): with cuda_graphs="auto" the gate
+    also times the module with its graphs paused, and where the graphs were not faster they go."""
+    from kbench import api
+    from kbench.tune import gate
+    model = mlp()
+    x = torch.randn(4, 16)
+    seen = {}
+
+    def compare(model_, optimized, args, kwargs, device, ungraphed=None):
+        with torch.no_grad():
+            for _ in range(graphs.WARMUP + 2):
+                optimized(*args)                 # graphed after the warm-up
+            replays = runner.replays
+            plain = ungraphed(*args)
+            seen["paused_replays"] = runner.replays - replays   # the paused call replayed nothing
+            seen["ungraphed"] = torch.equal(plain, optimized(*args))
+        return gate.Verdict(keep=True, eager_ms=2.0, kbench_ms=1.0, backward=False, graphed_ms=1.2,
+                            ungraphed_ms=1.0, graphs=False)
+    monkeypatch.setattr(gate, "compare", compare)
+    options = dict(gate=True, cuda_graphs="auto")
+    opt = optimized(model, x)
+    runner = graphed(opt, option="auto")
+    assert api._gated(model, opt, (x,), {}, "cuda", torch.device("cpu"), options) is opt
+    assert seen == {"ungraphed": True, "paused_replays": 0} and runner.off and not runner.entries
+    text = str(opt.kbench_report)
+    assert "kbench with CUDA graphs 1.2 ms, without 1 ms (graphs not faster: off)" in text
+    assert "CUDA graphs: off (the model gate timed the call at 1.2 ms with graphs, 1 ms without)" in text
+
+    opt = optimized(model, x)                    # True: the graphs stay whatever the times
+    runner = graphed(opt, option=True)
+    monkeypatch.setattr(gate, "compare", lambda *a, ungraphed=None: (
+        seen.__setitem__("asked", ungraphed) or gate.Verdict(True, 2.0, 1.0, False)))
+    api._gated(model, opt, (x,), {}, "cuda", torch.device("cpu"), dict(gate=True, cuda_graphs=True))
+    assert seen["asked"] is None and not runner.off
