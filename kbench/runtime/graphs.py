@@ -539,6 +539,9 @@ class GraphRunner:
         self.held = self.ptrs = None
         self.pool_bytes = 0
         self.last_raw = self.last_stream = None
+        # the pool goes with its last graph (torch frees a private pool when no graph uses it):
+        # the next capture gets a pool of its own
+        self.pool = None
 
     def __del__(self):
         """Graphs go before the kernels they launch; collected inside a capture (the caller's
