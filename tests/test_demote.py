@@ -429,3 +429,30 @@ def test_eager_signature_has_no_names_in_it():
     sigs = {tuner_mod.eager_signature(i) for i in ln}
     assert len(sigs) == 1, sigs                                 # one eager time for both
     assert not any(name in s for s in sigs for name in ("layer_norm_1", "weight", "x"))
+
+
+# ------------------------------------------------------------------------------------ the capture cache
+
+
+def test_the_demoted_capture_is_what_the_cache_keeps(monkeypatch, tmp_path, exports):
+    """The capture kept between processes is the final one: a second optimize() starts from the
+    ops kept in torch (no export, nothing to demote); a stored capture whose regions lose in a
+    later optimize() is lowered again from one export and stored so."""
+    monkeypatch.setenv("KBENCH_CACHE_DIR", str(tmp_path))
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU())
+    x = example()
+    first = kbench.optimize(model, (x,), backend="interp", verbose=False)       # nothing loses
+    assert len(exports) == 1 and not first._kbench_captured.kept
+    lose(monkeypatch, lambda info, plan: "layer_norm" in info.fx_nodes)
+    second = kbench.optimize(model, (x,), backend="interp", verbose=False)      # the stored capture loses
+    assert len(exports) == 2                                                   # one export, for the keep
+    assert second._kbench_captured.kept.keys() == {"layer_norm"}
+    assert "then torch.export to keep ops in torch" in " ".join(second.kbench_report.notes)
+    third = kbench.optimize(model, (x,), backend="interp", verbose=False)
+    assert len(exports) == 2                                                   # the kept ops from the cache
+    assert third._kbench_captured.kept == second._kbench_captured.kept
+    assert any(n.startswith("capture: from the cache (torch.export skipped") for n in third.kbench_report.notes)
+    assert "torch (kept: its kernel did not beat eager's ops (forced))" in str(third.kbench_report)
+    assert third._kbench_captured.calls.keys() == second._kbench_captured.calls.keys()
+    with torch.no_grad():
+        torch.testing.assert_close(third(x), model(x))
