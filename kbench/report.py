@@ -46,7 +46,8 @@ class Report:
         executor = module._kbench_executor
         rep = cls(executor.name)
         for info in plan.regions:
-            note = info.eager.note if info.eager is not None and info.kind != "EXTERN" and info.eager_ms is None else ""
+            untimed = info.eager is not None and info.kind != "EXTERN" and info.eager_ms is None
+            note = info.eager.note if untimed else ""
             rep.rows.append(Row(info.index, info.kind, info.ops, info.status_text, info.genome, info.envelope,
                                 info.eager_ms, info.kernel_ms,
                                 on_backend=info.status.kernel or info.status is Status.INTERP, eager_note=note))

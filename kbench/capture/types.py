@@ -204,7 +204,7 @@ class Captured:
     notes: list = dataclasses.field(default_factory=list)         # why each extern exists
     value_names: dict = dataclasses.field(default_factory=dict)   # value id -> FX node name
     origin: dict = dataclasses.field(default_factory=dict)        # graph value id -> the FX node it came from
-    calls: dict = dataclasses.field(default_factory=dict)         # FX node name -> NodeCall (lowered nodes, graph order)
+    calls: dict = dataclasses.field(default_factory=dict)         # FX node name -> NodeCall, graph order
     kept: dict = dataclasses.field(default_factory=dict)          # FX node name -> why it stays a torch call
 
     # -- helpers the runtime and the reference evaluator share

@@ -122,11 +122,12 @@ class Plan:
             self.regions.append(RegionInfo(r, d["kind"], d["nodes"], d["inputs"], d["outputs"], ops,
                                            status=Status.TORCH if d["kind"] == "EXTERN" else Status.INTERP,
                                            saved=d["saved"], saved_outputs=tuple(d["saved_outputs"])))
+        kept = kept or {}
         for info, eager in zip(self.regions, analyze(self.nodes, self.regions, origin or {}, calls or {})):
             info.eager = eager
-            kept = list(dict.fromkeys((kept or {}).get(n) for n in info.fx_nodes if n in (kept or {})))
-            if info.kind == "EXTERN" and kept:   # ops whose IR lost to eager's: the report says so
-                info.reason = "kept: " + "; ".join(w or "kept in torch" for w in kept)
+            why = list(dict.fromkeys(kept[n] or "kept in torch" for n in info.fx_nodes if n in kept))
+            if info.kind == "EXTERN" and why:   # ops whose IR lost to eager's: the report says so
+                info.reason = "kept: " + "; ".join(why)
         self.nvrtc = None
         self._region_texts = {}
 

@@ -238,8 +238,9 @@ class Cache:
         """Record the eager and kernel times of the winner stored under key (measured after it was
         stored) and what the eager time timed (eager_sig); False when there is no such winner."""
         where = " AND ".join(f"{f} = ?" for f in KEY_FIELDS)
-        cur = self._run(lambda c: c.execute(f"UPDATE winners SET eager_ms = ?, kernel_ms = ?, eager_sig = ? WHERE {where}",
-                                            (eager_ms, kernel_ms, eager_sig, *key.as_dict().values())), write=True)
+        sql = f"UPDATE winners SET eager_ms = ?, kernel_ms = ?, eager_sig = ? WHERE {where}"
+        cur = self._run(lambda c: c.execute(sql, (eager_ms, kernel_ms, eager_sig, *key.as_dict().values())),
+                        write=True)
         return cur.rowcount > 0
 
     def explain_miss(self, key: CacheKey) -> str:
