@@ -13,11 +13,12 @@ from kbench import api
 from kbench.capture import capture, capture_exported, relower
 from kbench.runtime import torch_eval
 from kbench.runtime.interp import InterpExecutor
-from kbench.runtime.plan import RegionInfo, Status
 from kbench.runtime.eager import RegionEager
+from kbench.runtime.plan import RegionInfo, Status
 from kbench.tune import cache as kc
 from kbench.tune import tuner as tuner_mod
 from kbench.tune.tuner import Tuner
+from models import MODELS
 
 
 class Attention(nn.Module):
@@ -396,6 +397,35 @@ def test_eager_column_runs_the_aten_op_not_its_decomposition():
     row = opt.kbench_report.rows[0]
     assert row.eager_ms == info.eager_ms and not row.eager_note
     assert "eager ms: what eager runs for the region's ops" in str(opt.kbench_report)
+
+
+@pytest.mark.parametrize("case", MODELS, ids=[c.name for c in MODELS])
+def test_every_regions_eager_program_computes_its_outputs(case):
+    """Over every test model: each compute region has an eager program or says why not, and a
+    program computes the region's outputs from the region's inputs as eager does (where no
+    torch call runs before it: then its input is that call's result, drawn, not the region's)."""
+    torch.manual_seed(0)
+    model = case.make().double().eval()
+    args = tuple(a.double() if a.is_floating_point() else a for a in case.inputs())
+    opt = kbench.optimize(model, args, backend="interp", budget="none", verbose=False)
+    plan, sv = opt._kbench_plan, opt._kbench_plan.example_symvals
+    for info in plan.regions:
+        if info.kind == "EXTERN":
+            continue
+        program = info.eager.program
+        if program is None:
+            assert info.eager.note.startswith("no eager time: "), info.eager
+            continue
+        assert all(c.op.startswith("aten.") for c in program.calls), program.ops
+        if info.eager.torch_led:
+            continue
+        gen = torch.Generator().manual_seed(0)
+        ins = opt._kbench_executor.region_inputs(info.index, sv, "normal", gen)
+        env = program.run(program.draw(dict(zip(info.inputs, ins)), sv, None, gen), sv)
+        got = [(env[v], w) for v, w in zip(info.outputs, plan.eager_region(info.index, sv, ins)) if v in env]
+        assert got, (info.ops, program.ops)
+        for g, w in got:
+            torch.testing.assert_close(g.to(w.dtype), w, rtol=1e-9, atol=1e-12, equal_nan=True)
 
 
 def test_eager_column_of_a_region_after_a_linear_leaves_the_product_to_torch():

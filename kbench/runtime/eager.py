@@ -42,7 +42,7 @@ class EagerProgram:
     """NodeCalls run in graph order on graph values: inputs (keys: a graph value id, or
     (call, operand) for an operand the graph dropped) in, every call's results out."""
 
-    def __init__(self, calls, graph_nodes):
+    def __init__(self, calls):
         self.calls = list(calls)
         made, self.inputs, self.keys = set(), [], []
         seen = set()
@@ -56,14 +56,14 @@ class EagerProgram:
                     self.inputs.append((key, dtype, dims))
             self.keys.append(keys)
             made.update(v for _, v in c.results)
-        self.signature = self._signature(graph_nodes)
+        self.signature = self._signature()
 
     @property
     def ops(self) -> str:
         return ", ".join(dict.fromkeys(c.op.split(".")[1] if c.op.startswith("aten.") else c.op
                                        for c in self.calls))
 
-    def _signature(self, graph_nodes) -> str:
+    def _signature(self) -> str:
         """The program as text with no FX or value names in it (repeated blocks give the same):
         which cached eager time is this program's."""
         local = {key: f"in{j}:{dtype}{list(dims)}" for j, (key, dtype, dims) in enumerate(self.inputs)}
@@ -110,6 +110,7 @@ def analyze(nodes, regions, origin: dict, calls: dict) -> list:
     for v, name in origin.items():
         if v in where and nodes[v]["op"] not in _SHARED_OPS:
             made.setdefault(name, []).append(v)
+    order = {name: i for i, name in enumerate(calls)}
     out = []
     for info in regions:
         names = tuple(dict.fromkeys(origin[v] for v in info.nodes
@@ -136,8 +137,7 @@ def analyze(nodes, regions, origin: dict, calls: dict) -> list:
         if why:
             out.append(RegionEager(names, None, "no eager time: " + "; ".join(why), tuple(led)))
             continue
-        order = {name: i for i, name in enumerate(calls)}
-        program = EagerProgram([calls[n] for n in sorted(run, key=order.get)], nodes) if run else None
+        program = EagerProgram([calls[n] for n in sorted(run, key=order.get)]) if run else None
         out.append(RegionEager(names, program, "" if program is not None else "no eager time: no ATen call of its own",
                                tuple(led)))
     return out
