@@ -488,3 +488,35 @@ def test_the_demoted_capture_is_what_the_cache_keeps(monkeypatch, tmp_path, expo
     assert third._kbench_captured.calls.keys() == second._kbench_captured.calls.keys()
     with torch.no_grad():
         torch.testing.assert_close(third(x), model(x))
+
+
+def test_the_cuda_lowering_keeps_its_row_pins_when_ops_are_kept(exports):
+    """The cuda backend pins row lengths on the first export; a lowering with ops kept is the same
+    export with the same pins (pure capture logic: runs on the CPU)."""
+    model = nn.Sequential(nn.Softmax(dim=-1), nn.GELU())   # a row that is the input's last dim
+    lowering = api.Lowering(model, (example(),), "cuda")
+    first = lowering.capture()
+    assert lowering.pin and "row lengths pinned" in first.static_reason
+    kept = lowering.capture({"softmax": "test"})
+    assert len(exports) == 1
+    assert kept.static_reason == first.static_reason and kept.input_syms == first.input_syms
+    assert kept.kept == {"softmax": "test"}
+    g = kept.graph
+    assert [kept.origin[v] for v in range(g.num_nodes) if g.node(v)["op"] == "extern"] == ["softmax"]
+
+
+def test_the_last_round_leaves_losing_kernels_in_place(monkeypatch):
+    """After DEMOTE_ROUNDS lowerings nothing would keep more ops in torch: the tuner is told not to
+    send a working kernel's region back to torch in the last one."""
+    tuner = Tuner(budget="fast", verbose=False)
+    seen = []
+    lose(monkeypatch, lambda info, plan: seen.append(tuner.demote) or info is next(
+        i for i in plan.regions if i.kind != "EXTERN"))
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.LayerNorm(16), nn.Linear(16, 16, bias=False))])
+    lowering = api.Lowering(model, (example(),), "interp")
+
+    def build(captured):
+        from kbench.runtime.module import OptimizedModule
+        return OptimizedModule(model, captured, InterpExecutor(), torch.device("cpu"))
+    api._demote(build(lowering.capture()), lowering, build, tuner)
+    assert seen[0] is True and seen[-1] is False and tuner.demote is False
