@@ -297,12 +297,12 @@ def _demote(optimized, lowering, build, tuner):
         if tuner is not None and n == DEMOTE_ROUNDS - 1:
             tuner.demote = False
         try:
-            again = lowering.capture({**captured.kept, **lost})
+            again = build(lowering.capture({**captured.kept, **lost}))
         except Exception as e:  # noqa: BLE001 - the module as it is still computes the right thing
             _log.warning("kbench: could not keep %s in torch (%s: %s)", ", ".join(sorted(lost)), type(e).__name__,
                          str(e).splitlines()[0] if str(e) else "")
             break
-        optimized = build(again)
+        optimized = again
     return optimized
 
 

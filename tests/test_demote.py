@@ -520,3 +520,21 @@ def test_the_last_round_leaves_losing_kernels_in_place(monkeypatch):
         return OptimizedModule(model, captured, InterpExecutor(), torch.device("cpu"))
     api._demote(build(lowering.capture()), lowering, build, tuner)
     assert seen[0] is True and seen[-1] is False and tuner.demote is False
+
+
+def test_a_lowering_that_fails_leaves_the_module_as_it_was(monkeypatch, caplog):
+    real = api.Lowering.capture
+
+    def failing(self, keep=None):
+        if keep:
+            raise RuntimeError("no second lowering today")
+        return real(self, keep)
+    monkeypatch.setattr(api.Lowering, "capture", failing)
+    lose(monkeypatch, lambda info, plan: True)
+    model, x = nn.Sequential(nn.LayerNorm(16), nn.GELU()), example()
+    with caplog.at_level("WARNING", logger="kbench"):
+        opt = kbench.optimize(model, (x,), backend="interp", budget="none", verbose=False)
+    assert "could not keep gelu, layer_norm in torch (RuntimeError: no second lowering today)" in caplog.text
+    assert not opt._kbench_captured.kept
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
