@@ -1,5 +1,7 @@
 """The public entry points: capture (model → IR), optimize (model → model on kbench's
-regions), generate (model → every region's CUDA source, compiled by NVRTC, no GPU needed)."""
+regions), generate (model → every region's CUDA source, compiled by NVRTC, no GPU needed).
+optimize() also keeps in torch, as their own ATen calls, the ops of every region whose kernel
+did not beat eager's or did not work (the same export lowered again: _demote)."""
 from __future__ import annotations
 
 import inspect
@@ -10,7 +12,7 @@ import torch
 
 from . import _C
 from .capture import cache as capture_cache
-from .capture import capture_exported, repin, validate
+from .capture import capture_exported, relower, repin, validate
 from .capture import capture as capture_graph
 from .capture.signature import CallSpec, FlatCall
 from .errors import CaptureError
@@ -19,9 +21,9 @@ from .runtime import graphs, nvrtc
 from .runtime.cuda import CudaExecutor
 from .runtime.interp import InterpExecutor
 from .runtime.module import OptimizedModule
-from .runtime.plan import SAVE_STATS_MIN_ROW_BYTES
+from .runtime.plan import SAVE_STATS_MIN_ROW_BYTES, Status
 from .tune import gate
-from .tune.tuner import BUDGET_NAMES, Tuner
+from .tune.tuner import BUDGET_NAMES, Tuner, time_eager_regions
 
 _log = logging.getLogger("kbench")
 
@@ -224,17 +226,24 @@ def _optimize(model, args, kwargs, options):
         raise ValueError(f"backend 'cuda' needs example_inputs on a CUDA device, got {device}")
     validate(target, tensors)   # the same errors whether or not the capture is cached
     budget = options["budget"]
+    # one tuner for every round of _demote: a region tuned in one is not tuned again
+    tuner = Tuner(budget=budget, seed=options["seed"], verbose=options["verbose"]) if backend == "cuda" else None
 
     def executor():
         if backend == "interp":
             return InterpExecutor()
-        return CudaExecutor(Tuner(budget=budget, seed=options["seed"], verbose=options["verbose"]))
+        return CudaExecutor(tuner)
 
     def build(captured):
-        return OptimizedModule(model, captured, executor(), device, options["grad_in_forward"],
-                               call_spec=None if spec.plain else spec,
-                               rebuild=lambda a, k: _optimize(model, a, k, options),
-                               cuda_graphs=options["cuda_graphs"])
+        optimized = OptimizedModule(model, captured, executor(), device, options["grad_in_forward"],
+                                    call_spec=None if spec.plain else spec,
+                                    rebuild=lambda a, k: _optimize(model, a, k, options),
+                                    cuda_graphs=options["cuda_graphs"])
+        if backend == "interp":   # the report's eager column (the cuda tuner times its own)
+            time_eager_regions(optimized._kbench_executor, seed=options["seed"])
+        return optimized
+
+    lowering = Lowering(target, tensors, backend)
 
     # budget "none" keeps nothing between processes: neither kernels nor the capture
     key, captured = (capture_cache.lookup(model, tensors, backend, call_key="" if spec.plain else spec.key())
@@ -246,18 +255,64 @@ def _optimize(model, args, kwargs, options):
         except Exception as e:  # noqa: BLE001 - a stored capture that does not fit is recaptured
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if not why:
-            optimized.__dict__["_kbench_capture_note"] = ("from the cache (torch.export skipped; checked "
-                                                          "against eager on the example inputs)")
-            return _gated(model, optimized, args, kwargs, backend, device, options)
+            demoted = _demote(optimized, lowering, build, tuner)
+            note = "from the cache (torch.export skipped; checked against eager on the example inputs)"
+            if demoted is not optimized:   # kept so: the next optimize() starts from the ops kept in torch
+                capture_cache.remember(key, demoted._kbench_captured)
+                if lowering.exported is not None:
+                    note = ("from the cache (checked against eager on the example inputs), then torch.export "
+                            "to keep ops in torch, kept in the cache")
+            demoted.__dict__["_kbench_capture_note"] = note
+            del lowering   # torch's ExportedProgram, where one was made: not kept
+            return _gated(model, demoted, args, kwargs, backend, device, options)
         _log.warning("kbench: the stored capture of %s does not match eager on the example inputs (%s); "
                      "capturing it again", type(model).__name__, why)
         capture_cache.forget(key)
-    captured = _fresh_capture(target, tensors, backend)
+    optimized = _demote(build(lowering.capture()), lowering, build, tuner)
+    del lowering   # torch's ExportedProgram (fake tensors, shape environment): not kept
     if key is not None:
-        capture_cache.remember(key, captured)
-    optimized = build(captured)
+        capture_cache.remember(key, optimized._kbench_captured)
     optimized.__dict__["_kbench_capture_note"] = "torch.export" + (", kept in the cache" if key is not None else "")
     return _gated(model, optimized, args, kwargs, backend, device, options)
+
+
+DEMOTE_ROUNDS = 2   # lowerings with more ops kept in torch, at most: each can change the regions around them
+
+
+def lost_nodes(plan, kept) -> dict:
+    """FX node name -> why, for the ops of every compute region that runs in torch (status eager:
+    its kernel did not beat eager's, did not compile or did not verify) and are not kept yet."""
+    lost = {}
+    for info in plan.regions:
+        if info.kind != "EXTERN" and info.status is Status.EAGER:
+            for name in info.fx_nodes:
+                if name not in kept:
+                    lost.setdefault(name, info.reason)
+    return lost
+
+
+def _demote(optimized, lowering, build, tuner):
+    """The optimized module with the ops of its regions that run in torch (lost_nodes) kept in
+    torch as their own ATen calls: the same export lowered again with them kept (EXTERN calls,
+    one each, as eager runs them, not their decomposition op by op), partitioned and tuned again
+    (the tuner and the kernel cache make the regions tuned before free), at most DEMOTE_ROUNDS
+    times. A region that loses after the last lowering keeps its kernel: nothing would lower
+    its ops again."""
+    for n in range(DEMOTE_ROUNDS):
+        captured = optimized._kbench_captured
+        lost = lost_nodes(optimized._kbench_plan, captured.kept)
+        if not lost:
+            break
+        if tuner is not None and n == DEMOTE_ROUNDS - 1:
+            tuner.demote = False
+        try:
+            again = build(lowering.capture({**captured.kept, **lost}))
+        except Exception as e:  # noqa: BLE001 - the module as it is still computes the right thing
+            _log.warning("kbench: could not keep %s in torch (%s: %s)", ", ".join(sorted(lost)), type(e).__name__,
+                         str(e).splitlines()[0] if str(e) else "")
+            break
+        optimized = again
+    return optimized
 
 
 def _gated(model, optimized, args, kwargs, backend, device, options):
@@ -283,12 +338,29 @@ def _gated(model, optimized, args, kwargs, backend, device, options):
 
 
 def _fresh_capture(model, args, backend):
-    if backend == "cuda":   # the row lengths pinned on the same export: torch.export runs once
-        captured, exported = capture_exported(model, args)
-        captured = _pin_row_lengths(model, args, captured, exported)
-        del exported          # torch's ExportedProgram (fake tensors, shape environment): not kept
-        return captured
-    return capture_graph(model, args)
+    return Lowering(model, args, backend).capture()
+
+
+class Lowering:
+    """A model's capture for a backend, and its export kept while optimize() may lower it again
+    with ops kept in torch (_demote): torch.export runs once (the first capture() exports; the
+    cuda backend's row-length pins are laid on that export, and on every lowering after)."""
+
+    def __init__(self, model, args, backend):
+        self.model, self.args, self.backend = model, args, backend
+        self.exported, self.pin, self.reason = None, (), ""
+
+    def capture(self, keep=None):
+        """The capture; keep (FX node name -> why): those nodes as torch calls (lower's keep)."""
+        if self.exported is None:
+            captured, self.exported = capture_exported(self.model, self.args)
+            if self.backend == "cuda":   # the row lengths pinned on the same export
+                self.pin, self.reason = row_length_pins(captured, self.args)
+                if self.pin:
+                    captured = repin(self.exported, self.pin, self.reason)
+            if not keep:
+                return captured
+        return relower(self.exported, keep, self.pin, self.reason)
 
 
 def row_length_dims(captured) -> set:
@@ -317,17 +389,22 @@ def row_length_dims(captured) -> set:
             if per_input and per_input[-1] is not None and per_input[-1] in syms}
 
 
+def row_length_pins(captured, args) -> tuple:
+    """(the dims _pin_row_lengths pins, sorted; the reason the capture gives for them)."""
+    pin = sorted(row_length_dims(captured))
+    where = ", ".join(f"input {i} dim {d} = {args[i].shape[d]}" for i, d in pin)
+    return pin, f"row lengths pinned for on-chip rows ({where})" if pin else ""
+
+
 def _pin_row_lengths(model, args, captured, exported=None):
     """The cuda backend specializes row lengths, as torch.compile specializes shapes: the
     kernel is generated for the example's row length; batch sizes still vary, and a call with
     another row length runs in eager with a one-time reason. exported (from
     capture.capture_exported, the export behind `captured`) is lowered again with those dims
     pinned instead of exporting the model a second time."""
-    pin = row_length_dims(captured)
+    pin, reason = row_length_pins(captured, args)
     if not pin:
         return captured
-    where = ", ".join(f"input {i} dim {d} = {args[i].shape[d]}" for i, d in sorted(pin))
-    reason = f"row lengths pinned for on-chip rows ({where})"
     if exported is not None:
         return repin(exported, sorted(pin), reason)
     return capture_graph(model, args, pin=sorted(pin), pin_reason=reason)

@@ -1,5 +1,7 @@
 """model.kbench_report: one row per region — its ops, schedule, verified envelope, eager vs
-kernel time and status — as a text table for print() and HTML for Jupyter."""
+kernel time and status — as a text table for print() and HTML for Jupyter. The eager column is
+what eager PyTorch runs for the region's ops (their ATen calls, runtime/eager.py); a region that
+holds part of an op has none, and a footnote says why."""
 from __future__ import annotations
 
 import html
@@ -34,6 +36,7 @@ class Row:
     eager_ms: float | None = None
     kernel_ms: float | None = None
     on_backend: bool = False   # a generated kernel or the interpreter runs it (not torch)
+    eager_note: str = ""       # why the eager column is empty (a footnote)
 
     @property
     def speedup(self) -> float | None:
@@ -54,9 +57,11 @@ class Report:
         executor = module._kbench_executor
         rep = cls(executor.name)
         for info in plan.regions:
+            untimed = info.eager is not None and info.kind != "EXTERN" and info.eager_ms is None
+            note = info.eager.note if untimed else ""
             rep.rows.append(Row(info.index, info.kind, info.ops, info.status_text, info.genome, info.envelope,
                                 info.eager_ms, info.kernel_ms,
-                                on_backend=info.status.kernel or info.status is Status.INTERP))
+                                on_backend=info.status.kernel or info.status is Status.INTERP, eager_note=note))
         capture_note = module.__dict__.get("_kbench_capture_note")
         if capture_note:
             rep.notes.append(f"capture: {capture_note}")
@@ -96,6 +101,17 @@ class Report:
                                  + (f" ({x['search_note']})" if x.get("search_note") else ""))
             if info.backward:
                 rep.notes.append(f"region {info.index} backward: {info.backward}")
+        if any(r.eager_ms is not None for r in rep.rows) and any(info.eager is not None for info in plan.regions):
+            led = sorted({n for info in plan.regions if info.eager is not None and info.eager_ms is not None
+                          for n in info.eager.torch_led})
+            rep.notes.append("eager ms: what eager runs for the region's ops, each ATen call whole (one "
+                             "layer_norm, not its decomposition)"
+                             + (f"; {', '.join(led[:4])}{', ...' if len(led) > 4 else ''}: torch's call runs "
+                                "either way, and the part a region holds (a bias add) is in it, not in the "
+                                "region's eager time" if led else ""))
+        for r in rep.rows:
+            if r.eager_note:
+                rep.notes.append(f"* region {r.region}: {r.eager_note}")
         for reason in sorted(module._kbench_reasons):
             rep.notes.append(f"fallback: {reason}")
         return rep
@@ -111,7 +127,7 @@ class Report:
         for r in self.rows:
             ops = r.ops if len(r.ops) <= 40 else r.ops[:37] + "..."
             body.append([str(r.region), r.kind, ops, r.genome, r.envelope,
-                         f"{r.eager_ms:.4f}" if r.eager_ms is not None else "",
+                         f"{r.eager_ms:.4f}" if r.eager_ms is not None else ("*" if r.eager_note else ""),
                          f"{r.kernel_ms:.4f}" if r.kernel_ms is not None else "",
                          f"{r.speedup:.2f}" if r.speedup else "", r.status])
         return head, body

@@ -6,8 +6,8 @@ processes."""
 from __future__ import annotations
 
 from ..errors import CaptureError
-from .export import Exported, capture, capture_exported, repin, validate
-from .types import Captured, Extern, SymExpr
+from .export import Exported, capture, capture_exported, relower, repin, validate
+from .types import Captured, Extern, NodeCall, SymExpr
 
-__all__ = ["capture", "capture_exported", "repin", "validate", "Exported", "Captured", "Extern", "SymExpr",
-           "CaptureError"]
+__all__ = ["capture", "capture_exported", "relower", "repin", "validate", "Exported", "Captured", "Extern",
+           "NodeCall", "SymExpr", "CaptureError"]

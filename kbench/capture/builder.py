@@ -1,13 +1,16 @@
 """The IR builder of capture: a Python-side list of IR nodes (CSE'd, shape-checked as csrc's IR
 checks them), the walk over the FX graph that calls a lowering per ATen op (the table in ops.py,
 handed in by lower.py), EXTERN calls for whatever has no lowering, and the emission of the live
-nodes into a kbench._C.Graph (inputs first).
+nodes into a kbench._C.Graph (inputs first). Every IR value records the FX node whose lowering
+made it (Builder.origin), and every lowered node its ATen call on IR values (Builder.node_calls):
+the provenance that lets a region be timed, or kept, as the torch ops it came from.
 
 Values in the walk's environment: V (an IR value), Multi (a multi-output op whose outputs are
 made on first use), Sym (a size expression), plain Python values, or TorchSide (a value the IR
 cannot carry, e.g. a complex tensor: computed inside the extern that first needs it)."""
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import sympy
@@ -18,7 +21,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 from .. import _C
 from ..dtypes import IR_TO_TORCH, TORCH_TO_IR
 from ..errors import CaptureError
-from .types import DeviceSlot, Extern, StepRef, SymExpr, TensorSlot
+from .types import DeviceSlot, Extern, NodeCall, StepRef, SymExpr, TensorSlot
 
 aten = torch.ops.aten
 
@@ -79,20 +82,21 @@ class Multi:
 
     def get(self, i):
         if i not in self.cache:
-            try:
-                if self.native is None:
-                    raise Unsupported("no native lowering")
-                self.cache[i] = self.native(i)
-            except Unsupported as e:
-                if self._extern is None:
-                    self._extern = self.b.extern(self.node, str(e), multi=True)
-                self.cache[i] = self._extern.get(i)
+            with self.b.lowering(self.node):   # made at a getitem's visit, but this node's values
+                try:
+                    if self.native is None:
+                        raise Unsupported("no native lowering")
+                    self.cache[i] = self.native(i)
+                except Unsupported as e:
+                    if self._extern is None:
+                        self._extern = self.b.extern(self.node, str(e), multi=True)
+                    self.cache[i] = self._extern.get(i)
         return self.cache[i]
 
 
 class ExternOutputs:
-    def __init__(self, b, idx, operands, val, name):
-        self.b, self.idx, self.operands, self.val, self.name = b, idx, operands, val, name
+    def __init__(self, b, idx, operands, val, node):
+        self.b, self.idx, self.operands, self.val, self.node = b, idx, operands, val, node
 
     def get(self, i):
         t = self.val[i]
@@ -101,8 +105,9 @@ class ExternOutputs:
         dims = self.b.rep_dims(t)
         if dims is None:
             return _TORCH
-        return self.b.add("extern", self.operands, TORCH_TO_IR[t.dtype], dims, index=self.idx,
-                          axis=i, name=self.name)
+        with self.b.lowering(self.node):
+            return self.b.add("extern", self.operands, TORCH_TO_IR[t.dtype], dims, index=self.idx,
+                              axis=i, name=self.node.name)
 
 
 def has_tensor(val):
@@ -139,7 +144,7 @@ def mono_dim(dims):
 
 
 class Builder:
-    def __init__(self, table, sym_of, subst, example):
+    def __init__(self, table, sym_of, subst, example, keep=None):
         self.table = table            # ATen op -> lowering(builder, node, bound args) (ops.LOWER)
         self.sym_of = sym_of          # sympy.Symbol -> symbol id
         self.subst = subst            # sympy.Symbol -> sympy.Symbol (unified sizes)
@@ -150,6 +155,21 @@ class Builder:
         self.externs = []
         self.notes = []               # why each extern exists
         self.value_names = {}         # value id -> FX node name
+        # FX node names to run as torch calls although they have a lowering, with why (lower's keep)
+        self.keep = dict(keep) if isinstance(keep, dict) else dict.fromkeys(keep or (), "")
+        self.current = None           # the FX node being lowered: the origin add() records
+        self.origin = {}              # value id -> the FX node name whose lowering made it
+        self.lowered = []             # (node, result) of each node lowered into IR, in graph order
+
+    @contextlib.contextmanager
+    def lowering(self, node):
+        """Values added inside come from node (a multi-output op's outputs are made when a
+        getitem asks for them, but they are the op's)."""
+        prev, self.current = self.current, node
+        try:
+            yield
+        finally:
+            self.current = prev
 
     # ---------------------------------------------------------------- sizes
 
@@ -203,6 +223,8 @@ class Builder:
         self.nodes.append(dict(op=op, inputs=[v.id for v in inputs], dtype=dtype, dims=dims,
                                attrs=attrs, name=name))
         v = V(len(self.nodes) - 1, dtype, dims)
+        if self.current is not None:   # a CSE hit keeps its first maker as origin
+            self.origin[v.id] = self.current.name
         if key is not None:
             self.cse[key] = v
         return v
@@ -360,6 +382,25 @@ class Builder:
 
     def extern(self, node, reason, multi=False):
         """node as an EXTERN call; its torch-side inputs are recomputed inside (extra steps)."""
+        steps, operands = self.call_steps(node)
+        if len(operands) > 16:
+            raise CaptureError(f"{node.name} ({node.target}) would be an extern call with "
+                               f"{len(operands)} tensor operands; kbench supports 16")
+        idx = len(self.externs)
+        self.externs.append(Extern(steps, str(node.target), len(operands)))
+        self.notes.append(f"{node.name}: extern {node.target} ({reason})")
+        val = node.meta.get("val")
+        outs = ExternOutputs(self, idx, operands, val if multi else [val], node)
+        if multi:
+            return outs
+        r = outs.get(0)
+        if r is _TORCH:
+            raise CaptureError(f"internal: extern {node.name} has an output the IR cannot carry")
+        return r
+
+    def call_steps(self, node):
+        """node as torch calls on IR values: (steps, operands), the steps as Extern takes them
+        (TensorSlot k is operands[k]; torch-side inputs recomputed as earlier steps)."""
         operands, slot_of, steps, step_of = [], {}, [], {}
 
         def tmpl(x):
@@ -391,20 +432,7 @@ class Builder:
             return step_of[n]
 
         step(node)
-        if len(operands) > 16:
-            raise CaptureError(f"{node.name} ({node.target}) would be an extern call with "
-                               f"{len(operands)} tensor operands; kbench supports 16")
-        idx = len(self.externs)
-        self.externs.append(Extern(steps, str(node.target), len(operands)))
-        self.notes.append(f"{node.name}: extern {node.target} ({reason})")
-        val = node.meta.get("val")
-        outs = ExternOutputs(self, idx, operands, val if multi else [val], node.name)
-        if multi:
-            return outs
-        r = outs.get(0)
-        if r is _TORCH:
-            raise CaptureError(f"internal: extern {node.name} has an output the IR cannot carry")
-        return r
+        return steps, operands
 
     # ---------------------------------------------------------------- the walk
 
@@ -443,6 +471,10 @@ class Builder:
         return TorchSide(node)
 
     def visit(self, node):
+        with self.lowering(node):
+            self._visit(node)
+
+    def _visit(self, node):
         tgt = node.target
         if tgt in _SKIP:
             return
@@ -470,6 +502,12 @@ class Builder:
             self.env[node] = self.extern(node, "uses a value the IR cannot carry",
                                          multi=not isinstance(val, torch.Tensor))
             return
+        if node.name in self.keep:   # torch's one call, where the IR's decomposition lost to it
+            why = self.keep[node.name]
+            self.env[node] = self.extern(node, f"kept in torch{': ' + why if why else ''}",
+                                         multi=not isinstance(val, torch.Tensor))
+            self._name(node)
+            return
         fn = self.table.get(tgt)
         try:
             if fn is None:
@@ -477,6 +515,7 @@ class Builder:
             res = fn(self, node, self.bind(node))
             if isinstance(val, torch.Tensor):
                 res = self.conform(node, val, res)
+            self.lowered.append((node, res))
         except Unsupported as e:
             res = self.extern(node, str(e), multi=not isinstance(val, torch.Tensor))
         self.env[node] = res
@@ -501,6 +540,25 @@ class Builder:
                 raise Unsupported(f"lowering gave shape {res.dims}, torch says {want_dims}")
             res = self.reshape(res, want_dims)
         return res
+
+    def node_calls(self, idmap) -> dict:
+        """FX node name -> NodeCall for every node lowered into IR, in graph order, over the
+        emitted graph's value ids (idmap: builder id -> graph id)."""
+        calls = {}
+        for node, res in self.lowered:
+            if isinstance(res, Multi):
+                results = [(i, v) for i, v in sorted(res.cache.items()) if isinstance(v, V)]
+            else:
+                results = [(None, res)] if isinstance(res, V) else []
+            try:
+                steps, operands = self.call_steps(node)
+            except Exception:  # noqa: BLE001 - only the eager timing of its region is lost
+                continue
+            calls[node.name] = NodeCall(
+                name=node.name, op=str(node.target), call=Extern(steps, str(node.target), len(operands)),
+                operands=[(idmap.get(v.id), v.dtype, v.dims) for v in operands],
+                results=[(i, idmap[v.id]) for i, v in results if v.id in idmap])
+        return calls
 
     def emit(self, outputs, keep, symbols):
         """The live nodes into a kbench._C.Graph: user inputs, other inputs, then the rest in

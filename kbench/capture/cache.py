@@ -35,7 +35,7 @@ from .types import Captured
 
 log = logging.getLogger("kbench.capture.cache")
 
-FORMAT = 1   # bump when the stored layout changes: older entries then simply miss
+FORMAT = 2   # bump when the stored layout changes: older entries then simply miss (2: provenance)
 
 # ops whose result changes from call to call: a capture holding one cannot be checked against eager
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential")

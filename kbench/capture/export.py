@@ -343,13 +343,13 @@ def _make_functional(ep):
 # ---------------------------------------------------------------------------- capture
 
 
-def capture(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = "") -> Captured:
+def capture(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = "", keep=()) -> Captured:
     """Captures model's forward on example_inputs as a kbench IR graph. Sizes of the user inputs
     may vary at run time (dynamic=True) unless the graph needs them fixed (static_reason says
     why) or `pin` lists them ((input, dim) pairs kept at their example size, for pin_reason).
-    Unsupported ops become EXTERN nodes; a model torch.export cannot capture raises
-    CaptureError. The model is not modified."""
-    return capture_exported(model, example_inputs, dynamic=dynamic, pin=pin, pin_reason=pin_reason)[0]
+    Unsupported ops become EXTERN nodes, as do the FX nodes named in `keep` (lower.lower);
+    a model torch.export cannot capture raises CaptureError. The model is not modified."""
+    return capture_exported(model, example_inputs, dynamic=dynamic, pin=pin, pin_reason=pin_reason, keep=keep)[0]
 
 
 @dataclasses.dataclass
@@ -358,7 +358,7 @@ class Exported:
     user-input dims pinned (capture.repin) without running torch.export again. `fixed` lists the
     input dims kept at their example sizes (with `why`): by the export, or, those in `pinned`, by
     lowering the export with them pinned; `dynamic` is False when the export is wholly static
-    (then nothing is left to pin)."""
+    (then nothing is left to pin). relower lowers it again with more ops kept in torch."""
     ep: Any
     model: Any
     inputs: tuple
@@ -366,9 +366,10 @@ class Exported:
     why: Optional[str]
     dynamic: bool
     pinned: frozenset = frozenset()
+    static_reason: Optional[str] = None   # what the capture lowered from it says of its sizes
 
 
-def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = ""):
+def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = "", keep=()):
     """capture(), returning (Captured, Exported): the export it lowered, for repin. The Exported
     holds torch's whole ExportedProgram (fake tensors, shape environment): drop it when done."""
     inputs = validate(model, example_inputs)
@@ -381,13 +382,13 @@ def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin
         _check_integer_inputs(ep, inputs)
         pinned = set()   # dims fixed by lowering this export again with them pinned (no re-export)
         for _ in range(4):
-            exported = Exported(ep, model, inputs, frozenset(fixed), why, reason is None, frozenset(pinned))
             text = reason
             if reason is None and fixed:
                 text = (f"input dims {sorted(fixed)} fixed at their example sizes ({why}); "
                         "the others may vary")
+            exported = Exported(ep, model, inputs, frozenset(fixed), why, reason is None, frozenset(pinned), text)
             try:
-                return lowering.lower(ep, inputs, text, model, pin=sorted(pinned)), exported
+                return lowering.lower(ep, inputs, text, model, pin=sorted(pinned), keep=keep), exported
             except lowering.NeedStatic as e:
                 if reason is not None and not fixed:    # already static: a genuine limitation
                     raise CaptureError(f"cannot capture {name}: {e}") from None
@@ -402,16 +403,17 @@ def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin
                     pinned = set()
         ep = _export_checked(model, inputs, False, ())[0]
         try:
-            return lowering.lower(ep, inputs, why, model), Exported(ep, model, inputs, frozenset(), why, False)
+            return (lowering.lower(ep, inputs, why, model, keep=keep),
+                    Exported(ep, model, inputs, frozenset(), why, False, static_reason=why))
         except lowering.NeedStatic as e:
             raise CaptureError(f"cannot capture {name}: {e}") from None
 
 
-def repin(exported: Exported, pin, pin_reason: str = "") -> Captured:
-    """What capture(model, inputs, pin=pin, pin_reason=pin_reason) gives, from the export a first
-    capture made: the program is lowered again with the pinned dims' symbols replaced by their
-    example sizes (as a static export of those dims would have them), so torch.export runs once.
-    Falls back to a fresh capture where the export cannot be reused."""
+def repin(exported: Exported, pin, pin_reason: str = "", keep=()) -> Captured:
+    """What capture(model, inputs, pin=pin, pin_reason=pin_reason, keep=keep) gives, from the
+    export a first capture made: the program is lowered again with the pinned dims' symbols
+    replaced by their example sizes (as a static export of those dims would have them), so
+    torch.export runs once. Falls back to a fresh capture where the export cannot be reused."""
     pin = set(pin)
     if not pin:
         raise ValueError("repin needs at least one (input, dim) to pin")
@@ -423,10 +425,20 @@ def repin(exported: Exported, pin, pin_reason: str = "") -> Captured:
         reason = f"input dims {sorted(fixed)} fixed at their example sizes ({why}); the others may vary"
         try:
             return lowering.lower(exported.ep, exported.inputs, reason, exported.model,
-                                  pin=sorted(pin | exported.pinned))
+                                  pin=sorted(pin | exported.pinned), keep=keep)
         except lowering.NeedStatic:
             pass
-    return capture(exported.model, exported.inputs, pin=sorted(pin), pin_reason=pin_reason)
+    return capture(exported.model, exported.inputs, pin=sorted(pin), pin_reason=pin_reason, keep=keep)
+
+
+def relower(exported: Exported, keep, pin=(), pin_reason: str = "") -> Captured:
+    """The capture `exported` gave (repinned with `pin` for pin_reason, where given, as repin),
+    lowered again with the FX nodes named in keep (a dict: name -> why) left as one torch call
+    each: the same export, torch.export does not run again."""
+    if pin:
+        return repin(exported, pin, pin_reason, keep=keep)
+    return lowering.lower(exported.ep, exported.inputs, exported.static_reason, exported.model,
+                          pin=sorted(exported.pinned), keep=keep)
 
 
 def _export_checked(model, inputs, dynamic, fixed):

@@ -1,6 +1,7 @@
 """The ATen graph of an ExportedProgram -> a types.Captured (capture's second half): size
 symbols from the user inputs' dims (unified by export's guards, pinned where asked), a
-builder.Builder walk with ops.LOWER as its table, and the Captured that the runtime reads."""
+builder.Builder walk with ops.LOWER as its table (FX nodes named in `keep` stay torch calls),
+and the Captured that the runtime reads, with each value's provenance."""
 from __future__ import annotations
 
 import sympy
@@ -19,12 +20,14 @@ _INPUT_KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
                InputKind.CONSTANT_TENSOR: "const"}
 
 
-def lower(ep, inputs, static_reason, model=None, pin=()):
+def lower(ep, inputs, static_reason, model=None, pin=(), keep=()):
     """The ExportedProgram as a Captured graph; NeedStatic (with .dims set) when some size
     cannot be written. pin: user-input dims (input, dim) to hold at their example sizes, as if
-    the export had made them static (the same program lowered again, without re-exporting)."""
+    the export had made them static (the same program lowered again, without re-exporting).
+    keep: FX node names (a dict: name -> why) to run as one EXTERN call each, as eager runs
+    them, instead of their IR decomposition (a region whose kernel lost to eager's op)."""
     try:
-        return _lower(ep, inputs, static_reason, model, pin)
+        return _lower(ep, inputs, static_reason, model, pin, keep)
     except NeedStatic as e:
         for i, n in enumerate(n for n in ep.graph.nodes if n.op == "placeholder"
                               and n.name in {s.arg.name for s in ep.graph_signature.input_specs
@@ -35,7 +38,7 @@ def lower(ep, inputs, static_reason, model=None, pin=()):
         raise
 
 
-def _lower(ep, inputs, static_reason, model, pin=()):
+def _lower(ep, inputs, static_reason, model, pin=(), keep=()):
     sig = ep.graph_signature
     ph = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     user_specs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
@@ -71,7 +74,8 @@ def _lower(ep, inputs, static_reason, model, pin=()):
     if len(sym_of) > 16:
         raise NeedStatic(f"{len(sym_of)} varying sizes (the IR has 16 symbols)")
 
-    b = Builder(LOWER, sym_of, subst, examples)
+    keep = dict(keep) if isinstance(keep, dict) else dict.fromkeys(keep, "")
+    b = Builder(LOWER, sym_of, subst, examples, keep)
     _check_sizes(b, ep)
     for i, (t, row) in enumerate(zip(inputs, input_syms)):
         for d, s in enumerate(row):
@@ -84,6 +88,7 @@ def _lower(ep, inputs, static_reason, model, pin=()):
             raise NeedStatic(f"input {n.name} has sizes {tuple(n.meta['val'].shape)}",
                              set().union(*(b.expr(s).free_symbols for s in n.meta["val"].shape)))
         b.env[n] = b.add("input", [], TORCH_TO_IR[t.dtype], dims, name=n.name, kind="user")
+        b.origin[b.env[n].id] = n.name
     constants = {}
     for s in sig.input_specs:
         if s.kind == InputKind.USER_INPUT:
@@ -93,6 +98,7 @@ def _lower(ep, inputs, static_reason, model, pin=()):
         kind = _INPUT_KIND.get(s.kind)
         if kind and isinstance(val, torch.Tensor) and b.rep_dims(val) is not None:
             b.env[n] = b.add("input", [], TORCH_TO_IR[val.dtype], b.rep_dims(val), name=s.target, kind=kind)
+            b.origin[b.env[n].id] = n.name
             if kind == "const":
                 constants[s.target] = ep.constants[s.target]
         else:   # custom objects, tokens, tensors of other dtypes: held for extern calls
@@ -168,6 +174,9 @@ def _lower(ep, inputs, static_reason, model, pin=()):
         device=inputs[0].device if inputs else None,
         notes=b.notes,
         value_names={idmap[i]: nm for i, nm in b.value_names.items() if i in idmap},
+        origin={idmap[i]: nm for i, nm in b.origin.items() if i in idmap},
+        calls=b.node_calls(idmap),
+        kept={name: why for name, why in keep.items() if name in {n.name for n in ep.graph.nodes}},
     )
 
 

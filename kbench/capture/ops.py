@@ -415,7 +415,7 @@ def _select(b, node, a):
 
 
 def _split_lower(b, node, x, dim, drop_dim=False):
-    if only_torch_consumes(node):
+    if only_torch_consumes(node, b.keep):
         raise Unsupported("its pieces feed torch's ops alone: one call (torch's backward is one cat)")
     outs = node.meta["val"]
     starts, acc = [], 0
@@ -807,7 +807,7 @@ def _linear(b, node, a):
     x, w, bias = _t(a["input"]), _t(a["weight"]), a.get("bias")
     if bias is None:
         raise Unsupported("linear without bias is one extern call as it is")
-    if only_torch_consumes(node):
+    if only_torch_consumes(node, b.keep):
         raise Unsupported("only torch's ops use it: the bias stays in the GEMM")
     dt, dims = _out(node), _odims(b, node)
     mm = b.extern_call(aten.linear.default, [x, w], (_slot(0), _slot(1)), {}, dt, dims, node.name)
@@ -831,20 +831,20 @@ _NO_DATA = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, 
 _TORCH_CALLS = {aten.linear.default, aten.cat.default, aten.stack.default}
 
 
-def only_torch_consumes(node, _depth: int = 0) -> bool:
+def only_torch_consumes(node, keep=(), _depth: int = 0) -> bool:
     """Is every use of node's value — looked for through ops that move no data — an op torch
-    runs (one kbench has no lowering for, a matrix product, attention, a cat) or the graph's
-    output? Then lowering node itself would make a region of its own between torch's calls: a
-    launch more than eager makes, and for a split, a backward of zeros and copies where
-    torch's is one cat."""
+    runs (one kbench has no lowering for, a matrix product, attention, a cat, a node named in
+    keep: kept in torch) or the graph's output? Then lowering node itself would make a region of
+    its own between torch's calls: a launch more than eager makes, and for a split, a backward
+    of zeros and copies where torch's is one cat."""
     if _depth > 16 or not node.users:
         return False
     for user in node.users:
         target = getattr(user, "target", None)
-        if user.op == "output":
+        if user.op == "output" or user.name in keep:
             continue
         if target is operator.getitem or target in _NO_DATA:
-            if not only_torch_consumes(user, _depth + 1):
+            if not only_torch_consumes(user, keep, _depth + 1):
                 return False
             continue
         if user.op != "call_function" or (target in LOWER and target not in _TORCH_CALLS):

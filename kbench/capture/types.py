@@ -14,6 +14,9 @@ Conventions (the runtime and the reference evaluator rely on them):
   output_tree     the model's outputs rebuilt from the graph outputs with torch's pytree spec.
   mutations       in-place updates of buffers / inputs are extra graph outputs the runtime
                   copies back (Captured.apply_mutations).
+  provenance      origin[v]: the FX node graph value v came from; calls[name]: that node's ATen
+                  call on graph values, for every node lowered into IR (what eager runs for it);
+                  kept[name]: why a node the IR could decompose is an EXTERN call instead.
 """
 from __future__ import annotations
 
@@ -137,6 +140,19 @@ class Extern:
         return f"Extern({self.name}, {len(self.steps)} step(s), {self.noperands} operand(s))"
 
 
+@dataclasses.dataclass
+class NodeCall:
+    """One FX node lowered into IR, as eager PyTorch runs it: its ATen call (`call`, an Extern whose
+    TensorSlot k is operands[k]) on graph values, and which graph values its results are. One
+    aten.layer_norm, where the IR holds its mean, sub, mul, rsqrt...: the runtime runs these to
+    time what eager really runs for a region (runtime/eager.py)."""
+    name: str            # the FX node's name
+    op: str              # its target, "aten.layer_norm.default"
+    call: Extern
+    operands: list       # per TensorSlot: (graph value id, or None where the graph dropped it; IR dtype; IR dims)
+    results: list        # (output index, or None for a single tensor; graph value id)
+
+
 # ---------------------------------------------------------------------------- the result
 
 
@@ -187,6 +203,9 @@ class Captured:
     device: Optional[torch.device] = None
     notes: list = dataclasses.field(default_factory=list)         # why each extern exists
     value_names: dict = dataclasses.field(default_factory=dict)   # value id -> FX node name
+    origin: dict = dataclasses.field(default_factory=dict)        # graph value id -> the FX node it came from
+    calls: dict = dataclasses.field(default_factory=dict)         # FX node name -> NodeCall, graph order
+    kept: dict = dataclasses.field(default_factory=dict)          # FX node name -> why it stays a torch call
 
     # -- helpers the runtime and the reference evaluator share
 

@@ -39,7 +39,8 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         self._modules = module._modules
         self.training = module.training
         plan = Plan(captured.graph, captured.externs, captured.example_symvals, captured.static_reason,
-                    captured.guards, save_stats=True)
+                    captured.guards, save_stats=True, origin=captured.origin, calls=captured.calls,
+                    kept=captured.kept)
         executor.prepare(plan, device)
         self.__dict__.update(_kbench_orig=module, _kbench_captured=captured, _kbench_plan=plan,
                              _kbench_executor=executor, _kbench_reasons=set(), _kbench_device=device,

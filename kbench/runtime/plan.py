@@ -2,7 +2,10 @@
 each), an Executor (the backend that prepares and runs compute regions: interp.py, cuda.py), a
 Program (a plan bound to a prepared executor) and its Bound form (the steps of a call at one set
 of sizes, every lookup resolved once). EXTERN regions and values between regions run in torch
-(torch_eval.py); a backend may send one region, or the whole call, to eager with a reason."""
+(torch_eval.py); a backend may send one region, or the whole call, to eager with a reason. Where
+the capture says which FX nodes each value came from, each region also knows what eager runs for
+it (eager.py): the ATen calls the report times, and those optimize() keeps in torch where the
+region's kernel does not beat them."""
 from __future__ import annotations
 
 import enum
@@ -15,6 +18,7 @@ import torch
 from .. import verify
 from ..dtypes import torch_dtype
 from . import torch_eval
+from .eager import RegionEager, analyze
 
 log = logging.getLogger("kbench")
 
@@ -33,8 +37,8 @@ class Status(enum.Enum):
     KERNEL = "kernel"                     # a generated kernel, verified here
     CACHED = "kernel (cached)"            # a stored winner, gated against the reference on load
     UNVERIFIED = "kernel (unverified)"    # a generated kernel with verification turned off (tests)
-    EAGER = "eager"                       # torch runs it: no kernel compiled and verified
-    TORCH = "torch"                       # an EXTERN region: torch's own op
+    EAGER = "eager"                       # torch runs it: no kernel compiled and verified, or it lost to eager
+    TORCH = "torch"                       # an EXTERN region: torch's own op (or ops kept in torch)
 
     @property
     def kernel(self) -> bool:
@@ -60,6 +64,12 @@ class RegionInfo:
     extra: dict = field(default_factory=dict)
     saved: int = 0          # its last `saved` outputs are row statistics kept for the backward
     saved_outputs: tuple = ()  # the outputs (indices) its backward reads, kept for it
+    eager: RegionEager | None = None   # what eager runs for it (None: the graph has no provenance)
+
+    @property
+    def fx_nodes(self) -> tuple:
+        """The FX nodes (names) its values came from, in graph order; () where unknown."""
+        return self.eager.nodes if self.eager is not None else ()
 
     def set_status(self, status: Status, reason: str = "") -> None:
         self.status, self.reason = status, reason
@@ -87,7 +97,9 @@ class Plan:
     """A graph and its regions: everything about it that does not change between calls."""
 
     def __init__(self, graph, externs=(), example_symvals=None, static_reason=None, guards=(),
-                 save_stats=False):
+                 save_stats=False, origin=None, calls=None, kept=None):
+        """origin, calls, kept: the capture's provenance (Captured.origin, .calls, .kept), where
+        the graph is a capture's (a backward's has none)."""
         self.graph = graph
         self.guards = list(guards)     # size relations the capture relies on (callables of symvals)
         self.externs = list(externs)   # torch_eval reads .externs of its `captured` argument
@@ -113,6 +125,12 @@ class Plan:
             self.regions.append(RegionInfo(r, d["kind"], d["nodes"], d["inputs"], d["outputs"], ops,
                                            status=Status.TORCH if d["kind"] == "EXTERN" else Status.INTERP,
                                            saved=d["saved"], saved_outputs=tuple(d["saved_outputs"])))
+        kept = kept or {}
+        for info, eager in zip(self.regions, analyze(self.nodes, self.regions, origin or {}, calls or {})):
+            info.eager = eager
+            why = list(dict.fromkeys(kept[n] or "kept in torch" for n in info.fx_nodes if n in kept))
+            if info.kind == "EXTERN" and why:   # ops whose IR lost to eager's: the report says so
+                info.reason = "kept: " + "; ".join(why)
         self.nvrtc = None
         self._region_texts = {}
 

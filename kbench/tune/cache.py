@@ -30,10 +30,10 @@ KEY_FIELDS = ("region_sig", "dtypes", "shape_class", "gpu_name", "gpu_arch", "dr
 LAUNCH_FIELDS = ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels", "workspace",
                  "workspace_per_block")
 WINNER_FIELDS = ("genome", "source_hash", "cubin", "entries", "launch", "envelope", "best_ms", "search_s",
-                 "ncandidates", "created", "eager_ms", "kernel_ms")
+                 "ncandidates", "created", "eager_ms", "kernel_ms", "eager_sig")
 # Winner columns added after schema version 1 was released: a file without them gets them on open
 # (NULL in old rows), so an older cache keeps its entries; older kbench versions ignore them.
-ADDED_WINNER_COLUMNS = {"eager_ms": "REAL", "kernel_ms": "REAL"}
+ADDED_WINNER_COLUMNS = {"eager_ms": "REAL", "kernel_ms": "REAL", "eager_sig": "TEXT"}
 CANDIDATE_FIELDS = ("genome", "compile_status", "compile_log", "regs", "spills", "time_ms", "verify",
                     "generation", "seed")
 
@@ -44,7 +44,7 @@ CREATE TABLE winners (
     id INTEGER PRIMARY KEY, {_KEY_COLS},
     genome TEXT NOT NULL, source_hash TEXT NOT NULL, cubin BLOB, entries TEXT NOT NULL,
     launch TEXT NOT NULL, envelope TEXT NOT NULL, best_ms REAL, search_s REAL, ncandidates INTEGER,
-    created REAL NOT NULL, eager_ms REAL, kernel_ms REAL,
+    created REAL NOT NULL, eager_ms REAL, kernel_ms REAL, eager_sig TEXT,
     UNIQUE ({", ".join(KEY_FIELDS)}));
 CREATE TABLE candidates (
     id INTEGER PRIMARY KEY, {_KEY_COLS},
@@ -160,6 +160,7 @@ class Winner:
     created: float = field(default_factory=time.time)
     eager_ms: float | None = None      # the region in eager torch and as this kernel, timed when it was
     kernel_ms: float | None = None     # tuned (the report's columns; a hit need not time them again)
+    eager_sig: str | None = None       # what eager_ms timed (tuner.eager_signature; None: the IR op by op)
 
 
 class Cache:
@@ -227,17 +228,19 @@ class Cache:
         row = (*key.as_dict().values(), _scrub(winner.genome), winner.source_hash, cubin,
                json.dumps(list(winner.entries)), _scrub(json.dumps(winner.launch, sort_keys=True)),
                _scrub(winner.envelope), winner.best_ms, winner.search_s, winner.ncandidates, winner.created,
-               winner.eager_ms, winner.kernel_ms)
+               winner.eager_ms, winner.kernel_ms, winner.eager_sig)
         cols = KEY_FIELDS + WINNER_FIELDS
         sql = f"INSERT OR REPLACE INTO winners ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
         self._run(lambda c: c.execute(sql, row), write=True)
 
-    def set_times(self, key: CacheKey, eager_ms: float | None, kernel_ms: float | None) -> bool:
+    def set_times(self, key: CacheKey, eager_ms: float | None, kernel_ms: float | None,
+                  eager_sig: str | None = None) -> bool:
         """Record the eager and kernel times of the winner stored under key (measured after it was
-        stored); False when there is no such winner."""
+        stored) and what the eager time timed (eager_sig); False when there is no such winner."""
         where = " AND ".join(f"{f} = ?" for f in KEY_FIELDS)
-        cur = self._run(lambda c: c.execute(f"UPDATE winners SET eager_ms = ?, kernel_ms = ? WHERE {where}",
-                                            (eager_ms, kernel_ms, *key.as_dict().values())), write=True)
+        sql = f"UPDATE winners SET eager_ms = ?, kernel_ms = ?, eager_sig = ? WHERE {where}"
+        cur = self._run(lambda c: c.execute(sql, (eager_ms, kernel_ms, eager_sig, *key.as_dict().values())),
+                        write=True)
         return cur.rowcount > 0
 
     def explain_miss(self, key: CacheKey) -> str:

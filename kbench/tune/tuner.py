@@ -1,9 +1,12 @@
 """The tuner: prepares each compute region of a CUDA executor — the kernel cache's winner (loaded
 from its CUBIN, gated once), else the search's (budget fast/default/max), else the default
 genome — each verified (kbench/verify.py) before the runtime may launch it; and times each
-region against eager for the report. One tuner serves an optimized module's forward executor
-and every backward or joint executor made from it (CudaExecutor.fresh), so identical regions
-(a repeated block) are tuned, compiled and timed once."""
+region against what eager runs for its ops (their ATen calls, runtime/eager.py), for the report
+and for the verdict: a region whose kernel does not beat that goes back to torch (status eager),
+and optimize() keeps its ops in torch as those calls. One tuner serves an optimized module's
+forward executor and every backward or joint executor made from it (CudaExecutor.fresh), and
+every round of optimize()'s demotion, so identical regions (a repeated block) are tuned,
+compiled and timed once."""
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +20,7 @@ from .. import _C, verify
 from ..runtime import nvrtc, torch_eval
 from ..runtime.cuda import event_ms
 from ..runtime.plan import Status
-from . import cache, search
+from . import cache, search, timing
 
 log = logging.getLogger("kbench")
 
@@ -25,6 +28,53 @@ NOSTATS_TIMED_MIN = 1 << 20   # input elements: below, launches cost more than e
 NOSTATS_REPS = 15             # interleaved pairs timed per kernel
 NOSTATS_SLOWER = 0.03         # the statistics-writing entry runs inference where _nostats is slower by more
 BUDGET_NAMES = ("none", "fast", "default", "max")
+# A region goes back to torch where its kernel takes longer than this multiple of what eager runs
+# for its ops (Tuner.verdict; with a search budget only). Not 1: two times a few percent apart swap
+# places from run to run (docs/DESIGN.md, "Search"), and where the times cannot tell them apart
+# the kernel keeps its region (its fusion, the C++ fast path) rather than flip between runs.
+TORCH_ABOVE = 1.05
+# The eager time of a region that holds part of an op: none (the report says why); stored so.
+PARTIAL = "partial"
+
+
+def eager_signature(info) -> str:
+    """Which eager time region `info` has: "" its IR run through torch op by op (a graph without
+    provenance: a backward's), PARTIAL none (it holds part of an op), else the text of its
+    eager program (the ATen calls eager runs for its ops). Stored with the cached times."""
+    if info.eager is None:
+        return ""
+    return info.eager.program.signature if info.eager.program is not None else PARTIAL
+
+
+def eager_call(plan, r, inputs, symvals, device, gen):
+    """A callable that runs what eager runs for region r on its inputs (as region_inputs draws
+    them): its ATen calls where the capture recorded them, else its IR through torch op by op;
+    None where the region holds part of an op (there is no eager call of its own to time)."""
+    info = plan.regions[r]
+    if info.eager is None:
+        given = dict(zip(info.inputs, inputs))
+        return lambda: torch_eval.evaluate(plan.graph, plan, given, symvals, nodes=info.nodes, device=device)
+    program = info.eager.program
+    if program is None:
+        return None
+    args = program.draw(dict(zip(info.inputs, inputs)), symvals, device, gen)
+    return lambda: program.run(args, symvals, device)
+
+
+def time_eager_regions(ex, reps: int = 5, seed: int = 0) -> None:
+    """The report's eager column where the backend times no kernels (interp, on the CPU): each
+    compute region's eager program timed on the host (timing.time_fn)."""
+    plan = ex.plan
+    for info in plan.regions:
+        if info.kind == "EXTERN" or info.eager is None:
+            continue
+        gen = torch.Generator().manual_seed(seed)
+        inputs = ex.region_inputs(info.index, plan.example_symvals, "normal", gen)
+        device = inputs[0].device if inputs else torch.device("cpu")
+        call = eager_call(plan, info.index, inputs, plan.example_symvals, device, gen)
+        if call is not None:
+            with torch.no_grad():
+                info.eager_ms = timing.time_fn(call, [()], device=device, reps=reps, warmup=1).median_ms
 
 
 def stored_launch(k) -> dict:
@@ -59,7 +109,8 @@ class Tuner:
             raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
         self.budget, self.seed, self.verbose, self.verify_kernels = budget, seed, verbose, verify_kernels
         self.by_source: dict = {}   # cache key -> prepared kernel: identical regions tuned once
-        self.times: dict = {}       # cache key -> (eager ms, kernel ms) for the report
+        self.times: dict = {}       # (cache key, eager signature) -> (eager ms, kernel ms)
+        self.demote = True          # verdicts may send a working kernel's region back to torch
         self._db = None
 
     def prepare(self, ex) -> None:
@@ -82,10 +133,11 @@ class Tuner:
         else the default genome — each verified before the runtime trusts it."""
         r = info.index
         key = self.cache_key(ex, r)
+        sig = eager_signature(info)
         memo = self.by_source.get(key)
         tuned_here = memo is None
         if tuned_here:                         # identical regions (a repeated block) are tuned once
-            memo = self.cached(ex, r, key, example_symvals) or self.tune(ex, r, key, example_symvals, info)
+            memo = self.cached(ex, r, key, example_symvals, sig) or self.tune(ex, r, key, example_symvals, info)
             self.by_source[key] = memo + (r,)
             kernel, status, envelope, extra = memo
             info.extra.update(extra)
@@ -101,16 +153,35 @@ class Tuner:
         ex.kernels[r] = kernel
         if tuned_here and kernel.fn_nostats is not None:   # once per kernel: identical regions share it
             self.choose_inference_entry(ex, r, kernel, example_symvals, info)
-        # identical regions (same key: same ops, dtypes and sizes) time the same: measure once; a
-        # cache hit brings the times measured when the kernel was tuned (cached() fills them in)
-        if key not in self.times:
-            self.times[key] = self.time_region(ex, r, example_symvals)
+        # identical regions (same key: same ops, dtypes and sizes; the same ATen calls in eager)
+        # time the same: measure once; a cache hit brings the times measured when the kernel was
+        # tuned (cached() fills them in)
+        if (key, sig) not in self.times:
+            self.times[(key, sig)] = self.time_region(ex, r, example_symvals)
             if self.budget != "none":   # with the stored winner, so that a later hit need not time
                 try:
-                    self.store().set_times(key, *self.times[key])
+                    self.store().set_times(key, *self.times[(key, sig)], eager_sig=sig or None)
                 except Exception as e:  # noqa: BLE001 - only the report's numbers are not persisted
                     log.warning("kbench: could not store region %d's timings in the cache: %s", r, e)
-        info.eager_ms, info.kernel_ms = self.times[key]
+        info.eager_ms, info.kernel_ms = self.times[(key, sig)]
+        if self.demote and info.eager is not None:
+            why = self.verdict(info)
+            if why:   # the runtime runs it in torch; optimize() keeps its ops as their ATen calls
+                ex.kernels.pop(r, None)
+                info.set_status(Status.EAGER, why)
+
+    def verdict(self, info) -> str:
+        """Why region `info` goes back to torch although its kernel works ("": its kernel runs):
+        the kernel does not beat what eager runs for its ops (their ATen calls, each whole): it
+        is slower beyond the tie band (TORCH_ABOVE).
+        Only with a search budget ("none" takes the default schedules as they come), and only
+        where the region has an eager time (not where it holds part of an op)."""
+        if self.budget == "none" or info.eager is None or info.eager.program is None:
+            return ""
+        if info.eager_ms is None or info.kernel_ms is None or info.kernel_ms <= TORCH_ABOVE * info.eager_ms:
+            return ""
+        return (f"its kernel did not beat eager's {info.eager.ops} ({info.kernel_ms:.4f} ms against "
+                f"{info.eager_ms:.4f} ms)")
 
     def cache_key(self, ex, r):
         """The region's identity: its IR with value names stripped, dtypes inside; sizes that vary
@@ -127,9 +198,10 @@ class Tuner:
             self._db = cache.open_cache()
         return self._db
 
-    def cached(self, ex, r, key, example_symvals):
+    def cached(self, ex, r, key, example_symvals, sig=""):
         """A stored winner: loaded from its CUBIN (nothing compiled, nothing searched), then gated
-        once against the reference on the example sizes."""
+        once against the reference on the example sizes. sig: the region's eager signature; the
+        stored times are its where they were measured for the same one."""
         if self.budget == "none":
             return None
         try:
@@ -149,11 +221,12 @@ class Tuner:
             log.warning("kbench: cached kernel for region %d fails its check (%s); tuning again", r, why)
             return None
         extra = {"search_s": 0.0, "candidates": 0, "cache": "hit"}
-        if w.eager_ms is not None and w.kernel_ms is not None:
+        if w.kernel_ms is not None and (w.eager_sig or "") == sig and (w.eager_ms is not None or sig == PARTIAL):
             # the report's eager and kernel times as measured when the kernel was tuned: a hit
-            # times nothing for the report (an entry from before they were stored is timed once
-            # here and the times added to it); only a large region's two entry points are timed
-            self.times[key] = (w.eager_ms, w.kernel_ms)
+            # times nothing for the report (an entry from before they were stored, or from a
+            # region of the same IR made of other ATen ops, is timed once here and the times
+            # stored with it); only a large region's two entry points are timed
+            self.times[(key, sig)] = (w.eager_ms, w.kernel_ms)
             extra["times"] = "from cache"
         return kernel, (Status.CACHED, ""), w.envelope, extra
 
@@ -279,17 +352,16 @@ class Tuner:
         return kernel, (Status.KERNEL, ""), self.envelope(ex, verdict)
 
     def time_region(self, ex, r, symvals, reps=20):
+        """(eager ms, kernel ms) of region r at these sizes: what eager runs for its ops (eager_call;
+        None where the region holds part of an op) and its kernel, on the same inputs."""
         plan = ex.plan
         gen = torch.Generator(device=ex.device).manual_seed(self.seed)
         inputs = ex.region_inputs(r, symvals, "normal", gen)
-        info = plan.regions[r]
         kernel = ex.kernels[r]
-
-        def eager():
-            torch_eval.evaluate(plan.graph, plan, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes,
-                                device=ex.device)
+        eager = eager_call(plan, r, inputs, symvals, ex.device, gen)
 
         def ours():
             ex.launch(kernel, r, symvals, inputs)
 
-        return event_ms(eager, reps), event_ms(ours, reps)
+        with torch.no_grad():
+            return (event_ms(eager, reps) if eager is not None else None), event_ms(ours, reps)
