@@ -54,9 +54,10 @@ def leaves(out):
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-def rel_err(got, want) -> float:
+def rel_err(got, want, floor=1e-6) -> float:
+    """Max abs difference over the reference's max abs (at least `floor`)."""
     got, want = got.detach().double(), want.detach().double()
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+    return float((got - want).abs().max() / want.abs().max().clamp_min(floor))
 
 
 class Case:
@@ -175,7 +176,13 @@ def one_row(zoo, name, mode, dtype, args) -> dict:
         want = ref_case.step(ref_model)
         errs = [rel_err(a, b) for a, b in zip(leaves(got), leaves(want)) if a.is_floating_point()]
         if mode == "train":
-            errs += [rel_err(got_grads[n], p.grad) for n, p in ref_model.named_parameters() if n in got_grads]
+            # a gradient that is zero in exact arithmetic (a bias before BatchNorm, an unused
+            # embedding row) is rounding noise, different from run to run even in eager: judged
+            # on the model's gradient scale, as the tests judge it
+            scale = max((float(p.grad.abs().max()) for p in ref_model.parameters() if p.grad is not None),
+                        default=0.0)
+            errs += [rel_err(got_grads[n], p.grad, floor=max(1e-6, 1e-2 * scale))
+                     for n, p in ref_model.named_parameters() if n in got_grads]
         row["impls"]["kbench"]["max_rel_err"] = max(errs) if errs else None
     del ref_model
     # timing: ROUNDS rounds, each timing every implementation in turn, and the median of each
