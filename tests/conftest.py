@@ -147,3 +147,17 @@ def compile_once(nvrtc, tmp_path_factory):
 
     compile_all.stats = memo
     return compile_all
+
+
+@pytest.fixture
+def exports(monkeypatch):
+    """A list that grows by one at each torch.export.export call of the test (a capture that
+    should come from the cache, or re-lower one export, runs none or one)."""
+    calls = []
+    real = torch.export.export
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch.export, "export", counted)
+    return calls

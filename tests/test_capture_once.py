@@ -47,18 +47,6 @@ def describe(c):
                 mutations=c.mutations, leaves=repr(c.output_tree.leaves))
 
 
-@pytest.fixture
-def exports(monkeypatch):
-    calls = []
-    real = torch.export.export
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(torch.export, "export", counted)
-    return calls
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_pinned_capture_exports_once_and_matches_a_second_export(name, exports):
     torch.manual_seed(0)

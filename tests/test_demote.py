@@ -54,18 +54,6 @@ def example(dim=16):
     return torch.randn(3, 8, dim)
 
 
-@pytest.fixture
-def exports(monkeypatch):
-    calls = []
-    real = torch.export.export
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(torch.export, "export", counted)
-    return calls
-
-
 def lose(monkeypatch, which, why="its kernel did not beat eager's ops (forced)"):
     """The interp backend's prepare, then the compute regions `which(info, plan)` picks marked as
     a tuner marks a region whose kernel lost (status eager, with the reason)."""

@@ -266,8 +266,7 @@ def _inline_grad_mode_blocks(ep):
                 if inner.op == "placeholder":
                     continue
                 if inner.op == "output":
-                    results = [env[r] if isinstance(r, fx.Node) else r
-                               for r in fx.node.map_arg(inner.args[0], lambda a: a)]
+                    results = [env[r] if isinstance(r, fx.Node) else r for r in inner.args[0]]
                     break
                 if inner.op == "get_attr":   # a nested block's submodule: moved to the top
                     name = f"{sub_node.target}_{inner.target}"

@@ -67,8 +67,7 @@ class CudaExecutor(Executor):
         return CudaExecutor(self.tuner)
 
     def prepare(self, plan, device):
-        self.plan = plan
-        plan.device = device
+        super().prepare(plan, device)
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'cuda' needs a CUDA GPU; torch.cuda.is_available() is False "
                                "(use backend='interp' on the CPU)")

@@ -15,8 +15,7 @@ class InterpExecutor(Executor):
     name = "interp"
 
     def prepare(self, plan, device):
-        self.plan = plan
-        plan.device = device
+        super().prepare(plan, device)
         for info in plan.regions:
             if info.kind != "EXTERN":
                 info.set_status(Status.INTERP)
