@@ -79,6 +79,12 @@ def evaluate(graph, captured, inputs_by_value: dict, symvals, *, nodes=None, dty
                 y = y[n["axis"]]
         elif op == "cast":
             y = args[0]
+            narrow = IR_TO_TORCH[n["dtype"]]
+            if f64 and narrow.is_floating_point and narrow != torch.float64 and y.is_floating_point():
+                # the reference rounds where torch does (autocast's cast of a weight to bf16): a
+                # relu or a comparison downstream must see the rounded value, or its mask and
+                # so its gradient differ from eager's. The gradient flows straight through.
+                y = y + (y.to(narrow).to(torch.float64) - y).detach()
         elif op in _UNARY and len(args) == 1 and op not in _REDUCE:
             y = _UNARY[op](args[0])
         elif op == "leaky_relu":
