@@ -129,6 +129,19 @@ def test_unary(op, scalars, fn, tf):
     check_vjp(gb, fn, lambda shape: [tf(torch.randn(shape(x), dtype=torch.float64))])
 
 
+KINKS = torch.tensor([-3.0, 3.0, 0.0, -0.0, 6.0, 0.75, -6.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("op,scalars,fn,tf", [u for u in UNARY if u[3] is not pos], ids=[u[0] for u in UNARY if u[3] is not pos])
+def test_unary_at_kinks(op, scalars, fn, tf):
+    """At the points where a rule switches branch (hardswish at ±3, relu at 0, softplus at its
+    threshold) the derivative is torch's one-sided choice, not the other branch's."""
+    gb = GB()
+    x = gb.input("x", [S0, 7])
+    gb.out(gb.op(op, x, **({"scalars": scalars} if scalars else {})))
+    check_vjp(gb, fn, lambda shape: [KINKS.expand(shape(x)).clone()])
+
+
 BINARY = [("add", torch.add, None), ("sub", torch.sub, None), ("mul", torch.mul, None),
           ("div", torch.div, pos), ("max", torch.maximum, None), ("min", torch.minimum, None),
           ("pow", torch.pow, pos)]

@@ -62,3 +62,29 @@ def test_no_grad_block_is_inlined_with_detached_outputs():
     assert len(detaches) == 2   # w.detach() and the value leaving the no_grad block
     x = torch.randn(4, 8)
     torch.testing.assert_close(ep.module()(x), model(x))
+
+
+class Bounds(torch.nn.Module):
+    """Every clamp-like op, each with its own input (values sit exactly on the bounds)."""
+
+    def forward(self, a, b, c, d, e, f, lo):
+        return (torch.clamp(a, -1.0, 1.0), torch.nn.functional.hardtanh(b, -2.0, 2.0),
+                torch.nn.functional.relu6(c), torch.nn.functional.hardsigmoid(d),
+                torch.nn.functional.hardswish(e), torch.clamp(f, min=lo))
+
+
+def test_gradients_at_clamp_bounds_are_torchs():
+    """At an input exactly on a bound torch picks a side (clamp passes the gradient, hardtanh,
+    relu6, hardsigmoid and hardswish do not or take one branch): kbench's gradients are eager's
+    there, not a tie split half and half."""
+    kinks = torch.tensor([-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 6.0, 0.5, -0.5], dtype=torch.float64)
+    make = lambda: [kinks.clone().requires_grad_() for _ in range(6)] + [torch.full((10,), 0.5, dtype=torch.float64,
+                                                                                   requires_grad=True)]
+    model = Bounds()
+    opt = kbench.optimize(model, tuple(x.detach() for x in make()), backend="interp", verbose=False)
+    got_in, ref_in = make(), make()
+    seed = torch.linspace(0.5, 1.5, 10, dtype=torch.float64)
+    sum((o * seed).sum() for o in opt(*got_in)).backward()
+    sum((o * seed).sum() for o in model(*ref_in)).backward()
+    for i, (g, r) in enumerate(zip(got_in, ref_in)):
+        assert torch.allclose(g.grad, r.grad, rtol=1e-6, atol=0), (i, g.grad, r.grad)

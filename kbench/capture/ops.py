@@ -106,19 +106,19 @@ def _softplus(b, node, a):
 
 @_reg("hardtanh.default")
 def _hardtanh(b, node, a):
-    return _clamp_to(b, _t(a["self"]), _num(a["min_val"]), _num(a["max_val"]), _out(node))
+    return _clamp_to(b, _t(a["self"]), _num(a["min_val"]), _num(a["max_val"]), _out(node), strict=True)
 
 
 @_reg("relu6.default")
 def _relu6(b, node, a):
-    return _clamp_to(b, _t(a["self"]), 0, 6, _out(node))
+    return _clamp_to(b, _t(a["self"]), 0, 6, _out(node), strict=True)
 
 
 @_reg("hardsigmoid.default")
 def _hardsigmoid(b, node, a):
     dt = _out(node)
     x = b.cast(_t(a["self"]), dt)
-    return b.arith("div", _clamp_to(b, b.arith("add", x, 3.0, dt), 0, 6, dt), 6.0, dt)
+    return b.arith("div", _clamp_to(b, b.arith("add", x, 3.0, dt), 0, 6, dt, strict=True), 6.0, dt)
 
 
 @_reg("elu.default")
@@ -156,12 +156,21 @@ def _explog_base(b, node, a):
     return b.arith("mul", b.unary("log", x), 1.0 / math.log(2.0 if name == "log2" else 10.0), dt)
 
 
-def _clamp_to(b, x, lo, hi, dt):
+def _clamp_to(b, x, lo, hi, dt, strict=False):
+    """Clamping as selects, so the gradient at a bound is torch's (a max/min would split a tie
+    half and half): clamp passes it to x where lo <= x <= hi, and a tensor bound gets it only
+    where x is outside; hardtanh, relu6 and hardsigmoid (strict) pass it only strictly inside.
+    A NaN x stays NaN (every comparison with it is false); a NaN tensor bound gives NaN, as in
+    torch."""
     x = b.cast(x, dt)
-    if lo is not None:
-        x = b.arith("max", x, lo, dt)
-    if hi is not None:
-        x = b.arith("min", x, hi, dt)
+    below, above = ("le", "ge") if strict else ("lt", "gt")
+    for bound, cmp in ((lo, below), (hi, above)):
+        if bound is None:
+            continue
+        outside = b.arith(cmp, x, bound, dt)
+        if isinstance(bound, V):
+            outside = b.arith("or", outside, b.arith("ne", bound, bound, dt))
+        x = b.where(outside, bound, x, dt)
     return x
 
 
