@@ -50,6 +50,25 @@ def pytest_cmdline_main(config):
         opt.dist = "worksteal"   # a few tests take 10-20 s: idle workers take queued ones
 
 
+def _one_share_of_the_cores():
+    """In an xdist worker: torch's intra-op threads limited to the worker's share of the cores.
+    Each worker's OpenMP pool would otherwise take every core, and workers spinning on each
+    other's cores make small CPU ops 10-25x slower. Subprocesses a test starts inherit it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 1:
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    share = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
+
+
+_one_share_of_the_cores()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
