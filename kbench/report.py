@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
+from .capture.modes import describe_mode
 from .runtime.plan import Status
 
 
@@ -72,11 +73,11 @@ class Report:
             rep.notes.append(f"input: {line}")
         rep.notes += _graph_lines(module)
         for mode, other in module.__dict__.get("_kbench_modes", {}).items():
-            what = "training" if mode else "eval"
-            rep.notes.append(f"{what} mode: " + (f"runs in eager ({other})" if isinstance(other, str)
+            what = describe_mode(mode)
+            rep.notes.append(f"{what}: " + (f"runs in eager ({other})" if isinstance(other, str)
                                                  else "served by a capture of its own"))
             if not isinstance(other, str):
-                rep.notes += [f"{what} mode: {line}" for line in _graph_lines(other)]
+                rep.notes += [f"{what}: {line}" for line in _graph_lines(other)]
         if plan.nvrtc:
             rep.notes.append(f"NVRTC: {plan.nvrtc}")
         if plan.static_reason:

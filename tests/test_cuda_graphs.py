@@ -91,7 +91,7 @@ def test_option_threaded_to_the_module_and_its_other_mode():
     assert "CUDA graphs: off (cuda_graphs=False)" in str(off.kbench_report)
     off.train()
     off(x)                                        # the training mode: a capture of its own
-    other = off._kbench_modes[True]
+    other = off._kbench_modes[(True, ())]
     assert other._kbench_graphs == "cuda_graphs=False"
     assert "training mode: CUDA graphs: off (cuda_graphs=False)" in str(off.kbench_report)
     lazy = kbench.optimize(mlp(), backend="interp", budget="none", verbose=False, cuda_graphs=False)

@@ -1,6 +1,8 @@
-"""Grad modes inside a forward: a `torch.no_grad()` block (Hugging Face's rotary embeddings) and
-`.detach()` stop the gradient in kbench's backward as they do in eager — the parameters read only
-there get no gradient, the others get eager's."""
+"""Modes inside and around a forward. A `torch.no_grad()` block (Hugging Face's rotary embeddings)
+and `.detach()` stop the gradient in kbench's backward as they do in eager — the parameters read
+only there get no gradient, the others get eager's. A `torch.autocast(enabled=False)` block runs
+its torch calls in float32 under an outer autocast, and a module captured under autocast (or
+without) serves calls in the other mode as eager would. Gradients at clamp bounds are torch's."""
 import warnings
 
 import pytest
@@ -55,7 +57,7 @@ def test_no_grad_block_is_inlined_with_detached_outputs():
     ep = torch.export.export(model, (torch.randn(4, 8),), strict=False)
     hop = torch.ops.higher_order.wrap_with_set_grad_enabled
     assert any(n.target is hop for n in ep.graph.nodes)
-    export._inline_grad_mode_blocks(ep)
+    export._inline_context_blocks(ep)
     assert not any(n.target is hop for n in ep.graph.nodes)
     assert not any(n.op == "get_attr" for n in ep.graph.nodes)
     detaches = [n for n in ep.graph.nodes if n.target is torch.ops.aten.detach.default]
@@ -88,3 +90,49 @@ def test_gradients_at_clamp_bounds_are_torchs():
     sum((o * seed).sum() for o in model(*ref_in)).backward()
     for i, (g, r) in enumerate(zip(got_in, ref_in)):
         assert torch.allclose(g.grad, r.grad, rtol=1e-6, atol=0), (i, g.grad, r.grad)
+
+
+class AutocastOffBlock(torch.nn.Module):
+    """A float32 block inside an autocast forward (Hugging Face's rotary frequencies), whose
+    result feeds a cos: computed in bf16 instead, the cos of large values is wrong outright."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x):
+        h = x @ self.w
+        with torch.autocast("cpu", enabled=False):
+            y = h.float() @ self.w
+        return (y * 1.0001).cos()
+
+
+def test_autocast_disabled_block_runs_in_float32():
+    torch.manual_seed(0)
+    model, x = AutocastOffBlock(), torch.randn(8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        opt = kbench.optimize(model, (x,), backend="interp", verbose=False)
+        got, want = opt(x), model(x)
+    assert type(opt).__name__ == "OptimizedModule"
+    assert got.dtype == want.dtype == torch.float32
+    assert float((got - want).abs().max()) <= 1e-4
+
+
+def test_calls_with_and_without_autocast_get_eagers_dtypes():
+    """A capture is for the autocast mode it was made in: a call in another mode is served by a
+    capture of its own, with eager's dtypes and values."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()), torch.randn(8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = kbench.optimize(model, (x,), backend="interp", verbose=False)
+        first = under(x)
+    plain = under(x)
+    assert first.dtype == torch.bfloat16 and plain.dtype == torch.float32
+    assert float((plain - model(x)).abs().max()) <= 1e-5
+    assert (model.training, ()) in under._kbench_modes
+    off = kbench.optimize(model, (x,), backend="interp", verbose=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = off(x), model(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert float((got.float() - want.float()).abs().max()) <= 2e-2 * float(want.float().abs().max())
+    assert any("under cpu autocast bfloat16: served by a capture of its own" in n for n in off.kbench_report.notes)

@@ -4,6 +4,7 @@
  * (returns NotImplemented) before any launch, and the Python path runs as it always did. */
 #include "fast/fast.h"
 
+#include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
@@ -13,6 +14,7 @@
 #include <structmember.h>
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 namespace kbfast {
@@ -80,12 +82,18 @@ struct Program {
     PyObject *training;           /* the mode the graph was captured in (compared by identity) */
     PyObject *apply_region;       /* runtime.apply_region: a region its Region refuses */
     int grad_ok;                  /* gradients may flow here (no joint program could apply) */
+    int autocast_cuda, autocast_cpu; /* the autocast dtype captured under per device type, -1: off */
     Py_ssize_t served, declined;
     const char *why;              /* why the last declined call was declined */
     ProgramState s;
 };
 
 PyObject *str_modules, *str_training, *str_constants, *str_run;
+
+/* The autocast dtype in force for a device type (its ScalarType), -1 where autocast is off. */
+int autocast_now(at::DeviceType device) {
+    return at::autocast::is_autocast_enabled(device) ? (int)at::autocast::get_autocast_dtype(device) : -1;
+}
 
 uint64_t mix(uint64_t h, uint64_t v) { return (h ^ v) * 0x100000001b3ull; }
 
@@ -272,6 +280,8 @@ PyObject *run(Program *self, PyObject *module, PyObject *const *inputs, size_t n
         }
         if (training.get() != self->training) return decline(self, "the train/eval mode differs from the captured one");
     }
+    if (autocast_now(at::kCUDA) != self->autocast_cuda || autocast_now(at::kCPU) != self->autocast_cpu)
+        return decline(self, "autocast differs from the captured one");
     std::vector<at::Tensor> slots;
     slots.reserve(e.nslots);
     for (size_t i = 0; i < n; i++) slots.push_back(*ts[i]);
@@ -431,19 +441,38 @@ PyObject *program_why(Program *self, void *) {
     return PyUnicode_FromString(self->why);
 }
 
-/* Program(orig, captured, ninputs, chains, meta, training, grad_ok, apply_region)
+/* Program(orig, captured, ninputs, chains, meta, training, grad_ok, apply_region, autocast=())
  * chains: per parameter/buffer/constant input, (path, table, leaf) as
  * OptimizedModule._param_chains gives them (path None: captured.constants[leaf]);
- * meta: (name, dtype, shape) per chain as captured. */
+ * meta: (name, dtype, shape) per chain as captured; autocast: ((device type, dtype), ...) as
+ * runtime/modes.py's autocast_mode() gave it at capture. */
 PyObject *program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static const char *kwlist[] = {"orig", "captured", "ninputs", "chains", "meta", "training", "grad_ok",
-                                   "apply_region", nullptr};
-    PyObject *orig, *captured, *chains, *meta, *training, *apply_region;
+                                   "apply_region", "autocast", nullptr};
+    PyObject *orig, *captured, *chains, *meta, *training, *apply_region, *autocast = nullptr;
     Py_ssize_t ninputs;
     int grad_ok;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnOOOpO", (char **)kwlist, &orig, &captured, &ninputs, &chains,
-                                     &meta, &training, &grad_ok, &apply_region))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnOOOpO|O", (char **)kwlist, &orig, &captured, &ninputs, &chains,
+                                     &meta, &training, &grad_ok, &apply_region, &autocast))
         return nullptr;
+    int autocast_cuda = -1, autocast_cpu = -1;
+    if (autocast) {
+        THPObjectPtr modes(PySequence_Fast(autocast, "Program: autocast must be a sequence"));
+        if (!modes) return nullptr;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(modes.get()); i++) {
+            const char *device;
+            PyObject *dtype;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(modes.get(), i), "sO!", &device, &THPDtypeType, &dtype))
+                return nullptr;
+            int code = (int)((THPDtype *)dtype)->scalar_type;
+            if (strcmp(device, "cuda") == 0) autocast_cuda = code;
+            else if (strcmp(device, "cpu") == 0) autocast_cpu = code;
+            else {
+                PyErr_Format(PyExc_ValueError, "Program: autocast on device type %s", device);
+                return nullptr;
+            }
+        }
+    }
     if (!PyCallable_Check(apply_region) || ninputs < 0) {
         PyErr_SetString(PyExc_TypeError, "Program: apply_region must be callable and ninputs >= 0");
         return nullptr;
@@ -464,6 +493,8 @@ PyObject *program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->training = Py_NewRef(training);
     self->apply_region = Py_NewRef(apply_region);
     self->grad_ok = grad_ok;
+    self->autocast_cuda = autocast_cuda;
+    self->autocast_cpu = autocast_cpu;
     self->s.ninputs = (size_t)ninputs;
     for (Py_ssize_t i = 0; i < np; i++) {
         PyObject *path, *table, *leaf, *name, *dtype, *shape;

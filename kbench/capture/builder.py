@@ -161,6 +161,12 @@ class Builder:
         self.origin = {}              # value id -> the FX node name whose lowering made it
         self.lowered = []             # (node, result) of each node lowered into IR, in graph order
 
+    @staticmethod
+    def autocast_of(node):
+        """The torch.autocast block a node came from (capture/export.py inlines such blocks and
+        marks their nodes), or None."""
+        return node.meta.get("kbench_autocast") if node is not None else None
+
     @contextlib.contextmanager
     def lowering(self, node):
         """Values added inside come from node (a multi-output op's outputs are made when a
@@ -375,7 +381,7 @@ class Builder:
     def extern_call(self, fn, operands, args, kwargs, dtype, dims, name):
         """A one-step extern made by a lowering (linear without its bias, ...)."""
         idx = len(self.externs)
-        self.externs.append(Extern([(fn, args, kwargs)], str(fn), len(operands)))
+        self.externs.append(Extern([(fn, args, kwargs)], str(fn), len(operands), self.autocast_of(self.current)))
         return self.add("extern", operands, dtype, dims, index=idx, axis=0, name=name)
 
     # ---------------------------------------------------------------- externs
@@ -387,7 +393,7 @@ class Builder:
             raise CaptureError(f"{node.name} ({node.target}) would be an extern call with "
                                f"{len(operands)} tensor operands; kbench supports 16")
         idx = len(self.externs)
-        self.externs.append(Extern(steps, str(node.target), len(operands)))
+        self.externs.append(Extern(steps, str(node.target), len(operands), self.autocast_of(node)))
         self.notes.append(f"{node.name}: extern {node.target} ({reason})")
         val = node.meta.get("val")
         outs = ExternOutputs(self, idx, operands, val if multi else [val], node)
@@ -555,7 +561,7 @@ class Builder:
             except Exception:  # noqa: BLE001 - only the eager timing of its region is lost
                 continue
             calls[node.name] = NodeCall(
-                name=node.name, op=str(node.target), call=Extern(steps, str(node.target), len(operands)),
+                name=node.name, op=str(node.target), call=Extern(steps, str(node.target), len(operands), self.autocast_of(node)),
                 operands=[(idmap.get(v.id), v.dtype, v.dims) for v in operands],
                 results=[(i, idmap[v.id]) for i, v in results if v.id in idmap])
         return calls

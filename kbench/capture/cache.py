@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 from .. import _C
 from ..tune import cache as store
 from ..version import __version__
+from .modes import autocast_mode
 from .types import Captured
 
 log = logging.getLogger("kbench.capture.cache")
@@ -70,7 +71,7 @@ def fingerprint(model: torch.nn.Module, args: tuple, backend: str, call_key: str
     positionally."""
     h = _Hasher()
     h.add("kbench-capture", FORMAT, __version__, _lowering_digest(), torch.__version__, sys.version_info[:2], backend,
-          torch.is_grad_enabled(), torch.is_autocast_enabled(), call_key)
+          torch.is_grad_enabled(), autocast_mode(), call_key)
     for a in args:
         h.add("input", a.dtype, tuple(a.shape), a.stride(), a.device.type, a.requires_grad)
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:

@@ -195,7 +195,7 @@ def _export_once(model, inputs, shapes):
     with warnings.catch_warnings(), _quiet_export():
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, inputs, strict=False, dynamic_shapes=shapes)
-        _inline_grad_mode_blocks(ep)
+        _inline_context_blocks(ep)
         if _make_functional(ep):
             return ep
         before = {n.name: (n.target, _shape_key(n)) for n in ep.graph.nodes}
@@ -246,18 +246,30 @@ def _is_view(n):
     return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
 
 
-def _inline_grad_mode_blocks(ep):
-    """`with torch.no_grad():` inside a forward (Hugging Face's rotary embeddings) exports as a
-    wrap_with_set_grad_enabled block. Its body is inlined here, and each value leaving a no-grad
-    block is detached — a stop-gradient kbench's backward honours — so the gradients stay
-    eager's. (run_decompositions would inline it too, but drops the grad mode, and torch 2.11's
-    fails on such blocks in a training graph.)"""
-    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
-    if hop is None:
+def _inline_context_blocks(ep):
+    """Context managers inside a forward export as higher-order blocks: `with torch.no_grad():`
+    (Hugging Face's rotary embeddings) as wrap_with_set_grad_enabled, `with torch.autocast(...):`
+    (the same embeddings computed in float32 under an outer autocast) as wrap_with_autocast.
+    Their bodies are inlined here. Each value leaving a no-grad block is detached — a
+    stop-gradient kbench's backward honours — so the gradients stay eager's. Each node of an
+    autocast block is marked with the block's mode (meta "kbench_autocast"), and the torch calls
+    made from it run in that mode (capture/types.py, Extern.autocast); kbench's own kernels
+    carry the dtypes export recorded. (run_decompositions would inline both but drop the modes,
+    and fails on such blocks in a training graph.)"""
+    grad_hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    autocast_hop = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+    hops = {h for h in (grad_hop, autocast_hop) if h is not None}
+    if not hops:
         return
     gm, graph = ep.graph_module, ep.graph
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is hop]:
-        enabled, sub_node, *operands = node.args
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in hops]:
+        outer = node.meta.get("kbench_autocast")   # a block nested in an autocast block
+        if node.target is autocast_hop:
+            device_type, dtype, enabled, cache, sub_node, *operands = node.args
+            mode, grad_enabled = (device_type, dtype, bool(enabled), bool(cache)), True
+        else:
+            grad_enabled, sub_node, *operands = node.args
+            mode = outer
         sub = getattr(gm, sub_node.target)
         env = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], operands))
         results = None
@@ -273,8 +285,10 @@ def _inline_grad_mode_blocks(ep):
                     setattr(gm, name, getattr(sub, inner.target))
                     env[inner] = graph.get_attr(name)
                     continue
-                env[inner] = graph.node_copy(inner, lambda a: env[a])
-            if not enabled:
+                copy = env[inner] = graph.node_copy(inner, lambda a: env[a])
+                if mode is not None and "kbench_autocast" not in copy.meta:
+                    copy.meta["kbench_autocast"] = mode
+            if not grad_enabled:
                 results = [graph.call_function(torch.ops.aten.detach.default, (r,))
                            if isinstance(r, fx.Node) else r for r in results]
                 for r in results:
@@ -285,14 +299,14 @@ def _inline_grad_mode_blocks(ep):
                 user.replace_all_uses_with(results[user.args[1]])
                 graph.erase_node(user)
         if node.users:
-            raise CaptureError("a torch.no_grad() block's outputs are used as a tuple")
+            raise CaptureError("a torch.no_grad() or torch.autocast block's outputs are used as a tuple")
         graph.erase_node(node)
         if not sub_node.users:
             graph.erase_node(sub_node)
             delattr(gm, sub_node.target)
     # nested blocks were moved up: inline them too
-    if any(n.op == "call_function" and n.target is hop for n in graph.nodes):
-        _inline_grad_mode_blocks(ep)
+    if any(n.op == "call_function" and n.target in hops for n in graph.nodes):
+        _inline_context_blocks(ep)
     graph.lint()
     gm.recompile()
 

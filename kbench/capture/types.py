@@ -106,13 +106,16 @@ class Extern:
     """One torch computation the runtime runs between kernels. `steps` is a list of
     (callable, args, kwargs); the last step's result is the extern's result (a tensor, or a tuple
     the EXTERN node's axis indexes). Templates hold TensorSlot (the node's operands), StepRef,
-    SymExpr and DeviceSlot placeholders. Most externs are one step: fn(*args, **kwargs)."""
-    __slots__ = ("steps", "name", "noperands")
+    SymExpr and DeviceSlot placeholders. Most externs are one step: fn(*args, **kwargs).
+    autocast: (device type, dtype, enabled, cache enabled) of a `torch.autocast` block inside the
+    forward that the call came from (None: the call runs in the caller's autocast mode)."""
+    __slots__ = ("steps", "name", "noperands", "autocast")
 
-    def __init__(self, steps, name: str, noperands: int):
+    def __init__(self, steps, name: str, noperands: int, autocast=None):
         self.steps = steps
         self.name = name
         self.noperands = noperands
+        self.autocast = autocast
 
     @property
     def fn(self):
@@ -128,6 +131,13 @@ class Extern:
 
     def call(self, tensors, symvals=(), device=None):
         """Runs the extern on the operand tensors (in the EXTERN node's input order)."""
+        if self.autocast is not None:
+            device_type, dtype, enabled, cache = self.autocast
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+                return self._call(tensors, symvals, device)
+        return self._call(tensors, symvals, device)
+
+    def _call(self, tensors, symvals, device):
         if device is None:
             device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
         results: list = []

@@ -369,7 +369,7 @@ class GraphRunner:
         if _deferred:
             _destroy_deferred()
         got, why = _NO, None
-        if module.training is self.training and not self.off and not self.paused:
+        if module._in_captured_mode() and not self.off and not self.paused:
             if self.lock.acquire(False):   # another thread replaying: this call runs un-graphed
                 try:
                     got, why = self._try(module, inputs)

@@ -13,6 +13,7 @@ from ..report import Report
 from . import fast, graphs, joint
 from .autograd import RegionBackward, apply_region
 from ..capture.signature import CallSpec
+from ..capture.modes import autocast_mode, describe_mode
 from .plan import KERNEL, MATERIALIZE, Executor, Fallback, Plan, Program, RegionFallback
 
 log = logging.getLogger("kbench")
@@ -46,7 +47,8 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
                              _kbench_executor=executor, _kbench_reasons=set(), _kbench_device=device,
                              _kbench_program=Program(plan, executor, self._note), _kbench_backward={},
                              _kbench_unused_grads={}, _kbench_grad_checks={},
-                             _kbench_captured_training=module.training)
+                             _kbench_captured_training=module.training,
+                             _kbench_captured_autocast=autocast_mode())
         # parameters and buffers as captured: a later .double() or resize sends calls to eager
         nuser = len(captured.input_names)
         self.__dict__["_kbench_param_meta"] = [
@@ -137,8 +139,11 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
             return self._fallback(inputs, args, kwargs)
         return self._forward_inputs(inputs, args, kwargs)
 
+    def _in_captured_mode(self) -> bool:
+        return self.training == self._kbench_captured_training and autocast_mode() == self._kbench_captured_autocast
+
     def _forward_inputs(self, inputs, args, kwargs):
-        if self.training != self._kbench_captured_training:
+        if not self._in_captured_mode():
             return self._other_mode(args, kwargs)
         # the hot path: sizes bound once per input signature (shapes, dtypes, devices)
         sig = tuple((x.shape, x.dtype, x.device) for x in inputs)
@@ -153,24 +158,25 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
             return self._fallback(str(e), args, kwargs)
 
     def _other_mode(self, args, kwargs):
-        """A call in the train/eval mode the module was not captured in: served by a module of
-        its own, captured and prepared at the first such call (a model that switches between
-        training and evaluation keeps kbench's kernels in both)."""
-        mode = self.training
+        """A call in a train/eval mode or under an autocast the module was not captured in:
+        served by a module of its own, captured and prepared at the first such call (a model that
+        switches between training and evaluation, or runs with and without autocast, keeps
+        kbench's kernels in each). _kbench_modes is keyed by (training, autocast_mode())."""
+        mode = (self.training, autocast_mode())
         other = self._kbench_modes.get(mode)
         if other is None:
-            why = "the module's train/eval mode differs from the captured one"
+            why = "the module's train/eval mode or autocast differs from the captured one"
             if self._kbench_rebuild is not None:
                 try:
                     other = self._kbench_rebuild(args, kwargs)
                     why = ""
                 except Exception as e:  # noqa: BLE001 - that mode runs in eager, with the reason
-                    why = f"{'training' if mode else 'eval'} mode could not be captured ({type(e).__name__}: " \
+                    why = f"{describe_mode(mode)} could not be captured ({type(e).__name__}: " \
                           f"{str(e).splitlines()[0] if str(e) else ''})"
             other = self._kbench_modes[mode] = other if other is not None else why
         if isinstance(other, str):
             return self._fallback(other, args, kwargs)
-        other.training = mode
+        other.training = mode[0]
         return other(*args, **kwargs)
 
     def _bind(self, args, sig):
@@ -210,7 +216,8 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         return ext.Program(orig=self._kbench_orig, captured=self._kbench_captured,
                             ninputs=len(self._kbench_captured.input_names), chains=self._kbench_param_chains,
                             meta=self._kbench_param_meta, training=self._kbench_captured_training,
-                            grad_ok=bool(self._kbench_loss_why), apply_region=apply_region)
+                            grad_ok=bool(self._kbench_loss_why), apply_region=apply_region,
+                            autocast=self._kbench_captured_autocast)
 
     def _fast_entry(self, bound):
         """What kbench._fast.Program.add takes for this bound signature: (steps, outputs, build),

@@ -212,7 +212,7 @@ def test_train_and_eval_modes_running_statistics_and_random_numbers():
         model_eval = copy.deepcopy(model).eval()
         for _ in range(graphs.WARMUP + 2):
             got = opt(x)
-        other = opt._kbench_modes[False]
+        other = opt._kbench_modes[(False, ())]
         assert runner_of(other).captures == 1      # the eval module's own graphs
         assert torch.equal(got, ungraphed(other, x)) and rel_err(got, model_eval(x)) <= 1e-4
         assert r.replays == 3                      # the training graph did not serve eval calls

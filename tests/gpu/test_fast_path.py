@@ -355,7 +355,7 @@ def test_program_declines_double_train_eval_cpu_inputs_and_new_shapes():
         both_ways(opt, x, x, served=0)         # too many inputs: the Python path's TypeError
         both_ways(opt, "x", served=0)
     # eval mode was served by a capture of its own (not eager), built at the first eval call
-    assert isinstance(opt._kbench_modes.get(False), torch.nn.Module), opt._kbench_modes
+    assert isinstance(opt._kbench_modes.get((False, ())), torch.nn.Module), opt._kbench_modes
     assert not any("train/eval" in r for r in opt._kbench_reasons)
 
 
