@@ -6,6 +6,8 @@ operands' dtypes and shapes; where eager raises, capture raises the same excepti
 the op."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -134,15 +136,18 @@ class _Found(Exception):
 
 
 def check_trace(model, inputs) -> None:
-    """Where torch.export failed: the forward traced again on fake tensors with each suspect op
-    probed, so that an error eager raises for the inputs' dtypes reaches the user as eager's
-    exception type (export's own fake kernels raise others: a decomposition's RuntimeError where
-    eager's kernel raises NotImplementedError). Returns where the trace finds none, or fails for
-    another reason; the caller reports export's failure then."""
+    """Where torch.export failed: the forward traced again on fake tensors, so that an error eager
+    raises for these inputs reaches the user as eager's exception, not export's (a fake kernel
+    may raise another type, a decomposition's RuntimeError where eager's kernel raises
+    NotImplementedError, or nothing at all). Each suspect ATen op is probed as it comes; where the
+    trace fails anyway, the torch call the forward was making is run for real on operands like
+    its own, and eager's error is raised where that fails with zeros and with ones. Returns
+    where neither finds one (the caller reports export's failure then)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-    found = []
+    found, failed = [], []
 
     class Probe(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -155,12 +160,39 @@ def check_trace(model, inputs) -> None:
                     raise _Found()
             return func(*args, **kwargs)
 
+    class Calls(TorchFunctionMode):
+        """The forward's torch calls (the mode is off inside one: the calls it makes are not
+        seen); the first that raises is kept."""
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            try:
+                return func(*args, **kwargs)
+            except _Found:
+                raise
+            except Exception:
+                if not failed:
+                    failed.append((func, args, kwargs))
+                raise
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)   # a fake kernel that raises logs its traceback: ours to report
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [mode.from_tensor(t) for t in inputs]
-        with mode, Probe(), torch.no_grad():
+        with mode, Probe(), Calls(), torch.no_grad():
             model(*fakes)
-    except Exception:  # noqa: BLE001 - _Found, or a trace that fails for another reason
+    except Exception:  # noqa: BLE001 - _Found, or a trace that fails: what eager does decides
         pass
+    finally:
+        logger.setLevel(level)
     if found:
         _raise(*found[0])
+    if failed:
+        func, args, kwargs = failed[0]
+        devices = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices):   # a call that draws random numbers draws none of the user's
+            err = probe(func, args, kwargs)
+        if err is not None:
+            name = getattr(func, "__qualname__", None) or str(func)
+            _raise(err, _describe(name, "in the forward", (args, kwargs)))

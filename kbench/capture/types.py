@@ -260,13 +260,14 @@ class Captured:
     def build_outputs(self, graph_outputs, symvals=()):
         return self.output_tree.build(graph_outputs, symvals)
 
-    def apply_mutations(self, model, user_inputs, graph_outputs):
+    def apply_mutations(self, model, user_inputs, graph_outputs, carries=None):
         """Copies in-place updates the model makes (BatchNorm running stats in training mode,
         user inputs changed in place) back into the live tensors, as eager would. A buffer's or
         parameter's update carries no gradient (BatchNorm's does not). A user input's is eager's
         in-place op on it: under grad mode the input's autograd history becomes the update's (a
         gradient through the input after the call reaches what the forward computed it from),
-        and its version counter moves once per in-place op the forward makes on it."""
+        and its version counter moves once per in-place op the forward makes on it. carries: the
+        graph outputs whose update carries a gradient (None: wherever autograd says so)."""
         if not self.mutations:
             return
         user_inputs = as_tuple(user_inputs)
@@ -279,6 +280,8 @@ class Captured:
             dst = user_inputs[self.input_names.index(name)]
             writes = self.input_writes.get(name, (0, False))[0]
             # writes == 0: the forward writes it inside torch.no_grad() only
+            if carries is not None and out not in carries:
+                src = src.detach()
             with torch.no_grad() if writes == 0 else contextlib.nullcontext():
                 dst.copy_(src)
             if not dst.is_inference():
