@@ -120,13 +120,23 @@ def test_call_time_error_is_eager_s():
             opt(xi)
 
 
-def test_mixed_dtype_layer_norm_raises_as_eager():
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")   # eager's RMSNorm
+def test_mixed_dtype_norms_are_eager_s():
     x = torch.randn(3, 4)
     ln = nn.LayerNorm(4).double()   # float64 weight, float32 input: eager raises
     with pytest.raises(RuntimeError, match="mixed dtype"):
         ln(x)
     with pytest.raises(RuntimeError, match="aten.layer_norm.default .*float64.*mixed dtype"):
         optimize(ln, x)
+    for norm in (nn.GroupNorm(2, 4), nn.BatchNorm1d(4).eval(), nn.LayerNorm(4).half(), nn.RMSNorm(4)):
+        norm = norm.double() if norm.weight.dtype == torch.float32 else norm
+        try:
+            want = norm(x)
+        except RuntimeError:
+            with pytest.raises(RuntimeError, match="mixed dtype"):
+                optimize(norm, x)
+        else:   # RMSNorm's float64 weight on float32 input: eager computes it
+            assert same(optimize(norm, x)(x), want)
 
     ln = nn.LayerNorm(4)
     opt = optimize(ln, x)

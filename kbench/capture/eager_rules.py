@@ -27,6 +27,8 @@ def _concrete(x, fill):
         if x is None:
             raise _Unknown()
     if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            raise _Unknown()
         shape = [_concrete(s, fill) for s in x.shape]
         return torch.full(shape, fill if x.dtype != torch.bool else bool(fill), dtype=x.dtype, device=x.device)
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -70,7 +72,7 @@ def probe(func, args, kwargs):
     for fill in (0, 1):
         try:
             a, k = pytree.tree_map(lambda x: _concrete(x, fill), (args, kwargs))
-        except _Unknown:
+        except Exception:  # noqa: BLE001 - _Unknown, or a dtype torch.full cannot make: no verdict
             return None
         try:
             with torch.no_grad():
