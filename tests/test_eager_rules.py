@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import kbench
 from kbench.api import EagerModule
+from kbench.capture.ops import LOWER
 from kbench.errors import CaptureError
 
 aten = torch.ops.aten
@@ -50,7 +51,31 @@ FLOAT_OPS = {
     "where_float": lambda x: torch.where(x > 2, x, 0.5), "masked_fill": lambda x: x.masked_fill(x > 2, 0.5),
     "cross_entropy": lambda x: F.cross_entropy(x, TARGET), "nll_loss": lambda x: F.nll_loss(x, TARGET),
     "linear": lambda x: F.linear(x, torch.ones(3, 4), torch.ones(3)),
+    "sub_float": lambda x: x - 0.5, "minimum_float": lambda x: torch.minimum(x, ONES * 2.5),
+    "clamp_min_float": lambda x: torch.clamp_min(x, 0.5), "clamp_max_float": lambda x: torch.clamp_max(x, 2.5),
+    "min_dim": lambda x: x.min(-1)[0],
 }
+
+# The lowering table's ops (ATen names) and the case above that feeds each an integer; the others
+# compute no floats of their own (views, copies, casts, constants, comparisons, logic, indexing,
+# dropout, joins).
+CASE_OF = {"native_layer_norm": "layer_norm", "native_group_norm": "group_norm",
+           "_native_batch_norm_legit": "batch_norm", "_native_batch_norm_legit_no_training": "batch_norm",
+           "cross_entropy_loss": "cross_entropy", "nll_loss_nd": "nll_loss", "nll_loss2d": "nll_loss",
+           "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss", "linalg_vector_norm": "vector_norm",
+           "mul": "mul_float", "add": "add_float", "sub": "sub_float", "maximum": "maximum_float",
+           "minimum": "minimum_float", "where": "where_float", "pow": "pow_half", "clamp_min": "clamp_min_float",
+           "clamp_max": "clamp_max_float", "max": "max_dim", "min": "min_dim"}
+NOT_FLOAT = {"_unsafe_view", "alias", "alias_copy", "broadcast_to", "chunk", "expand", "expand_as", "expand_copy",
+             "flatten", "narrow", "permute", "permute_copy", "reshape", "reshape_as", "select", "select_copy", "slice",
+             "slice_copy", "split", "split_copy", "split_with_sizes", "split_with_sizes_copy", "squeeze", "swapaxes",
+             "t", "transpose", "transpose_copy", "unbind", "unbind_copy", "unflatten", "unsqueeze", "view", "view_as",
+             "view_copy", "clone", "contiguous", "copy", "detach", "detach_copy", "lift_fresh_copy", "_to_copy", "to",
+             "type_as", "empty", "empty_like", "fill", "full", "full_like", "new_empty", "new_full", "new_ones",
+             "new_zeros", "ones", "ones_like", "scalar_tensor", "zeros", "zeros_like", "eq", "ne", "lt", "le", "gt",
+             "ge", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "__and__",
+             "__or__", "gather", "index_select", "embedding", "cat", "stack", "dropout", "alpha_dropout",
+             "feature_dropout", "feature_alpha_dropout", "native_dropout"}
 
 
 class Fn(nn.Module):
@@ -72,6 +97,12 @@ def same(got, want):
         return isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape \
             and torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6, equal_nan=True)
     return type(got) is type(want) and len(got) == len(want) and all(same(g, w) for g, w in zip(got, want))
+
+
+def test_the_table_has_every_float_lowering():
+    names = {op._schema.name.split("::")[-1] for op in LOWER}
+    missing = sorted(n for n in names - NOT_FLOAT if CASE_OF.get(n, n) not in FLOAT_OPS)
+    assert not missing, f"lowerings with no integer-input case in FLOAT_OPS: {missing}"
 
 
 def test_integer_input_into_every_float_op_is_eager():
