@@ -1,7 +1,8 @@
 """nn.Module + example inputs -> torch.export (non-strict) -> kbench's IR. Validates the inputs,
 exports with every user-input dim dynamic (Dim.AUTO), fixes at their example sizes the input dims
 behind any size the IR cannot write (s0 - 1, s0 // 2) and re-exports; the ATen -> IR lowering
-itself is lower.py (the driver) and ops.py (the op table). The result is a types.Captured."""
+itself is lower.py (the driver) and ops.py (the op table); what eager raises for the inputs'
+dtypes is raised here too (eager_rules.py). The result is a types.Captured."""
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..dtypes import TORCH_TO_IR
 from ..errors import CaptureError
+from . import eager_rules
 from . import lower as lowering
-from .builder import flat_nodes, has_tensor
 from .types import Captured
 
 _log = logging.getLogger("kbench.capture")
@@ -155,10 +156,14 @@ def _quiet_export():
     """An export that fails on a data-dependent branch has torch log a warning and print the
     partial graph to stderr (torch/export/_trace.py); the failure reaches the user as one line
     (CaptureError), and the graph goes to kbench's debug log. What an export that succeeds
-    prints is passed on."""
-    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    prints is passed on. A fake kernel that raises (an op eager rejects for its dtypes or an empty
+    dim) has torch's fake tensors log the whole traceback at ERROR level: the exception itself
+    reaches the user."""
+    loggers = [(logging.getLogger(name), lvl) for name, lvl in (("torch.fx.experimental.symbolic_shapes", logging.ERROR),
+                                                                ("torch._subclasses.fake_tensor", logging.CRITICAL))]
+    levels = [logger.level for logger, _ in loggers]
+    for logger, lvl in loggers:
+        logger.setLevel(lvl)
     printed = io.StringIO()
     try:
         with contextlib.redirect_stderr(printed):
@@ -170,7 +175,8 @@ def _quiet_export():
     else:
         sys.stderr.write(printed.getvalue())
     finally:
-        logger.setLevel(level)
+        for (logger, _), level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _register_output_types(model) -> None:
@@ -195,12 +201,15 @@ def _export_once(model, inputs, shapes):
     with warnings.catch_warnings(), _quiet_export():
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, inputs, strict=False, dynamic_shapes=shapes)
+        writes = _input_writes(ep)
         _inline_context_blocks(ep)
         if _make_functional(ep):
+            ep.graph_module.meta[lowering.INPUT_WRITES] = writes
             return ep
         before = {n.name: (n.target, _shape_key(n)) for n in ep.graph.nodes}
         ep = ep.run_decompositions({})
     _refresh_metas(ep, before)
+    ep.graph_module.meta[lowering.INPUT_WRITES] = writes
     return ep
 
 
@@ -244,6 +253,40 @@ def _is_view(n):
         return False
     rets = t._schema.returns
     return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def _input_writes(ep) -> dict:
+    """{user input name: (how many in-place ops write it, whether the first writes a view of it)},
+    read from export's graph as traced, before functionalization folds them into one update: eager
+    moves an input's version counter once per in-place op, and names a view in its error for a
+    leaf that requires grad. Writes inside a torch.no_grad() block (its own submodule) are not
+    counted: eager checks nothing there, and its update carries no gradient."""
+    users = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    writes = {}
+    for n in ep.graph.nodes:
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
+            continue
+        for k, a in enumerate(t._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            x, via_view = n.args[k] if k < len(n.args) else n.kwargs.get(a.name), False
+            while isinstance(x, fx.Node) and (_is_view(x) or _is_inplace(x)):
+                via_view |= _is_view(x)
+                x = x.args[0]
+            if isinstance(x, fx.Node) and x.op == "placeholder" and x.name in users:
+                count, first = writes.get(x.name, (0, via_view))
+                writes[x.name] = (count + 1, first)
+    return writes
+
+
+def _is_inplace(n):
+    """An in-place op's result: the tensor it wrote (x.mul_(2).add_(1) writes x twice)."""
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    rets = t._schema.returns
+    return bool(rets) and rets[0].alias_info is not None and rets[0].alias_info.is_write
 
 
 def _inline_context_blocks(ep):
@@ -392,7 +435,7 @@ def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin
         # dims it comes from and the export is redone; the other dims stay free.
         fixed, why = set(pin), (pin_reason or None) if pin else None
         ep, reason = _export_checked(model, inputs, dynamic, fixed)
-        _check_integer_inputs(ep, inputs)
+        eager_rules.check_graph(ep)   # what eager raises for these dtypes, kbench raises
         pinned = set()   # dims fixed by lowering this export again with them pinned (no re-export)
         for _ in range(4):
             text = reason
@@ -458,93 +501,7 @@ def _export_checked(model, inputs, dynamic, fixed):
     try:
         return _export(model, inputs, dynamic, frozenset(fixed))
     except Exception as e:  # noqa: BLE001
-        _raise_int_misuse_from_error(model, inputs, e)
+        with _quiet_export():
+            eager_rules.check_trace(model, inputs)   # an error eager raises too: eager's exception
         raise CaptureError(f"torch.export could not capture {type(model).__name__}: "
                            f"{_first_line(e)}") from e
-
-
-def _raise_int_misuse_from_error(model, inputs, e):
-    """An export that fails on a dtype error while an integer input is around: the user most
-    likely fed an integer tensor to a float op; say so (TypeError naming the input)."""
-    ints = [i for i, t in enumerate(inputs) if not t.is_floating_point() and t.dtype != torch.bool]
-    msg = str(e)
-    if ints and any(w in msg for w in ("dtype", "Long", "Int", "scalar type", "not implemented for")):
-        names = _input_names(model, len(inputs))
-        which = ", ".join(f"example_inputs[{i}] ({names[i]!r})" for i in ints)
-        raise TypeError(f"{which} is an integer tensor fed to a floating-point op "
-                        f"({_first_line(e)}); integer inputs may only be indices or targets") from e
-
-
-def _input_names(model, n):
-    try:
-        params = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        params = []
-    return [params[i] if i < len(params) else f"arg{i}" for i in range(n)]
-
-
-# ---------------------------------------------------------------------------- integer inputs
-
-_CASTS = {"_to_copy", "to", "type_as"}
-_INDEX_ARGS = {"embedding": ("indices",), "gather": ("index",), "index_select": ("index",),
-               "cross_entropy_loss": ("target",), "nll_loss_nd": ("target",),
-               "nll_loss_forward": ("target",), "nll_loss2d_forward": ("target",),
-               "nll_loss": ("target",), "nll_loss2d": ("target",), "one_hot": ("self",),
-               "index": ("indices",), "take_along_dim": ("indices",), "scatter": ("index",),
-               "scatter_add": ("index",), "scatter_reduce": ("index",), "index_add": ("index",),
-               "index_copy": ("index",), "index_put": ("indices",), "embedding_bag": ("indices", "offsets"),
-               "bincount": ("self",), "take": ("index",)}
-
-
-def _check_integer_inputs(ep, inputs):
-    """Integer user inputs may be indices or targets (and may be compared, cast explicitly or
-    combined into other integers); an integer input that reaches a floating-point op by
-    implicit promotion is a user error: TypeError naming it."""
-    user = [n for n in ep.graph.nodes if n.op == "placeholder"
-            and n.name in {s.arg.name for s in ep.graph_signature.input_specs
-                           if s.kind == InputKind.USER_INPUT}]
-    for i, (n, t) in enumerate(zip(user, inputs)):
-        if t.is_floating_point() or t.dtype == torch.bool:
-            continue
-        seen, stack = set(), [n]
-        while stack:
-            cur = stack.pop()
-            for u in cur.users:
-                if u in seen or u.op != "call_function":
-                    continue
-                seen.add(u)
-                ok, walk = _int_use(cur, u)
-                if not ok:
-                    raise TypeError(
-                        f"example_inputs[{i}] ({n.name!r}) is an integer tensor used as an operand "
-                        f"of {u.target}, a floating-point op; integer inputs may only be indices or "
-                        "targets (cast it explicitly, e.g. .float(), if that is meant)")
-                if walk:
-                    stack.append(u)
-
-
-def _int_use(src, u):
-    """(allowed, keep walking from u)."""
-    if u.target is operator.getitem:
-        return True, True
-    if not isinstance(u.target, torch._ops.OpOverload):
-        return True, False     # Python arithmetic on sizes etc.
-    name = u.target._schema.name.split("::")[-1]
-    val = u.meta.get("val")
-    if name in _INDEX_ARGS:
-        schema = u.target._schema
-        bad = [a.name for k, a in enumerate(schema.arguments) if a.name not in _INDEX_ARGS[name]
-               and _mentions(u.args[k] if k < len(u.args) else u.kwargs.get(a.name), src)]
-        return not bad, False
-    if name in _CASTS or val is None or not has_tensor(val):
-        return True, False
-    outs = [o for o in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(o, torch.Tensor)]
-    if all(o.dtype == torch.bool for o in outs):
-        return True, False     # a comparison: the mask may go anywhere
-    if all(not o.is_floating_point() and not o.is_complex() for o in outs):
-        return True, True      # integer arithmetic and views: follow the result
-    return False, False
-
-
-def _mentions(x, node):
-    return node in list(flat_nodes(x))

@@ -16,6 +16,10 @@ from .ops import LOWER
 from .types import Captured, OutputTree, SymExpr
 
 
+# the key under which capture's export leaves its count of in-place writes to each user input
+# (export._input_writes) in the exported graph_module's meta
+INPUT_WRITES = "kbench_input_writes"
+
 _INPUT_KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
                InputKind.CONSTANT_TENSOR: "const"}
 
@@ -141,6 +145,7 @@ def _lower(ep, inputs, static_reason, model, pin=(), keep=()):
     names = [f"s{i}" for i in range(len(sym_of))]
     graph, idmap, others = b.emit(graph_outs, [b.env[n].id for n in user_nodes],
                                   list(zip(names, examples)))
+    _check_not_empty(graph)
     kept_guards = []
     for g in guards:
         e0 = getattr(g, "expr", g)
@@ -177,7 +182,22 @@ def _lower(ep, inputs, static_reason, model, pin=(), keep=()):
         origin={idmap[i]: nm for i, nm in b.origin.items() if i in idmap},
         calls=b.node_calls(idmap),
         kept={name: why for name, why in keep.items() if name in {n.name for n in ep.graph.nodes}},
+        input_writes=dict(ep.graph_module.meta.get(INPUT_WRITES, {})),
     )
+
+
+def _check_not_empty(graph):
+    """A size-0 dim fixed in the graph (an empty example input: torch.export fixes sizes 0 and 1;
+    a slice past the end): eager's empty results, its sum of 0 and its mean of nan over an empty
+    dim, its error for the max of one, are eager's to give; a kernel launched on no elements or
+    reducing an empty row has none of them. The model runs in eager (CaptureError), and a call
+    with an empty tensor into a varying size goes to eager at run time (OptimizedModule._bind)."""
+    for i in range(graph.num_nodes):
+        node = graph.node(i)
+        if 0 in node["dims"]:
+            what = f"input {node['name']!r}" if node["op"] == "input" else f"a {node['op']} in the graph"
+            raise CaptureError(f"{what} has a size-0 dim (sizes {node['dims']}): empty tensors run in eager "
+                               "PyTorch")
 
 
 def _check_sizes(b, ep):

@@ -20,6 +20,7 @@ Conventions (the runtime and the reference evaluator rely on them):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Optional
 
@@ -216,6 +217,8 @@ class Captured:
     origin: dict = dataclasses.field(default_factory=dict)        # graph value id -> the FX node it came from
     calls: dict = dataclasses.field(default_factory=dict)         # FX node name -> NodeCall, graph order
     kept: dict = dataclasses.field(default_factory=dict)          # FX node name -> why it stays a torch call
+    # user input name -> (in-place ops that write it, whether the first writes a view of it)
+    input_writes: dict = dataclasses.field(default_factory=dict)
 
     # -- helpers the runtime and the reference evaluator share
 
@@ -267,21 +270,33 @@ class Captured:
     def build_outputs(self, graph_outputs, symvals=()):
         return self.output_tree.build(graph_outputs, symvals)
 
-    def apply_mutations(self, model, user_inputs, graph_outputs):
+    def apply_mutations(self, model, user_inputs, graph_outputs, carries=None):
         """Copies in-place updates the model makes (BatchNorm running stats in training mode,
-        user inputs changed in place) back into the live tensors, as eager would."""
+        user inputs changed in place) back into the live tensors, as eager would. A buffer's or
+        parameter's update carries no gradient (BatchNorm's does not). A user input's is eager's
+        in-place op on it: under grad mode the input's autograd history becomes the update's (a
+        gradient through the input after the call reaches what the forward computed it from),
+        and its version counter moves once per in-place op the forward makes on it. carries: the
+        graph outputs whose update carries a gradient (None: wherever autograd says so)."""
         if not self.mutations:
             return
         user_inputs = as_tuple(user_inputs)
-        with torch.no_grad():
-            for out, kind, name in self.mutations:
-                if kind == "buffer":
-                    dst = model.get_buffer(name)
-                elif kind == "param":
-                    dst = model.get_parameter(name)
-                else:
-                    dst = user_inputs[self.input_names.index(name)]
-                dst.copy_(graph_outputs[out])
+        for out, kind, name in self.mutations:
+            src = graph_outputs[out]
+            if kind != "user":
+                with torch.no_grad():
+                    (model.get_buffer(name) if kind == "buffer" else model.get_parameter(name)).copy_(src)
+                continue
+            dst = user_inputs[self.input_names.index(name)]
+            writes = self.input_writes.get(name, (0, False))[0]
+            # writes == 0: the forward writes it inside torch.no_grad() only
+            if carries is not None and out not in carries:
+                src = src.detach()
+            with torch.no_grad() if writes == 0 else contextlib.nullcontext():
+                dst.copy_(src)
+            if not dst.is_inference():
+                for _ in range(writes - 1):
+                    torch.autograd.graph.increment_version(dst)
 
 
 def as_tuple(x):

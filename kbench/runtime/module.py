@@ -73,7 +73,8 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         self.__dict__.update(_kbench_spec=spec, _kbench_fast_flat=None if spec.plain else program,
                              _kbench_fast_program=program if spec.plain else None,
                              _kbench_rebuild=rebuild, _kbench_modes={}, _kbench_original="",
-                             _kbench_mutated=self._mutated_slots())
+                             _kbench_mutated=self._mutated_slots(), _kbench_written=self._written_inputs(),
+                             _kbench_write_deps=self._write_deps())
         # last: the graph runner stands where the fast program stands, and hands it what it declines
         graphs.install(self, cuda_graphs)
 
@@ -183,6 +184,9 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         """The program bound to a new input signature's sizes, or the reason the call must go to
         eager."""
         captured = self._kbench_captured
+        for i, x in enumerate(args):
+            if x.numel() == 0:   # eager's empty results (a sum of 0, a mean of nan, max's error)
+                return f"input {i} is empty (sizes {list(x.shape)}): empty tensors run in eager PyTorch"
         try:
             symvals = tuple(captured.bind(args))
         except ValueError as e:
@@ -263,6 +267,35 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
                 slots.add(nuser + captured.param_names.index(name))
         return sorted(slots)
 
+    def _written_inputs(self):
+        """(user input, whether eager's first in-place op on it writes a view of it) for each user
+        input the forward writes in place with autograd on (captured.input_writes)."""
+        captured = self._kbench_captured
+        return [(captured.input_names.index(name), view) for name, (count, view) in captured.input_writes.items()
+                if count and name in captured.input_names]
+
+    def _write_deps(self):
+        """{graph output of a user input's update: the call's slots it has a differentiable path
+        from}. Eager's update requires grad where one of those does (kbench's region nodes mark
+        every output of a region that any input of which requires grad): an input that needs no
+        gradient, updated from values that need none, stays without one."""
+        captured, plan = self._kbench_captured, self._kbench_plan
+        outs = [out for out, kind, _ in captured.mutations if kind == "user"]
+        if not outs:
+            return {}
+        slot_of = {v: k for k, v in enumerate(plan.graph.inputs)}
+        deps = []
+        for v, node in enumerate(plan.nodes):   # topological order
+            if v in slot_of:
+                d = frozenset((slot_of[v],))
+            elif not torch_dtype(node["dtype"]).is_floating_point or node["nograd"] or (
+                    node["op"] == "extern" and "detach" in captured.externs[node["index"]].name):
+                d = frozenset()   # no gradient through an integer or bool value, a stop-gradient
+            else:
+                d = frozenset().union(*(deps[i] for i in node["inputs"]))
+            deps.append(d)
+        return {out: deps[plan.graph.outputs[out]] for out in outs}
+
     def _param_chains(self):
         """(module path, table, name) per parameter/buffer input: read through the live modules'
         own dicts at each call, so a replaced tensor or submodule is the one used."""
@@ -317,6 +350,10 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
                 raise Fallback(f"tensors on {device} and {x.device}")
         slots = [*args, *params]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in slots)
+        carries = set()   # the input updates that carry a gradient from this call's inputs
+        if grad and self._kbench_written:
+            _check_inplace(args, self._kbench_written)
+            carries = {out for out, deps in self._kbench_write_deps.items() if any(slots[i].requires_grad for i in deps)}
         if grad:
             for i in self._kbench_mutated:
                 slots[i] = slots[i].clone()
@@ -353,5 +390,21 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
                 slots[i] = None
         outs = [slots[i] for i in bound.outputs]
         if captured.mutations:
-            captured.apply_mutations(self._kbench_orig, args, outs)
+            captured.apply_mutations(self._kbench_orig, args, outs, carries)
         return captured.build_outputs(outs, bound.symvals)
+
+
+def _check_inplace(args, written):
+    """Eager's check before an in-place op under grad mode (torch's check_inplace): the forward
+    writes these inputs in place, so a leaf that requires grad, or a view of one, raises eager's
+    RuntimeError before anything runs (the write-back after the forward would find it too, but
+    only after buffers were updated)."""
+    for i, through_view in written:
+        x = args[i]
+        if not x.requires_grad:
+            continue
+        base = x._base
+        if (x.is_leaf and through_view) or (base is not None and base.is_leaf and base.requires_grad):
+            raise RuntimeError("a view of a leaf Variable that requires grad is being used in an in-place operation.")
+        if x.is_leaf:
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
