@@ -26,6 +26,16 @@ CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: where other processes keep the cores busy, two OpenMP threads wait
+    on each other's turn and these small ops run 10-20x slower. No check depends on it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def env():
     return harness.Env("cpu", "quick")
