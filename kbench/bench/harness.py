@@ -376,6 +376,10 @@ def time_config(task: Task, contenders: Dict[str, tuple], model, cfg: dict, dtyp
             _runner_clock(entry, r["marks"], env.cuda)
             bad = r["problems"] + _check_samples(r["samples"], per_set, len(per_set[0][1]))
             entry["samples_checked"] = len(r["samples"])
+            if not r["samples"]:   # the timer keeps at least one: its code did not run
+                bad.append("no timed call's output came back to be checked")
+            if not r["marks"]:
+                bad.append("the timer's wall-clock loop never reported (its marks are missing)")
             if bad:
                 entry["sample_failures"] = bad
             mm = env.matmul(dtype)["flops_per_s"] if flops else 0.0

@@ -186,6 +186,10 @@ class Worker:
             if msg.get("reply") != op:
                 self.fail(f"the worker answered {str(msg.get('reply'))[:40]!r} to a {op!r} "
                           f"request")
+            if msg.get("tampered"):
+                names = ", ".join(str(n)[:80] for n in list(msg["tampered"])[:6])
+                self.fail(f"the implementation replaced the harness's code in the worker "
+                          f"({names}): nothing it reports can be trusted (worker stopped)")
             if "error" in msg:
                 raise WorkerError(str(msg["error"])[:2000])
             return msg

@@ -14,6 +14,8 @@ import json
 import math
 import os
 import random
+import sys
+import threading
 import time
 import traceback
 from typing import Callable, List, Optional
@@ -372,6 +374,46 @@ class Writer:
 
 # ------------------------------------------------------------------------- the worker process
 
+_TORCH_USED = ((torch, "equal empty empty_like from_file"),
+               (torch.Tensor, "clone copy_ detach view numel element_size untyped_storage "
+                              "data_ptr requires_grad_ to"),
+               (time, "perf_counter process_time sleep monotonic"),
+               (threading, "enumerate get_ident"), (json, "dumps"))
+
+
+def harness_code() -> list:
+    """(owner, name, object, code) for the harness's code in this process (this module, the
+    timer, the comparisons) and the torch/time functions it calls, as they are now: taken
+    before any implementation is loaded, then compared by tampered()."""
+    owners = []
+    for m in (timing, compare, sys.modules[__name__]):
+        owners.append((m, [n for n, v in vars(m).items() if callable(v)]))
+        owners += [(v, [k for k, f in vars(v).items() if callable(f)]) for v in vars(m).values()
+                   if isinstance(v, type) and v.__module__ == m.__name__]
+    owners += [(o, names.split()) for o, names in _TORCH_USED]
+    if torch.cuda.is_available():
+        owners += [(torch.cuda, ["synchronize", "current_stream", "Event", "empty_cache"]),
+                   (torch.cuda.Event, ["record", "elapsed_time", "synchronize"])]
+    snap = []
+    for owner, names in owners:
+        for n in names:
+            obj = getattr(owner, n, None)
+            snap.append((owner, n, obj, getattr(obj, "__code__", None)))
+    return snap
+
+
+def tampered(snap: list) -> List[str]:
+    """Names of the snapshot's functions that have been replaced since (or had their code
+    replaced): an implementation rewrote what measures and reports it."""
+    bad = []
+    for owner, n, obj, code in snap:
+        now = getattr(owner, n, None)
+        if now is not obj or (code is not None and getattr(now, "__code__", None) is not code):
+            bad.append(f"{getattr(owner, '__module__', '') if isinstance(owner, type) else ''}"
+                       f"{getattr(owner, '__name__', '?')}.{n}".lstrip("."))
+    return bad
+
+
 def serve(conn, arena_path: str, arena_bytes: int, device: str, threads: int) -> None:
     """The worker's loop: one request (a pickle from the harness) at a time, one JSON reply.
     Timing marks are sent as they happen, for the harness's own clock."""
@@ -379,6 +421,7 @@ def serve(conn, arena_path: str, arena_bytes: int, device: str, threads: int) ->
     from .tasks import TASKS
 
     torch.set_num_threads(max(1, threads))
+    snap = harness_code()   # before any implementation is loaded
     session = Session(device)
     arena = Arena(arena_path, arena_bytes)
     factories: dict = {}
@@ -449,6 +492,9 @@ def serve(conn, arena_path: str, arena_bytes: int, device: str, threads: int) ->
         except Exception as e:  # noqa: BLE001 - reported to the harness, which decides
             reply = {"error": f"{type(e).__name__}: {e}",
                      "traceback": traceback.format_exc(limit=8)}
+        bad = tampered(snap)
+        if bad:
+            reply["tampered"] = bad[:20]
         reply["reply"] = req["op"]
         send(reply)
         if req["op"] == "time" and dev.type == "cuda":

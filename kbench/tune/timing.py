@@ -51,7 +51,7 @@ FRESH_BATCH = 64   # copies made at a time between timed calls (fewer where memo
 # The CPU wall-clock loop runs at least this long (so the wait for other threads and the clock's
 # granularity stay small beside it), at most CPU_WALL_MAX_CALLS calls, best of CPU_WALL_TRIES.
 CPU_WALL_MIN_S = 0.02
-CPU_WALL_MAX_CALLS = 2000
+CPU_WALL_MAX_CALLS = 200
 CPU_WALL_TRIES = 3
 # After the wall-clock loop on the CPU, threads the calls started may run this long to finish.
 THREAD_WAIT_S = 10.0
@@ -355,49 +355,42 @@ def _host_wall_check(fn, t: Timing, src, arg_sets, mark) -> None:
 
 
 def _wait_for_threads(before: set, limit_s: float = THREAD_WAIT_S) -> int:
-    """Wait until the Python threads started since `before` have ended and the others have used
-    no CPU for a millisecond; the number still running after limit_s. The main thread waits by
-    sleeping, so it uses no CPU itself (torch's own pool threads are not Python threads)."""
+    """Wait until the Python threads started since `before` have ended and the others are idle
+    (see _thread_busy) at three looks in a row, 2 ms apart; the number still going after
+    limit_s. The main thread waits by sleeping, without the GIL, so the others are free to run.
+    torch's own pool threads are not Python threads and are not waited for."""
     me = threading.get_ident()
     deadline = _perf_counter() + limit_s
-    while True:
+    quiet, last = 0, {}
+    while quiet < 3:
         others = [th for th in _enumerate_threads() if th.ident != me and th.is_alive()]
         new = [th for th in others if th.ident not in before]
-        busy = _busy_threads([th for th in others if th.ident in before])
-        if not new and not busy:
-            return 0
-        if _perf_counter() > deadline:
-            return len(new) + len(busy)
         for th in new:
             th.join(timeout=max(0.0, deadline - _perf_counter()))
-        if busy:
-            _sleep(1e-3)
+        busy = [th for th in others if th.ident in before and _thread_busy(th, last)]
+        quiet = 0 if new or busy else quiet + 1
+        if _perf_counter() > deadline:
+            return sum(th.is_alive() for th in new) + len(busy)
+        _sleep(2e-3)
+    return 0
 
 
-def _busy_threads(threads: list, window_s: float = 1e-3) -> list:
-    """Which of `threads` used more than a fifth of a core over `window_s` (their CPU clocks)."""
-    clocks = []
-    for th in threads:
-        try:
-            clocks.append((th, time.pthread_getcpuclockid(th.ident)))
-        except (AttributeError, OSError, TypeError):   # not on this platform, or just ended
-            continue
-    if not clocks:
-        return []
-    start = []
-    for th, c in clocks:
-        try:
-            start.append(time.clock_gettime(c))
-        except OSError:
-            start.append(None)
-    _sleep(window_s)
-    busy = []
-    for (th, c), c0 in zip(clocks, start):
-        try:
-            if c0 is not None and time.clock_gettime(c) - c0 > 0.2 * window_s:
-                busy.append(th)
-        except OSError:
-            pass
+def _thread_busy(th: threading.Thread, last: dict) -> bool:
+    """Has the thread run since the last look (its CPU clock moved), or is it running or
+    waiting for a core now (Linux: state R in /proc, which holds while other processes keep
+    every core busy)? A thread that waits for the GIL or on a queue is neither."""
+    busy = False
+    try:
+        clock = time.clock_gettime(time.pthread_getcpuclockid(th.ident))
+        busy = th.ident in last and clock > last[th.ident]
+        last[th.ident] = clock
+    except (AttributeError, OSError, TypeError):   # not on this platform, or just ended
+        pass
+    try:
+        with open(f"/proc/self/task/{th.native_id}/stat") as f:
+            busy |= f.read().rsplit(")", 1)[1].split()[0] in ("R", "D")
+    except (OSError, IndexError, AttributeError, TypeError):
+        pass
     return busy
 
 
