@@ -417,8 +417,11 @@ def test_side_stream_work_is_flagged():
                 return model(x)
         return run
     row = score("softmax", factory, env)
-    assert row["status"] == "FLAGGED", reasons(row)
-    assert "outside the current stream" in reasons(row)
+    # outputs are copied next on the current stream when the call returns: the side stream's
+    # result is not there yet (a failure); the wall clock also sees the side stream's work
+    assert row["status"] in ("FAIL", "FLAGGED"), reasons(row)
+    assert ("changed after the call returned" in reasons(row)
+            or "outside the current stream" in reasons(row)), reasons(row)
 
 
 @gpu

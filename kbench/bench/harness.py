@@ -150,7 +150,7 @@ def _grad_outputs(model, xs, seed: int, device) -> list:
         outs = flatten(model(*_clone(xs)))
     g = torch.Generator(device=device).manual_seed(seed)
     return [torch.randn(o.shape, generator=g, device=device).to(o.dtype)
-            if o.is_floating_point() else None for o in outs]
+            if isinstance(o, torch.Tensor) and o.is_floating_point() else None for o in outs]
 
 
 def _expected(model, ref_model, xs, gouts, backward):

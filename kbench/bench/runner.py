@@ -39,16 +39,21 @@ def _nbytes(ts) -> int:
 
 
 def _proc_cpu_s(pid: int) -> Optional[float]:
-    """CPU seconds all threads of process `pid` have run (Linux schedstat, read by this process,
-    so the worker cannot alter it), or None where it cannot be read."""
-    total = 0
+    """CPU seconds process `pid` has run, all threads, read by this process from /proc (Linux),
+    so the worker cannot alter it; None where it cannot be read. The larger of two counts: the
+    live threads' schedstat (nanoseconds, but a thread that has ended drops out) and the
+    process's utime + stime (which keep ended threads, in clock ticks)."""
+    fine = 0
     try:
         for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
             with open(path) as f:
-                total += int(f.read().split()[0])
+                fine += int(f.read().split()[0])
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        coarse = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
-    return total * 1e-9 if total else None
+    return max(fine * 1e-9, coarse)
 
 
 class _Marks:
@@ -70,8 +75,6 @@ class _Marks:
 class LocalRunner:
     """Trusted code, run in this process through the same Session the worker uses. The model it
     gets is a copy: the harness's own model stays untouched."""
-
-    isolated = False
 
     def __init__(self, factory: Callable, device):
         self.factory = factory
@@ -248,8 +251,6 @@ class Worker:
 class WorkerRunner:
     """An implementation given by spec (a file, or a built-in's name), loaded and run in a
     Worker and nowhere else. Several specs may share one Worker (with_spec)."""
-
-    isolated = True
 
     def __init__(self, spec: str, device, budget: Optional[str] = None, timeouts=None,
                  proc: Optional[Worker] = None):
