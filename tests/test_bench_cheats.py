@@ -170,13 +170,18 @@ def test_time_fn_fresh_samples_outside_the_window():
 
 
 def test_cpu_cross_check_flags_work_left_to_a_thread():
-    """A call that hands its work (two small matmuls) to a thread it started once, and returns
-    at once: cheap per call, dear per loop (the loop waits for that thread to idle)."""
-    a, jobs = torch.randn(96, 96), queue.SimpleQueue()
+    """A call that hands its work (matmuls, about 0.5 ms on this machine) to a thread it started
+    once, and returns at once: cheap per call, dear per loop (the loop waits for that thread)."""
+    a, jobs = torch.randn(128, 128), queue.SimpleQueue()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    n = max(1, round(0.5e-3 / ((time.perf_counter() - t0) / 5)))
 
     def serve():
         while jobs.get() is not None:
-            a @ a @ a
+            for _ in range(n):
+                a @ a
     th = threading.Thread(target=serve)
     th.start()
 
