@@ -1,6 +1,7 @@
 """`python -m kbench bench`: list the tasks, run the task filters, or score an implementation
 (eager, compile, kbench, or a .py/.cu file) on the robust harness. Exits non-zero when any row
-fails (a wrong result, a flagged timing, a task that cannot discriminate)."""
+fails (a wrong result, a flagged timing, a task that cannot discriminate). A file is loaded and
+run only in the harness's worker process (one for the whole run), never in this one."""
 from __future__ import annotations
 
 import argparse
@@ -157,16 +158,26 @@ def summary_table(rows: List[dict], impl_name: str) -> str:
 
 
 def run_bench(args) -> int:
-    import torch
     device = _device(args.device)
     spec = args.kernel or args.impl
-    env = harness.Env(device, args.budget)
-    try:
-        impl_name, factory = impls.resolve(spec, budget=env.budget.kbench_budget)
-    except Exception as e:  # noqa: BLE001 - a kernel that does not build is a failure
-        print(f"error: cannot load implementation {spec!r}: {type(e).__name__}: {e}",
-              file=sys.stderr)
-        return 1
+    with harness.Env(device, args.budget) as env:
+        try:
+            if impls.is_builtin(spec):
+                impl_name, factory = impls.resolve(spec, budget=env.budget.kbench_budget)
+            else:   # a file: loaded in the worker process, which the harness starts here
+                factory = os.path.abspath(spec)
+                if not os.path.exists(factory):
+                    raise FileNotFoundError(spec)
+                impl_name = env.runner(factory).start()
+        except Exception as e:  # noqa: BLE001 - a kernel that does not build is a failure
+            print(f"error: cannot load implementation {spec!r}: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return 1
+        return _run_units(args, env, device, spec, impl_name, factory)
+
+
+def _run_units(args, env, device, spec, impl_name, factory) -> int:
+    import torch
     tasks = select(args.tasks)
     want = None if not args.dtypes else {dtype_name(parse_dtype(d))
                                          for d in args.dtypes.split(",") if d}

@@ -107,25 +107,46 @@ def close(out: torch.Tensor, ref: torch.Tensor, tol: dict) -> tuple:
     return True, "", err
 
 
+def storage_ptrs(tensors: Iterable) -> set:
+    """The storages of the tensors among `tensors` (for aliasing checks)."""
+    return {t.untyped_storage().data_ptr() for t in tensors
+            if isinstance(t, torch.Tensor) and t.numel() > 0}
+
+
+def describe(o, in_ptrs: set = frozenset()) -> dict:
+    """What check_structure needs to know of one output, as plain data (the harness's worker
+    reports it for outputs that stay in its process)."""
+    if not isinstance(o, torch.Tensor):
+        return {"type": type(o).__name__}
+    return {"type": "Tensor" if type(o) is torch.Tensor else type(o).__name__,
+            "dtype": str(o.dtype), "shape": list(o.shape), "device": str(o.device),
+            "aliases_input": bool(o.numel() > 0 and o.untyped_storage().data_ptr() in in_ptrs)}
+
+
+def structure_problem(facts: Sequence[dict], expect: Sequence) -> str:
+    """'' if the described outputs are exactly torch.Tensor with the expected dtypes, shapes and
+    devices, and none shares storage with an input; otherwise why not."""
+    if len(facts) != len(expect):
+        return f"returned {len(facts)} outputs, expected {len(expect)}"
+    for i, (f, e) in enumerate(zip(facts, expect)):
+        if f.get("type") != "Tensor":  # not a subclass, not a Parameter, not an array
+            return f"output {i} is {f.get('type')}, not torch.Tensor"
+        if f["dtype"] != str(e.dtype):
+            return f"output {i} has dtype {f['dtype']}, expected {e.dtype}"
+        if tuple(f["shape"]) != tuple(e.shape):
+            return f"output {i} has shape {tuple(f['shape'])}, expected {tuple(e.shape)}"
+        if torch.device(f["device"]) != e.device:
+            return f"output {i} is on {f['device']}, expected {e.device}"
+        if f["aliases_input"]:
+            return f"output {i} shares storage with an input"
+    return ""
+
+
 def check_structure(outs: Sequence, expect: Sequence, inputs: Iterable = ()) -> str:
     """'' if `outs` are exactly torch.Tensor with the expected dtypes, shapes and devices, and
     none shares storage with an input; otherwise why not."""
-    if len(outs) != len(expect):
-        return f"returned {len(outs)} outputs, expected {len(expect)}"
-    in_ptrs = {t.untyped_storage().data_ptr() for t in inputs
-               if isinstance(t, torch.Tensor) and t.numel() > 0}
-    for i, (o, e) in enumerate(zip(outs, expect)):
-        if type(o) is not torch.Tensor:  # not a subclass, not a Parameter, not an array
-            return f"output {i} is {type(o).__name__}, not torch.Tensor"
-        if o.dtype != e.dtype:
-            return f"output {i} has dtype {o.dtype}, expected {e.dtype}"
-        if tuple(o.shape) != tuple(e.shape):
-            return f"output {i} has shape {tuple(o.shape)}, expected {tuple(e.shape)}"
-        if o.device != e.device:
-            return f"output {i} is on {o.device}, expected {e.device}"
-        if o.numel() > 0 and o.untyped_storage().data_ptr() in in_ptrs:
-            return f"output {i} shares storage with an input"
-    return ""
+    ptrs = storage_ptrs(inputs)
+    return structure_problem([describe(o, ptrs) for o in outs], expect)
 
 
 def discriminating(ref: torch.Tensor, tol: dict, inputs: Iterable = ()) -> str:

@@ -1,32 +1,41 @@
-"""The robust harness: scores one implementation of one task (docs/DESIGN.md: "Verification",
-"Timing") so that the known loopholes fail loudly instead of winning.
+"""The robust harness: scores one implementation of one task (docs/benchmarking.md, "The robust
+harness") so that the known loopholes fail loudly instead of winning.
+
+This module is the checker: it builds the task's model and the float64 reference, draws inputs,
+and decides. The implementation runs elsewhere (runner.py): an implementation file in a worker
+process it cannot reach from there, a trusted callable through the same code in this process.
+What comes back are facts, copies of outputs and timings, checked here against references of
+this process's own.
 
 For every (input config, init config) the implementation, built once per model, is run as
-candidate -> reference -> candidate on private clones of two input sets:
+candidate -> reference -> candidate on private copies of two input sets:
   - memory the caching allocator is about to hand out is poisoned before each candidate call
     (NaN the first time, random bytes the second), so an output element the kernel never
     writes holds garbage, not a previous correct answer;
+  - outputs are copied the moment the call returns (on CUDA: next on the current stream); an
+    output that changes afterwards was still being written on another stream or thread;
   - outputs (and, for backward, gradients of every floating input and parameter) must be
     exactly torch.Tensor of the right dtype/shape/device, not alias an input, match the float64
     reference within per-dtype tolerances widened to EAGER_SLACK x eager's own error, and have
     NaN/Inf where the reference has them;
-  - inputs must be bit-for-bit unchanged afterwards;
+  - inputs must be bit-for-bit unchanged afterwards, and so must the model's parameters;
   - the output must change when the inputs change (a cached or input-independent result);
   - a reference that zeros, a constant or an input would match is reported (the case cannot
     discriminate);
   - parameters are re-initialised IN PLACE between init configs, so values baked in at build
     time are caught, and batch sizes other than the example's are checked with the same build.
-Timing (kbench/tune/timing.py) uses events on the current stream with the L2 flushed and inputs rotated,
-cross-checked against wall-clock time (work on a side stream shows up as wall >> events), and
-results beyond the memory/compute roofline are flagged impossible.
+Timing (kbench/tune/timing.py) gives every call fresh input tensors rotating among
+timing.MIN_ARG_SETS sets, samples timed calls' outputs (each checked here against the reference
+of its set), times with events on the current stream and the L2 flushed, cross-checks against
+wall-clock time (the worker's and this process's own clock) and flags results beyond the
+memory/compute roofline as impossible.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import traceback
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 
@@ -34,7 +43,9 @@ from ..tune import timing
 from . import compare
 from . import impls as impl_mod
 from .compare import flatten, to_f64
+from .runner import LocalRunner, WorkerError, WorkerRunner
 from .tasks import Task, dtype_name, parse_dtype
+from .worker import CaseFailure, poison, run_call  # noqa: F401 - poison, CaseFailure: public here
 
 CHANGE_REL_MIN = 1e-3   # the reference "changed" between input sets
 SAME_REL_MAX = 1e-6     # ...but the candidate did not
@@ -62,17 +73,49 @@ BUDGETS = {
 
 
 class Env:
-    """What one harness run shares: device, budget, and roofs measured in this same run."""
+    """What one harness run shares: device, budget, roofs measured in this same run, and the
+    worker processes implementation files run in (one per file; close() or `with` ends them).
 
-    def __init__(self, device="cuda", budget: str | Budget = "default"):
+    share_worker=True: every file scored in this Env runs in one worker, loaded one after another
+    (a test suite saves the worker's start-up so). What one file patched there stays patched for
+    the next; the verdicts do not depend on anything in the worker, but its timings could."""
+
+    def __init__(self, device="cuda", budget: str | Budget = "default", *,
+                 share_worker: bool = False, timeouts: Optional[dict] = None):
         self.device = torch.device(device)
         self.budget = BUDGETS[budget] if isinstance(budget, str) else budget
+        self.share_worker, self.timeouts = share_worker, timeouts
         self._copy: Optional[dict] = None
         self._mm: Dict[str, dict] = {}
+        self._workers: Dict[str, WorkerRunner] = {}
 
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    def runner(self, impl: Union[Callable, str]):
+        """Where `impl` runs: a callable in this process, a spec (a file, or a built-in's name)
+        in a worker process."""
+        if callable(impl):
+            return LocalRunner(impl, self.device)
+        if impl not in self._workers:
+            shared = next(iter(self._workers.values()), None) if self.share_worker else None
+            self._workers[impl] = (shared.with_spec(impl) if shared is not None else
+                                   WorkerRunner(impl, self.device,
+                                                budget=self.budget.kbench_budget,
+                                                timeouts=self.timeouts))
+        return self._workers[impl]
+
+    def close(self) -> None:
+        for w in self._workers.values():
+            w.close()
+        self._workers.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def copy(self) -> dict:
         if self._copy is None:
@@ -95,11 +138,7 @@ class Env:
         return d
 
 
-class CaseFailure(Exception):
-    """A candidate call that cannot even be compared (raised, or broke the protocol)."""
-
-
-# ------------------------------------------------------------------------- running one call
+# ------------------------------------------------------------------------- references
 
 def _clone(xs: list) -> list:
     return [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in xs]
@@ -114,69 +153,25 @@ def _grad_outputs(model, xs, seed: int, device) -> list:
             if isinstance(o, torch.Tensor) and o.is_floating_point() else None for o in outs]
 
 
-def _call(fn, xs: list, params: list, grad_outs: Optional[list], backward: bool):
-    """fn(*xs) and, for backward, the gradients of sum(out * grad_out) with respect to the
-    floating inputs and `params`. xs must be private copies (they become autograd leaves)."""
-    if not backward:
-        with torch.no_grad():
-            return flatten(fn(*xs)), []
-    leaves = [x.requires_grad_() for x in xs
-              if isinstance(x, torch.Tensor) and x.is_floating_point()]
-    with torch.enable_grad():
-        outs = flatten(fn(*xs))
-    if len(outs) != len(grad_outs):
-        raise CaseFailure(f"returned {len(outs)} outputs, expected {len(grad_outs)}")
-    pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None]
-    for i, (o, _) in enumerate(pairs):
-        if not isinstance(o, torch.Tensor) or not o.requires_grad:
-            raise CaseFailure(f"output {i} does not require grad (no backward)")
-    wrt = leaves + list(params)
-    grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
-                                allow_unused=True)
-    return [o.detach() for o in outs], list(grads)
+def _expected(model, ref_model, xs, gouts, backward):
+    """Eager's outputs and gradients on xs (in the task's dtype) and the float64 reference's:
+    (eager outputs, eager outputs + gradients, reference outputs + gradients)."""
+    e_out, _, e_gr = run_call(model, _clone(xs), list(model.parameters()), gouts, backward)
+    r_out, _, r_gr = run_call(ref_model, [to_f64(x) for x in xs], list(ref_model.parameters()),
+                              [to_f64(g) for g in gouts] if backward else None, backward)
+    return e_out, e_out + list(e_gr), r_out + list(r_gr)
 
 
-_POISON_MAX_BLOCKS = 64  # per size, when draining the CUDA cache of blocks that fit
+def _labels(model, xs, n_out: int) -> List[str]:
+    n_in = sum(1 for x in xs if isinstance(x, torch.Tensor) and x.is_floating_point())
+    return ([f"output {i}" for i in range(n_out)] + [f"grad of input {i}" for i in range(n_in)]
+            + [f"grad of {n}" for n, _ in model.named_parameters()])
 
 
-def poison(like: List[torch.Tensor], kind: str, device) -> None:
-    """Fill the memory the caching allocator will hand out next with garbage, so an output
-    element a kernel never writes cannot hold an earlier (correct) result.
-
-    On CUDA the cache is first emptied (whole free segments go back to the driver); then, for
-    each expected output size, blocks of that size are allocated and filled until the
-    allocator has to reserve new memory (so every cached free block that could serve that size
-    is poisoned), plus one block as large as all outputs together; all are then freed. The
-    allocator splits blocks from the front, so the next allocations land on poisoned bytes.
-    kind 'nan' fills with 0xFF bytes (NaN in every float format, -1 in integers), 'random'
-    with random bytes. This reaches external kernels too, as long as they allocate through
-    torch (torch::empty); the CPU allocator gives no such guarantee (best effort there)."""
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    sizes = sorted({t.numel() * t.element_size() for t in like
-                    if isinstance(t, torch.Tensor)})
-    if cuda:
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-    bufs = []
-
-    def grab(nbytes: int) -> None:
-        b = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
-        if kind == "nan":
-            b.fill_(0xFF)
-        else:
-            b.random_(0, 256)
-        bufs.append(b)
-
-    for nbytes in sizes:
-        for i in range(_POISON_MAX_BLOCKS if cuda else 2):
-            before = torch.cuda.memory_reserved(dev) if cuda else 0
-            grab(nbytes)
-            if cuda and i >= 1 and torch.cuda.memory_reserved(dev) > before:
-                break  # the cache had no more free blocks of this size: all are poisoned
-    grab(2 * sum(sizes))
-    del bufs
-    timing.sync(dev)
+def _tolerances(expect, refs) -> list:
+    return [None if e is None or r is None or not r.is_floating_point()
+            else compare.tolerance(e.dtype, r, compare.errors(e, r))
+            for e, r in zip(expect, refs)]
 
 
 def _same_inputs(xs: list, pristine: list) -> str:
@@ -186,79 +181,80 @@ def _same_inputs(xs: list, pristine: list) -> str:
     return ""
 
 
+def _state_problem(got: list, model) -> str:
+    """'' if the implementation's copy of the model's state (state_dict order) still holds the
+    values it was given."""
+    names = list(model.state_dict(keep_vars=True))
+    want = list(model.state_dict(keep_vars=True).values())
+    if len(got) != len(want):
+        return f"the model's state has {len(got)} tensors, expected {len(want)}"
+    for n, g, w in zip(names, got, want):
+        if g is None or g.shape != w.shape or g.dtype != w.dtype or not torch.equal(g, w.detach()):
+            return f"modified the model's {n}"
+    return ""
+
+
 # ------------------------------------------------------------------------- correctness
 
-def check_config(task: Task, impl: Callable, model: torch.nn.Module, cfg: dict, dtype,
+def check_config(task: Task, run, key: str, model: torch.nn.Module, cfg: dict, dtype,
                  device, backward: bool, seed: int = 0) -> dict:
-    """Candidate -> reference -> candidate on two input sets of one config. Returns
-    {"config", "ok", "failures", "task_problems", "max_rel_norm", "deterministic"}."""
+    """Candidate -> reference -> candidate on two input sets of one config; `run` (a runner,
+    runner.py) holds the candidate built under `key`. Returns {"config", "ok", "failures",
+    "task_problems", "max_rel_norm", "deterministic"}."""
     ref_model = task.reference(model)
-    params = list(model.parameters())
-    ref_params = list(ref_model.parameters())
-    pnames = [n for n, _ in model.named_parameters()]
     failures: List[str] = []
     task_problems: List[str] = []
     worst = 0.0
     deterministic = True
     firsts = []  # (candidate forward outputs, reference forward outputs) per input set
+    name = cfg["name"]
 
     for s in (seed, seed + 7919):
         xs = task.inputs(cfg, dtype, device, seed=s)
-        pristine = _clone(xs)
         gouts = _grad_outputs(model, xs, s + 1, device) if backward else None
-        e_out, e_gr = _call(model, _clone(xs), params, gouts, backward)
-        r_out, r_gr = _call(ref_model, [to_f64(x) for x in xs], ref_params,
-                            [to_f64(g) for g in gouts] if backward else None, backward)
-        n_in = sum(1 for x in xs if isinstance(x, torch.Tensor) and x.is_floating_point())
-        labels = ([f"output {i}" for i in range(len(e_out))]
-                  + [f"grad of input {i}" for i in range(n_in)] + [f"grad of {n}" for n in pnames])
-        expect = e_out + list(e_gr)
-        refs = r_out + list(r_gr)
-        tols = []
-        for lab, e, r in zip(labels, expect, refs):
-            if e is None or r is None or not r.is_floating_point():
-                tols.append(None)
-                continue
-            tol = compare.tolerance(e.dtype, r, compare.errors(e, r))
-            tols.append(tol)
-            why = compare.discriminating(r, tol, xs if lab.startswith("output") else ())
+        e_out, expect, refs = _expected(model, ref_model, xs, gouts, backward)
+        labels = _labels(model, xs, len(e_out))
+        tols = _tolerances(expect, refs)
+        for lab, r, tol in zip(labels, refs, tols):
+            why = tol and compare.discriminating(r, tol, xs if lab.startswith("output") else ())
             if why:
-                task_problems.append(f"{cfg['name']}: {lab}: {why}")
+                task_problems.append(f"{name}: {lab}: {why}")
 
         runs = []
         for k, kind in enumerate(("nan", "random")):
-            if k == 1:  # the reference between the two candidate calls (same dtype as the
-                # candidate, so its freed blocks are what a stale output would pick up)
-                _call(model, _clone(xs), params, gouts, backward)
-            poison([t for t in expect if t is not None], kind, device)
-            cx = _clone(xs)
             try:
-                c_out, c_gr = _call(impl, cx, params, gouts, backward)
-                timing.sync(device)
-            except CaseFailure as e:
-                failures.append(f"{cfg['name']}: {e}")
+                # the second call runs the task's module first, in the candidate's process:
+                # its freed blocks are what a stale output would pick up, and poison covers them
+                res = run.call(key, xs, gouts, backward, kind,
+                               [t for t in expect if t is not None], model_first=k == 1)
+            except WorkerError as e:
+                failures.append(f"{name}: {e}")
                 break
-            except Exception as e:  # noqa: BLE001 - any exception is this candidate's failure
-                failures.append(f"{cfg['name']}: raised {type(e).__name__}: {e}")
+            if "error" in res:
+                failures.append(f"{name}: {res['error']}")
                 break
-            why = _same_inputs(cx, pristine)
+            why = _same_inputs(res["inputs_after"], xs)
             if why:
-                failures.append(f"{cfg['name']}: {why}")
-            why = compare.check_structure(c_out, e_out, cx)
+                failures.append(f"{name}: {why}")
+            why = compare.structure_problem(res["facts"], e_out)
             if why:
-                failures.append(f"{cfg['name']}: {why}")
+                failures.append(f"{name}: {why}")
                 break
-            got = c_out + list(c_gr)
-            for lab, c, e, r, tol in zip(labels, got, expect, refs, tols):
+            for i in res["late"]:
+                failures.append(f"{name}: output {i} changed after the call returned (work "
+                                f"still running on another stream or thread when it returned)")
+            got = res["outs"] + res["grads"]
+            gfacts = [None] * len(e_out) + res["grad_facts"]
+            for j, (lab, c, e, r, tol) in enumerate(zip(labels, got, expect, refs, tols)):
                 if e is None:
                     continue
                 if c is None:
-                    failures.append(f"{cfg['name']}: {lab} missing")
+                    failures.append(f"{name}: {lab} missing")
                     continue
-                if lab.startswith("grad"):
-                    why = compare.check_structure([c], [e])
+                if gfacts[j] is not None:
+                    why = compare.structure_problem([gfacts[j]], [e])
                     if why:
-                        failures.append(f"{cfg['name']}: {lab}: {why}")
+                        failures.append(f"{name}: {lab}: {why}")
                         continue
                 if tol is None:
                     ok, why = torch.equal(c.cpu(), r.cpu()), "differs"
@@ -266,12 +262,12 @@ def check_config(task: Task, impl: Callable, model: torch.nn.Module, cfg: dict, 
                     ok, why, err = compare.close(c, r, tol)
                     worst = max(worst, err.get("rel_norm", 0.0) if err else 0.0)
                 if not ok:
-                    failures.append(f"{cfg['name']}: {lab} ({kind}-poisoned run): {why}")
+                    failures.append(f"{name}: {lab} ({kind}-poisoned run): {why}")
             runs.append(got)
         if len(runs) == 2:
             deterministic &= all(a is None or b is None or torch.equal(a, b)
                                  for a, b in zip(*runs))
-            firsts.append((runs[0][:len(e_out)], r_out))
+            firsts.append((runs[0][:len(e_out)], refs[:len(e_out)]))
         else:
             break
 
@@ -282,9 +278,9 @@ def check_config(task: Task, impl: Callable, model: torch.nn.Module, cfg: dict, 
                 continue
             if (_rel_change(x, y) >= CHANGE_REL_MIN and a.shape == b.shape
                     and _rel_change(a.double(), b.double()) <= SAME_REL_MAX):
-                failures.append(f"{cfg['name']}: output {i} does not change when the inputs "
+                failures.append(f"{name}: output {i} does not change when the inputs "
                                 f"do (cached or input-independent result)")
-    return {"config": cfg["name"], "ok": not failures and not task_problems,
+    return {"config": name, "ok": not failures and not task_problems,
             "failures": failures, "task_problems": task_problems, "max_rel_norm": worst,
             "deterministic": deterministic}
 
@@ -306,77 +302,96 @@ def _reinit_in_place(task: Task, model, cfg, dtype, device, init: str, seed: int
             dst.copy_(src)
 
 
+def _state(model) -> list:
+    return [t.detach() for t in model.state_dict(keep_vars=True).values()]
+
+
 # ------------------------------------------------------------------------- timing
 
-def _timed_fn(f: Callable, params: list, gouts: Optional[list], backward: bool) -> Callable:
-    if not backward:
-        def fwd(*xs):
-            with torch.no_grad():
-                return f(*xs)
-        return fwd
+def _check_samples(samples: list, per_set: list, n_expect: int) -> List[str]:
+    """The sampled timed calls' outputs against the reference of each call's input set."""
+    bad = []
+    for call, s, got in samples:
+        labels, expect, refs, tols = per_set[s]
+        if len(got) != n_expect:
+            bad.append(f"timed call {call}: returned {len(got)} outputs and gradients, "
+                       f"expected {n_expect}")
+            continue
+        for lab, c, e, r, tol in zip(labels, got, expect, refs, tols):
+            if e is None:
+                continue
+            if c is None:
+                bad.append(f"timed call {call} (input set {s}): {lab} missing")
+            elif c.dtype != e.dtype or tuple(c.shape) != tuple(e.shape):
+                bad.append(f"timed call {call} (input set {s}): {lab} has "
+                           f"{c.dtype} {tuple(c.shape)}, expected {e.dtype} {tuple(e.shape)}")
+            else:
+                ok, why = ((torch.equal(c.cpu(), r.cpu()), "differs") if tol is None
+                           else compare.close(c, r, tol)[:2])
+                if not ok:
+                    bad.append(f"timed call {call} (input set {s}): {lab}: {why}")
+    return bad
 
-    def fwd_bwd(*xs):
-        outs = flatten(f(*xs))
-        leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-        pairs = [(o, g) for o, g in zip(outs, gouts) if g is not None]
-        return torch.autograd.grad([o for o, _ in pairs], leaves + params,
-                                   [g for _, g in pairs], allow_unused=True)
-    return fwd_bwd
+
+def _runner_clock(entry: dict, loops: list, cuda: bool) -> None:
+    """The wall-clock cross-check on the runner's own clock (for a worker: this process's clock
+    and the worker's CPU time as the kernel counts it), beside the one the timer made."""
+    per_call = entry.get("loop_event_ms")
+    n = entry.get("wall_calls") or 0
+    if not loops or not n or not per_call:
+        return
+    # CPU: the lesser of wall and CPU time (a busy machine stretches the wall clock only);
+    # CUDA: the wall clock (the device's work is not CPU time)
+    best = min(w if cuda or c is None else min(w, c) for w, c in loops) * 1e3 / n
+    entry["runner_wall_ms"] = best
+    entry["runner_wall_over_event"] = best / max(per_call, 1e-9)
+    if timing.is_hidden_work(best, per_call, "cuda" if cuda else "cpu"):
+        entry["hidden_work"] = True
 
 
-def time_config(task: Task, impls: Dict[str, Callable], model, cfg: dict, dtype, env: Env,
+def time_config(task: Task, contenders: Dict[str, tuple], model, cfg: dict, dtype, env: Env,
                 backward: bool) -> dict:
-    """Time each of `impls` on the same rotated inputs of one config, in this run."""
+    """Time each of `contenders` ({name: (runner, key)}) on fresh copies of the same rotated
+    input sets of one config, in this run; check the timed calls' sampled outputs."""
     device, b = env.device, env.budget
-    arg_sets = [task.inputs(cfg, dtype, device, seed=100 + i) for i in range(2)]
-    pristine = [_clone(a) for a in arg_sets]
-    params = list(model.parameters())
+    arg_sets = [task.inputs(cfg, dtype, device, seed=100 + i)
+                for i in range(timing.MIN_ARG_SETS)]
     gouts = _grad_outputs(model, arg_sets[0], 99, device) if backward else None
-    if backward:
-        for a in arg_sets:
-            for x in a:
-                if isinstance(x, torch.Tensor) and x.is_floating_point():
-                    x.requires_grad_()
+    ref_model = task.reference(model)
+    per_set = []
+    for a in arg_sets:
+        e_out, expect, refs = _expected(model, ref_model, a, gouts, backward)
+        per_set.append((_labels(model, a, len(e_out)), expect, refs, _tolerances(expect, refs)))
     with torch.no_grad():
         outs = model(*arg_sets[0])
     nbytes = task.bytes_moved(cfg, dtype, backward, model, arg_sets[0], outs)
     del outs
     flops = task.flops(cfg, backward)
     res = {"config": cfg["name"], "bytes": nbytes, "flops": flops, "impls": {}}
-    for name, f in impls.items():
+    for name, (run, key) in contenders.items():
         entry: dict = {}
-        modified: List[str] = []
-
-        def verify_inputs():
-            # outside the timed window, before every call: the inputs the next call sees are
-            # the pristine ones (a call that scribbled on them is recorded, then undone)
-            for a, p in zip(arg_sets, pristine):
-                why = _same_inputs(a, p)
-                if why:
-                    modified.append(why)
-                    with torch.no_grad():
-                        for x, y in zip(a, p):
-                            if isinstance(x, torch.Tensor):
-                                x.copy_(y)
         try:
-            fn = _timed_fn(f, params, gouts, backward)
-            t0 = time.perf_counter()
-            fn(*arg_sets[0])  # the first call (torch.compile compiles here): not timed
-            timing.sync(device)
-            entry["first_call_s"] = time.perf_counter() - t0
-            t = timing.time_fn(fn, arg_sets, device=device, reps=b.reps, warmup=b.warmup,
-                               before_each=verify_inputs)
-            verify_inputs()
-            entry.update(t.as_dict())
+            r = run.time(key, arg_sets, gouts, backward, reps=b.reps, warmup=b.warmup)
+            entry.update(r["timing"])
+            _runner_clock(entry, r["marks"], env.cuda)
+            bad = r["problems"] + _check_samples(r["samples"], per_set, len(per_set[0][1]))
+            entry["samples_checked"] = len(r["samples"])
+            if not r["samples"]:   # the timer keeps at least one: its code did not run
+                bad.append("no timed call's output came back to be checked")
+            if not r["marks"]:
+                bad.append("the timer's wall-clock loop never reported (its marks are missing)")
+            if bad:
+                entry["sample_failures"] = bad
             mm = env.matmul(dtype)["flops_per_s"] if flops else 0.0
-            roof = timing.roofline(nbytes, t.median_ms, env.copy()["bytes_per_s"], flops, mm)
+            roof = timing.roofline(nbytes, entry["median_ms"], env.copy()["bytes_per_s"],
+                                   flops, mm)
             # Outputs smaller than L2 can finish in cache before reaching DRAM, so only a
             # working set well beyond L2 makes "faster than the roofline" impossible.
             if not env.cuda or nbytes < 2 * timing.l2_bytes(device):
                 roof["impossible"] = False
             entry["roofline"] = roof
-            if modified:
-                entry["error"] = f"while timing: {modified[0]}"
+        except WorkerError as e:
+            entry["error"] = str(e)
         except Exception as e:  # noqa: BLE001
             entry["error"] = f"{type(e).__name__}: {e}"
         res["impls"][name] = entry
@@ -389,72 +404,118 @@ def _perf_cfgs(task: Task, env: Env) -> List[dict]:
     return task.configs(perf=True) if (env.cuda and env.budget.perf_configs) else []
 
 
-def timed_configs(task: Task, env: Env) -> List[str]:
+def timed_configs(task: Task, env: Env, only: Optional[List[str]] = None) -> List[str]:
     if env.budget.time_all:
-        return [c["name"] for c in task.configs(perf=False) + _perf_cfgs(task, env)]
-    perf = _perf_cfgs(task, env)
+        return [c["name"] for c in task.configs(perf=False) + _perf_cfgs(task, env)
+                if only is None or c["name"] in only]
+    perf = [c for c in _perf_cfgs(task, env) if only is None or c["name"] in only]
     if perf:
         return [c["name"] for c in perf]
     # no perf config here (CPU, quick budget): the largest of the small ones
     def size(c):
         return sum(x.numel() for x in task.inputs(c, "float32", "cpu", 0)
                    if isinstance(x, torch.Tensor))
-    return [max(task.configs(perf=False), key=size)["name"]]
+    small = [c for c in task.configs(perf=False) if only is None or c["name"] in only]
+    return [max(small, key=size)["name"]] if small else []
 
 
-def score(task: Task, impl_name: str, factory: Callable, *, dtype, backward: bool, env: Env,
-          baselines=("eager", "compile"), seed: int = 0) -> dict:
+def score(task: Task, impl_name: str, factory: Union[Callable, str], *, dtype, backward: bool,
+          env: Env, baselines=("eager", "compile"), seed: int = 0,
+          configs: Optional[List[str]] = None) -> dict:
     """One row: `impl_name` on `task` in `dtype`, forward (or forward+backward), every config
-    and init config checked, the timed configs timed against the baselines."""
+    (or those named in `configs`) and init config checked, the timed configs timed against the
+    baselines. `factory` is a callable (run in this process) or a spec, an implementation file
+    or a built-in's name (run in env's worker process)."""
     dtype = dtype_name(parse_dtype(dtype))
     device = env.device
-    configs = task.configs(perf=False) + _perf_cfgs(task, env)
-    to_time = set(timed_configs(task, env))
+    all_cfgs = task.configs(perf=False) + _perf_cfgs(task, env)
+    chosen = [c for c in all_cfgs if configs is None or c["name"] in configs]
+    to_time = set(timed_configs(task, env, configs))
     groups: Dict[tuple, List[dict]] = {}
-    for c in configs:
+    for c in chosen:
         groups.setdefault(task.group_key(c), []).append(c)
 
     row = {"task": task.name, "dtype": dtype, "mode": "fwdbwd" if backward else "fwd",
            "impl": impl_name, "cases": [], "timings": [], "failures": [],
            "task_problems": [], "flags": []}
+    if configs is not None and not chosen:
+        raise KeyError(f"task {task.name} has none of the configs {configs}")
+    run = env.runner(factory)
     inits = list(task.init_configs)
-    for group in groups.values():
+    for gi, group in enumerate(groups.values()):
         model = task.build(group[0], dtype, device, init=inits[0], seed=seed)
+        key = f"{task.name}/{dtype}/{row['mode']}/{gi}"
         try:
-            impl = factory(model, task.inputs(group[0], dtype, device, seed=seed))
+            run.build(key, task, group[0], dtype, inits[0], seed, model)
         except Exception as e:  # noqa: BLE001
-            row["failures"].append(f"building the implementation failed: "
-                                   f"{type(e).__name__}: {e}")
+            why = str(e) if isinstance(e, WorkerError) else f"{type(e).__name__}: {e}"
+            row["failures"].append(f"building the implementation failed: {why}")
             row["traceback"] = traceback.format_exc(limit=6)
             continue
-        for ii, init in enumerate(inits):
+        try:
+            _score_group(task, row, run, key, model, group, to_time, dtype, env, backward,
+                         baselines, impl_name, seed, inits)
+        finally:
+            try:
+                run.drop(key)
+            except WorkerError:
+                pass
+    _summarize(row, impl_name)
+    return row
+
+
+def _score_group(task, row, run, key, model, group, to_time, dtype, env, backward, baselines,
+                 impl_name, seed, inits) -> None:
+    device = env.device
+    for ii, init in enumerate(inits):
+        try:
             if ii:
                 _reinit_in_place(task, model, group[0], dtype, device, init, seed)
+                run.set_state(key, _state(model))
             for cfg in group:
-                case = check_config(task, impl, model, cfg, dtype, device, backward, seed)
+                case = check_config(task, run, key, model, cfg, dtype, device, backward, seed)
                 case["init"] = init
                 row["cases"].append(case)
                 row["failures"] += [f"[{init}] {f}" for f in case["failures"]]
                 row["task_problems"] += case["task_problems"]
-        # time with the first init config's values, the candidate beside the baselines
-        _reinit_in_place(task, model, group[0], dtype, device, inits[0], seed)
-        for cfg in group:
-            if cfg["name"] not in to_time:
+            why = _state_problem(run.state(key), model)
+            if why:
+                row["failures"].append(f"[{init}] {why}")
+        except WorkerError as e:
+            row["failures"].append(f"[{init}] {e}")
+            return
+    # time with the first init config's values, the candidate beside the baselines
+    _reinit_in_place(task, model, group[0], dtype, device, inits[0], seed)
+    try:
+        run.set_state(key, _state(model))
+    except WorkerError as e:
+        row["failures"].append(str(e))
+        return
+    for cfg in group:
+        if cfg["name"] not in to_time:
+            continue
+        contenders = {impl_name: (run, key)}
+        local = []
+        for bl in baselines:
+            if bl == impl_name:
                 continue
-            contenders = {impl_name: impl}
-            for bl in baselines:
-                if bl == impl_name:
-                    continue
-                try:
-                    contenders[bl] = impl_mod.resolve(bl)[1](model, task.inputs(cfg, dtype,
-                                                                               device))
-                except Exception as e:  # noqa: BLE001
-                    row["timings"].append({"config": cfg["name"], "baseline": bl,
-                                           "error": f"{type(e).__name__}: {e}"})
-            row["timings"].append(time_config(task, contenders, model, cfg, dtype, env,
-                                              backward))
-    _summarize(row, impl_name)
-    return row
+            try:
+                lr = env.runner(impl_mod.resolve(bl)[1])
+                lr.build(f"{key}/{bl}", task, cfg, dtype, inits[0], seed, model)
+                contenders[bl] = (lr, f"{key}/{bl}")
+                local.append(lr)
+            except Exception as e:  # noqa: BLE001
+                row["timings"].append({"config": cfg["name"], "baseline": bl,
+                                       "error": f"{type(e).__name__}: {e}"})
+        row["timings"].append(time_config(task, contenders, model, cfg, dtype, env, backward))
+        for lr in local:
+            lr.close()
+    try:
+        why = _state_problem(run.state(key), model)
+    except WorkerError as e:
+        why = str(e)
+    if why:
+        row["failures"].append(f"while timing: {why}")
 
 
 def _summarize(row: dict, impl_name: str) -> None:
@@ -466,9 +527,16 @@ def _summarize(row: dict, impl_name: str) -> None:
         if me.get("error"):
             row["failures"].append(f"{t['config']}: {me['error']}")
             continue
+        row["failures"] += [f"{t['config']}: {f}" for f in me.get("sample_failures", [])]
         if me.get("hidden_work"):
-            row["flags"].append(f"{t['config']}: wall-clock {me['wall_over_event']:.1f}x the "
-                                f"event time: work outside the current stream")
+            ratio = max(me.get("wall_over_event") or 0.0, me.get("runner_wall_over_event") or 0.0)
+            where = ("the current stream" if me.get("method") == "cuda-events"
+                     else "the calling thread")
+            left = (f"; {me['threads_left']} thread(s) the calls started still ran"
+                    if me.get("threads_left") else "")
+            row["flags"].append(f"{t['config']}: wall-clock {ratio:.1f}x the "
+                                f"{'event' if where == 'the current stream' else 'per-call'} "
+                                f"time: work outside {where}{left}")
         if (me.get("roofline") or {}).get("impossible"):
             row["flags"].append(f"{t['config']}: {me['roofline']['fraction']:.2f}x the "
                                 f"roofline: impossible")

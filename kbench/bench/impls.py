@@ -13,6 +13,10 @@ not built for). Built in: eager, compile (torch.compile, default mode), kbench
   where `state` is model.state_dict(keep_vars=True).values(): parameters and buffers in
   state_dict order. The harness wraps them in an autograd.Function; parameter values are
   passed on every call, so a kernel cannot bake them in.
+
+from_file loads a file into the calling process. The harness gives an implementation file to a
+worker process instead (runner.WorkerRunner), which calls resolve() there: the file never runs
+where the checks and the verdict are made.
 """
 from __future__ import annotations
 
@@ -130,6 +134,13 @@ def from_file(path: str) -> Factory:
     if not hasattr(mod, "forward"):
         raise AttributeError(f"{path} defines neither make() nor forward()")
     return lambda model, example_inputs: KernelCall(mod, model)
+
+
+BUILTIN = ("eager", "compile", "kbench")
+
+
+def is_builtin(spec: str) -> bool:
+    return spec in BUILTIN
 
 
 def resolve(spec: str, budget: Optional[str] = None) -> Tuple[str, Factory]:
