@@ -36,9 +36,13 @@ def load(root: str | None = None, *, create: bool = True) -> tuple[bytes | None,
             continue
         except OSError as e:   # a symlink (ELOOP), unreadable
             return None, f"key file {path} cannot be opened ({e.strerror or e})"
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            data = f.read(KEY_BYTES + 1)
+        try:
+            st = os.fstat(fd)
+            data = os.read(fd, KEY_BYTES + 1) if stat.S_ISREG(st.st_mode) else b""
+        except OSError as e:
+            return None, f"key file {path} cannot be read ({e.strerror or e})"
+        finally:
+            os.close(fd)
         why = _untrusted(st, len(data))
         return (None, f"key file {path} {why}") if why else (data, "")
     return None, f"key file {path} keeps vanishing"

@@ -307,7 +307,7 @@ def _dec_device(v):
 
 def _dec_op(v):
     parts = _list(v.get("v"))
-    if len(parts) not in (2, 3) or not all(isinstance(p, str) and _IDENT.match(p) for p in parts):
+    if len(parts) != (3 if v["$"] == "op" else 2) or not all(isinstance(p, str) and _IDENT.match(p) for p in parts):
         raise NotData(f"bad operator name {parts!r}")
     ns = getattr(torch.ops, parts[0], None)
     if not isinstance(ns, torch._ops._OpNamespace):
@@ -342,7 +342,7 @@ def _dec_tensor(v):
     if len(data) != numel * dtype.itemsize:
         raise NotData(f"a stored tensor of {len(data)} bytes for {numel} {dtype} elements")
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    t = t.view(dtype).reshape(shape).to(_dec_device({"v": v.get("device")}))
+    t = t.view(dtype).reshape(shape).clone().to(_dec_device({"v": v.get("device")}))   # clone: aligned
     if v.get("param") is True:
         return torch.nn.Parameter(t, requires_grad=v.get("requires_grad") is True)
     return t.requires_grad_(v.get("requires_grad") is True) if t.is_floating_point() else t
@@ -356,7 +356,9 @@ def _dec_sympy(node):
     if kind in ("true", "false") and not args:
         return sympy.true if kind == "true" else sympy.false
     if kind == "Integer" and len(args) == 1:
-        return sympy.Integer(_int(args[0]))
+        if not -2 ** 63 <= _int(args[0]) < 2 ** 63:   # sizes are int64: a larger one is not a size
+            raise NotData("an integer beyond int64 in a size expression")
+        return sympy.Integer(args[0])
     if kind == "Rational" and len(args) == 2:
         return sympy.Rational(_int(args[0]), _int(args[1]))
     if kind == "Float" and len(args) == 1:
@@ -369,7 +371,10 @@ def _dec_sympy(node):
     cls = _SYMPY.get(kind)
     if cls is None:
         raise NotData(f"the size expression {kind!r}")
-    return cls(*(_dec_sympy(a) for a in args))
+    parts = [_dec_sympy(a) for a in args]
+    if "Pow" in kind and len(parts) == 2 and parts[1].is_number and not abs(parts[1]) <= 64:
+        raise NotData("a power beyond 64 in a size expression")   # evaluating it would not end
+    return cls(*parts)
 
 
 def _dec_symexpr(v):

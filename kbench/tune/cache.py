@@ -252,7 +252,7 @@ class Cache:
                               f"in-memory cache for this process", RuntimeWarning, stacklevel=3)
                 self._conn.close()
                 self._conn, self.path, self.note = _memory(), None, f"database error: {e}"
-                self.read_only, self._columns = False, None
+                self.read_only, self._columns, self._has_captures = False, None, True
                 self._key = (os.urandom(keyfile.KEY_BYTES), "")
                 return fn(self._conn)
 
@@ -620,11 +620,14 @@ def _open_strict(path: str) -> Cache:
 
 
 def _open_read_only(path: str, *, strict: bool) -> Cache:
-    """A kbench cache opened read-only (sqlite's mode=ro; immutable=1 where a WAL file's shared
-    memory cannot be made beside it); CacheError when the file is not one."""
+    """A kbench cache opened read-only (sqlite's mode=ro; in a folder this process may not write,
+    immutable=1: SQLite then makes no -wal or -shm file beside it and takes no lock, and it could
+    not make them anyway); CacheError when the file is not one."""
     uri = "file:" + urllib.parse.quote(path, safe="/")
     last = None
-    for params in ("?mode=ro", "?mode=ro&immutable=1"):
+    tries = ("?mode=ro", "?mode=ro&immutable=1") if os.access(os.path.dirname(path), os.W_OK) else \
+        ("?mode=ro&immutable=1",)
+    for params in tries:
         conn = sqlite3.connect(uri + params, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                check_same_thread=False)
         try:
