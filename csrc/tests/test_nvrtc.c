@@ -251,7 +251,8 @@ static void test_hashes(void) {
     }
     cuda_sha256_final(&s, d);
     hex32(d, hex);
-    CHECK(strcmp(hex, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0") == 0, "sha256(a*1e6) %s", hex);
+    CHECK(strcmp(hex, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0") == 0, "sha256(a*1e6) %s",
+          hex);
     const char *msg = "what do ya want ", *msg2 = "for nothing?";
     const void *parts[2] = {msg, msg2};
     size_t lens[2] = {strlen(msg), strlen(msg2)};

@@ -210,7 +210,7 @@ def dumps(captured) -> bytes:
             raise Uncacheable(f"forward draws random numbers ({ext.name})")
     try:
         return stored.dumps(captured)
-    except stored.NotData as e:
+    except (ValueError, TypeError, RuntimeError) as e:   # NotData, or a value torch cannot give as bytes
         raise Uncacheable(f"the capture holds something that is not stored: {e}") from None
 
 

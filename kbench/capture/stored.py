@@ -3,9 +3,10 @@ plain datum (None, bool, int, float, str, list) or a tagged one from a closed li
 dicts, dtypes, devices, layouts and memory formats by name, torch operators by qualified name
 looked up in torch.ops, a few builtin functions by name from an allow-list, size expressions as
 trees of allow-listed sympy classes, constant tensors as raw bytes — and the graph as its node
-list, rebuilt through the IR builder, which checks every node again. Loading imports nothing and
-calls nothing the data names but torch operators and those allow-listed classes and functions,
-so a planted entry can fail to load, never run code."""
+list, rebuilt through the IR builder, which checks every node again, then checked against its own
+fields. Loading imports nothing and calls nothing the data names but torch operators (none that
+names a file), those allow-listed classes and functions, and output classes this process has
+registered with torch's pytree: a planted entry can fail to load, never run code."""
 from __future__ import annotations
 
 import base64
