@@ -141,8 +141,10 @@ def compile_once(nvrtc, tmp_path_factory):
     def key(src, arch):
         return hashlib.sha256(src.encode()).hexdigest(), arch
 
+    secret = hashlib.sha256(cache.encode()).digest()   # one per session folder: every worker's
+
     def one(src, arch):
-        return _C.nvrtc_compile(nvrtc, src, arch, cache)
+        return _C.nvrtc_compile(nvrtc, src, arch, cache, secret)
 
     def compile_all(items):
         """items: (source, arch) or (source, arch, label); a label names the item in an error."""

@@ -1,10 +1,12 @@
 """Issue 5: a cache hit reuses the eager and kernel times measured when the kernel was tuned (no
 timing launches), while still gating the kernel; a cache file from before those columns existed
-keeps its entries. The cuda backend's bookkeeping is checked on the CPU with the GPU parts stubbed."""
+keeps its entries (listed, not loaded: they are not signed). The cuda backend's bookkeeping is
+checked on the CPU with the GPU parts stubbed."""
 import dataclasses
 import os
 import sqlite3
 
+import pytest
 import torch
 
 from kbench.tune import cache as kc
@@ -80,6 +82,11 @@ def test_cache_written_before_the_time_columns_keeps_its_entries(tmp_path):
     con.close()
     c = kc.open_cache(path)
     assert not c.in_memory and not [p for p in os.listdir(tmp_path) if ".corrupt-" in p]   # not set aside
+    assert [r["genome"] for r in c.ls()] == [w.genome] and c.ls()[0]["eager_ms"] is None
+    # the old row is not signed: kept and listed, never loaded (the region is tuned again and stored signed)
+    with pytest.warns(RuntimeWarning, match="not signed"):
+        assert c.lookup(key()) is None
+    c.store(key(), w)
     got = c.lookup(key())
     assert got == w and got.eager_ms is None and got.kernel_ms is None
     assert c.set_times(key(), 0.3, 0.2)

@@ -116,6 +116,11 @@ def test_autocast_disabled_block_runs_in_float32():
     assert type(opt).__name__ == "OptimizedModule"
     assert got.dtype == want.dtype == torch.float32
     assert float((got - want).abs().max()) <= 1e-4
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # again, from the capture cache: the mode is kept
+        again = kbench.optimize(model, (x,), backend="interp", verbose=False)
+        got = again(x)
+    assert "kept in the cache" in " ".join(again.kbench_report.notes) or "from the cache" in " ".join(again.kbench_report.notes)
+    assert float((got - want).abs().max()) <= 1e-4
 
 
 def test_calls_with_and_without_autocast_get_eagers_dtypes():

@@ -397,11 +397,17 @@ int kb_nvrtc_version(const kb_nvrtc *n);        /* major*1000 + minor*10 */
 const char *kb_nvrtc_include_dir(const kb_nvrtc *n);
 /* Compiles source for arch ("sm_90") to a CUBIN; *cubin is allocated with the ctx allocator
  * (kb_blob_free). With cache_dir != NULL, looks up / stores <cache_dir>/<hash>.cubin keyed by
- * source, arch, options and NVRTC version. On failure the ctx error holds NVRTC's log. *log
- * (if log != NULL) is set whenever NVRTC printed something (warnings on success, the errors on
- * KB_ERR_NVRTC), else NULL; free with kb_string_free. A cache hit leaves it NULL. */
+ * source, arch, options and NVRTC version, signed with key (a secret of KB_CUBIN_KEY_MIN to
+ * KB_CUBIN_KEY_MAX bytes, required with a cache_dir): a file whose claims (source hash, arch,
+ * NVRTC version) or HMAC do not match is recompiled and replaced. On failure the ctx error holds
+ * NVRTC's log. *log (if log != NULL) is set whenever NVRTC printed something (warnings on
+ * success, the errors on KB_ERR_NVRTC), else NULL; free with kb_string_free. A cache hit leaves
+ * it NULL. */
+#define KB_CUBIN_KEY_MIN 16
+#define KB_CUBIN_KEY_MAX 64
 kb_status kb_nvrtc_compile(kb_ctx *ctx, kb_nvrtc *n, const char *source, const char *arch,
-                           const char *cache_dir, void **cubin, size_t *size, char **log);
+                           const char *cache_dir, const void *key, size_t key_len, void **cubin, size_t *size,
+                           char **log);
 void kb_blob_free(kb_ctx *ctx, void *blob, size_t size);
 
 /* The driver (cuda/driver.c), dlopen'ed once ("libcuda.so.1"). Owned by the caller:

@@ -249,8 +249,9 @@ void kb_blob_free(kb_ctx *ctx, void *blob, size_t size) { kb_free(ctx, blob, siz
 
 /* ---------------------------------------------------------------- the CUBIN cache */
 
-/* Two independent 64-bit hashes: FNV-1a, and a rotate-multiply hash with a splitmix64 finish.
- * 128 bits keep accidental collisions out of reach for any cache size we will see. */
+/* A cache file's name: two independent 64-bit hashes of the compile (FNV-1a, and a rotate-multiply
+ * hash with a splitmix64 finish). 128 bits keep accidental collisions out of reach for any cache
+ * size we will see; a deliberate one only finds a trailer whose claims do not match. */
 typedef struct { uint64_t a, b; } hash2;
 
 static void hash_bytes(hash2 *h, const void *data, size_t n) {
@@ -269,16 +270,17 @@ static uint64_t mix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-static uint64_t fnv1a(const void *data, size_t n) {
-    hash2 h = {0xcbf29ce484222325ull, 0};
-    hash_bytes(&h, data, n);
-    return h.a;
-}
-
-/* A cache file is the CUBIN followed by this trailer, so a truncated or corrupted file is
- * recognised (and recompiled) instead of being handed to the driver. */
-#define TRAILER_MAGIC "KBCUBIN1"
-#define TRAILER_BYTES 24 /* magic, u64 size, u64 FNV-1a of the CUBIN */
+/* A cache file is the CUBIN followed by this trailer: what the CUBIN claims to be (the SHA-256
+ * of its source, the arch, the NVRTC version that compiled it) and the HMAC-SHA256, under the
+ * caller's secret key, of the CUBIN and those claims. A read checks every claim against the
+ * compile asked for and the HMAC against the key, so a truncated, corrupted, swapped or planted
+ * file (anyone who can write the folder, a cache copied from elsewhere) is recompiled and
+ * replaced, never handed to the driver. */
+#define TRAILER_MAGIC "KBCUBIN2"
+#define ARCH_BYTES 16
+/* magic, u64 CUBIN size, u32 NVRTC version, u32 zero, arch (NUL-padded), source SHA-256, HMAC */
+#define TRAILER_BYTES (8 + 8 + 4 + 4 + ARCH_BYTES + 32 + 32)
+#define TRAILER_SIGNED (TRAILER_BYTES - 32)
 
 static uint64_t rd_u64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static uint16_t rd_u16(const unsigned char *p) { uint16_t v; memcpy(&v, p, 2); return v; }
@@ -293,8 +295,33 @@ int cuda_cubin_ok(const void *data, size_t size) {
     return phoff <= size && phend <= size && shoff <= size && shend <= size;
 }
 
-/* Returns KB_OK with *hit set, or KB_ERR_OOM. A missing or bad file is a miss, not an error. */
-static kb_status cache_read(kb_ctx *ctx, const char *path, void **cubin, size_t *size, int *hit) {
+/* What a cache entry for this compile must say of itself, and the key that signs it. */
+typedef struct {
+    const unsigned char *key;
+    size_t key_len;
+    int version;
+    char arch[ARCH_BYTES];
+    unsigned char source_sha[32];
+} cache_claims;
+
+/* The trailer for cubin under claims c: everything but the HMAC, then the HMAC. */
+static void make_trailer(const cache_claims *c, const void *cubin, size_t size, unsigned char t[TRAILER_BYTES]) {
+    uint64_t n64 = size;
+    uint32_t ver = (uint32_t)c->version, zero = 0;
+    memcpy(t, TRAILER_MAGIC, 8);
+    memcpy(t + 8, &n64, 8);
+    memcpy(t + 16, &ver, 4);
+    memcpy(t + 20, &zero, 4);
+    memcpy(t + 24, c->arch, ARCH_BYTES);
+    memcpy(t + 24 + ARCH_BYTES, c->source_sha, 32);
+    const void *parts[2] = {cubin, t};
+    size_t lens[2] = {size, TRAILER_SIGNED};
+    cuda_hmac_sha256(c->key, c->key_len, parts, lens, 2, t + TRAILER_SIGNED);
+}
+
+/* Returns KB_OK with *hit set, or KB_ERR_OOM. A missing, bad or unsigned file is a miss, not an error. */
+static kb_status cache_read(kb_ctx *ctx, const char *path, const cache_claims *c, void **cubin, size_t *size,
+                            int *hit) {
     *hit = 0;
     FILE *f = fopen(path, "rb");
     if (!f) return KB_OK;
@@ -302,15 +329,19 @@ static kb_status cache_read(kb_ctx *ctx, const char *path, void **cubin, size_t 
     unsigned char *buf = NULL;
     size_t fsize = 0;
     struct stat s;
-    if (fstat(fileno(f), &s) != 0 || s.st_size < 64 + TRAILER_BYTES || s.st_size > (1 << 30)) goto cleanup;
+    if (fstat(fileno(f), &s) != 0 || !S_ISREG(s.st_mode) || s.st_size < 64 + TRAILER_BYTES ||
+        s.st_size > (1 << 30))
+        goto cleanup;
     fsize = (size_t)s.st_size;
     buf = kb_malloc(ctx, fsize);
     KB_CHECK(ctx, buf, KB_ERR_OOM, "out of memory reading %s", path);
     if (fread(buf, 1, fsize, f) != fsize) goto cleanup;
     size_t csize = fsize - TRAILER_BYTES;
-    const unsigned char *t = buf + csize;
-    if (memcmp(t, TRAILER_MAGIC, 8) != 0 || rd_u64(t + 8) != csize || rd_u64(t + 16) != fnv1a(buf, csize) ||
-        !cuda_cubin_ok(buf, csize))
+    unsigned char want[TRAILER_BYTES];
+    make_trailer(c, buf, csize, want);
+    /* the claims are compared in the clear (they are not secret), the HMAC in constant time */
+    if (memcmp(buf + csize, want, TRAILER_SIGNED) != 0 ||
+        !cuda_digest_equal(buf + csize + TRAILER_SIGNED, want + TRAILER_SIGNED, 32) || !cuda_cubin_ok(buf, csize))
         goto cleanup;
     unsigned char *exact = kb_realloc(ctx, buf, fsize, csize);
     KB_CHECK(ctx, exact, KB_ERR_OOM, "out of memory reading %s", path);
@@ -357,7 +388,8 @@ static int write_all(int fd, const void *data, size_t n) {
 /* Writes to a temporary file in the same folder and renames it over path: rename is atomic,
  * so a concurrent reader (another thread or process compiling the same kernel) sees either no
  * file or a whole one, and two writers just replace one good copy by another. */
-static kb_status cache_write(kb_ctx *ctx, const char *dir, const char *path, const void *cubin, size_t size) {
+static kb_status cache_write(kb_ctx *ctx, const char *dir, const char *path, const cache_claims *c,
+                             const void *cubin, size_t size) {
     kb_status st = mkdir_p(ctx, dir);
     if (st != KB_OK) return st;
     char tmp[PATH_MAX + 16];
@@ -366,10 +398,7 @@ static kb_status cache_write(kb_ctx *ctx, const char *dir, const char *path, con
     int fd = mkstemp(tmp);
     if (fd < 0) return KB_FAIL(ctx, KB_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
     unsigned char trailer[TRAILER_BYTES];
-    uint64_t n64 = size, h = fnv1a(cubin, size);
-    memcpy(trailer, TRAILER_MAGIC, 8);
-    memcpy(trailer + 8, &n64, 8);
-    memcpy(trailer + 16, &h, 8);
+    make_trailer(c, cubin, size, trailer);
     int ok = fchmod(fd, 0644) == 0 && write_all(fd, cubin, size) && write_all(fd, trailer, sizeof trailer);
     int err = errno;
     if (close(fd) != 0 && ok) {
@@ -404,7 +433,8 @@ static void trim_right(char *s) {
 }
 
 kb_status kb_nvrtc_compile(kb_ctx *ctx, kb_nvrtc *n, const char *source, const char *arch,
-                           const char *cache_dir, void **cubin, size_t *size, char **log) {
+                           const char *cache_dir, const void *key, size_t key_len, void **cubin, size_t *size,
+                           char **log) {
     kb_status st = KB_OK;
     nvrtcProgram prog = NULL;
     char *text = NULL, *blob = NULL;
@@ -414,6 +444,9 @@ kb_status kb_nvrtc_compile(kb_ctx *ctx, kb_nvrtc *n, const char *source, const c
     *cubin = NULL;
     *size = 0;
     KB_CHECK(ctx, arch_ok(arch), KB_ERR_INVALID, "bad arch \"%s\" (expected sm_<digits>, e.g. sm_90)", arch);
+    KB_CHECK(ctx, !cache_dir || (key && key_len >= KB_CUBIN_KEY_MIN && key_len <= KB_CUBIN_KEY_MAX), KB_ERR_INVALID,
+             "a CUBIN cache needs a secret key of %d to %d bytes (got %zu)", KB_CUBIN_KEY_MIN, KB_CUBIN_KEY_MAX,
+             key ? key_len : 0);
 
     char arch_opt[32], inc_opt[PATH_MAX + 4];
     const char *opts[4];
@@ -428,11 +461,21 @@ kb_status kb_nvrtc_compile(kb_ctx *ctx, kb_nvrtc *n, const char *source, const c
     }
 
     char path[PATH_MAX];
+    cache_claims claims;
+    memset(&claims, 0, sizeof claims);
     if (cache_dir) {
+        claims.key = key;
+        claims.key_len = key_len;
+        claims.version = n->version;
+        memcpy(claims.arch, arch, strlen(arch)); /* arch_ok: at most 8 characters */
+        cuda_sha256 sh;
+        cuda_sha256_init(&sh);
+        cuda_sha256_update(&sh, source, strlen(source));
+        cuda_sha256_final(&sh, claims.source_sha);
         hash2 h = {0xcbf29ce484222325ull, 0x6a09e667f3bcc909ull};
         char ver[16];
         snprintf(ver, sizeof ver, "%d", n->version);
-        hash_str(&h, "kbench-cubin-1");
+        hash_str(&h, "kbench-cubin-2");
         hash_str(&h, source);
         for (int i = 0; i < nopts; i++) hash_str(&h, opts[i]);
         hash_str(&h, ver);
@@ -440,7 +483,7 @@ kb_status kb_nvrtc_compile(kb_ctx *ctx, kb_nvrtc *n, const char *source, const c
                                (unsigned long long)mix64(h.b)) < (int)sizeof path,
                  KB_ERR_IO, "cache directory path too long: %s", cache_dir);
         int hit = 0;
-        KB_TRY(cache_read(ctx, path, cubin, size, &hit));
+        KB_TRY(cache_read(ctx, path, &claims, cubin, size, &hit));
         if (hit) return KB_OK;
     }
 
@@ -477,7 +520,7 @@ kb_status kb_nvrtc_compile(kb_ctx *ctx, kb_nvrtc *n, const char *source, const c
     KB_CHECK(ctx, blob, KB_ERR_OOM, "out of memory (CUBIN of %zu bytes)", blob_size);
     r = n->GetCUBIN(prog, blob);
     KB_CHECK(ctx, r == 0, KB_ERR_NVRTC, "nvrtcGetCUBIN: %s", n->GetErrorString(r));
-    if (cache_dir) KB_TRY(cache_write(ctx, cache_dir, path, blob, blob_size));
+    if (cache_dir) KB_TRY(cache_write(ctx, cache_dir, path, &claims, blob, blob_size));
     *cubin = blob;
     *size = blob_size;
     blob = NULL;

@@ -139,8 +139,8 @@ static PyObject *py_nvrtc_include_dir(PyObject *self, PyObject *arg) {
 }
 
 static PyObject *py_nvrtc_compile(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "nvrtc_compile(handle, source, arch, cache_dir_or_None)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "nvrtc_compile(handle, source, arch, cache_dir_or_None, key=None)");
         return NULL;
     }
     nvrtc_handle *h = get_nvrtc(args[0]);
@@ -158,6 +158,20 @@ static PyObject *py_nvrtc_compile(PyObject *self, PyObject *const *args, Py_ssiz
             return NULL;
         }
     }
+    /* the cache's secret (bytes): copied, so nothing the caller does while the GIL is out moves it */
+    unsigned char key[KB_CUBIN_KEY_MAX];
+    Py_ssize_t key_len = 0;
+    if (nargs == 5 && args[4] != Py_None) {
+        char *kp;
+        if (!PyBytes_Check(args[4]) || PyBytes_AsStringAndSize(args[4], &kp, &key_len) < 0 ||
+            key_len > KB_CUBIN_KEY_MAX) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "nvrtc_compile: key must be bytes of at most %d", KB_CUBIN_KEY_MAX);
+            Py_XDECREF(dir_str);
+            return NULL;
+        }
+        memcpy(key, kp, (size_t)key_len);
+    }
     kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) {
         Py_XDECREF(dir_str);
@@ -169,7 +183,8 @@ static PyObject *py_nvrtc_compile(PyObject *self, PyObject *const *args, Py_ssiz
     kb_status st;
     /* the str objects stay alive (the caller holds them) while the GIL is released */
     Py_BEGIN_ALLOW_THREADS
-    st = kb_nvrtc_compile(ctx, h->nvrtc, source, arch, cache_dir, &cubin, &size, &log);
+    st = kb_nvrtc_compile(ctx, h->nvrtc, source, arch, cache_dir, key_len ? key : NULL, (size_t)key_len, &cubin,
+                          &size, &log);
     Py_END_ALLOW_THREADS
     PyObject *out = NULL;
     if (st == KB_OK) {
@@ -459,7 +474,8 @@ PyMethodDef kb_cuda_methods[] = {
     {"nvrtc_include_dir", py_nvrtc_include_dir, METH_O,
      "nvrtc_include_dir(handle) -> the folder passed as -I for cuda_fp16.h/cuda_bf16.h, or None"},
     {"nvrtc_compile", (PyCFunction)(void (*)(void))py_nvrtc_compile, METH_FASTCALL,
-     "nvrtc_compile(handle, source, arch, cache_dir_or_None) -> CUBIN bytes; CompileError(log)"},
+     "nvrtc_compile(handle, source, arch, cache_dir_or_None, key=None) -> CUBIN bytes; CompileError(log). "
+     "A cache_dir needs key: the secret (16 to 64 bytes) that signs its files"},
     {"cuda_open", py_cuda_open, METH_NOARGS, "cuda_open() -> handle (libcuda.so.1, cuInit)"},
     {"device_info", (PyCFunction)(void (*)(void))py_device_info, METH_FASTCALL,
      "device_info(handle, device) -> dict(sm, num_sms, max_smem_per_block, regs_per_sm, l2_bytes, driver_version)"},

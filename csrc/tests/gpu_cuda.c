@@ -77,7 +77,7 @@ int main(void) {
     snprintf(arch, sizeof arch, "sm_%d", dev.sm);
     void *cubin = NULL;
     size_t size = 0;
-    st = kb_nvrtc_compile(ctx, nv, SAXPY, arch, NULL, &cubin, &size, NULL);
+    st = kb_nvrtc_compile(ctx, nv, SAXPY, arch, NULL, NULL, 0, &cubin, &size, NULL);
     CHECK(st == KB_OK, "%s", kb_ctx_error(ctx));
 
     kb_cuda_module *mod = NULL;

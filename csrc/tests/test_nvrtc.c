@@ -1,8 +1,10 @@
 /* test_nvrtc.c — NVRTC through kb_nvrtc_* on the CPU (no GPU needed): library search and the
  * not-found message, CUBIN output for sm_80/sm_90 (with and without bf16/fp16 headers), the
- * compile-error log, the on-disk cache (hit, corrupted file replaced), allocation failures. */
+ * compile-error log, the on-disk cache (hit; corrupted, swapped or foreign-signed file replaced),
+ * its SHA-256 / HMAC against published vectors, allocation failures. */
 #define _GNU_SOURCE
 #include "core/internal.h"
+#include "cuda/cuda.h"
 
 #include <dirent.h>
 #include <stdlib.h>
@@ -44,6 +46,10 @@ static int test_dirs(char *buf, size_t n, const char **dirs, int max) {
     dirs[nd++] = "/usr/local/cuda/lib64";
     return nd;
 }
+
+/* the cache's secret in these tests, and another user's */
+static const unsigned char KEY[32] = "kbench test key, thirty-two b.";
+static const unsigned char OTHER_KEY[32] = "someone else's key, 32 bytes...";
 
 static int is_elf(const void *p, size_t n) { return n > 64 && memcmp(p, "\x7f" "ELF", 4) == 0; }
 
@@ -91,7 +97,7 @@ static void test_compile(kb_ctx *ctx, kb_nvrtc *nv) {
             void *cubin = NULL;
             size_t size = 0;
             char *log = NULL;
-            kb_status st = kb_nvrtc_compile(ctx, nv, *sources[s], archs[a], NULL, &cubin, &size, &log);
+            kb_status st = kb_nvrtc_compile(ctx, nv, *sources[s], archs[a], NULL, NULL, 0, &cubin, &size, &log);
             CHECK(st == KB_OK, "compile %s source %d: %s", archs[a], s, kb_ctx_error(ctx));
             CHECK(st != KB_OK || is_elf(cubin, size), "not an ELF CUBIN (%zu bytes)", size);
             kb_blob_free(ctx, cubin, size);
@@ -101,17 +107,22 @@ static void test_compile(kb_ctx *ctx, kb_nvrtc *nv) {
     void *cubin = (void *)1;
     size_t size = 7;
     char *log = NULL;
-    kb_status st = kb_nvrtc_compile(ctx, nv, BROKEN, "sm_90", NULL, &cubin, &size, &log);
+    kb_status st = kb_nvrtc_compile(ctx, nv, BROKEN, "sm_90", NULL, NULL, 0, &cubin, &size, &log);
     CHECK(st == KB_ERR_NVRTC, "broken source gave %s", kb_status_name(st));
     CHECK(cubin == NULL && size == 0, "outputs not cleared on failure");
     CHECK(log && strstr(log, "undefined_thing_kb"), "log does not name the error: %s", log ? log : "(null)");
     CHECK(strstr(kb_ctx_error(ctx), "undefined_thing_kb"), "ctx error lacks the log: %s", kb_ctx_error(ctx));
     kb_string_free(ctx, log);
-    st = kb_nvrtc_compile(ctx, nv, SAXPY, "compute_90", NULL, &cubin, &size, NULL);
+    st = kb_nvrtc_compile(ctx, nv, SAXPY, "compute_90", NULL, NULL, 0, &cubin, &size, NULL);
     CHECK(st == KB_ERR_INVALID, "bad arch gave %s", kb_status_name(st));
 }
 
 static int same(const void *a, size_t na, const void *b, size_t nb) { return na == nb && memcmp(a, b, na) == 0; }
+
+static ino_t inode_of(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 ? st.st_ino : 0;
+}
 
 static void test_cache(kb_ctx *ctx, kb_nvrtc *nv) {
     char root[] = "/tmp/kb_test_nvrtc_XXXXXX", dir[128], file[512], file2[600];
@@ -123,12 +134,27 @@ static void test_cache(kb_ctx *ctx, kb_nvrtc *nv) {
     void *c1 = NULL, *c2 = NULL, *c3 = NULL, *other = NULL;
     size_t n1 = 0, n2 = 0, n3 = 0, nother = 0, nf = 0;
     int count = 0;
-    kb_status st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, &c1, &n1, NULL);
+    /* a cache without a key is refused: an unsigned file could not be told from a planted one */
+    kb_status st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, NULL, 0, &c1, &n1, NULL);
+    CHECK(st == KB_ERR_INVALID && !c1 && strstr(kb_ctx_error(ctx), "key"), "no key gave %s", kb_status_name(st));
+    st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, KEY, 8, &c1, &n1, NULL);
+    CHECK(st == KB_ERR_INVALID && !c1, "an 8-byte key gave %s", kb_status_name(st));
+
+    st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, KEY, sizeof KEY, &c1, &n1, NULL);
     CHECK(st == KB_OK, "cached compile: %s", kb_ctx_error(ctx));
     CHECK(find_cubin(dir, file, sizeof file, &count) && count == 1, "expected one cache file, found %d", count);
 
-    /* a hit returns the file's content: swap in another kernel's entry and get it back */
-    st = kb_nvrtc_compile(ctx, nv, HALVES, "sm_90", dir, &other, &nother, NULL);
+    /* a hit reads the file and leaves it alone (a miss would rename a fresh one over it) */
+    ino_t ino = inode_of(file);
+    st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, KEY, sizeof KEY, &c2, &n2, NULL);
+    CHECK(st == KB_OK && same(c1, n1, c2, n2), "cached result differs from the compiled one");
+    CHECK(ino && inode_of(file) == ino, "a hit rewrote the cache file");
+    kb_blob_free(ctx, c2, n2);
+    c2 = NULL;
+
+    /* another kernel's entry (well formed, signed with the key) under this one's name: its claims
+     * (source hash) do not match, so it is recompiled and replaced, not returned */
+    st = kb_nvrtc_compile(ctx, nv, HALVES, "sm_90", dir, KEY, sizeof KEY, &other, &nother, NULL);
     CHECK(st == KB_OK, "second kernel: %s", kb_ctx_error(ctx));
     find_cubin(dir, file2, sizeof file2, &count);
     CHECK(count == 2, "expected two cache files, found %d", count);
@@ -143,26 +169,38 @@ static void test_cache(kb_ctx *ctx, kb_nvrtc *nv) {
     void *saxpy_file = read_file(file, &nsaxpy_file), *other_file = read_file(file2, &nother_file);
     CHECK(saxpy_file && other_file && strcmp(file, file2) != 0, "cache files unreadable");
     write_file(file, other_file, nother_file);
-    st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, &c2, &n2, NULL);
-    CHECK(st == KB_OK && same(c2, n2, other, nother), "second compile was not served from the cache");
-    kb_blob_free(ctx, c2, n2);
-    c2 = NULL;
-    write_file(file, saxpy_file, nsaxpy_file);
-    st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, &c2, &n2, NULL);
-    CHECK(st == KB_OK && same(c1, n1, c2, n2), "cached result differs from the compiled one");
+    st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, KEY, sizeof KEY, &c2, &n2, NULL);
+    CHECK(st == KB_OK && same(c1, n1, c2, n2), "a swapped entry was served from the cache");
+    void *fixed = read_file(file, &nf);
+    CHECK(fixed && same(fixed, nf, saxpy_file, nsaxpy_file), "a swapped entry was not rewritten");
+    free(fixed);
 
-    /* a corrupted entry (one flipped byte) and a truncated one are recompiled and replaced */
-    for (int mode = 0; mode < 2; mode++) {
+    /* the same entry read under another key (a cache another user wrote, or copied from elsewhere):
+     * recompiled, and rewritten signed with this key */
+    st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, OTHER_KEY, sizeof OTHER_KEY, &c3, &n3, NULL);
+    CHECK(st == KB_OK && same(c1, n1, c3, n3), "other key: %s", kb_ctx_error(ctx));
+    kb_blob_free(ctx, c3, n3);
+    c3 = NULL;
+    fixed = read_file(file, &nf);
+    CHECK(fixed && nf == nsaxpy_file && !same(fixed, nf, saxpy_file, nsaxpy_file) &&
+              memcmp(fixed, saxpy_file, n1) == 0, "an entry signed with another key was not re-signed");
+    free(fixed);
+    write_file(file, saxpy_file, nsaxpy_file);
+
+    /* a corrupted entry (one flipped byte in the CUBIN, or in the trailer's claims) and a truncated
+     * one are recompiled and replaced */
+    for (int mode = 0; mode < 3; mode++) {
         unsigned char *bad = malloc(nsaxpy_file);
         memcpy(bad, saxpy_file, nsaxpy_file);
-        if (mode == 0) bad[nsaxpy_file / 2] ^= 0x5a;
-        write_file(file, bad, mode == 0 ? nsaxpy_file : nsaxpy_file / 3);
+        if (mode == 0) bad[n1 / 2] ^= 0x5a;
+        if (mode == 1) bad[n1 + 20] ^= 0x01; /* the NVRTC version */
+        write_file(file, bad, mode == 2 ? nsaxpy_file / 3 : nsaxpy_file);
         free(bad);
-        st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, &c3, &n3, NULL);
+        st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_90", dir, KEY, sizeof KEY, &c3, &n3, NULL);
         CHECK(st == KB_OK && same(c1, n1, c3, n3), "mode %d: corrupted entry was used", mode);
         kb_blob_free(ctx, c3, n3);
         c3 = NULL;
-        void *fixed = read_file(file, &nf);
+        fixed = read_file(file, &nf);
         CHECK(fixed && same(fixed, nf, saxpy_file, nsaxpy_file), "mode %d: corrupted entry not rewritten", mode);
         free(fixed);
     }
@@ -175,7 +213,7 @@ static void test_cache(kb_ctx *ctx, kb_nvrtc *nv) {
     CHECK(tmp == 0, "%d temporary files left in the cache", tmp);
     /* a cache_dir that cannot be created is an I/O error */
     snprintf(file2, sizeof file2, "%s/sub", file); /* a folder under a regular file */
-    st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_80", file2, &c3, &n3, NULL);
+    st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_80", file2, KEY, sizeof KEY, &c3, &n3, NULL);
     CHECK(st == KB_ERR_IO && c3 == NULL, "cache dir under a file gave %s", kb_status_name(st));
 
     free(saxpy_file);
@@ -186,6 +224,54 @@ static void test_cache(kb_ctx *ctx, kb_nvrtc *nv) {
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
     CHECK(system(cmd) == 0, "cleanup failed");
+}
+
+static void hex32(const unsigned char *d, char out[65]) {
+    for (int i = 0; i < 32; i++) snprintf(out + 2 * i, 3, "%02x", d[i]);
+}
+
+/* SHA-256 (FIPS 180-4 examples) and HMAC-SHA256 (RFC 4231 cases 2 and 6) */
+static void test_hashes(void) {
+    unsigned char d[32];
+    char hex[65];
+    cuda_sha256 s;
+    cuda_sha256_init(&s);
+    cuda_sha256_update(&s, "abc", 3);
+    cuda_sha256_final(&s, d);
+    hex32(d, hex);
+    CHECK(strcmp(hex, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad") == 0, "sha256(abc) %s", hex);
+    static char chunk[997];
+    memset(chunk, 'a', sizeof chunk);
+    cuda_sha256_init(&s);
+    size_t left = 1000000;
+    for (size_t k = 1; left; k = k % 997 + 1) { /* uneven pieces: the block buffering */
+        size_t take = k < left ? k : left;
+        cuda_sha256_update(&s, chunk, take);
+        left -= take;
+    }
+    cuda_sha256_final(&s, d);
+    hex32(d, hex);
+    CHECK(strcmp(hex, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0") == 0, "sha256(a*1e6) %s",
+          hex);
+    const char *msg = "what do ya want ", *msg2 = "for nothing?";
+    const void *parts[2] = {msg, msg2};
+    size_t lens[2] = {strlen(msg), strlen(msg2)};
+    cuda_hmac_sha256("Jefe", 4, parts, lens, 2, d);
+    hex32(d, hex);
+    CHECK(strcmp(hex, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843") == 0, "hmac case 2 %s", hex);
+    unsigned char big[131];
+    memset(big, 0xaa, sizeof big);
+    const char *m6 = "Test Using Larger Than Block-Size Key - Hash Key First";
+    const void *p6[1] = {m6};
+    size_t l6[1] = {strlen(m6)};
+    cuda_hmac_sha256(big, sizeof big, p6, l6, 1, d);
+    hex32(d, hex);
+    CHECK(strcmp(hex, "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54") == 0, "hmac case 6 %s", hex);
+    unsigned char e[32];
+    memcpy(e, d, 32);
+    CHECK(cuda_digest_equal(d, e, 32), "equal digests compare unequal");
+    e[31] ^= 1;
+    CHECK(!cuda_digest_equal(d, e, 32), "different digests compare equal");
 }
 
 static void test_not_found(kb_ctx *ctx) {
@@ -247,7 +333,7 @@ static void test_oom(const char *const *dirs, int nd) {
             size_t size = 0;
             char *log = NULL;
             kb_status st = kb_nvrtc_open(ctx, dirs, nd, &nv);
-            if (st == KB_OK) st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_80", root, &cubin, &size, &log);
+            if (st == KB_OK) st = kb_nvrtc_compile(ctx, nv, SAXPY, "sm_80", root, KEY, sizeof KEY, &cubin, &size, &log);
             CHECK(st == KB_OK || st == KB_ERR_OOM, "budget %ld: %s (%s)", k, kb_status_name(st), kb_ctx_error(ctx));
             if (st == KB_OK && pass == 1) ok_at = (int)k;
             kb_blob_free(ctx, cubin, size);
@@ -267,6 +353,7 @@ int main(void) {
     kb_ctx *ctx = NULL;
     if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK) return 1;
     unsetenv("KBENCH_NVRTC");
+    test_hashes();
     test_not_found(ctx);
 
     char buf[4096];

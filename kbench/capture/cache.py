@@ -16,27 +16,22 @@ import dataclasses
 import enum
 import functools
 import hashlib
-import importlib
 import inspect
-import io
 import logging
-import pickle
 import sys
 import types
-import warnings
 
 import torch
 import torch.utils._pytree as pytree
 
-from .. import _C
 from ..tune import cache as store
 from ..version import __version__
+from . import stored
 from .modes import autocast_mode
-from .types import Captured
 
 log = logging.getLogger("kbench.capture.cache")
 
-FORMAT = 2   # bump when the stored layout changes: older entries then simply miss (2: provenance)
+FORMAT = 3   # bump when the stored layout changes: older entries then simply miss (3: data only, no pickle)
 
 # ops whose result changes from call to call: a capture holding one cannot be checked against eager
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential")
@@ -206,85 +201,24 @@ def _code_digest(code: types.CodeType) -> str:
 # ----------------------------------------------------------------------------- serialization
 
 def dumps(captured) -> bytes:
-    """A Captured as bytes: the graph as its node list (rebuilt through the IR builder, which
-    checks every node again), everything else pickled. Uncacheable for state a later process
-    could not check (mutations, random ops) or could not rebuild (an unpicklable callable)."""
+    """A Captured as bytes: data only (stored.py), never pickled, so that reading an entry runs
+    nothing. Uncacheable for state a later process could not check (mutations, random ops) or
+    that the data format cannot hold (a GraphModule, a custom class, a namedtuple output)."""
     if captured.mutations:
         raise Uncacheable("forward updates buffers or inputs in place")
     for ext in captured.externs:
         if any(word in ext.name.lower() for word in _RANDOM):
             raise Uncacheable(f"forward draws random numbers ({ext.name})")
-    g = captured.graph
-    state = {"symbols": g.symbols, "nodes": [g.node(i) for i in range(g.num_nodes)], "outputs": g.outputs,
-             "fields": {f.name: getattr(captured, f.name) for f in dataclasses.fields(captured) if f.name != "graph"}}
-    buf = io.BytesIO()
     try:
-        _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
-    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as e:
-        raise Uncacheable(f"the capture holds something that cannot be stored ({e})") from None
-    return buf.getvalue()
+        return stored.dumps(captured)
+    except (ValueError, TypeError, RuntimeError) as e:   # NotData, or a value torch cannot give as bytes
+        raise Uncacheable(f"the capture holds something that is not stored: {e}") from None
 
 
 def loads(blob: bytes):
-    """The Captured that dumps() stored; any failure raises (the caller drops the entry)."""
-    with warnings.catch_warnings():   # torch's TreeSpec warns about its own unpickling
-        warnings.simplefilter("ignore", FutureWarning)
-        state = pickle.loads(blob)
-    g = _C.Graph()
-    for name, example in state["symbols"]:
-        g.add_symbol(name, example)
-    for i, n in enumerate(state["nodes"]):
-        if n["op"] == "input":
-            got = g.add_input(n["name"], n["input_kind"], n["dtype"], n["dims"])
-        else:
-            got = g.add_node(n["op"], n["inputs"], n["dtype"], n["dims"], scalars=tuple(n["scalars"]),
-                             axes=n["axes"], perm=n["perm"] or None, axis=n["axis"], start=n["start"],
-                             step=n["step"], index=n["index"], name=n["name"], nograd=n["nograd"])
-        if got != i:
-            raise ValueError(f"stored node {i} rebuilt as {got}")
-    for v in state["outputs"]:
-        g.add_output(v)
-    return Captured(graph=g, **state["fields"])
-
-
-def _op_overload(namespace, op, overload):
-    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
-
-
-def _op_packet(namespace, op):
-    return getattr(getattr(torch.ops, namespace), op)
-
-
-def _import_attr(module, qualname):
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-class _Pickler(pickle.Pickler):
-    """torch's operator objects do not pickle: they are stored by name and looked up again."""
-
-    def reducer_override(self, obj):
-        if isinstance(obj, torch._ops.OpOverload):
-            ns, op = obj._schema.name.split("::")
-            return _op_overload, (ns, op, obj._overloadname)
-        if isinstance(obj, torch._ops.OpOverloadPacket):
-            ns, op = obj._qualified_op_name.split("::")
-            return _op_packet, (ns, op)
-        if isinstance(obj, torch._ops.HigherOrderOperator):
-            return _import_attr, (type(obj).__module__, _hop_attr(obj))
-        return NotImplemented
-
-
-def _hop_attr(hop) -> str:
-    # higher-order operators are module-level singletons: find the name they are bound to
-    mod = sys.modules.get(type(hop).__module__)
-    for name, v in vars(mod or {}).items():
-        if v is hop:
-            return name
-    raise pickle.PicklingError(f"higher-order operator {hop} is not a module attribute")
-
+    """The Captured that dumps() stored; any failure raises (the caller drops the entry). An
+    entry in another format (a pickled one from an older kbench) is not read, only refused."""
+    return stored.loads(blob)
 
 
 # ------------------------------------------------------------------------------------- store

@@ -9,12 +9,11 @@ import glob
 import os
 import sys
 
-from .. import _C
+from .. import _C, keyfile
 
 
 def cache_dir() -> str:
-    root = os.environ.get("KBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kbench")
-    return os.path.join(root, "cubin")
+    return os.path.join(keyfile.cache_root(), "cubin")
 
 
 def wheel_lib_dirs() -> list[str]:
@@ -44,5 +43,11 @@ def info() -> tuple[str, int]:
 
 
 def compile(source: str, arch: str, *, use_cache: bool = True) -> bytes:
-    """CUDA C → CUBIN for arch ("sm_90"); kbench.CompileError carries NVRTC's log."""
-    return _C.nvrtc_compile(handle(), source, arch, cache_dir() if use_cache else None)
+    """CUDA C → CUBIN for arch ("sm_90"); kbench.CompileError carries NVRTC's log. The file cache
+    is signed with the user's key (kbench.keyfile); without a trusted key it is not used."""
+    key = None
+    if use_cache:
+        key, why = keyfile.load()
+        if key is None:
+            keyfile.warn_once(why)
+    return _C.nvrtc_compile(handle(), source, arch, cache_dir() if key else None, key)

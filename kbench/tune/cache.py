@@ -1,7 +1,9 @@
 """The persistent kernel cache: winners of the search (with their CUBIN, so a new process compiles
 nothing) and the record of every candidate tried, in one SQLite file shared by concurrent processes.
 
-A cache is never trusted blindly: a file that is not ours is set aside and replaced, an unusable
+A cache is never trusted blindly: a winner and a stored capture are used only when signed with the
+user's key (kbench.keyfile), a file that is not ours is set aside and replaced (by optimize(); the
+CLI refuses it and leaves it alone), a read-only one is read without a lock file, an unusable
 location degrades to an in-memory cache, and no key or row holds an absolute path."""
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ import sqlite3
 import sys
 import threading
 import time
+import urllib.parse
 import warnings
 from dataclasses import dataclass, field
 
+from .. import keyfile
 from ..version import __version__
 
 SCHEMA_VERSION = 1
@@ -33,7 +37,11 @@ WINNER_FIELDS = ("genome", "source_hash", "cubin", "entries", "launch", "envelop
                  "ncandidates", "created", "eager_ms", "kernel_ms", "eager_sig")
 # Winner columns added after schema version 1 was released: a file without them gets them on open
 # (NULL in old rows), so an older cache keeps its entries; older kbench versions ignore them.
-ADDED_WINNER_COLUMNS = {"eager_ms": "REAL", "kernel_ms": "REAL", "eager_sig": "TEXT"}
+# mac: the row's signature (a row without one, or with another user's, is never used).
+ADDED_WINNER_COLUMNS = {"eager_ms": "REAL", "kernel_ms": "REAL", "eager_sig": "TEXT", "mac": "TEXT"}
+# what a winner's signature covers: everything a launch trusts (times are the report's only)
+SIGNED_FIELDS = ("genome", "source_hash", "cubin", "entries", "launch", "envelope")
+SEAL = b"kbench-signed-1\n"   # a stored capture: SEAL, its signature (64 hex digits), the capture
 CANDIDATE_FIELDS = ("genome", "compile_status", "compile_log", "regs", "spills", "time_ms", "verify",
                     "generation", "seed")
 
@@ -44,7 +52,7 @@ CREATE TABLE winners (
     id INTEGER PRIMARY KEY, {_KEY_COLS},
     genome TEXT NOT NULL, source_hash TEXT NOT NULL, cubin BLOB, entries TEXT NOT NULL,
     launch TEXT NOT NULL, envelope TEXT NOT NULL, best_ms REAL, search_s REAL, ncandidates INTEGER,
-    created REAL NOT NULL, eager_ms REAL, kernel_ms REAL, eager_sig TEXT,
+    created REAL NOT NULL, eager_ms REAL, kernel_ms REAL, eager_sig TEXT, mac TEXT,
     UNIQUE ({", ".join(KEY_FIELDS)}));
 CREATE TABLE candidates (
     id INTEGER PRIMARY KEY, {_KEY_COLS},
@@ -69,8 +77,20 @@ def _scrub(text):
 
 
 def default_path() -> str:
-    root = os.environ.get("KBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kbench")
-    return os.path.join(root, "kbench.sqlite")
+    return os.path.join(keyfile.cache_root(), "kbench.sqlite")
+
+
+class CacheError(Exception):
+    """What the CLI reports: a file that is not a kbench cache (left untouched), or an operation
+    this cache cannot do (a read-only file to clear, a database error)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+NOT_A_CACHE = 3   # exit codes of `python -m kbench cache` (argparse's usage errors are 2)
+CANNOT = 1
 
 
 # ---------------------------------------------------------------------------------------- keys
@@ -164,15 +184,43 @@ class Winner:
 
 
 class Cache:
-    """One open cache. Each call is its own short transaction; safe to share between threads."""
+    """One open cache. Each call is its own short transaction; safe to share between threads.
+    read_only: writes are skipped (strict: refused with CacheError). strict (the CLI's): a
+    database error raises CacheError instead of moving on to an in-memory cache."""
 
-    def __init__(self, conn: sqlite3.Connection, path: str | None, note: str = ""):
+    def __init__(self, conn: sqlite3.Connection, path: str | None, note: str = "", *, read_only: bool = False,
+                 strict: bool = False, columns=None, tables=None):
         self._conn, self.path, self.note = conn, path, note
+        self.read_only, self.strict = read_only, strict
         self._lock = threading.Lock()
+        self._key: tuple | None = (os.urandom(keyfile.KEY_BYTES), "") if path is None else None
+        # the winner columns the file has (a read-only file from an older kbench lacks the added ones)
+        self._columns = None if columns is None else frozenset(columns)
+        self._has_captures = tables is None or "captures" in tables
 
     @property
     def in_memory(self) -> bool:
         return self.path is None
+
+    def key(self) -> bytes | None:
+        """The key that signs this cache's entries (read, or made, at first use); None: nothing
+        read from it is trusted and nothing is signed (warned once)."""
+        if self._key is None:
+            self._key = keyfile.load(os.path.dirname(self.path), create=not self.read_only)
+            if self._key[0] is None:
+                keyfile.warn_once(self._key[1])
+        return self._key[0]
+
+    def _col(self, name: str) -> str:
+        return name if self._columns is None or name in self._columns else f"NULL AS {name}"
+
+    def _writable(self, what: str) -> bool:
+        """False for a read-only cache (strict: CacheError): its writes are skipped."""
+        if not self.read_only:
+            return True
+        if self.strict:
+            raise CacheError(f"cannot {what} {self.path}: {self.note}", CANNOT)
+        return False
 
     def close(self):
         with self._lock:
@@ -198,24 +246,43 @@ class Cache:
             except sqlite3.Error as e:
                 if self.path is None:
                     raise
+                if self.strict:
+                    raise CacheError(f"kbench cache {self.path}: {e}", CANNOT) from None
                 warnings.warn(f"kbench cache {os.path.basename(self.path)}: {e}; continuing with an "
                               f"in-memory cache for this process", RuntimeWarning, stacklevel=3)
                 self._conn.close()
                 self._conn, self.path, self.note = _memory(), None, f"database error: {e}"
+                self.read_only, self._columns, self._has_captures = False, None, True
+                self._key = (os.urandom(keyfile.KEY_BYTES), "")
                 return fn(self._conn)
 
     # ------------------------------------------------------------------ winners
 
     def lookup(self, key: CacheKey) -> Winner | None:
+        """The stored winner for key, or None; a row not signed with this user's key (written by
+        someone else, copied from elsewhere, or by a kbench before rows were signed) is a miss."""
         where = " AND ".join(f"{f} = ?" for f in KEY_FIELDS)
-        row = self._run(lambda c: c.execute(f"SELECT {', '.join(WINNER_FIELDS)} FROM winners WHERE {where}",
+        cols = ", ".join(self._col(f) for f in WINNER_FIELDS + ("mac",))
+        row = self._run(lambda c: c.execute(f"SELECT {cols} FROM winners WHERE {where}",
                                             tuple(key.as_dict().values())).fetchone(), write=False)
         if row is None:
             return None
+        *row, mac = row
         w = Winner(*row)
         w.cubin = None if w.cubin is None else bytes(w.cubin)
+        if not keyfile.verify(self.key(), mac, *self._signed(key, w)):
+            if self.key() is not None:
+                _warn_once(f"unsigned:{self.path}", f"kbench cache {self.path}: a stored kernel is not signed with "
+                                                    f"this user's key (written elsewhere, or changed since); it is "
+                                                    f"not loaded, the region is tuned again")
+            return None
         w.entries, w.launch = json.loads(w.entries), json.loads(w.launch)
         return w
+
+    @staticmethod
+    def _signed(key: CacheKey, w: Winner) -> tuple:
+        """What a winner's signature covers, as stored (entries and launch as their JSON text)."""
+        return ("kbench-winner-1", *key.as_dict().values(), *(getattr(w, f) for f in SIGNED_FIELDS))
 
     def store(self, key: CacheKey, winner: Winner) -> None:
         """Insert, or replace the entry with the same key (the latest search wins)."""
@@ -224,12 +291,19 @@ class Cache:
             raise ValueError(f"Winner.launch lacks {', '.join(missing)}")
         if isinstance(winner.entries, str) or not winner.entries:
             raise ValueError("Winner.entries must be a non-empty list of entry names")
-        cubin = None if winner.cubin is None else sqlite3.Binary(bytes(winner.cubin))
-        row = (*key.as_dict().values(), _scrub(winner.genome), winner.source_hash, cubin,
-               json.dumps(list(winner.entries)), _scrub(json.dumps(winner.launch, sort_keys=True)),
-               _scrub(winner.envelope), winner.best_ms, winner.search_s, winner.ncandidates, winner.created,
-               winner.eager_ms, winner.kernel_ms, winner.eager_sig)
-        cols = KEY_FIELDS + WINNER_FIELDS
+        if not self._writable("store a winner in"):
+            return
+        cubin = None if winner.cubin is None else bytes(winner.cubin)
+        stored = Winner(genome=_scrub(winner.genome), source_hash=winner.source_hash, cubin=cubin,
+                        entries=json.dumps(list(winner.entries)),
+                        launch=_scrub(json.dumps(winner.launch, sort_keys=True)), envelope=_scrub(winner.envelope))
+        k = self.key()
+        mac = None if k is None else keyfile.sign(k, *self._signed(key, stored))
+        row = (*key.as_dict().values(), stored.genome, winner.source_hash,
+               None if cubin is None else sqlite3.Binary(cubin), stored.entries, stored.launch, stored.envelope,
+               winner.best_ms, winner.search_s, winner.ncandidates, winner.created, winner.eager_ms,
+               winner.kernel_ms, winner.eager_sig, mac)
+        cols = KEY_FIELDS + WINNER_FIELDS + ("mac",)
         sql = f"INSERT OR REPLACE INTO winners ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
         self._run(lambda c: c.execute(sql, row), write=True)
 
@@ -237,6 +311,8 @@ class Cache:
                   eager_sig: str | None = None) -> bool:
         """Record the eager and kernel times of the winner stored under key (measured after it was
         stored) and what the eager time timed (eager_sig); False when there is no such winner."""
+        if not self._writable("store times in"):
+            return False
         where = " AND ".join(f"{f} = ?" for f in KEY_FIELDS)
         sql = f"UPDATE winners SET eager_ms = ?, kernel_ms = ?, eager_sig = ? WHERE {where}"
         cur = self._run(lambda c: c.execute(sql, (eager_ms, kernel_ms, eager_sig, *key.as_dict().values())),
@@ -264,23 +340,47 @@ class Cache:
     # ------------------------------------------------------------------ captures
 
     def load_capture(self, key: str) -> bytes | None:
-        """A captured model stored by store_capture (kbench.capture.cache's bytes), or None."""
+        """A captured model stored by store_capture (kbench.capture.cache's bytes), or None; an
+        entry not signed with this user's key (an older kbench's, or planted) is a miss."""
+        if not self._has_captures:
+            return None
         row = self._run(lambda c: c.execute("SELECT blob FROM captures WHERE key = ?", (key,)).fetchone(),
                         write=False)
-        return None if row is None else bytes(row[0])
+        if row is None:
+            return None
+        blob = bytes(row[0])
+        n = len(SEAL) + 64
+        if not blob.startswith(SEAL):
+            return None
+        mac, body = blob[len(SEAL):n].decode("ascii", "replace"), blob[n:]
+        if not keyfile.verify(self.key(), mac, b"kbench-capture-1", body):
+            if self.key() is not None:
+                _warn_once(f"unsigned-capture:{self.path}", f"kbench cache {self.path}: a stored capture is not "
+                                                            f"signed with this user's key; it is not loaded")
+            return None
+        return body
 
     def store_capture(self, key: str, blob: bytes) -> None:
+        if not self._writable("store a capture in"):
+            return
+        k = self.key()
+        if k is None:   # it could not be trusted later: not kept
+            return
+        sealed = SEAL + keyfile.sign(k, b"kbench-capture-1", blob).encode() + blob
         self._run(lambda c: c.execute("INSERT OR REPLACE INTO captures VALUES (?, ?, ?)",
-                                      (key, sqlite3.Binary(blob), time.time())), write=True)
+                                      (key, sqlite3.Binary(sealed), time.time())), write=True)
 
     def drop_capture(self, key: str) -> None:
-        self._run(lambda c: c.execute("DELETE FROM captures WHERE key = ?", (key,)), write=True)
+        if self._writable("drop a capture from"):
+            self._run(lambda c: c.execute("DELETE FROM captures WHERE key = ?", (key,)), write=True)
 
     # ------------------------------------------------------------------ search record
 
     def record(self, key: CacheKey, candidates: list) -> None:
         """Append candidates (dicts with CANDIDATE_FIELDS; genome required, others may be absent;
         unknown keys are kept as JSON in `extra`) to the search record, in one transaction."""
+        if not self._writable("record candidates in"):
+            return
         now, rows = time.time(), []
         for cand in candidates:
             if "genome" not in cand:
@@ -299,10 +399,13 @@ class Cache:
         """The winners, newest first, without CUBIN bytes (cubin_bytes gives their size)."""
         cols = KEY_FIELDS + tuple(f for f in WINNER_FIELDS if f not in ("cubin", "launch"))
         rows = self._run(lambda c: c.execute(
-            f"SELECT {', '.join(cols)}, length(cubin) FROM winners ORDER BY created DESC").fetchall(), write=False)
+            f"SELECT {', '.join(map(self._col, cols))}, length(cubin) FROM winners ORDER BY created DESC").fetchall(),
+            write=False)
         return [dict(zip(cols + ("cubin_bytes",), r)) for r in rows]
 
     def clear(self) -> None:
+        if not self._writable("clear"):
+            return
         self._run(lambda c: (c.execute("DELETE FROM winners"), c.execute("DELETE FROM candidates"),
                              c.execute("DELETE FROM captures")), write=True)
         with self._lock, contextlib.suppress(sqlite3.Error):
@@ -314,11 +417,12 @@ class Cache:
                     c.execute("SELECT count(*) FROM winners").fetchone()[0],
                     c.execute("SELECT count(*) FROM candidates").fetchone()[0],
                     c.execute("PRAGMA journal_mode").fetchone()[0],
-                    c.execute("SELECT count(*) FROM captures").fetchone()[0])
+                    c.execute("SELECT count(*) FROM captures").fetchone()[0] if self._has_captures else 0)
         version, nw, nc, journal, ncap = self._run(q, write=False)
         size = sum(os.path.getsize(p) for p in (self.path, f"{self.path}-wal") if self.path and os.path.exists(p))
         return {"path": self.path or ":memory:", "size_bytes": size, "winners": nw, "candidates": nc,
-                "captures": ncap, "schema_version": int(version), "journal_mode": journal, "note": self.note}
+                "captures": ncap, "schema_version": int(version), "journal_mode": journal,
+                "read_only": self.read_only, "note": self.note}
 
     def export(self, fp, *, cubins: bool = True) -> int:
         """Winners then candidates as JSON lines (fp: a text file or a path); CUBINs base64, or
@@ -372,20 +476,15 @@ def _check(conn) -> str:
     for its creator instead of judging it foreign."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        tables = _tables(conn)
         if not tables:
             for stmt in filter(str.strip, _SCHEMA.split(";")):  # executescript would commit early
                 conn.execute(stmt)
             conn.executemany("INSERT INTO meta VALUES (?, ?)", [("magic", MAGIC),
                                                                ("schema_version", str(SCHEMA_VERSION))])
             why = ""
-        elif not _TABLES <= tables:
-            why = f"an SQLite file without kbench's tables (has {', '.join(sorted(tables)[:5])})"
         else:
-            meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
-            magic, version = meta.get("magic"), meta.get("schema_version")
-            why = (f"bad magic {magic!r}" if magic != MAGIC else "" if version == str(SCHEMA_VERSION)
-                   else f"schema version {version!r}, this kbench reads {SCHEMA_VERSION}")
+            why = _not_ours(conn, tables)
             if not why:
                 _add_columns(conn, tables)
         conn.execute("COMMIT")
@@ -394,6 +493,22 @@ def _check(conn) -> str:
         if conn.in_transaction:  # SQLite may already have rolled back (e.g. "not a database")
             conn.execute("ROLLBACK")
         raise
+
+
+def _tables(conn) -> set:
+    return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def _not_ours(conn, tables) -> str:
+    """Why a database with these tables is not a kbench cache this kbench reads ("": it is)."""
+    if not tables:
+        return "an empty database, without kbench's tables"
+    if not _TABLES <= tables:
+        return f"an SQLite file without kbench's tables (has {', '.join(sorted(tables)[:5])})"
+    meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
+    magic, version = meta.get("magic"), meta.get("schema_version")
+    return (f"bad magic {magic!r}" if magic != MAGIC else "" if version == str(SCHEMA_VERSION)
+            else f"schema version {version!r}, this kbench reads {SCHEMA_VERSION}")
 
 
 def _add_columns(conn, tables) -> None:
@@ -449,21 +564,90 @@ def _set_aside(path: str, inode) -> None:
             os.replace(path + side, aside + side)
 
 
-def open_cache(path=None) -> Cache:
+def open_cache(path=None, *, strict: bool = False) -> Cache:
     """The cache at path (default $KBENCH_CACHE_DIR/kbench.sqlite or ~/.cache/kbench/kbench.sqlite;
-    ":memory:" for a private one). Never raises for a bad file or location: see the module doc."""
+    ":memory:" for a private one). Never raises for a bad file or location: see the module doc.
+    A file or folder this process may not write is opened read-only: no lock file, no schema
+    change, writes skipped. strict (the CLI): only an existing kbench cache is opened, anything
+    else raises CacheError and is left exactly as it was; nothing falls back to memory."""
     if path is not None and str(path) == ":memory:":
-        return Cache(_memory(), None, "in-memory by request")
+        return Cache(_memory(), None, "in-memory by request", strict=strict)
     path = os.path.abspath(os.path.expanduser(str(path) if path is not None else default_path()))
+    if strict:
+        return _open_strict(path)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not _may_write(path):
+            if os.path.exists(path):
+                return _open_read_only(path, strict=False)
+            raise PermissionError(f"the folder {os.path.dirname(path)} is not writable")
         with _open_lock(path):
             return _open_locked(path)
-    except (OSError, sqlite3.OperationalError) as e:
+    except (OSError, sqlite3.OperationalError, CacheError) as e:
         # unwritable, cannot open, locked longer than BUSY_TIMEOUT_S: not corruption, so the file stays
         _warn_once(f"unusable:{path}", f"kbench cache {path} is unusable ({e}); using an in-memory cache "
                                        f"for this process (nothing will persist)")
         return Cache(_memory(), None, f"unusable location: {e}")
+
+
+def _may_write(path: str) -> bool:
+    """Whether this process may change path and its folder (the lock file, -wal and -shm live
+    beside it). os.access: what the kernel would allow this user, without trying."""
+    folder = os.path.dirname(path)
+    return os.access(folder, os.W_OK) and (not os.path.exists(path) or os.access(path, os.W_OK))
+
+
+def _open_strict(path: str) -> Cache:
+    if not os.path.exists(path):
+        raise CacheError(f"no kbench cache at {path}", CANNOT)
+    if not os.path.isfile(path):
+        raise CacheError(f"{path} is not a kbench cache (not a regular file); left untouched", NOT_A_CACHE)
+    # the schema is read before anything is written: another program's file is never changed
+    _open_read_only(path, strict=True).close()
+    if not _may_write(path):
+        return _open_read_only(path, strict=True)
+    with _open_lock(path):
+        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        try:
+            why = _check(conn)
+        except sqlite3.Error as e:
+            conn.close()
+            raise CacheError(f"kbench cache {path}: {e}", CANNOT) from None
+        if why:   # replaced between the two looks
+            conn.close()
+            raise CacheError(f"{path} is not a kbench cache ({why}); left untouched", NOT_A_CACHE)
+        return Cache(conn, path, strict=True)
+
+
+def _open_read_only(path: str, *, strict: bool) -> Cache:
+    """A kbench cache opened read-only (sqlite's mode=ro; in a folder this process may not write,
+    immutable=1: SQLite then makes no -wal or -shm file beside it and takes no lock, and it could
+    not make them anyway); CacheError when the file is not one."""
+    uri = "file:" + urllib.parse.quote(path, safe="/")
+    last = None
+    tries = ("?mode=ro", "?mode=ro&immutable=1") if os.access(os.path.dirname(path), os.W_OK) else \
+        ("?mode=ro&immutable=1",)
+    for params in tries:
+        conn = sqlite3.connect(uri + params, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                               check_same_thread=False)
+        try:
+            tables = _tables(conn)
+            why = _not_ours(conn, tables)
+            columns = {r[1] for r in conn.execute("PRAGMA table_info(winners)")} if not why else set()
+        except sqlite3.OperationalError as e:   # e.g. "unable to open database file": try immutable
+            conn.close()
+            last = e
+            continue
+        except sqlite3.DatabaseError as e:
+            conn.close()
+            raise CacheError(f"{path} is not a kbench cache (not a usable SQLite database: {e}); left untouched",
+                             NOT_A_CACHE) from None
+        if why:
+            conn.close()
+            raise CacheError(f"{path} is not a kbench cache ({why}); left untouched", NOT_A_CACHE)
+        note = "read-only (the file or its folder is not writable)"
+        return Cache(conn, path, note, read_only=True, strict=strict, columns=columns, tables=tables)
+    raise CacheError(f"kbench cache {path} cannot be read ({last})", CANNOT)
 
 
 def _open_locked(path: str) -> Cache:
@@ -519,13 +703,17 @@ def _table(rows: list[dict]) -> str:
 
 
 def cli_main(argv=None) -> int:
-    """python -m kbench cache {ls,clear,export FILE,info} [--path P]"""
-    p = argparse.ArgumentParser(prog="python -m kbench cache", description="the persistent kernel cache")
+    """python -m kbench cache {ls,clear,export FILE,info} [--path P]. Touches only a kbench cache:
+    a missing file is reported (exit 1), anything else is refused and left as it is (exit
+    NOT_A_CACHE), and what cannot be done (clearing a read-only cache) says why (exit 1)."""
+    p = argparse.ArgumentParser(prog="python -m kbench cache", description="the persistent kernel cache",
+                                epilog=f"exit status: 0 done, {CANNOT} no cache or it cannot be done, 2 usage, "
+                                       f"{NOT_A_CACHE} the file is not a kbench cache (left untouched)")
     p.add_argument("--path", default=None, help="cache file (default: $KBENCH_CACHE_DIR/kbench.sqlite "
                                                  "or ~/.cache/kbench/kbench.sqlite)")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("ls", help="the stored winners, newest first")
-    sub.add_parser("clear", help="delete every winner and the search record")
+    sub.add_parser("clear", help="delete every winner, the search record and the stored captures")
     ex = sub.add_parser("export", help="winners and candidates as JSON lines")
     ex.add_argument("file")
     ex.add_argument("--no-cubins", action="store_true", help="leave the CUBIN bytes out")
@@ -534,21 +722,31 @@ def cli_main(argv=None) -> int:
         args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:  # argparse exits; a caller of cli_main wants the code
         return int(e.code or 0)
-    with contextlib.closing(open_cache(args.path)) as cache:
-        if args.cmd == "ls":
-            rows = cache.ls()
-            print(_table(rows) if rows else f"no winners in {cache.info()['path']}")
-        elif args.cmd == "clear":
-            n = cache.info()
-            cache.clear()
-            print(f"cleared {n['winners']} winner(s), {n['candidates']} candidate(s) and {n['captures']} "
-                  f"captured model(s) from {n['path']}")
-        elif args.cmd == "export":
-            n = cache.export(args.file, cubins=not args.no_cubins)
-            print(f"wrote {n} line(s) to {args.file}")
-        else:
-            for k, v in cache.info().items():
-                if k != "note" or v:
-                    print(f"{k}: {v}")
-    return 0
+    try:
+        with contextlib.closing(open_cache(args.path, strict=True)) as cache:
+            return _command(cache, args)
+    except CacheError as e:
+        print(f"kbench cache: {e}", file=sys.stderr)
+        return e.code
 
+
+def _command(cache: Cache, args) -> int:
+    if args.cmd == "ls":
+        rows = cache.ls()
+        print(_table(rows) if rows else f"no winners in {cache.path}")
+    elif args.cmd == "clear":
+        n = cache.info()
+        cache.clear()   # CacheError where it cannot: never reported as done
+        after = cache.info()
+        if after["winners"] or after["candidates"] or after["captures"]:
+            raise CacheError(f"{cache.path} still holds entries after clearing", CANNOT)
+        print(f"cleared {n['winners']} winner(s), {n['candidates']} candidate(s) and {n['captures']} "
+              f"captured model(s) from {cache.path}")
+    elif args.cmd == "export":
+        n = cache.export(args.file, cubins=not args.no_cubins)
+        print(f"wrote {n} line(s) to {args.file}")
+    else:
+        for k, v in cache.info().items():
+            if k != "note" or v:
+                print(f"{k}: {v}")
+    return 0
