@@ -209,3 +209,19 @@ def test_empty_dims_are_eager_s():
             assert same(empty(x), want) and same(empty(full), m(full)), (name, shape)
     assert torch.equal(optimize(Fn(EMPTY_OPS["sum"]), full)(torch.randn(3, 0)), torch.zeros(3))
     assert all(math.isnan(v) for v in optimize(Fn(EMPTY_OPS["mean"]), full)(torch.randn(3, 0)).tolist())
+
+
+class EmptyConstantForTorch(torch.nn.Module):
+    """An empty constant the forward makes and only torch reads (Hugging Face's attention passes
+    one to its mask code): the rest of the model is still kbench's."""
+
+    def forward(self, x):
+        idx = torch.bucketize(x, torch.tensor([], dtype=x.dtype))
+        return torch.relu(x) * 2 + idx
+
+
+def test_an_empty_constant_only_torch_reads_keeps_the_capture():
+    m, x = EmptyConstantForTorch(), torch.randn(4, 8)
+    opt = optimize(m, x)
+    assert not isinstance(opt, EagerModule), opt.kbench_report
+    assert same(opt(x), m(x))

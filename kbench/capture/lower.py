@@ -191,10 +191,16 @@ def _check_not_empty(graph):
     a slice past the end): eager's empty results, its sum of 0 and its mean of nan over an empty
     dim, its error for the max of one, are eager's to give; a kernel launched on no elements or
     reducing an empty row has none of them. The model runs in eager (CaptureError), and a call
-    with an empty tensor into a varying size goes to eager at run time (OptimizedModule._bind)."""
-    for i in range(graph.num_nodes):
-        node = graph.node(i)
-        if 0 in node["dims"]:
+    with an empty tensor into a varying size goes to eager at run time (OptimizedModule._bind).
+    An empty value that only torch reads (an empty constant Hugging Face's attention passes to
+    its mask code) is torch's business: it stays."""
+    nodes = [graph.node(i) for i in range(graph.num_nodes)]
+    read_by_kbench = set()
+    for node in nodes:
+        if node["op"] != "extern":
+            read_by_kbench.update(node["inputs"])
+    for i, node in enumerate(nodes):
+        if 0 in node["dims"] and (node["op"] not in ("input", "extern") or i in read_by_kbench):
             what = f"input {node['name']!r}" if node["op"] == "input" else f"a {node['op']} in the graph"
             raise CaptureError(f"{what} has a size-0 dim (sizes {node['dims']}): empty tensors run in eager "
                                "PyTorch")
