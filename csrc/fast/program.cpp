@@ -79,6 +79,7 @@ struct Program {
     PyObject *captured;           /* its .constants hold the lifted constants */
     PyObject *training;           /* the mode the graph was captured in (compared by identity) */
     PyObject *apply_region;       /* runtime.apply_region: a region its Region refuses */
+    PyObject *guards;             /* Guards: the Python state the forward read (NULL: none) */
     int grad_ok;                  /* gradients may flow here (no joint program could apply) */
     Py_ssize_t served, declined;
     const char *why;              /* why the last declined call was declined */
@@ -243,7 +244,7 @@ bool run_step(Program *self, const StepSpec &st, bool grad, std::vector<at::Tens
 
 /* The forward's result for module(*inputs), or NotImplemented where the Python path must run.
  * The checks, in _run's order: the inputs (plain tensors, as many as captured, a bound
- * signature), the train/eval mode, each parameter or buffer (present, a plain tensor, its
+ * signature), the train/eval mode, the Python state the forward read (Guards), each parameter or buffer (present, a plain tensor, its
  * captured dtype and shape, on the inputs' device), whether gradients are wanted where only
  * the joint program may run them. Nothing is launched before all of them pass. */
 PyObject *run(Program *self, PyObject *module, PyObject *const *inputs, size_t n) {
@@ -272,6 +273,8 @@ PyObject *run(Program *self, PyObject *module, PyObject *const *inputs, size_t n
         }
         if (training.get() != self->training) return decline(self, "the train/eval mode differs from the captured one");
     }
+    if (self->guards && guards_failing(self->guards) >= 0)
+        return decline(self, "the Python state the forward read changed");
     std::vector<at::Tensor> slots;
     slots.reserve(e.nslots);
     for (size_t i = 0; i < n; i++) slots.push_back(*ts[i]);
@@ -431,19 +434,23 @@ PyObject *program_why(Program *self, void *) {
     return PyUnicode_FromString(self->why);
 }
 
-/* Program(orig, captured, ninputs, chains, meta, training, grad_ok, apply_region)
+/* Program(orig, captured, ninputs, chains, meta, training, grad_ok, apply_region, guards=None)
  * chains: per parameter/buffer/constant input, (path, table, leaf) as
  * OptimizedModule._param_chains gives them (path None: captured.constants[leaf]);
- * meta: (name, dtype, shape) per chain as captured. */
+ * meta: (name, dtype, shape) per chain as captured; guards: a Guards, checked per call. */
 PyObject *program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static const char *kwlist[] = {"orig", "captured", "ninputs", "chains", "meta", "training", "grad_ok",
-                                   "apply_region", nullptr};
-    PyObject *orig, *captured, *chains, *meta, *training, *apply_region;
+                                   "apply_region", "guards", nullptr};
+    PyObject *orig, *captured, *chains, *meta, *training, *apply_region, *guards = Py_None;
     Py_ssize_t ninputs;
     int grad_ok;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnOOOpO", (char **)kwlist, &orig, &captured, &ninputs, &chains,
-                                     &meta, &training, &grad_ok, &apply_region))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnOOOpO|O", (char **)kwlist, &orig, &captured, &ninputs, &chains,
+                                     &meta, &training, &grad_ok, &apply_region, &guards))
         return nullptr;
+    if (guards != Py_None && Py_TYPE(guards) != GuardsType) {
+        PyErr_SetString(PyExc_TypeError, "Program: guards must be a kbench._fast.Guards or None");
+        return nullptr;
+    }
     if (!PyCallable_Check(apply_region) || ninputs < 0) {
         PyErr_SetString(PyExc_TypeError, "Program: apply_region must be callable and ninputs >= 0");
         return nullptr;
@@ -463,6 +470,7 @@ PyObject *program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->captured = Py_NewRef(captured);
     self->training = Py_NewRef(training);
     self->apply_region = Py_NewRef(apply_region);
+    self->guards = guards == Py_None ? nullptr : Py_NewRef(guards);
     self->grad_ok = grad_ok;
     self->s.ninputs = (size_t)ninputs;
     for (Py_ssize_t i = 0; i < np; i++) {
@@ -505,6 +513,7 @@ int program_traverse(Program *self, visitproc visit, void *arg) {
     Py_VISIT(self->orig);
     Py_VISIT(self->captured);
     Py_VISIT(self->apply_region);
+    Py_VISIT(self->guards);
     for (const auto &e : self->s.entries) {
         for (const StepSpec &st : e->steps) {
             Py_VISIT(st.step.o);
@@ -523,6 +532,7 @@ int program_clear(Program *self) {
     Py_CLEAR(self->orig);
     Py_CLEAR(self->captured);
     Py_CLEAR(self->apply_region);
+    Py_CLEAR(self->guards);
     return 0;
 }
 

@@ -17,6 +17,8 @@ Conventions (the runtime and the reference evaluator rely on them):
   provenance      origin[v]: the FX node graph value v came from; calls[name]: that node's ATen
                   call on graph values, for every node lowered into IR (what eager runs for it);
                   kept[name]: why a node the IR could decompose is an EXTERN call instead.
+  python_state    what the forward read of Python state (attributes, submodules, globals) and
+                  the capture specialized on: checked at every call (capture/guards.py).
 """
 from __future__ import annotations
 
@@ -206,6 +208,7 @@ class Captured:
     origin: dict = dataclasses.field(default_factory=dict)        # graph value id -> the FX node it came from
     calls: dict = dataclasses.field(default_factory=dict)         # FX node name -> NodeCall, graph order
     kept: dict = dataclasses.field(default_factory=dict)          # FX node name -> why it stays a torch call
+    python_state: tuple = ()        # the Python state the forward read (capture/guards.py descriptions)
 
     # -- helpers the runtime and the reference evaluator share
 
