@@ -76,24 +76,14 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.fixture(params=["native", "python"])
-def checker(request, monkeypatch):
-    """Each module test runs with kbench._fast.Guards and with the Python loop."""
-    if request.param == "python":
-        monkeypatch.setattr(fastmod, "guards_type", lambda: None)
-    elif fastmod.guards_type() is None:
-        pytest.skip("kbench._fast.Guards is not built")
-    return request.param
-
-
-def test_attribute_config_and_global_changes_are_seen(checker, cache_dir, monkeypatch, caplog, exports):
+def test_attribute_config_and_global_changes_are_seen(cache_dir, monkeypatch, caplog, exports):
     torch.manual_seed(0)
     model = Scaled().eval()
     x = torch.randn(4, 8)
     opt = kbench.optimize(model, (x,), backend="interp")
     assert _close(opt(x), model(x)) and len(exports) == 1
-    state = opt._kbench_state
-    assert isinstance(state.native, fastmod.guards_type()) if checker == "native" else state.native is None
+    native = fastmod.guards_type()
+    assert native is None or isinstance(opt._kbench_state.native, native)
     with caplog.at_level(logging.WARNING, logger="kbench"):
         model.unused = 5                      # not read by the forward: no new capture
         assert _close(opt(x), model(x)) and len(exports) == 1
@@ -114,6 +104,17 @@ def test_attribute_config_and_global_changes_are_seen(checker, cache_dir, monkey
     monkeypatch.setattr(_this, "SHIFT", 1.0)
     assert _close(opt(x), model(x)) and len(exports) == n
     assert "unused" not in {name for _, _, name, _ in opt._kbench_captured.python_state}
+
+
+def test_the_python_loop_checks_where_cpp_does_not(monkeypatch):
+    monkeypatch.setattr(fastmod, "guards_type", lambda: None)   # KBENCH_FAST=0, or a build without it
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    x = torch.randn(4, 8)
+    opt = kbench.optimize(model, (x,), backend="interp", budget="none")
+    assert opt._kbench_state.native is None
+    model.scale = -3.0
+    assert _close(opt(x), model(x)) and len(opt._kbench_variants) == 1
 
 
 def test_through_the_capture_cache(cache_dir, monkeypatch, exports):

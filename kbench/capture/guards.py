@@ -192,6 +192,20 @@ def _recording_class(cls):
             rec.read(self, name, v)
         return v
     ns["__getattribute__"] = __getattribute__
+
+    def __setattr__(self, name, value):
+        rec = _active
+        if rec is not None and rec.depth:
+            rec.wrote(self, name)
+        super(sub, self).__setattr__(name, value)
+    ns["__setattr__"] = __setattr__
+
+    def __delattr__(self, name):
+        rec = _active
+        if rec is not None and rec.depth:
+            rec.wrote(self, name)
+        super(sub, self).__delattr__(name)
+    ns["__delattr__"] = __delattr__
     if hasattr(cls, "__getattr__"):   # nn.Module's: parameters, buffers, submodules
         def __getattr__(self, name):
             v = super(sub, self).__getattr__(name)
@@ -219,7 +233,8 @@ class Recorder:
     "attr" (owner's __dict__[name]), "getattr" (getattr(owner, name)), "child"
     (owner._modules[name]) or "global" (the globals of the Python module named owner); owner is a
     module path and the attribute chain below it ((path,), (path, "config")), a module name for a
-    global; check is "id" (the same object) or "eq:<digest>" (an equal value)."""
+    global; check is "id" (the same object) or "eq:<digest>" (an equal value). Kind "write": the
+    forward sets that attribute (no capture of it holds)."""
 
     def __init__(self, root):
         self.root = root
@@ -301,6 +316,20 @@ class Recorder:
         self.found.setdefault((kind, owner, name), "id")
         if len(owner) <= MAX_CHAIN and _wrappable(v):
             self.own(v, owner + (name,))
+
+    def wrote(self, obj, name):
+        """An attribute set inside the forward: the capture does not replay it (a call counter, a
+        cache kept on the module), so no capture of this forward is trusted."""
+        if self.busy or threading.get_ident() != self.thread or name.startswith("__"):
+            return
+        owner = self.owners.get(id(obj))
+        if owner is None:
+            return
+        if isinstance(obj, torch.nn.Module):
+            d = object.__getattribute__(obj, "__dict__")
+            if name in _MODULE_INTERNALS or any(name in d.get(t, ()) for t in ("_parameters", "_buffers", "_modules")):
+                return   # tensors and submodules: export sees what the forward does to them
+        self.found.setdefault(("write", owner, name), "")
 
     # -- the result
 
@@ -421,6 +450,8 @@ def bind(model, descriptions, native=None) -> Bound:
     entries, labels = [], []
     for kind, owner, name, chk in descriptions:
         label = _label(kind, owner, name)
+        if kind == "write":
+            raise Stale(f"it sets {label}, which a capture does not repeat")
         if kind == "global":
             mod = sys.modules.get(owner)
             if mod is None:

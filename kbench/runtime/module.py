@@ -92,8 +92,8 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         # last: the graph runner stands where the fast program stands, and hands it what it declines
         graphs.install(self, cuda_graphs)
         if stale:
-            self.run_original(f"the forward changes the Python state it reads ({stale}): a capture would be "
-                              "stale at the next call")
+            self.run_original(f"the forward changes Python state ({stale}): a capture would be stale at "
+                              "the next call")
 
     def __reduce__(self):
         """pickle, copy.deepcopy, torch.save: the original module (with its parameters) and how it was
@@ -117,18 +117,21 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
     def __setattr__(self, name, value):
         """A plain attribute set on the wrapper is the original's (the forward reads it there, and the
         guards see the change); the wrapper's own state stays its own."""
-        orig = self.__dict__.get("_kbench_orig")
-        if orig is None or name in _OWN or name.startswith("_kbench"):
+        if self._kbench_own(name):
             super().__setattr__(name, value)
         else:
-            setattr(orig, name, value)
+            setattr(self._kbench_orig, name, value)
 
     def __delattr__(self, name):
-        orig = self.__dict__.get("_kbench_orig")
-        if orig is None or name in _OWN or name.startswith("_kbench") or name in self.__dict__:
+        if self._kbench_own(name):
             super().__delattr__(name)
         else:
-            delattr(orig, name)
+            delattr(self._kbench_orig, name)
+
+    def _kbench_own(self, name) -> bool:
+        """The wrapper's own attribute: its state, nn.Module's (what module.compile() sets included)."""
+        return ("_kbench_orig" not in self.__dict__ or name in _OWN or name.startswith("_kbench")
+                or name in self.__dict__ or hasattr(type(self), name))
 
     @property
     def kbench_report(self):
