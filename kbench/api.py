@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 from . import _C
 from .capture import cache as capture_cache
+from .capture import guards as state_guards
 from .capture import capture_exported, relower, repin, validate
 from .capture import capture as capture_graph
 from .capture.signature import CallSpec, FlatCall
@@ -299,7 +300,19 @@ def _optimize(model, args, kwargs, options):
             _log.warning("kbench: the stored capture of %s does not match eager on the example inputs (%s); "
                          "capturing it again", type(model).__name__, why)
         capture_cache.forget(key)
-    optimized = _demote(build(lowering.capture()), lowering, build, tuner)
+    captured = lowering.capture()
+    if state_guards.stale(model, captured.python_state):
+        # the forward set state as it ran (a default filled in at the first call, a config's
+        # problem_type): captured once more, from the state it left; a forward that sets state at
+        # every call stays stale, and its module runs the model (OptimizedModule says why)
+        if key is not None:   # the key of the state as it is now
+            try:
+                key = capture_cache.fingerprint(model, tensors, backend, "" if spec.plain else spec.key())
+            except Exception:  # noqa: BLE001 - as lookup(): a key that cannot be made only costs the cache
+                key = None
+        lowering = Lowering(target, tensors, backend)
+        captured = lowering.capture()
+    optimized = _demote(build(captured), lowering, build, tuner)
     del lowering   # torch's ExportedProgram (fake tensors, shape environment): not kept
     if optimized._kbench_stale:   # the forward changes what it reads: a stored capture would never hold
         key = None

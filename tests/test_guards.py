@@ -66,6 +66,20 @@ class Counting(nn.Module):
         return x * self.calls
 
 
+class Filling(nn.Module):
+    """Fills in a config value at its first call (as a Hugging Face classifier sets problem_type)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = Cfg()
+        self.cfg.kind = None
+
+    def forward(self, x):
+        if self.cfg.kind is None:
+            self.cfg.kind = "double"
+        return x * 2 if self.cfg.kind == "double" else x
+
+
 def _close(a, b):
     return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -157,7 +171,17 @@ def test_a_forward_that_changes_what_it_reads_runs_in_eager(exports):
     assert opt._kbench_original and "calls" in opt._kbench_original
     before = model.calls
     assert torch.equal(opt(x), x * (before + 1)) and model.calls == before + 1
-    assert len(exports) == 1
+    assert len(exports) == 2     # captured once more, from the state the first run left: still changing
+
+
+def test_state_filled_in_at_the_first_call_is_captured_as_it_is_left(exports):
+    model = Filling()
+    x = torch.randn(3)
+    opt = kbench.optimize(model, (x,), backend="interp", budget="none")
+    assert not opt._kbench_original and model.cfg.kind == "double" and len(exports) == 2
+    assert torch.equal(opt(x), model(x))
+    model.cfg.kind = "same"
+    assert torch.equal(opt(x), x)
 
 
 def test_captures_for_other_state_are_bounded(monkeypatch, caplog):

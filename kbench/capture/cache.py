@@ -8,8 +8,8 @@ strides, the backend, grad and autocast modes, and the torch, kbench and Python 
 cannot see everything forward may read (a helper function in another file), so a hit is checked
 before it is trusted: the Python state its capture read must hold (capture/guards.py), and
 api.optimize runs the optimized module on the example inputs and compares with eager
-(`matches_eager`); a mismatch drops the entry and captures afresh. Models whose forward mutates state or draws random numbers are not kept, since
-that check would not be repeatable for them."""
+(`matches_eager`); a mismatch drops the entry and captures afresh. Models whose forward mutates
+state or draws random numbers are not kept, since that check would not be repeatable for them."""
 from __future__ import annotations
 
 import contextlib
@@ -103,8 +103,9 @@ def fingerprint(model: torch.nn.Module, args: tuple, backend: str, call_key: str
         h.add("forward", _qualname(cls), state_guards.forward_digest(cls))
         for klass in cls.__mro__:
             if not _is_library(klass):
-                h.add("class-values", _qualname(klass), sorted((k, state_guards.digest(v)) for k, v in vars(klass).items()
-                                                               if not k.startswith("__") and state_guards.guardable(v)))
+                h.add("class-values", _qualname(klass), sorted(
+                    (k, state_guards.digest(v)) for k, v in vars(klass).items()
+                    if not k.startswith("__") and state_guards.guardable(v)))
     for (where, name), v in sorted(state_guards.global_reads(list(classes)).items()):
         h.add("global", where, name, state_guards.state_key(v))
     return h.hexdigest()

@@ -481,3 +481,12 @@ def bind(model, descriptions, native=None) -> Bound:
             entries.append((table, name, _snapshot(got), how))
         labels.append(label)
     return Bound(entries, labels, native)
+
+
+def stale(model, descriptions) -> str:
+    """Why the descriptions do not hold on `model` now ("" where they do)."""
+    try:
+        bind(model, descriptions)
+    except Stale as e:
+        return str(e)
+    return ""
