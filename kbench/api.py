@@ -22,7 +22,7 @@ from .report import Report
 from .runtime import graphs, nvrtc
 from .runtime.cuda import CudaExecutor
 from .runtime.interp import InterpExecutor
-from .runtime.module import OptimizedModule
+from .runtime.module import OptimizedModule, SharesOriginal
 from .runtime.plan import SAVE_STATS_MIN_ROW_BYTES, Status
 from .tune import gate
 from .tune.tuner import BUDGET_NAMES, Tuner, time_eager_regions
@@ -92,7 +92,7 @@ def capture(model: torch.nn.Module, example_inputs) -> Graph:
 BACKENDS = ("cuda", "interp")
 
 
-class LazyOptimized(torch.nn.Module):
+class LazyOptimized(SharesOriginal, torch.nn.Module):
     """optimize(model) without example inputs: the first call's arguments are the example. Shares
     the model's parameters and buffers like the optimized module it becomes."""
 
@@ -120,7 +120,7 @@ class LazyOptimized(torch.nn.Module):
         return self._kbench_impl.kbench_report
 
 
-class EagerModule(torch.nn.Module):
+class EagerModule(SharesOriginal, torch.nn.Module):
     """What optimize() returns for a model it cannot capture (unless strict=True): the model
     itself, run by eager PyTorch, sharing its parameters, with a report that says why."""
 

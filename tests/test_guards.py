@@ -118,6 +118,9 @@ def test_attribute_config_and_global_changes_are_seen(cache_dir, monkeypatch, ca
     monkeypatch.setattr(_this, "SHIFT", 1.0)
     assert _close(opt(x), model(x)) and len(exports) == n
     assert "unused" not in {name for _, _, name, _ in opt._kbench_captured.python_state}
+    notes = opt.kbench_report.notes
+    assert any(n.startswith("python state: 6 values the forward read") for n in notes), notes
+    assert sum(n.endswith("served by a capture of its own") and n.startswith("python state") for n in notes) == 4
 
 
 def test_the_python_loop_checks_where_cpp_does_not(monkeypatch):
@@ -129,6 +132,21 @@ def test_the_python_loop_checks_where_cpp_does_not(monkeypatch):
     assert opt._kbench_state.native is None
     model.scale = -3.0
     assert _close(opt(x), model(x)) and len(opt._kbench_variants) == 1
+
+
+def test_an_attribute_set_on_any_wrapper_is_the_originals():
+    """optimize()'s wrappers (a module captured at its first call, one left in eager) set a plain
+    attribute on the model, where its forward reads it."""
+    model, x = Scaled().eval(), torch.randn(4, 8)
+    eager = kbench.api.EagerModule(model, "a reason")
+    eager.scale = 4.0
+    assert model.scale == 4.0 and eager.scale == 4.0 and _close(eager(x), model(x))
+    lazy = kbench.optimize(model, backend="interp")
+    lazy.scale = 6.0
+    assert model.scale == 6.0 and lazy.cfg is model.cfg
+    model.train()
+    lazy.training = False          # the wrapper's own state stays its own
+    assert model.training and not lazy.training
 
 
 def test_through_the_capture_cache(cache_dir, monkeypatch, exports):
@@ -169,6 +187,7 @@ def test_a_forward_that_changes_what_it_reads_runs_in_eager(exports):
     x = torch.randn(3)
     opt = kbench.optimize(model, (x,), backend="interp", budget="none")
     assert opt._kbench_original and "calls" in opt._kbench_original
+    assert any("the model itself runs" in n and "calls" in n for n in opt.kbench_report.notes)
     before = model.calls
     assert torch.equal(opt(x), x * (before + 1)) and model.calls == before + 1
     assert len(exports) == 2     # captured once more, from the state the first run left: still changing

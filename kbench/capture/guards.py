@@ -309,7 +309,11 @@ class Recorder:
                 return   # a method, a property (its own reads are recorded), torch's class constants
             if found is None and not guardable(v):
                 return   # made by a custom __getattr__: compared by value only
-            kind = "getattr"
+            alias = getattr(type(obj), "attribute_map", None)   # a Hugging Face config's aliases
+            if found is None and type(alias) is dict and alias.get(name) in d:
+                name, kind = alias[name], "attr"     # num_hidden_layers is n_layer: a dict lookup, not
+            else:                                    # the config's Python __getattribute__ per call
+                kind = "getattr"
         if guardable(v):
             self.found.setdefault((kind, owner, name), "eq:" + digest(v))
             return
@@ -418,7 +422,10 @@ def check(entries) -> int:
     """The Python twin of kbench._fast.Guards.check: the first entry whose value is not the one
     expected (identity, else the same type and ==), or -1."""
     for i, (table, key, want, how) in enumerate(entries):
-        got = _read(table, key, how)
+        if how & GETATTR:
+            got = _read(table, key, how)
+        else:   # a dict's own get: no call through _read for the common entry
+            got = table.get(key, _MISSING)
         if got is want:
             continue
         if how & IDENTITY or type(got) is not type(want):

@@ -24,7 +24,40 @@ MAX_VARIANTS = 8    # captures made for other Python state, at most (torch.compi
 _OWN = frozenset(torch.nn.Module().__dict__) | {"training"}
 
 
-class OptimizedModule(RegionBackward, torch.nn.Module):
+class SharesOriginal:
+    """A wrapper of the user's module (`_kbench_orig`) whose plain attributes are the original's: read
+    through the wrapper (model.scale, model.config, its methods), and set on the original when set
+    on the wrapper, where the forward reads them (and the Python-state guards see the change). The
+    wrapper's own state (nn.Module's, `_kbench_*`) stays its own. Comes before torch.nn.Module."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)   # nn.Module's: parameters, buffers, submodules (the original's)
+        except AttributeError:
+            orig = self.__dict__.get("_kbench_orig")
+            if orig is None or name.startswith(("_kbench", "__")):   # copy and pickle ask for dunders
+                raise
+            return getattr(orig, name)
+
+    def __setattr__(self, name, value):
+        if self._kbench_own(name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._kbench_orig, name, value)
+
+    def __delattr__(self, name):
+        if self._kbench_own(name):
+            super().__delattr__(name)
+        else:
+            delattr(self._kbench_orig, name)
+
+    def _kbench_own(self, name) -> bool:
+        """The wrapper's own attribute: its state, nn.Module's (what module.compile() sets included)."""
+        return ("_kbench_orig" not in self.__dict__ or name in _OWN or name.startswith("_kbench")
+                or name in self.__dict__ or hasattr(type(self), name))
+
+
+class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
     """The model with its regions swapped for kbench's. Shares the original's parameters and
     buffers (the very same tensors, the same state_dict keys); the original is left as it was."""
 
@@ -103,35 +136,6 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
                             "when loaded: pickle the original module instead")
         fn, args = self._kbench_restore
         return fn, (self._kbench_orig, *args)
-
-    def __getattr__(self, name):
-        """The original's attributes (model.scale, model.config, its methods) read through the wrapper."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            orig = self.__dict__.get("_kbench_orig")
-            if orig is None or name.startswith(("_kbench", "__")):   # copy and pickle ask for dunders
-                raise
-            return getattr(orig, name)
-
-    def __setattr__(self, name, value):
-        """A plain attribute set on the wrapper is the original's (the forward reads it there, and the
-        guards see the change); the wrapper's own state stays its own."""
-        if self._kbench_own(name):
-            super().__setattr__(name, value)
-        else:
-            setattr(self._kbench_orig, name, value)
-
-    def __delattr__(self, name):
-        if self._kbench_own(name):
-            super().__delattr__(name)
-        else:
-            delattr(self._kbench_orig, name)
-
-    def _kbench_own(self, name) -> bool:
-        """The wrapper's own attribute: its state, nn.Module's (what module.compile() sets included)."""
-        return ("_kbench_orig" not in self.__dict__ or name in _OWN or name.startswith("_kbench")
-                or name in self.__dict__ or hasattr(type(self), name))
 
     @property
     def kbench_report(self):
