@@ -17,6 +17,7 @@ from kbench.runtime import module as runtime_module
 
 SHIFT = 1.0          # read by Shifted's forward through a helper
 LIMIT = 100.0        # read by Clamped's forward: invisible on the example inputs below 50
+FACTOR = 3.0         # read by Flags' forward as a module's attribute (_this.FACTOR)
 _this = sys.modules[__name__]
 
 
@@ -80,6 +81,15 @@ class Filling(nn.Module):
         return x * 2 if self.cfg.kind == "double" else x
 
 
+class Flags(nn.Module):
+    """Branches on an attribute it may lack, and reads a value of a module it names."""
+
+    def forward(self, x):
+        extra = getattr(self, "extra", None)
+        y = x * _this.FACTOR
+        return y if extra is None else y + extra
+
+
 def _close(a, b):
     return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -121,6 +131,18 @@ def test_attribute_config_and_global_changes_are_seen(cache_dir, monkeypatch, ca
     notes = opt.kbench_report.notes
     assert any(n.startswith("python state: 6 values the forward read") for n in notes), notes
     assert sum(n.endswith("served by a capture of its own") and n.startswith("python state") for n in notes) == 4
+
+
+def test_an_attribute_the_forward_lacked_and_a_modules_value(monkeypatch):
+    model = Flags()
+    x = torch.randn(3)
+    opt = kbench.optimize(model, (x,), backend="interp", budget="none")
+    assert torch.equal(opt(x), model(x))
+    model.extra = 1.5                           # absent when captured: the branch taken changes
+    assert torch.equal(opt(x), model(x))
+    monkeypatch.setattr(_this, "FACTOR", -2.0)  # _this.FACTOR: a value of a module of the user's
+    assert torch.equal(opt(x), model(x))
+    assert len(opt._kbench_variants) == 2
 
 
 def test_the_python_loop_checks_where_cpp_does_not(monkeypatch):
@@ -226,7 +248,7 @@ def _entries():
     obj.n, obj.xs = 3, [1, 2]
     table = {"flag": True, "mod": obj}
     entries = [(vars(obj), "n", 3, 0), (obj, "xs", [1, 2], guards.GETATTR), (table, "flag", True, 0),
-               (table, "mod", obj, guards.IDENTITY)]
+               (table, "mod", obj, guards.IDENTITY), (vars(obj), "later", None, guards.ABSENT)]
     return obj, table, entries
 
 
@@ -250,11 +272,14 @@ def test_the_checks_in_python_and_cpp_agree(impl):
     table["mod"] = obj
     del table["flag"]                   # gone
     assert check() == 2
+    table["flag"] = True
+    obj.later = 0                       # absent when bound: set now
+    assert check() == 4
     if impl == "native":
         with pytest.raises(TypeError):
             native(((table, 1, 1, 0),))         # a key must be a str
         with pytest.raises(TypeError):
-            native(((table, "a", 1, 7),))       # how in 0..3
+            native(((table, "a", 1, 8),))       # how in 0..7
 
 
 def test_the_cpp_program_declines_when_the_state_changed():

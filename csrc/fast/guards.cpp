@@ -2,8 +2,9 @@
  * attributes, submodules and globals: kbench/capture/guards.py records and binds them), checked
  * per call in C++. An entry is (table, key, expected, how): the value is table[key] for a dict
  * (an object's __dict__, a module's _modules, a module's globals) or getattr(table, key) (how &
- * 1), compared by identity (how & 2) or else by the same type and ==. Program checks them before
- * any launch; the Python path (capture/guards.py check()) does the same in Python. */
+ * 1), compared by identity (how & 2) or else by the same type and ==; with how & 4 the entry holds
+ * while the value is missing (an attribute the forward looked for and did not find). Program
+ * checks them before any launch; the Python path (capture/guards.py check()) does the same. */
 #include "fast/fast.h"
 
 #include <torch/csrc/utils/object_ptr.h>
@@ -12,7 +13,7 @@ namespace kbfast {
 
 namespace {
 
-enum { GUARD_GETATTR = 1, GUARD_IDENTITY = 2 };
+enum { GUARD_GETATTR = 1, GUARD_IDENTITY = 2, GUARD_ABSENT = 4 };
 
 struct GuardSpec {
     PyObject *table, *key, *want;   /* borrowed from the entries tuple, which the object owns */
@@ -48,6 +49,11 @@ Py_ssize_t guards_failing(PyObject *obj) {
     for (size_t i = 0; i < self->specs.size(); i++) {
         const GuardSpec &g = self->specs[i];
         PyObject *got = read_value(g);
+        if (g.how & GUARD_ABSENT) {
+            if (!got) continue;
+            Py_DECREF(got);
+            return (Py_ssize_t)i;
+        }
         if (!got) return (Py_ssize_t)i;
         bool same = got == g.want;
         if (!same && !(g.how & GUARD_IDENTITY) && Py_TYPE(got) == Py_TYPE(g.want)) {
@@ -78,9 +84,9 @@ PyObject *guards_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         }
         g.table = PyTuple_GET_ITEM(e, 0), g.key = PyTuple_GET_ITEM(e, 1), g.want = PyTuple_GET_ITEM(e, 2);
         long how = PyLong_Check(PyTuple_GET_ITEM(e, 3)) ? PyLong_AsLong(PyTuple_GET_ITEM(e, 3)) : -1;
-        if (how < 0 || how > (GUARD_GETATTR | GUARD_IDENTITY) || !PyUnicode_Check(g.key)) {
+        if (how < 0 || how > (GUARD_GETATTR | GUARD_IDENTITY | GUARD_ABSENT) || !PyUnicode_Check(g.key)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "Guards: entry %zd needs a str key and how in 0..3", i);
+            PyErr_Format(PyExc_TypeError, "Guards: entry %zd needs a str key and how in 0..7", i);
             return nullptr;
         }
         g.how = (int)how;

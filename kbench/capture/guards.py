@@ -9,6 +9,7 @@ import enum
 import hashlib
 import inspect
 import sys
+import sysconfig
 import threading
 import types
 
@@ -26,8 +27,9 @@ MAX_CHAIN = 2       # plain objects followed below a module: module.config.sub, 
 
 # how a live check reads its value (the bits kbench._fast.Guards takes): by getattr (else as an
 # item of a dict: the owner's __dict__, _modules, a module's globals), and compared by identity
-# (else by type and ==)
-GETATTR, IDENTITY = 1, 2
+# (else by type and ==); ABSENT: the entry holds while the key is missing
+GETATTR, IDENTITY, ABSENT = 1, 2, 4
+_MISSING = object()   # what a check reads where the value is not there
 
 
 class Stale(Exception):
@@ -121,11 +123,24 @@ def _own_modules(classes) -> set:
     return {k.__module__ for cls in classes for k in cls.__mro__ if not is_library(k)}
 
 
+_LIBRARY_DIRS = tuple({p for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib",
+                                                                             "platlib")})
+
+
+def _user_module(mod) -> bool:
+    """A Python module of the user's (a settings file), not one installed or of the standard library,
+    whose values a forward may read as module.NAME."""
+    path = getattr(mod, "__file__", None)
+    return (isinstance(path, str) and isinstance(getattr(mod, "__name__", None), str)
+            and sys.modules.get(mod.__name__) is mod and not path.startswith(_LIBRARY_DIRS))
+
+
 def global_reads(classes) -> dict:
     """(module name, global name) -> value for every global the forwards of `classes` may read:
     the names their code (and nested code) uses that resolve in its globals, following the
-    functions and methods it calls that live in the model's own modules. By the code, not by a
-    run: a name on a branch not taken is included (a guard too many costs a check)."""
+    functions and methods it calls that live in the model's own modules, and the plain values of a
+    user's module it names (settings.SCALE). By the code, not by a run: a name on a branch not
+    taken is included (a guard too many costs a check)."""
     own = _own_modules(classes)
     out: dict = {}
     seen: set = set()
@@ -148,6 +163,10 @@ def global_reads(classes) -> dict:
                 if name in globs:
                     v = globs[name]
                     if isinstance(v, types.ModuleType):
+                        if _user_module(v):   # settings.SCALE: the plain values of a module of the user's
+                            for attr in code.co_names:
+                                if guardable(vars(v).get(attr, _MISSING)):
+                                    out[(v.__name__, attr)] = vars(v)[attr]
                         continue
                     if named:
                         out[(modname, name)] = v
@@ -185,8 +204,16 @@ def _recording_class(cls):
         return sub
     ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__slots__": ()}
 
+    has_getattr = hasattr(cls, "__getattr__")
+
     def __getattribute__(self, name):
-        v = super(sub, self).__getattribute__(name)
+        try:
+            v = super(sub, self).__getattribute__(name)
+        except AttributeError:
+            rec = _active
+            if not has_getattr and rec is not None and rec.depth:   # else __getattr__ decides
+                rec.missed(self, name)
+            raise
         rec = _active
         if rec is not None and rec.depth:
             rec.read(self, name, v)
@@ -206,9 +233,15 @@ def _recording_class(cls):
             rec.wrote(self, name)
         super(sub, self).__delattr__(name)
     ns["__delattr__"] = __delattr__
-    if hasattr(cls, "__getattr__"):   # nn.Module's: parameters, buffers, submodules
+    if has_getattr:   # nn.Module's: parameters, buffers, submodules
         def __getattr__(self, name):
-            v = super(sub, self).__getattr__(name)
+            try:
+                v = super(sub, self).__getattr__(name)
+            except AttributeError:
+                rec = _active
+                if rec is not None and rec.depth:
+                    rec.missed(self, name)
+                raise
             rec = _active
             if rec is not None and rec.depth:
                 rec.read(self, name, v)
@@ -233,8 +266,9 @@ class Recorder:
     "attr" (owner's __dict__[name]), "getattr" (getattr(owner, name)), "child"
     (owner._modules[name]) or "global" (the globals of the Python module named owner); owner is a
     module path and the attribute chain below it ((path,), (path, "config")), a module name for a
-    global; check is "id" (the same object) or "eq:<digest>" (an equal value). Kind "write": the
-    forward sets that attribute (no capture of it holds)."""
+    global; check is "id" (the same object) or "eq:<digest>" (an equal value). Kind "absent": the
+    forward looked for the attribute and did not find it; kind "write": the forward sets it (no
+    capture of it holds)."""
 
     def __init__(self, root):
         self.root = root
@@ -321,6 +355,15 @@ class Recorder:
         if len(owner) <= MAX_CHAIN and _wrappable(v):
             self.own(v, owner + (name,))
 
+    def missed(self, obj, name):
+        """An attribute the forward looked for and did not find (getattr(self, "flag", None),
+        hasattr): the capture took the branch for its absence."""
+        if self.busy or threading.get_ident() != self.thread or name.startswith("__") or name.startswith("_kbench"):
+            return
+        owner = self.owners.get(id(obj))
+        if owner is not None and not (isinstance(obj, torch.nn.Module) and name in _MODULE_INTERNALS):
+            self.found.setdefault(("absent", owner, name), "")
+
     def wrote(self, obj, name):
         """An attribute set inside the forward: the capture does not replay it (a call counter, a
         cache kept on the module), so no capture of this forward is trusted."""
@@ -399,7 +442,9 @@ class Bound:
     def why(self, i: int) -> str:
         table, key, want, how = self.entries[i]
         got = _read(table, key, how)
-        if got is _MISSING:
+        if how & ABSENT:
+            change = "set, where the capture found none"
+        elif got is _MISSING:
             change = "gone"
         elif how & IDENTITY:
             change = "another object"
@@ -407,8 +452,6 @@ class Bound:
             change = f"{_short(want)} -> {_short(got)}"
         return f"{self.labels[i]} changed ({change})"
 
-
-_MISSING = object()
 
 
 def _read(table, key, how):
@@ -426,6 +469,10 @@ def check(entries) -> int:
             got = _read(table, key, how)
         else:   # a dict's own get: no call through _read for the common entry
             got = table.get(key, _MISSING)
+        if how & ABSENT:
+            if got is not _MISSING:
+                return i
+            continue
         if got is want:
             continue
         if how & IDENTITY or type(got) is not type(want):
@@ -444,6 +491,7 @@ def _short(x) -> str:
 
 
 def _label(kind, owner, name) -> str:
+    """What a check is of, for the reason a change gives."""
     if kind == "global":
         return f"global {name} (in {owner})"
     path = ".".join(p for p in owner if p)
@@ -471,6 +519,15 @@ def bind(model, descriptions, native=None) -> Bound:
                     obj = getattr(obj, attr)
             except AttributeError:
                 raise Stale(f"{label}: its owner is gone") from None
+            if kind == "absent":   # a module's attribute may come from any of its dicts
+                tables = [vars(obj)] + ([obj._parameters, obj._buffers, obj._modules]
+                                        if isinstance(obj, torch.nn.Module) else [])
+                for table in tables:
+                    if name in table:
+                        raise Stale(f"{label} exists, where the capture found none")
+                    entries.append((table, name, None, ABSENT))
+                    labels.append(label)
+                continue
             if kind == "child":
                 table, how = obj._modules, 0
             elif kind == "attr":
