@@ -90,6 +90,19 @@ class Flags(nn.Module):
         return y if extra is None else y + extra
 
 
+class Branchy(nn.Module):
+    """Under a flag, a branch on the values: torch.export cannot capture that state."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_value = False
+
+    def forward(self, x):
+        if self.by_value and x.sum() > 0:
+            return x * 2
+        return x + 1
+
+
 def _close(a, b):
     return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -143,6 +156,21 @@ def test_an_attribute_the_forward_lacked_and_a_modules_value(monkeypatch):
     monkeypatch.setattr(_this, "FACTOR", -2.0)  # _this.FACTOR: a value of a module of the user's
     assert torch.equal(opt(x), model(x))
     assert len(opt._kbench_variants) == 2
+
+
+def test_a_state_that_cannot_be_captured_runs_in_eager_and_is_not_tried_again(exports):
+    model = Branchy()
+    x = torch.ones(3)
+    opt = kbench.optimize(model, (x,), backend="interp", budget="none")
+    model.by_value = True
+    assert torch.equal(opt(x), x * 2) and torch.equal(opt(-x), -x + 1)
+    assert len(exports) >= 2 and len(opt._kbench_uncaptured) == 1
+    n = len(exports)
+    assert torch.equal(opt(x), x * 2) and len(exports) == n     # known: eager at once
+    model.by_value = False
+    assert torch.equal(opt(x), x + 1) and len(exports) == n     # the captured state again
+    assert any("by_value changed since the capture, and the state as it is could not be captured" in r
+               for r in opt._kbench_reasons)
 
 
 def test_the_python_loop_checks_where_cpp_does_not(monkeypatch):

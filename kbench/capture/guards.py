@@ -439,6 +439,15 @@ class Bound:
             return self.native.check()
         return check(self.entries)
 
+    def now(self) -> tuple:
+        """The values the entries read now (containers copied): a state to recognize later."""
+        return tuple(_snapshot(_read(table, key, how)) for table, key, _, how in self.entries)
+
+    def holds_at(self, values) -> bool:
+        """Whether the state now is the one now() gave then."""
+        return check([(table, key, v, how & ~ABSENT | (IDENTITY if v is _MISSING else 0))
+                      for (table, key, _, how), v in zip(self.entries, values)]) < 0
+
     def why(self, i: int) -> str:
         table, key, want, how = self.entries[i]
         got = _read(table, key, how)

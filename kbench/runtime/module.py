@@ -113,7 +113,7 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
         except guards.Stale as e:
             state, stale = None, str(e)
         self.__dict__.update(_kbench_state=state if state else None, _kbench_stale=stale, _kbench_variants=[],
-                             _kbench_restore=restore)
+                             _kbench_uncaptured=[], _kbench_restore=restore)
         spec = call_spec if call_spec is not None else CallSpec(tuple(torch.empty(0) for _ in range(nuser)), {})
         program = self._fast_program()
         # kbench._fast.module_call reads _kbench_fast_program and passes it the call's own
@@ -206,7 +206,7 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
         if state is not None:
             failing = state.failing()
             if failing >= 0:
-                return self._state_changed(state.why(failing), args, kwargs)
+                return self._state_changed(state, failing, args, kwargs)
         # the hot path: sizes bound once per input signature (shapes, dtypes, devices)
         sig = tuple((x.shape, x.dtype, x.device) for x in inputs)
         bound = self._kbench_sigs.get(sig)
@@ -244,30 +244,38 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
         state = self._kbench_state
         return not self._kbench_stale and (state is None or state.failing() < 0)
 
-    def _state_changed(self, why, args, kwargs):
-        """A call after the Python state the forward read changed (an attribute, a global): served
-        by a capture made for the state as it is now (made at the first such call, with a log
-        line), or in eager past MAX_VARIANTS of them."""
+    def _state_changed(self, state, failing, args, kwargs):
+        """A call after the Python state the forward read changed (an attribute, a global; entry
+        `failing` of `state`): served by a capture made for the state as it is now (made at the
+        first such call, with a log line), or in eager past MAX_VARIANTS of them."""
         variants = self._kbench_variants
         for _, other in variants:
             if other._state_holds():
                 other.training = self.training
                 return other(*args, **kwargs)
-        if variants and variants[-1][1]._kbench_state is not None:   # what changed since the last capture
-            last = variants[-1][1]._kbench_state
-            failing = last.failing()
-            why = last.why(failing) if failing >= 0 else why
+        mine = self._kbench_state
+        for failed, why in self._kbench_uncaptured:   # a state that could not be captured: eager
+            if mine.holds_at(failed):
+                return self._fallback(why, args, kwargs)
+        last = variants[-1][1]._kbench_state if variants else None
+        if last is not None and last.failing() >= 0:   # what changed since the last capture
+            state, failing = last, last.failing()
+        # the eager reason names what changed, not its values: one reason (and one log line) for a
+        # value that keeps changing
         if self._kbench_rebuild is None:
-            return self._fallback(f"{why} since the capture", args, kwargs)
+            return self._fallback(f"{state.labels[failing]} changed since the capture", args, kwargs)
         if len(variants) >= MAX_VARIANTS:
-            return self._fallback(f"{why} since the capture, and {MAX_VARIANTS} captures were made for other "
-                                  "Python state already", args, kwargs)
+            return self._fallback(f"{state.labels[failing]} changed since the capture, and {MAX_VARIANTS} captures "
+                                  "were made for other Python state already", args, kwargs)
+        why = state.why(failing)
         log.warning("kbench: %s since the capture; capturing again", why)
         try:
             other = self._kbench_rebuild(args, kwargs)
-        except Exception as e:  # noqa: BLE001 - that state runs in eager, with the reason
-            return self._fallback(f"{why} since the capture, and it could not be captured again "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", args, kwargs)
+        except Exception as e:  # noqa: BLE001 - that state runs in eager, with the reason, and is not tried again
+            why = (f"{state.labels[failing]} changed since the capture, and the state as it is could not be "
+                   f"captured ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            self._kbench_uncaptured.append((mine.now(), why))
+            return self._fallback(why, args, kwargs)
         variants.append((why, other))
         other.training = self.training
         return other(*args, **kwargs)
