@@ -9,9 +9,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import _C
 from .capture import cache as capture_cache
+from .capture import guards as state_guards
 from .capture import capture_exported, relower, repin, validate
 from .capture import capture as capture_graph
 from .capture.signature import CallSpec, FlatCall
@@ -20,7 +22,7 @@ from .report import Report
 from .runtime import graphs, nvrtc
 from .runtime.cuda import CudaExecutor
 from .runtime.interp import InterpExecutor
-from .runtime.module import OptimizedModule
+from .runtime.module import OptimizedModule, SharesOriginal
 from .runtime.plan import SAVE_STATS_MIN_ROW_BYTES, Status
 from .tune import gate
 from .tune.tuner import BUDGET_NAMES, Tuner, time_eager_regions
@@ -90,7 +92,7 @@ def capture(model: torch.nn.Module, example_inputs) -> Graph:
 BACKENDS = ("cuda", "interp")
 
 
-class LazyOptimized(torch.nn.Module):
+class LazyOptimized(SharesOriginal, torch.nn.Module):
     """optimize(model) without example inputs: the first call's arguments are the example. Shares
     the model's parameters and buffers like the optimized module it becomes."""
 
@@ -118,7 +120,7 @@ class LazyOptimized(torch.nn.Module):
         return self._kbench_impl.kbench_report
 
 
-class EagerModule(torch.nn.Module):
+class EagerModule(SharesOriginal, torch.nn.Module):
     """What optimize() returns for a model it cannot capture (unless strict=True): the model
     itself, run by eager PyTorch, sharing its parameters, with a report that says why."""
 
@@ -202,6 +204,29 @@ def _as_args(example_inputs) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
+def reoptimize(model, args, kwargs, wants_grad, options):
+    """An optimized module made again from what it pickled (OptimizedModule.__reduce__): the original
+    module (as loaded, or deep-copied: parameters of its own), the example call it was optimized at
+    (tensors detached; wants_grad: which of them wanted gradients, the capture's key sees it) and
+    its options. The capture cache spares the export where it holds the capture."""
+    flags = iter(wants_grad)
+
+    def leaf(x):
+        return x.detach().requires_grad_(next(flags)) if isinstance(x, torch.Tensor) else x
+    args, kwargs = pytree.tree_map(leaf, (tuple(args), dict(kwargs)))
+    return optimize(model, args, kwargs, **options)
+
+
+def _restore_args(args, kwargs, options) -> tuple:
+    """reoptimize's arguments after the model, for an OptimizedModule made at this example call:
+    the tensors detached (kept by reference, not copied: pickling copies them)."""
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    wants_grad = tuple(x.requires_grad for x in leaves if isinstance(x, torch.Tensor))
+    args, kwargs = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
+                                   (tuple(args), dict(kwargs)))
+    return args, kwargs, wants_grad, dict(options)
+
+
 def _optimize(model, args, kwargs, options):
     """optimize() for one example call: its call spec, the capture (from the cache where it
     holds), the executor, the optimized module."""
@@ -234,11 +259,13 @@ def _optimize(model, args, kwargs, options):
             return InterpExecutor()
         return CudaExecutor(tuner)
 
+    restore = (reoptimize, _restore_args(args, kwargs, options))
+
     def build(captured):
         optimized = OptimizedModule(model, captured, executor(), device, options["grad_in_forward"],
                                     call_spec=None if spec.plain else spec,
                                     rebuild=lambda a, k: _optimize(model, a, k, options),
-                                    cuda_graphs=options["cuda_graphs"])
+                                    cuda_graphs=options["cuda_graphs"], restore=restore)
         if backend == "interp":   # the report's eager column (the cuda tuner times its own)
             time_eager_regions(optimized._kbench_executor, seed=options["seed"])
         return optimized
@@ -251,10 +278,11 @@ def _optimize(model, args, kwargs, options):
     if captured is not None:
         try:
             optimized = build(captured)
-            why = capture_cache.matches_eager(model, optimized, args, kwargs)
+            stale = optimized._kbench_stale
+            why = capture_cache.matches_eager(model, optimized, args, kwargs) if not stale else ""
         except Exception as e:  # noqa: BLE001 - a stored capture that does not fit is recaptured
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if not why:
+            stale, why = "", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if not why and not stale:
             demoted = _demote(optimized, lowering, build, tuner)
             note = "from the cache (torch.export skipped; checked against eager on the example inputs)"
             if demoted is not optimized:   # kept so: the next optimize() starts from the ops kept in torch
@@ -265,11 +293,29 @@ def _optimize(model, args, kwargs, options):
             demoted.__dict__["_kbench_capture_note"] = note
             del lowering   # torch's ExportedProgram, where one was made: not kept
             return _gated(model, demoted, args, kwargs, backend, device, options)
-        _log.warning("kbench: the stored capture of %s does not match eager on the example inputs (%s); "
-                     "capturing it again", type(model).__name__, why)
+        if stale:
+            _log.warning("kbench: the stored capture of %s read other Python state (%s); capturing it again",
+                         type(model).__name__, stale)
+        else:
+            _log.warning("kbench: the stored capture of %s does not match eager on the example inputs (%s); "
+                         "capturing it again", type(model).__name__, why)
         capture_cache.forget(key)
-    optimized = _demote(build(lowering.capture()), lowering, build, tuner)
+    captured = lowering.capture()
+    if state_guards.stale(model, captured.python_state):
+        # the forward set state as it ran (a default filled in at the first call, a config's
+        # problem_type): captured once more, from the state it left; a forward that sets state at
+        # every call stays stale, and its module runs the model (OptimizedModule says why)
+        if key is not None:   # the key of the state as it is now
+            try:
+                key = capture_cache.fingerprint(model, tensors, backend, "" if spec.plain else spec.key())
+            except Exception:  # noqa: BLE001 - as lookup(): a key that cannot be made only costs the cache
+                key = None
+        lowering = Lowering(target, tensors, backend)
+        captured = lowering.capture()
+    optimized = _demote(build(captured), lowering, build, tuner)
     del lowering   # torch's ExportedProgram (fake tensors, shape environment): not kept
+    if optimized._kbench_stale:   # the forward changes what it reads: a stored capture would never hold
+        key = None
     if key is not None:
         capture_cache.remember(key, optimized._kbench_captured)
     optimized.__dict__["_kbench_capture_note"] = "torch.export" + (", kept in the cache" if key is not None else "")

@@ -11,6 +11,20 @@ from .capture.modes import describe_mode
 from .runtime.plan import Status
 
 
+def _state_lines(module) -> list:
+    """What the report says of the Python state the forward read (capture/guards.py)."""
+    d = module.__dict__
+    lines = []
+    if d.get("_kbench_stale"):
+        lines.append(f"python state: the model itself runs, as the forward changes Python state ({d['_kbench_stale']})")
+    elif d.get("_kbench_state") is not None:
+        lines.append(f"python state: {len(d['_kbench_state'])} values the forward read (attributes, submodules, "
+                     "globals) are checked at each call; a change is captured again")
+    for why, _ in d.get("_kbench_variants", ()):
+        lines.append(f"python state: {why}: served by a capture of its own")
+    return lines
+
+
 def _graph_lines(module) -> list:
     """The CUDA-graph mode's lines: module._kbench_graphs is its runner (runtime/graphs.py), or
     why it has none."""
@@ -71,6 +85,7 @@ class Report:
         spec = module.__dict__.get("_kbench_spec")
         for line in spec.describe() if spec is not None else ():
             rep.notes.append(f"input: {line}")
+        rep.notes += _state_lines(module)
         rep.notes += _graph_lines(module)
         for mode, other in module.__dict__.get("_kbench_modes", {}).items():
             what = describe_mode(mode)

@@ -336,6 +336,34 @@ def test_a_submodule_replaced_is_seen_by_the_guard():
     assert graphs.ParamGuard.__init__ and graphs.ParamGuard(opt).live() is None
 
 
+class Eps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_no_replay_once_the_python_state_it_read_changed():
+    """A graph holds the capture's Python values (self.scale): once one changes, the call goes to the
+    capture made for the new state, not to the replay."""
+    torch.manual_seed(0)
+    model = Eps().eval()
+    opt = optimized(model, torch.randn(4, 16))
+    runner = graphed(opt)
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 2):
+            opt(torch.randn(4, 16))
+        assert runner.replays == 2
+        model.scale = -1.0
+        x = torch.randn(4, 16)
+        assert torch.allclose(opt(x), model(x), atol=1e-6) and runner.replays == 2
+        model.scale = 2.0                    # the state the graph was captured in: replayed again
+        assert torch.allclose(opt(x), model(x), atol=1e-6) and runner.replays == 3
+
+
 def test_buffers_the_forward_updates_are_updated_by_each_replay():
     model, twin = Norm().train(), Norm().train()
     twin.load_state_dict(model.state_dict())

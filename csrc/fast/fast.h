@@ -97,7 +97,13 @@ void region_arity(PyObject *region, size_t &ninputs, size_t &nreal, size_t &nsav
 extern PyTypeObject *ProgramType;
 PyObject *program_run(PyObject *program, PyObject *module, PyObject *const *inputs, size_t n);
 
+/* kbench._fast.Guards (guards.cpp): the first entry of a Guards object that no longer holds, or -1
+ * (a read or a comparison that raises is one that fails; no exception is left set). */
+extern PyTypeObject *GuardsType;
+Py_ssize_t guards_failing(PyObject *guards);
+
 int init_launch(PyObject *module);
+int init_guards(PyObject *module);
 int init_region(PyObject *module);
 int init_program(PyObject *module);
 int init_call(PyObject *module);

@@ -81,6 +81,7 @@ struct Program {
     PyObject *captured;           /* its .constants hold the lifted constants */
     PyObject *training;           /* the mode the graph was captured in (compared by identity) */
     PyObject *apply_region;       /* runtime.apply_region: a region its Region refuses */
+    PyObject *guards;             /* Guards: the Python state the forward read (NULL: none) */
     int grad_ok;                  /* gradients may flow here (no joint program could apply) */
     int autocast_cuda, autocast_cpu; /* the autocast dtype captured under per device type, -1: off */
     Py_ssize_t served, declined;
@@ -251,7 +252,7 @@ bool run_step(Program *self, const StepSpec &st, bool grad, std::vector<at::Tens
 
 /* The forward's result for module(*inputs), or NotImplemented where the Python path must run.
  * The checks, in _run's order: the inputs (plain tensors, as many as captured, a bound
- * signature), the train/eval mode, each parameter or buffer (present, a plain tensor, its
+ * signature), the train/eval mode, the Python state the forward read (Guards), each parameter or buffer (present, a plain tensor, its
  * captured dtype and shape, on the inputs' device), whether gradients are wanted where only
  * the joint program may run them. Nothing is launched before all of them pass. */
 PyObject *run(Program *self, PyObject *module, PyObject *const *inputs, size_t n) {
@@ -280,6 +281,8 @@ PyObject *run(Program *self, PyObject *module, PyObject *const *inputs, size_t n
         }
         if (training.get() != self->training) return decline(self, "the train/eval mode differs from the captured one");
     }
+    if (self->guards && guards_failing(self->guards) >= 0)
+        return decline(self, "the Python state the forward read changed");
     if (autocast_now(at::kCUDA) != self->autocast_cuda || autocast_now(at::kCPU) != self->autocast_cpu)
         return decline(self, "autocast differs from the captured one");
     std::vector<at::Tensor> slots;
@@ -441,20 +444,24 @@ PyObject *program_why(Program *self, void *) {
     return PyUnicode_FromString(self->why);
 }
 
-/* Program(orig, captured, ninputs, chains, meta, training, grad_ok, apply_region, autocast=())
+/* Program(orig, captured, ninputs, chains, meta, training, grad_ok, apply_region, guards=None, autocast=())
  * chains: per parameter/buffer/constant input, (path, table, leaf) as
  * OptimizedModule._param_chains gives them (path None: captured.constants[leaf]);
- * meta: (name, dtype, shape) per chain as captured; autocast: ((device type, dtype), ...) as
- * runtime/modes.py's autocast_mode() gave it at capture. */
+ * meta: (name, dtype, shape) per chain as captured; guards: a Guards, checked per call;
+ * autocast: ((device type, dtype), ...) as capture/modes.py's autocast_mode() gave it at capture. */
 PyObject *program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static const char *kwlist[] = {"orig", "captured", "ninputs", "chains", "meta", "training", "grad_ok",
-                                   "apply_region", "autocast", nullptr};
-    PyObject *orig, *captured, *chains, *meta, *training, *apply_region, *autocast = nullptr;
+                                   "apply_region", "guards", "autocast", nullptr};
+    PyObject *orig, *captured, *chains, *meta, *training, *apply_region, *guards = Py_None, *autocast = nullptr;
     Py_ssize_t ninputs;
     int grad_ok;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnOOOpO|O", (char **)kwlist, &orig, &captured, &ninputs, &chains,
-                                     &meta, &training, &grad_ok, &apply_region, &autocast))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnOOOpO|OO", (char **)kwlist, &orig, &captured, &ninputs, &chains,
+                                     &meta, &training, &grad_ok, &apply_region, &guards, &autocast))
         return nullptr;
+    if (guards != Py_None && Py_TYPE(guards) != GuardsType) {
+        PyErr_SetString(PyExc_TypeError, "Program: guards must be a kbench._fast.Guards or None");
+        return nullptr;
+    }
     int autocast_cuda = -1, autocast_cpu = -1;
     if (autocast) {
         THPObjectPtr modes(PySequence_Fast(autocast, "Program: autocast must be a sequence"));
@@ -492,6 +499,7 @@ PyObject *program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->captured = Py_NewRef(captured);
     self->training = Py_NewRef(training);
     self->apply_region = Py_NewRef(apply_region);
+    self->guards = guards == Py_None ? nullptr : Py_NewRef(guards);
     self->grad_ok = grad_ok;
     self->autocast_cuda = autocast_cuda;
     self->autocast_cpu = autocast_cpu;
@@ -536,6 +544,7 @@ int program_traverse(Program *self, visitproc visit, void *arg) {
     Py_VISIT(self->orig);
     Py_VISIT(self->captured);
     Py_VISIT(self->apply_region);
+    Py_VISIT(self->guards);
     for (const auto &e : self->s.entries) {
         for (const StepSpec &st : e->steps) {
             Py_VISIT(st.step.o);
@@ -554,6 +563,7 @@ int program_clear(Program *self) {
     Py_CLEAR(self->orig);
     Py_CLEAR(self->captured);
     Py_CLEAR(self->apply_region);
+    Py_CLEAR(self->guards);
     return 0;
 }
 

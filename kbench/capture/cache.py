@@ -2,13 +2,14 @@
 again does not run torch.export (fake-tensor tracing and its imports are most of a warm optimize).
 
 The key fingerprints what a capture depends on: the module tree (classes, the source files that
-define them, plain attributes, parameter and buffer shapes and dtypes), the example inputs' dtypes,
-shapes and strides, the backend, grad and autocast modes, and the torch, kbench and Python
-versions. A key cannot see everything forward may read (a helper function in another file, a
-global flag), so a hit is checked before it is trusted: api.optimize runs the optimized module on
-the example inputs and compares with eager (`matches_eager`); a mismatch drops the entry and
-captures afresh. Models whose forward mutates state or draws random numbers are not kept, since
-that check would not be repeatable for them."""
+define them, their forwards' code, plain attributes, parameter and buffer shapes and dtypes), the
+globals the forwards may read (guards.global_reads), the example inputs' dtypes, shapes and
+strides, the backend, grad and autocast modes, and the torch, kbench and Python versions. A key
+cannot see everything forward may read (a helper function in another file), so a hit is checked
+before it is trusted: the Python state its capture read must hold (capture/guards.py), and
+api.optimize runs the optimized module on the example inputs and compares with eager
+(`matches_eager`); a mismatch drops the entry and captures afresh. Models whose forward mutates
+state or draws random numbers are not kept, since that check would not be repeatable for them."""
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,10 @@ import torch.utils._pytree as pytree
 
 from ..tune import cache as store
 from ..version import __version__
+from . import guards as state_guards
 from . import stored
 from .modes import autocast_mode
+from .types import Captured
 
 log = logging.getLogger("kbench.capture.cache")
 
@@ -67,6 +70,7 @@ def fingerprint(model: torch.nn.Module, args: tuple, backend: str, call_key: str
     h = _Hasher()
     h.add("kbench-capture", FORMAT, __version__, _lowering_digest(), torch.__version__, sys.version_info[:2], backend,
           torch.is_grad_enabled(), autocast_mode(), call_key)
+    classes: dict = {}   # the module classes of the tree, in order
     for a in args:
         h.add("input", a.dtype, tuple(a.shape), a.stride(), a.device.type, a.requires_grad)
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
@@ -88,6 +92,19 @@ def fingerprint(model: torch.nn.Module, args: tuple, backend: str, call_key: str
         for cls in type(m).__mro__:
             if not _is_library(cls):
                 h.add("class", _qualname(cls), _class_source(cls))
+        classes.setdefault(type(m), None)
+    # what the runtime guards besides the attributes above (capture/guards.py): the code of every
+    # forward (a class may be given another forward than its file defines), the plain values its
+    # classes hold, and the globals the forwards may read (a flag, a helper function)
+    for cls in classes:
+        h.add("forward", _qualname(cls), state_guards.forward_digest(cls))
+        for klass in cls.__mro__:
+            if not _is_library(klass):
+                h.add("class-values", _qualname(klass), sorted(
+                    (k, state_guards.digest(v)) for k, v in vars(klass).items()
+                    if not k.startswith("__") and state_guards.guardable(v)))
+    for (where, name), v in sorted(state_guards.global_reads(list(classes)).items()):
+        h.add("global", where, name, state_guards.state_key(v))
     return h.hexdigest()
 
 

@@ -24,6 +24,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from ..dtypes import TORCH_TO_IR
 from ..errors import CaptureError
 from . import eager_rules
+from . import guards as state_guards
 from . import lower as lowering
 from .types import Captured
 
@@ -423,12 +424,22 @@ class Exported:
     dynamic: bool
     pinned: frozenset = frozenset()
     static_reason: Optional[str] = None   # what the capture lowered from it says of its sizes
+    python_state: tuple = ()              # what the exported forward read (capture/guards.py)
 
 
 def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = "", keep=()):
     """capture(), returning (Captured, Exported): the export it lowered, for repin. The Exported
-    holds torch's whole ExportedProgram (fake tensors, shape environment): drop it when done."""
+    holds torch's whole ExportedProgram (fake tensors, shape environment): drop it when done.
+    Both carry the Python state the forward read while exported (python_state), which the
+    runtime guards."""
     inputs = validate(model, example_inputs)
+    with state_guards.recording(model) as recorder:
+        captured, exported = _capture_exported(model, inputs, dynamic, pin, pin_reason, keep)
+    exported.python_state = captured.python_state = recorder.descriptions()
+    return captured, exported
+
+
+def _capture_exported(model, inputs, dynamic, pin, pin_reason, keep):
     name = type(model).__name__
     with _model_untouched(model), _gc_paused():
         # A size the IR cannot write (x[:, 1:] gives s1 - 1, pooling s2 // 2) fixes the input
@@ -480,8 +491,10 @@ def repin(exported: Exported, pin, pin_reason: str = "", keep=()) -> Captured:
         why = exported.why if exported.fixed else (pin_reason or None)
         reason = f"input dims {sorted(fixed)} fixed at their example sizes ({why}); the others may vary"
         try:
-            return lowering.lower(exported.ep, exported.inputs, reason, exported.model,
-                                  pin=sorted(pin | exported.pinned), keep=keep)
+            captured = lowering.lower(exported.ep, exported.inputs, reason, exported.model,
+                                      pin=sorted(pin | exported.pinned), keep=keep)
+            captured.python_state = exported.python_state
+            return captured
         except lowering.NeedStatic:
             pass
     return capture(exported.model, exported.inputs, pin=sorted(pin), pin_reason=pin_reason, keep=keep)
@@ -493,8 +506,10 @@ def relower(exported: Exported, keep, pin=(), pin_reason: str = "") -> Captured:
     each: the same export, torch.export does not run again."""
     if pin:
         return repin(exported, pin, pin_reason, keep=keep)
-    return lowering.lower(exported.ep, exported.inputs, exported.static_reason, exported.model,
-                          pin=sorted(exported.pinned), keep=keep)
+    captured = lowering.lower(exported.ep, exported.inputs, exported.static_reason, exported.model,
+                              pin=sorted(exported.pinned), keep=keep)
+    captured.python_state = exported.python_state
+    return captured
 
 
 def _export_checked(model, inputs, dynamic, fixed):

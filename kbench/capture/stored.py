@@ -536,6 +536,11 @@ def _check(c) -> None:
              f"node call {name}: results")
     need(all(isinstance(k, str) and isinstance(v, str) for k, v in c.kept.items()), "kept ops")
     need(all(isinstance(x, str) for x in c.notes + c.symbol_sources), "notes")
+    need(isinstance(c.input_writes, dict) and all(
+        isinstance(k, str) and isinstance(v, tuple) and len(v) == 2 and type(v[0]) is int and type(v[1]) is bool
+        for k, v in c.input_writes.items()), "input writes")
+    need(isinstance(c.python_state, tuple) and all(
+        isinstance(d, tuple) and all(isinstance(x, str) for x in d) for d in c.python_state), "python state")
 
 
 def _refs_ok(e) -> bool:

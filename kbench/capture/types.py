@@ -17,6 +17,8 @@ Conventions (the runtime and the reference evaluator rely on them):
   provenance      origin[v]: the FX node graph value v came from; calls[name]: that node's ATen
                   call on graph values, for every node lowered into IR (what eager runs for it);
                   kept[name]: why a node the IR could decompose is an EXTERN call instead.
+  python_state    what the forward read of Python state (attributes, submodules, globals) and
+                  the capture specialized on: checked at every call (capture/guards.py).
 """
 from __future__ import annotations
 
@@ -219,6 +221,7 @@ class Captured:
     kept: dict = dataclasses.field(default_factory=dict)          # FX node name -> why it stays a torch call
     # user input name -> (in-place ops that write it, whether the first writes a view of it)
     input_writes: dict = dataclasses.field(default_factory=dict)
+    python_state: tuple = ()        # the Python state the forward read (capture/guards.py descriptions)
 
     # -- helpers the runtime and the reference evaluator share
 

@@ -39,6 +39,12 @@ def _load():
     return _fast
 
 
+def guards_type():
+    """kbench._fast.Guards (the Python-state checks in C++, capture/guards.py's entries), or None:
+    the Python loop checks them, and calls take the Python path."""
+    return getattr(module(), "Guards", None)
+
+
 def launch_of(launcher):
     """The kbench._fast.Launch behind a launcher (its bound .run), or None (a Python closure)."""
     launch = getattr(launcher, "__self__", None)

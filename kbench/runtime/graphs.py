@@ -368,6 +368,9 @@ class GraphRunner:
         path runs it) or Fallback (eager runs it, with the reason)."""
         if _deferred:
             _destroy_deferred()
+        state = module.__dict__.get("_kbench_state")
+        if state is not None and state.failing() >= 0:
+            return NotImplemented   # the Python path serves the state as it is now (a capture of its own)
         got, why = _NO, None
         if module._in_captured_mode() and not self.off and not self.paused:
             if self.lock.acquire(False):   # another thread replaying: this call runs un-graphed

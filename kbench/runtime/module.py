@@ -12,25 +12,66 @@ from ..dtypes import torch_dtype
 from ..report import Report
 from . import fast, graphs, joint
 from .autograd import RegionBackward, apply_region
+from ..capture import guards
 from ..capture.signature import CallSpec
 from ..capture.modes import autocast_mode, describe_mode
 from .plan import KERNEL, MATERIALIZE, Executor, Fallback, Plan, Program, RegionFallback
 
 log = logging.getLogger("kbench")
 
+MAX_VARIANTS = 8    # captures made for other Python state, at most (torch.compile's recompile limit)
 
-class OptimizedModule(RegionBackward, torch.nn.Module):
+# attributes the wrapper keeps for itself; any other plain attribute set on it is the original's
+_OWN = frozenset(torch.nn.Module().__dict__) | {"training"}
+
+
+class SharesOriginal:
+    """A wrapper of the user's module (`_kbench_orig`) whose plain attributes are the original's: read
+    through the wrapper (model.scale, model.config, its methods), and set on the original when set
+    on the wrapper, where the forward reads them (and the Python-state guards see the change). The
+    wrapper's own state (nn.Module's, `_kbench_*`) stays its own. Comes before torch.nn.Module."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)   # nn.Module's: parameters, buffers, submodules (the original's)
+        except AttributeError:
+            orig = self.__dict__.get("_kbench_orig")
+            if orig is None or name.startswith(("_kbench", "__")):   # copy and pickle ask for dunders
+                raise
+            return getattr(orig, name)
+
+    def __setattr__(self, name, value):
+        if self._kbench_own(name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._kbench_orig, name, value)
+
+    def __delattr__(self, name):
+        if self._kbench_own(name):
+            super().__delattr__(name)
+        else:
+            delattr(self._kbench_orig, name)
+
+    def _kbench_own(self, name) -> bool:
+        """The wrapper's own attribute: its state, nn.Module's (what module.compile() sets included)."""
+        return ("_kbench_orig" not in self.__dict__ or name in _OWN or name.startswith("_kbench")
+                or name in self.__dict__ or hasattr(type(self), name))
+
+
+class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
     """The model with its regions swapped for kbench's. Shares the original's parameters and
     buffers (the very same tensors, the same state_dict keys); the original is left as it was."""
 
     def __init__(self, module: torch.nn.Module, captured, executor: Executor, device: torch.device,
                  grad_in_forward: bool = True, call_spec: CallSpec | None = None, rebuild=None,
-                 cuda_graphs="auto"):
+                 cuda_graphs="auto", restore=None):
         """call_spec: how a call's arguments map to the captured graph's inputs (None: tensors
-        passed positionally). rebuild(args, kwargs) -> an OptimizedModule for the module's other
-        train/eval mode, captured at that call (None: calls in the other mode run in eager).
-        cuda_graphs: "auto", True or False (runtime/graphs.py): calls replayed from CUDA graphs
-        where that is safe."""
+        passed positionally). rebuild(args, kwargs) -> an OptimizedModule captured at that call:
+        for the module's other train/eval mode, or for Python state the forward reads that changed
+        (None: such calls run in eager). cuda_graphs: "auto", True or False (runtime/graphs.py):
+        calls replayed from CUDA graphs where that is safe. restore: (function, arguments) that
+        make this module again from the original (pickle, deepcopy: __reduce__); None: it
+        cannot be pickled."""
         super().__init__()
         fast.install_module_call(OptimizedModule)   # once: the plain call goes straight to C++
         # share, not copy: the same dicts, so .parameters(), state_dict() and optimizers see the
@@ -66,6 +107,15 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         # joint program (None: not used) and, for the report, whether and why
         why = joint.scalar_output(plan, captured) if grad_in_forward else "grad_in_forward=False"
         self.__dict__.update(_kbench_loss_why=why, _kbench_loss={}, _kbench_joint={})
+        # the Python state the forward read (capture/guards.py), checked at every call: stale when
+        # it already differs from what the capture read (the forward changes it, or a stored
+        # capture met another state)
+        try:
+            state, stale = guards.bind(module, captured.python_state, native=fast.guards_type()), ""
+        except guards.Stale as e:
+            state, stale = None, str(e)
+        self.__dict__.update(_kbench_state=state if state else None, _kbench_stale=stale, _kbench_variants=[],
+                             _kbench_uncaptured=[], _kbench_restore=restore)
         spec = call_spec if call_spec is not None else CallSpec(tuple(torch.empty(0) for _ in range(nuser)), {})
         program = self._fast_program()
         # kbench._fast.module_call reads _kbench_fast_program and passes it the call's own
@@ -77,6 +127,18 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
                              _kbench_write_deps=self._write_deps())
         # last: the graph runner stands where the fast program stands, and hands it what it declines
         graphs.install(self, cuda_graphs)
+        if stale:
+            self.run_original(f"the forward changes Python state ({stale}): a capture would be stale at "
+                              "the next call")
+
+    def __reduce__(self):
+        """pickle, copy.deepcopy, torch.save: the original module (with its parameters) and how it was
+        optimized; loading optimizes it again (from the capture cache, where it holds)."""
+        if self._kbench_restore is None:
+            raise TypeError("this OptimizedModule was not made by kbench.optimize(), so it cannot be made again "
+                            "when loaded: pickle the original module instead")
+        fn, args = self._kbench_restore
+        return fn, (self._kbench_orig, *args)
 
     @property
     def kbench_report(self):
@@ -146,6 +208,11 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
     def _forward_inputs(self, inputs, args, kwargs):
         if not self._in_captured_mode():
             return self._other_mode(args, kwargs)
+        state = self._kbench_state
+        if state is not None:
+            failing = state.failing()
+            if failing >= 0:
+                return self._state_changed(state, failing, args, kwargs)
         # the hot path: sizes bound once per input signature (shapes, dtypes, devices)
         sig = tuple((x.shape, x.dtype, x.device) for x in inputs)
         bound = self._kbench_sigs.get(sig)
@@ -178,6 +245,46 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         if isinstance(other, str):
             return self._fallback(other, args, kwargs)
         other.training = mode[0]
+        return other(*args, **kwargs)
+
+    def _state_holds(self) -> bool:
+        state = self._kbench_state
+        return not self._kbench_stale and (state is None or state.failing() < 0)
+
+    def _state_changed(self, state, failing, args, kwargs):
+        """A call after the Python state the forward read changed (an attribute, a global; entry
+        `failing` of `state`): served by a capture made for the state as it is now (made at the
+        first such call, with a log line), or in eager past MAX_VARIANTS of them."""
+        variants = self._kbench_variants
+        for _, other in variants:
+            if other._state_holds():
+                other.training = self.training
+                return other(*args, **kwargs)
+        mine = self._kbench_state
+        for failed, why in self._kbench_uncaptured:   # a state that could not be captured: eager
+            if mine.holds_at(failed):
+                return self._fallback(why, args, kwargs)
+        last = variants[-1][1]._kbench_state if variants else None
+        if last is not None and last.failing() >= 0:   # what changed since the last capture
+            state, failing = last, last.failing()
+        # the eager reason names what changed, not its values: one reason (and one log line) for a
+        # value that keeps changing
+        if self._kbench_rebuild is None:
+            return self._fallback(f"{state.labels[failing]} changed since the capture", args, kwargs)
+        if len(variants) >= MAX_VARIANTS:
+            return self._fallback(f"{state.labels[failing]} changed since the capture, and {MAX_VARIANTS} captures "
+                                  "were made for other Python state already", args, kwargs)
+        why = state.why(failing)
+        log.warning("kbench: %s since the capture; capturing again", why)
+        try:
+            other = self._kbench_rebuild(args, kwargs)
+        except Exception as e:  # noqa: BLE001 - that state runs in eager, with the reason, and is not tried again
+            why = (f"{state.labels[failing]} changed since the capture, and the state as it is could not be "
+                   f"captured ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            self._kbench_uncaptured.append((mine.now(), why))
+            return self._fallback(why, args, kwargs)
+        variants.append((why, other))
+        other.training = self.training
         return other(*args, **kwargs)
 
     def _bind(self, args, sig):
@@ -217,11 +324,18 @@ class OptimizedModule(RegionBackward, torch.nn.Module):
         ext = fast.module()   # None under KBENCH_FAST=0 (or where it was not built)
         if ext is None or not hasattr(ext, "Program"):
             return None
+        state = self._kbench_state
+        # the C++ call checks the Python state as the Python path does, with kbench._fast.Guards
+        # (a dict lookup and an identity or == per value read: a few microseconds for a GPT-2);
+        # where that is missing, the Python path keeps every call
+        if state is not None and state.native is None:
+            return None
+        checks = {"guards": state.native} if state is not None else {}
         return ext.Program(orig=self._kbench_orig, captured=self._kbench_captured,
                             ninputs=len(self._kbench_captured.input_names), chains=self._kbench_param_chains,
                             meta=self._kbench_param_meta, training=self._kbench_captured_training,
                             grad_ok=bool(self._kbench_loss_why), apply_region=apply_region,
-                            autocast=self._kbench_captured_autocast)
+                            autocast=self._kbench_captured_autocast, **checks)
 
     def _fast_entry(self, bound):
         """What kbench._fast.Program.add takes for this bound signature: (steps, outputs, build),
