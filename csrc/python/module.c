@@ -64,8 +64,17 @@ kb_ctx *kb_py_thread_ctx(void) {
     return ctx;
 }
 
+PyObject *kb_py_tuple(PyObject *seq, const char *what) {
+    PyObject *t = PySequence_Tuple(seq);
+    if (!t && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: expected a sequence, got %.100s", what, Py_TYPE(seq)->tp_name);
+    }
+    return t;
+}
+
 int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
-    PyObject *fast = PySequence_Fast(seq, what);
+    PyObject *fast = kb_py_tuple(seq, what);
     if (!fast) return -1;
     if (PySequence_Fast_GET_SIZE(fast) != n) {
         PyErr_Format(PyExc_ValueError, "%s: expected %zd values, got %zd", what, n, PySequence_Fast_GET_SIZE(fast));
@@ -153,26 +162,29 @@ static int overlaps(const Py_buffer *a, const Py_buffer *b) {
     return a->len > 0 && b->len > 0 && a0 < b0 + (uintptr_t)b->len && b0 < a0 + (uintptr_t)a->len;
 }
 
-/* Runs the graph (p NULL; gobj frozen first: its nodes are read without the GIL) or region r
- * of p over ins and outs, sequences of buffers. */
+/* Runs the graph (p NULL) or region r of p over ins and outs, sequences of buffers. The graph
+ * is frozen first: its nodes are read without the GIL, and an exporter's code (a __buffer__
+ * method, from Python 3.12) could otherwise grow it between the checks; the sequences are
+ * copied into tuples for the same reason. */
 static PyObject *run_interp(PyObject *module, kb_py_graph *gobj, const kb_partition *p, int32_t r, PyObject *symseq,
                             PyObject *ins, PyObject *outs) {
     const kb_graph *g = gobj->graph;
     int64_t symvals[KB_MAX_SYMS];
     if (kb_py_symvals(g, symseq, symvals) < 0) return NULL;
+    gobj->frozen = 1;
     Py_ssize_t nin = p ? p->regions[r].ninputs : kb_graph_ninputs(g);
     Py_ssize_t nout = p ? p->regions[r].noutputs : kb_graph_noutputs(g);
-    PyObject *fin = PySequence_Fast(ins, "inputs: a sequence of buffers");
-    PyObject *fout = fin ? PySequence_Fast(outs, "outputs: a sequence of buffers") : NULL;
+    PyObject *fin = PySequence_Tuple(ins);
+    PyObject *fout = fin ? PySequence_Tuple(outs) : NULL;
     Py_buffer *views = fout ? PyMem_Calloc((size_t)(nin + nout) + 1, sizeof *views) : NULL;
     void **ptrs = views ? PyMem_Calloc((size_t)(nin + nout) + 1, sizeof *ptrs) : NULL;
     Py_ssize_t held = 0;
     PyObject *result = NULL;
     if (fout && !ptrs) PyErr_NoMemory();
     if (!ptrs) goto done;
-    if (PySequence_Fast_GET_SIZE(fin) != nin || PySequence_Fast_GET_SIZE(fout) != nout) {
+    if (PyTuple_GET_SIZE(fin) != nin || PyTuple_GET_SIZE(fout) != nout) {
         PyErr_Format(PyExc_ValueError, "%s takes %zd inputs and %zd outputs, got %zd and %zd", p ? "the region" : "the graph",
-                     nin, nout, PySequence_Fast_GET_SIZE(fin), PySequence_Fast_GET_SIZE(fout));
+                     nin, nout, PyTuple_GET_SIZE(fin), PyTuple_GET_SIZE(fout));
         goto done;
     }
     for (Py_ssize_t k = 0; k < nin + nout; k++, held++) {
@@ -180,7 +192,7 @@ static PyObject *run_interp(PyObject *module, kb_py_graph *gobj, const kb_partit
         Py_ssize_t j = out ? k - nin : k;
         int32_t v = p ? (out ? p->regions[r].outputs[j] : p->regions[r].inputs[j])
                       : (out ? kb_graph_output(g, (int32_t)j) : kb_graph_input(g, (int32_t)j));
-        PyObject *obj = PySequence_Fast_GET_ITEM(out ? fout : fin, j);
+        PyObject *obj = PyTuple_GET_ITEM(out ? fout : fin, j);
         if (get_view(obj, out, g, v, symvals, out ? "outputs" : "inputs", j, &views[k]) < 0) goto done;
         ptrs[k] = views[k].buf;
         for (Py_ssize_t o = 0; out && o < k; o++)
@@ -197,7 +209,6 @@ static PyObject *run_interp(PyObject *module, kb_py_graph *gobj, const kb_partit
         PyErr_NoMemory();
         goto done;
     }
-    gobj->frozen = 1;
     kb_status st;
     Py_BEGIN_ALLOW_THREADS
     st = p ? kb_interp_region(ctx, p, r, symvals, (const void *const *)ptrs, ptrs + nin)

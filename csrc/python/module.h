@@ -66,6 +66,11 @@ int kb_py_genome_of(kb_module_state *state, PyObject *obj, kb_genome *out, const
 /* A new KernelInfo describing k (max_blocks: kb_kernel_max_blocks on the device generated for). */
 PyObject *kb_py_kernel_info_new(kb_module_state *state, const kb_kernel *k, int64_t max_blocks);
 
+/* A tuple of seq's items (new reference), or NULL with TypeError naming `what`. Sequences are
+ * read through one: converting an item (__index__, __bool__) runs Python code, which could
+ * shrink a list under a loop over it. The PySequence_Fast_GET_* macros read it. */
+PyObject *kb_py_tuple(PyObject *seq, const char *what);
+
 /* Reads a sequence of Python ints into out[0..n); returns -1 with an exception set. */
 int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what);
 

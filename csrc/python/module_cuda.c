@@ -396,12 +396,22 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (vals[k].u == (uint64_t)-1 && PyErr_Occurred()) return NULL;
         argp[k] = &vals[k];
     }
+    /* ints and floats only: converting anything else runs Python code (__index__, __float__),
+     * which could change a list whose items are read here in place */
     for (Py_ssize_t j = 0; j < ni; j++, k++) {
+        if (!PyLong_Check(ii[j])) {
+            PyErr_Format(PyExc_TypeError, "launch: ints[%zd] is a %.100s, not an int", j, Py_TYPE(ii[j])->tp_name);
+            return NULL;
+        }
         vals[k].i = PyLong_AsLongLong(ii[j]);
         if (vals[k].i == -1 && PyErr_Occurred()) return NULL;
         argp[k] = &vals[k];
     }
     for (Py_ssize_t j = 0; j < nf; j++, k++) {
+        if (!PyFloat_Check(fi[j]) && !PyLong_Check(fi[j])) {
+            PyErr_Format(PyExc_TypeError, "launch: floats[%zd] is a %.100s, not a float", j, Py_TYPE(fi[j])->tp_name);
+            return NULL;
+        }
         double d = PyFloat_AsDouble(fi[j]);
         if (d == -1.0 && PyErr_Occurred()) return NULL;
         vals[k].u = 0;

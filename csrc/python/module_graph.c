@@ -57,7 +57,7 @@ PyObject *kb_py_dim(kb_dim d) {
 }
 
 static int dims_from_py(PyObject *seq, kb_node *t) {
-    PyObject *fast = PySequence_Fast(seq, "dims must be a sequence");
+    PyObject *fast = kb_py_tuple(seq, "dims");
     if (!fast) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     if (n > KB_MAX_RANK) {
@@ -150,7 +150,7 @@ static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
                             (int)kb_graph_noutputs(self->graph));
     uint32_t reuse = 0;
     if (reads && reads != Py_None) {
-        PyObject *ks = PySequence_Fast(reads, "grad(outputs=): a sequence of output indices");
+        PyObject *ks = kb_py_tuple(reads, "grad(outputs=): output indices");
         if (!ks) return NULL;
         long nreal = (long)kb_graph_noutputs(self->graph) - saved;
         for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ks); i++) {
@@ -170,7 +170,7 @@ static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
     }
     if (joint && reuse) return PyErr_Format(PyExc_ValueError, "grad: joint=True reads no outputs");
     int32_t n = kb_graph_ninputs(self->graph);
-    PyObject *fast = PySequence_Fast(arg, "grad(wrt): wrt must be a sequence of bools, one per input");
+    PyObject *fast = kb_py_tuple(arg, "grad(wrt): one bool per input");
     if (!fast) return NULL;
     if (PySequence_Fast_GET_SIZE(fast) != n) {
         Py_DECREF(fast);

@@ -191,6 +191,14 @@ class Fuzz:
 
     # ------------------------------------------------------------------ running
 
+    def device(self):
+        """None (the default device), or some of device_info()'s figures, some of them absurd."""
+        if self.rnd.random() < 0.5:
+            return None
+        keys = ["sm", "num_sms", "max_smem_per_block", "regs_per_sm", "l2_bytes"]
+        return {k: self.rnd.choice([0, 1, -1, 7, 80, 132, 49152, 2**31 - 1, -2**31]) for k in keys
+                if self.rnd.random() < 0.5}
+
     def symvals(self, g):
         rnd, n = self.rnd, g.num_symbols
         r = rnd.random()
@@ -307,18 +315,22 @@ class Fuzz:
                             sv, sizes_ok)
             if reg["kind"] != "EXTERN" and rnd.random() < 0.3:
                 try:
-                    C.generate(p, r, rnd.choice([80, 90]), None)
+                    C.generate(p, r, rnd.choice([80, 90]), None, self.device())
                     self.stats["kernels"] += 1
+                    C.genome_default(p, r, sv, self.device())
                 except REFUSALS:
                     pass
         try:   # once the interpreter has read it, its regions stay as they are (RuntimeError)
             p.save_stats(0)
         except REFUSALS:
             pass
-        try:
-            C.interp_region(p, self.odd(len(p)), sv, [], [])
-        except REFUSALS:
-            pass
+        for call in (lambda: C.interp_region(p, self.odd(len(p)), sv, [], []), lambda: p.region(self.odd(len(p))),
+                     lambda: g.node(self.odd(g.num_nodes)), lambda: g.sizes(self.odd(g.num_nodes - 1), sv),
+                     lambda: p.region_graph(self.odd(0))):
+            try:
+                call()
+            except REFUSALS:
+                pass
 
     def race(self, g, sv):
         """The interpreter in a thread (no GIL while it runs) while this one tries to grow the
