@@ -403,11 +403,11 @@ static int same_symbols(kb_dim a, kb_dim b) {
 static int64_t at_example(const kb_graph *g, kb_dim d) { return kb_dim_eval(d, g->sym_examples); }
 
 /* A node's sizes are safe to multiply: the product of its size coefficients (a zero counts as
- * one, so every sub-product is bounded too: kb_monomial_of, reshape's and fusion's checks) and
- * its element count at the graph's example sizes, in bytes of a double, fit in int64. Run-time
- * sizes are checked by kb_graph_check_symvals. */
+ * one, so every sub-product is bounded too: kb_monomial_of, reshape's and fusion's checks, a
+ * row's length in codegen) and its element count at the graph's example sizes, both in bytes of
+ * a double, fit in int64. Run-time sizes are checked by kb_graph_check_symvals. */
 static const char *check_sizes(const kb_graph *g, const kb_node *t) {
-    int64_t coefs = 1, numel = 8;
+    int64_t coefs = 8, numel = 8;
     for (int d = 0; d < t->rank; d++) {
         int64_t s;
         if (__builtin_mul_overflow(coefs, t->dims[d].coef > 1 ? t->dims[d].coef : 1, &coefs))

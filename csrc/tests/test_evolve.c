@@ -162,6 +162,20 @@ static void test_default_is_legal(void) {
 
 #define REST "two_pass=1 fast_math=0 persistent=0 col_split=1"
 
+/* Found by the fuzz target: a COL region whose columns number 0 at these sizes (a symbol bound
+ * to 0) divided by its zero column blocks choosing the default genome. */
+static void test_default_with_no_columns(void) {
+    fixture f;
+    CHECK_STATUS(NULL, fx_begin(&f, NULL, NULL, 0), KB_OK);
+    int32_t x = tg_input(&f.t, "x", KB_F32, "64,s0");
+    tg_output(&f.t, tg_reduce(&f.t, KB_OP_SUM, KB_F32, "s0", x, 1));
+    CHECK_STATUS(f.ctx, fx_region(&f, KB_REGION_COL, x, 1), KB_OK);
+    kb_genome gn;
+    CHECK_STATUS(f.ctx, kb_genome_default(&f.part, 0, f.symvals, kb_device_default(), &gn), KB_OK);
+    CHECK(gn.threads >= 32 && gn.col_split >= 1);
+    fx_end(&f);
+}
+
 static void test_legality_rules(void) {
     fixture f;
     /* layer_norm rows of 770 f32: vec 2 divides them, vec 4 does not */
@@ -702,6 +716,7 @@ static void test_oom(void) {
 
 int main(void) {
     test_default_is_legal();
+    test_default_with_no_columns();
     test_legality_rules();
     test_bad_arguments();
     test_finds_the_optimum();

@@ -208,6 +208,15 @@ static void test_slice(void)
                  KB_ERR_INVALID);
     CHECK(strstr(kb_ctx_error(ctx), "overrun") != NULL);
     kb_graph_free(t.g);
+
+    /* one element with a step of 2^62 (found by the fuzz target): the stride along the axis,
+     * never taken, was computed anyway and overflowed (UBSan) */
+    t = new_graph();
+    xi = tg_input(&t, "x", KB_F64, "3,10");
+    tg_output(&t, tg_slice(&t, KB_F64, "1,10", xi, 0, 1, (int64_t)1 << 62));   /* row 1 */
+    run_ok(&t, NULL, (const void *[]){x}, (void *[]){z});
+    for (int i = 0; i < 10; i++) CHECK(z[i] == x[10 + i]);
+    kb_graph_free(t.g);
 }
 
 static void test_gather(void)

@@ -188,7 +188,7 @@ static void test_overflow_checks(void)
     REFUSED(t.g, &n, "overflows");
     n = tg_tmpl(KB_OP_CONST, KB_F32, "0,4294967296,4294967296");  /* 0 elements, but 2^64 after a reshape */
     REFUSED(t.g, &n, "coefficients");
-    n = tg_tmpl(KB_OP_CONST, KB_F32, "4611686018427387904*s0");   /* 2^62 * 4 at the example */
+    n = tg_tmpl(KB_OP_CONST, KB_F32, "288230376151711744*s0");    /* 2^58 * 4 at the example, 8 bytes each */
     REFUSED(t.g, &n, "example");
 
     n = tg_tmpl(KB_OP_GATHER, KB_F32, "2*s0,7");       /* index 7 wide, operand 5: off the axis */
