@@ -370,13 +370,17 @@ kb_status kb_graph_check_symvals(const kb_graph *g, const int64_t *symvals) {
         if (symvals[s] < 0)
             return KB_FAIL(g->ctx, KB_ERR_INVALID, "symbol %s bound to a negative size (%" PRId64 ")",
                            g->sym_names[s], symvals[s]);
-    /* every value's bytes as the interpreter holds it (a double per element), and their sum: so
-     * no size, element count, byte count or sum of them computed downstream overflows */
+    /* every value's bytes as the interpreter holds it (a double per element), with a size 0
+     * counted as 1 (so a product of any of its sizes is bounded too: a region's row and column
+     * counts), and their sum: no size, count, byte count or sum of them downstream overflows */
     int64_t total = 0;
     for (int32_t v = 0; v < g->nnodes; v++) {
-        int64_t sizes[KB_MAX_RANK], numel = kb_value_sizes(g, v, symvals, sizes), bytes;
-        if (numel < 0 || __builtin_mul_overflow(numel, (int64_t)sizeof(double), &bytes) ||
-            __builtin_add_overflow(total, bytes, &total))
+        const kb_node *nd = &g->nodes[v];
+        int64_t bytes = (int64_t)sizeof(double), s;
+        int ok = 1;
+        for (int d = 0; ok && d < nd->rank; d++)
+            ok = dim_eval_checked(nd->dims[d], symvals, &s) && !__builtin_mul_overflow(bytes, s > 1 ? s : 1, &bytes);
+        if (!ok || __builtin_add_overflow(total, bytes, &total))
             return KB_FAIL(g->ctx, KB_ERR_INVALID, "sizes too large: value %%%d at these symbol values "
                            "overflows 2^63 bytes (with the values before it)", (int)v);
     }

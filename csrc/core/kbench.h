@@ -167,9 +167,10 @@ int32_t kb_graph_output(const kb_graph *g, int32_t i);
  * count overflows int64. */
 int64_t kb_value_sizes(const kb_graph *g, int32_t v, const int64_t *symvals, int64_t sizes[KB_MAX_RANK]);
 /* Are these symbol values (one per symbol) sizes g can run at? Each >= 0, and every value's
- * size, element count and bytes (8 per element, as the interpreter holds it), summed over the
- * graph, fit in int64, so no size arithmetic downstream overflows. KB_ERR_INVALID with the
- * reason in g's context otherwise. Every entry point taking symbol values from outside checks. */
+ * size, element count and bytes (8 per element, as the interpreter holds it; a size 0 counted
+ * as 1, so any product of its sizes is bounded), summed over the graph, fit in int64: no size
+ * arithmetic downstream overflows. KB_ERR_INVALID with the reason in g's context otherwise.
+ * Every entry point taking symbol values from outside checks. */
 kb_status kb_graph_check_symvals(const kb_graph *g, const int64_t *symvals);
 
 /* Stable text form; *out is allocated with the ctx allocator, free with kb_string_free. */

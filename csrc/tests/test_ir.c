@@ -222,6 +222,12 @@ static void test_overflow_checks(void)
     CHECK(strstr(kb_ctx_error(ctx), "too large") != NULL);
     CHECK(kb_value_sizes(t.g, v, huge, sz) == -1 && sz[0] == (int64_t)1 << 62);
     CHECK(kb_dim_eval((kb_dim){4, 1, {0}}, huge) == INT64_MAX);
+    /* no elements, but a product of two of its sizes (a region's column count) past 2^63 */
+    int32_t z = tg_input(&t, "z", KB_F32, "s0,s1,s1");
+    CHECK(t.st == KB_OK && z >= 0);
+    const int64_t zero_huge[2] = {0, (int64_t)1 << 33};
+    CHECK(kb_value_sizes(t.g, z, zero_huge, sz) == 0);
+    CHECK_STATUS(ctx, kb_graph_check_symvals(t.g, zero_huge), KB_ERR_INVALID);
     kb_graph_free(t.g);
 }
 
