@@ -318,6 +318,8 @@ class Fuzz:
                     C.genome_default(p, r, sv, self.device())
                 except REFUSALS:
                     pass
+            if reg["kind"] != "EXTERN" and rnd.random() < 0.1:
+                self.search(p, r, sv)
         try:   # once the interpreter has read it, its regions stay as they are (RuntimeError)
             p.save_stats(0)
         except REFUSALS:
@@ -329,6 +331,32 @@ class Fuzz:
                 call()
             except REFUSALS:
                 pass
+
+    def search(self, p, r, sv):
+        """A few generations of the schedule search, each asked genome generated, told a time
+        or a failure; and a legality test of each."""
+        rnd, C = self.rnd, self.C
+        try:
+            h = C.evolve_new(p, r, sv, self.device(), rnd.getrandbits(64), rnd.choice([0, 1, 4, 12]))
+        except REFUSALS:
+            return
+        for _ in range(rnd.randint(1, 3)):
+            try:
+                asked = C.evolve_ask(h, rnd.choice([1, 4, 16, 0, -1]))
+            except REFUSALS:
+                return
+            for gn in asked:
+                try:
+                    C.genome_legal(p, r, sv, None, gn)
+                    C.generate(p, r, 90, gn)
+                    ms = rnd.uniform(0.01, 2.0)
+                except REFUSALS:
+                    ms = -1.0
+                try:
+                    C.evolve_tell(h, gn, self.odd(ms))
+                except REFUSALS:
+                    pass
+        C.evolve_best(h), C.evolve_generation(h), C.evolve_domains(h)
 
     def race(self, g, sv):
         """The interpreter in a thread (no GIL while it runs) while this one tries to grow the
