@@ -120,6 +120,10 @@ int kb_py_devinfo(PyObject *dev, kb_device_info *out) {
         long x = PyLong_AsLong(v);
         Py_DECREF(v);
         if (x == -1 && PyErr_Occurred()) return -1;
+        if (x < INT32_MIN || x > INT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "dev['%s'] = %ld does not fit in an int32", keys[i], x);
+            return -1;
+        }
         *fields[i] = (int32_t)x;
     }
     return 0;
