@@ -90,6 +90,8 @@ def test_symbol_values_are_checked():
     p = g.partition()
     with pytest.raises(ValueError, match="too large"):
         _C.genome_default(p, 0, [2 ** 32])
+    with pytest.raises(OverflowError, match="int32"):   # a device figure was truncated to 32 bits
+        _C.genome_default(p, 0, [3], {"num_sms": 2 ** 40})
 
 
 def test_slice_past_the_end_by_overflow_is_refused():
