@@ -1,9 +1,12 @@
 """The C core's own tests (csrc/tests), built and run plain and under AddressSanitizer +
 UndefinedBehaviorSanitizer, from pytest so that the README's one test command covers them."""
+import contextlib
+import fcntl
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -23,20 +26,43 @@ def make():
     return run_make
 
 
-def run_make(*args):
+def run_make(*args, lock=None):
     """make -j: the objects build in parallel; the outputs (csrc/tests/bin) stay for the next run,
-    which rebuilds only what changed."""
-    proc = subprocess.run(["make", "-j", JOBS, *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    which rebuilds only what changed. lock: a name the runs that build the same objects share, so
+    two pytest-xdist workers never build them at once."""
+    with _locked(lock):
+        proc = subprocess.run(["make", "-j", JOBS, *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+@contextlib.contextmanager
+def _locked(name):
+    if name is None:
+        yield
+        return
+    folder = os.path.join(ROOT, "csrc", "tests", "bin")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f".{name}.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.mark.parametrize("build,label", [("plain", "plain"), ("asan", "asan+ubsan")])
 def test_core_unit_tests(make, build, label):
     """csrc/tests built and run plain and under ASan+UBSan (`make -C csrc check` is both): two
     tests, so that pytest-xdist runs them side by side (their builds go to folders of their own)."""
-    out = make("-C", "csrc", f"check-{build}")
+    out = make("-C", "csrc", f"check-{build}", lock=build)   # asan: the fuzz target links the same objects
     assert f"test binaries passed ({label})" in out and " 0 failed" in out, out[-4000:]
+
+
+def test_capi_fuzz_smoke(make):
+    """kbench._C itself built under ASan+UBSan (`make -C csrc fuzz`) and driven by
+    csrc/tests/fuzz_capi.py for 3 s: random graphs and bad arguments through the builder, the
+    partition, the interpreter and codegen; a sanitizer report or an exception other than a
+    refusal fails it. .ci/run runs the same for a minute after the suite."""
+    out = make("-C", "csrc", "fuzz", f"PY={sys.executable}", "FUZZ_SECONDS=3", lock="asan")
+    assert "fuzz_capi: ok" in out, out[-4000:]
 
 
 def test_nvrtc_unit_tests_sanitized(make):

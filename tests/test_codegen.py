@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kbench import _C
+from kbench.runtime.interp import run_graph, run_region
 
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64,
       "i64": torch.int64, "i32": torch.int32, "bool": torch.bool}
@@ -257,9 +258,7 @@ def random_inputs(g, symvals, bound, gen):
 
 def interp_region(p, g, r, symvals, values):
     rg = p.region(r)
-    ins = [values[v].contiguous() for v in rg["inputs"]]
-    outs = [torch.empty(g.sizes(v, symvals), dtype=DT[g.node(v)["dtype"]]) for v in rg["outputs"]]
-    _C.interp_region(p, r, symvals, [t.data_ptr() for t in ins], [o.data_ptr() for o in outs])
+    outs = run_region(p, r, symvals, [values[v] for v in rg["inputs"]])
     return dict(zip(rg["outputs"], outs))
 
 
@@ -295,8 +294,7 @@ def test_regions_compute_the_graph(name, dt):
     gen = torch.Generator().manual_seed(0)
     for sv in (symvals, [max(1, s // 2 + 1) for s in symvals]):
         inputs = random_inputs(g, sv, bound, gen)
-        want = [torch.empty(g.sizes(v, sv), dtype=DT[g.node(v)["dtype"]]) for v in g.outputs]
-        _C.interp_graph(g, sv, [t.data_ptr() for t in inputs], [o.data_ptr() for o in want])
+        want = run_graph(g, sv, inputs)
         values = dict(zip(g.inputs, inputs))
         for r in range(len(p)):
             values.update(interp_region(p, g, r, sv, values))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kbench import _C, kernels, verify
+from kbench.runtime.interp import run_region
 from kbench.tune import cache, search
 
 # ---------------------------------------------------------------------------------------- graphs
@@ -527,11 +528,7 @@ def _interp_double(p, r, symvals, ins, outs, graph):
     for v, x in zip(reg["inputs"], ins):
         dt = {"f32": torch.float32, "bf16": torch.bfloat16}[graph.node(v)["dtype"]]
         typed_in.append(x.to(dt).contiguous())
-    typed_out = []
-    for v in reg["outputs"]:
-        dt = {"f32": torch.float32, "bf16": torch.bfloat16}[graph.node(v)["dtype"]]
-        typed_out.append(torch.empty(graph.sizes(v, symvals), dtype=dt))
-    _C.interp_region(p, r, list(symvals), [x.data_ptr() for x in typed_in], [o.data_ptr() for o in typed_out])
+    typed_out = run_region(p, r, symvals, typed_in)
     for o, t in zip(outs, typed_out):
         o.copy_(t.double())
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kbench import _C
+from kbench.runtime.interp import run_graph, run_region
 
 S0 = (1, (0,))  # the dim "s0": 1 * s0
 SYMVALS = ([3], [5])
@@ -59,11 +60,7 @@ def concrete(dims, sv):
 
 def run(g, sv, inputs):
     """Runs g in the interpreter; inputs are CPU tensors in input order, returns the outputs."""
-    outs = []
-    for v in g.outputs:
-        outs.append(torch.empty(g.sizes(v, sv), dtype=TORCH_DTYPES[g.node(v)["dtype"]]))
-    ins = [x.contiguous() for x in inputs]
-    _C.interp_graph(g, sv, [x.data_ptr() for x in ins], [o.data_ptr() for o in outs])
+    outs = run_graph(g, sv, inputs)
     return outs
 
 
@@ -331,8 +328,7 @@ def test_region_graph_runs_like_the_region():
         ins = [torch.randn(gb.g.sizes(v, sv), dtype=TORCH_DTYPES[gb.g.node(v)["dtype"]]) for v in reg["inputs"]]
         for v, i in zip(reg["inputs"], rg.inputs):
             assert rg.node(i)["dtype"] == gb.g.node(v)["dtype"] and rg.sizes(i, sv) == gb.g.sizes(v, sv)
-        want = [torch.empty(gb.g.sizes(v, sv), dtype=TORCH_DTYPES[gb.g.node(v)["dtype"]]) for v in reg["outputs"]]
-        _C.interp_region(p, r, sv, [t.data_ptr() for t in ins], [t.data_ptr() for t in want])
+        want = run_region(p, r, sv, ins)
         got = run(rg, sv, ins)
         for a, c in zip(got, want):
             assert torch.equal(a, c)
@@ -361,7 +357,7 @@ def test_nograd_cuts_the_stability_shift():
         bwd = build(nograd).grad([True])
         assert ("nograd" in str(build(nograd))) == nograd
         out = torch.empty(2, 5, dtype=torch.float64)
-        _C.interp_graph(bwd, [], [x.data_ptr(), up.data_ptr()], [out.data_ptr()])
+        run_graph(bwd, [], [x, up], [out])
         want = up.clone()
         if not nograd:
             want[torch.arange(2), x.argmax(1)] -= up.sum(1)
@@ -373,7 +369,6 @@ def test_gather_and_slice_adjoints_match_autograd():
     inside the IR: the backward graph run by the interpreter matches torch.autograd."""
     import torch
     import torch.nn.functional as F
-    from kbench import _C
     from kbench.capture import capture
 
     class CE(torch.nn.Module):
@@ -399,7 +394,7 @@ def test_gather_and_slice_adjoints_match_autograd():
         want = torch.autograd.grad(model(*xs), [x for x in xs if x.requires_grad], up)
         ins = list(args) + [up]
         outs = [torch.empty_like(w) for w in want]
-        _C.interp_graph(bwd, cap.example_symvals, [t.contiguous().data_ptr() for t in ins], [o.data_ptr() for o in outs])
+        run_graph(bwd, cap.example_symvals, ins, outs)
         for o, w in zip(outs, want):
             assert torch.allclose(o, w, atol=1e-12, rtol=1e-9), (type(model).__name__, o, w)
 
@@ -548,7 +543,7 @@ def test_cross_entropy_backward_has_no_one_hot_row_sum(kw, ignore):
     up = torch.randn_like(out)
     want, = torch.autograd.grad(out, [xs], up)
     got = torch.empty_like(x)
-    _C.interp_graph(bwd, cap.example_symvals, [x.data_ptr(), t.data_ptr(), up.data_ptr()], [got.data_ptr()])
+    run_graph(bwd, cap.example_symvals, [x, t, up], [got])
     assert torch.allclose(got, want, atol=1e-12, rtol=1e-9), (got, want)
 
     # without saved statistics (they are recomputed): one row kernel still

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kbench import _C
+from kbench.runtime import interp
 
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64,
       "i64": torch.int64, "i32": torch.int32, "bool": torch.bool}
@@ -46,11 +47,7 @@ class Builder:
 
 def run_graph(g, inputs, symvals=()):
     """Runs g on host tensors; returns its outputs, allocated in their IR dtype."""
-    symvals = list(symvals)
-    outs = [torch.empty(g.sizes(v, symvals), dtype=DT[g.node(v)["dtype"]]) for v in g.outputs]
-    ins = [t.contiguous() for t in inputs]
-    _C.interp_graph(g, symvals, [t.data_ptr() for t in ins], [o.data_ptr() for o in outs])
-    return outs
+    return interp.run_graph(g, symvals, inputs)
 
 
 def assert_stored(out, ref64, ulps=1):
@@ -385,8 +382,7 @@ def run_regions(g, inputs, symvals=()):
     for r in range(len(p)):
         reg = p.region(r)
         assert reg["kind"] != "extern"
-        outs = [torch.empty(g.sizes(v, symvals), dtype=DT[g.node(v)["dtype"]]) for v in reg["outputs"]]
-        _C.interp_region(p, r, symvals, [vals[v].data_ptr() for v in reg["inputs"]], [o.data_ptr() for o in outs])
+        outs = interp.run_region(p, r, symvals, [vals[v] for v in reg["inputs"]])
         vals.update(zip(reg["outputs"], outs))
     return [vals[v] for v in g.outputs]
 

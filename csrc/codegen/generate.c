@@ -155,8 +155,13 @@ static kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genom
     c->G = c->rg->kind == KB_REGION_ROW ? gn->threads / (gn->rows > 0 ? gn->rows : 1) : gn->threads;
     if (c->G < 1) c->G = 1;
     c->vec = gn->vec;
-    c->U = (int)((R + (int64_t)c->G * c->vec - 1) / ((int64_t)c->G * c->vec));
-    if (c->U < 1) c->U = 1;
+    int64_t per = (int64_t)c->G * (c->vec > 0 ? c->vec : 1), U = R / per + (R % per != 0);
+    /* a row's share per thread is a loop bound and the size of register arrays: bounded, so
+       no count made from it overflows an int */
+    if (U > (1 << 20))
+        return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: rows of %lld elements, %lld a thread (at most 2^20)",
+                       (long long)R, (long long)U);
+    c->U = U < 1 ? 1 : (int)U;
     c->base = c->rg->kind == KB_REGION_POINTWISE ? "i0" : c->rg->kind == KB_REGION_ROW ? "c0" : "col0";
     cg_set_space_vec(c);
     /* values that are functions of reductions and constants alone */

@@ -406,7 +406,7 @@ static kb_status eval_view(interp *it, int32_t v, const kb_node *nd, double *out
         KB_CHECK(it->ctx, on == 0 || (nd->start < isz[ax] && osz[ax] - 1 <= (isz[ax] - 1 - nd->start) / nd->step),
                  KB_ERR_INVALID, "interp: slice node %d: %lld elements from %lld step %lld overrun size %lld",
                  (int)v, (long long)osz[ax], (long long)nd->start, (long long)nd->step, (long long)isz[ax]);
-        str[ax] = istr[ax] * nd->step;
+        str[ax] = osz[ax] > 1 ? istr[ax] * nd->step : 0;  /* < the operand's size by the check above */
         base = on > 0 ? nd->start * istr[ax] : 0;
         break;
     }

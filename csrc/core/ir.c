@@ -209,10 +209,18 @@ int kb_op_from_name(const char *name) {
 
 /* ---------------------------------------------------------------- symbolic sizes */
 
-int64_t kb_dim_eval(kb_dim d, const int64_t *symvals) {
+/* d at these symbol values into *out; 0 where a product overflows int64. */
+static int dim_eval_checked(kb_dim d, const int64_t *symvals, int64_t *out) {
     int64_t v = d.coef;
-    for (int i = 0; i < d.nsym; i++) v *= symvals[d.sym[i]];
-    return v;
+    for (int i = 0; i < d.nsym; i++)
+        if (__builtin_mul_overflow(v, symvals[d.sym[i]], &v)) return 0;
+    *out = v;
+    return 1;
+}
+
+int64_t kb_dim_eval(kb_dim d, const int64_t *symvals) {
+    int64_t v;
+    return dim_eval_checked(d, symvals, &v) ? v : INT64_MAX;
 }
 
 int kb_dim_equal(kb_dim a, kb_dim b) {
@@ -348,11 +356,35 @@ int32_t kb_graph_output(const kb_graph *g, int32_t i) { return i >= 0 && i < g->
 int64_t kb_value_sizes(const kb_graph *g, int32_t v, const int64_t *symvals, int64_t sizes[KB_MAX_RANK]) {
     const kb_node *nd = &g->nodes[v];
     int64_t numel = 1;
+    int ok = 1;
     for (int d = 0; d < nd->rank; d++) {
-        sizes[d] = kb_dim_eval(nd->dims[d], symvals);
-        numel *= sizes[d];
+        ok &= dim_eval_checked(nd->dims[d], symvals, &sizes[d]);
+        if (!ok) sizes[d] = INT64_MAX;
+        ok = ok && !__builtin_mul_overflow(numel, sizes[d], &numel);
     }
-    return numel;
+    return ok ? numel : -1;
+}
+
+kb_status kb_graph_check_symvals(const kb_graph *g, const int64_t *symvals) {
+    for (int32_t s = 0; s < g->nsyms; s++)
+        if (symvals[s] < 0)
+            return KB_FAIL(g->ctx, KB_ERR_INVALID, "symbol %s bound to a negative size (%" PRId64 ")",
+                           g->sym_names[s], symvals[s]);
+    /* every value's bytes as the interpreter holds it (a double per element), with a size 0
+     * counted as 1 (so a product of any of its sizes is bounded too: a region's row and column
+     * counts), and their sum: no size, count, byte count or sum of them downstream overflows */
+    int64_t total = 0;
+    for (int32_t v = 0; v < g->nnodes; v++) {
+        const kb_node *nd = &g->nodes[v];
+        int64_t bytes = (int64_t)sizeof(double), s;
+        int ok = 1;
+        for (int d = 0; ok && d < nd->rank; d++)
+            ok = dim_eval_checked(nd->dims[d], symvals, &s) && !__builtin_mul_overflow(bytes, s > 1 ? s : 1, &bytes);
+        if (!ok || __builtin_add_overflow(total, bytes, &total))
+            return KB_FAIL(g->ctx, KB_ERR_INVALID, "sizes too large: value %%%d at these symbol values "
+                           "overflows 2^63 bytes (with the values before it)", (int)v);
+    }
+    return KB_OK;
 }
 
 static kb_status push_id(kb_ctx *ctx, int32_t **arr, int32_t *n, int32_t *cap, int32_t v) {
@@ -365,6 +397,54 @@ static kb_status push_id(kb_ctx *ctx, int32_t **arr, int32_t *n, int32_t *cap, i
     }
     (*arr)[(*n)++] = v;
     return KB_OK;
+}
+
+static int same_symbols(kb_dim a, kb_dim b) {
+    return a.nsym == b.nsym && memcmp(a.sym, b.sym, a.nsym) == 0;
+}
+
+/* d at the graph's example sizes (check_sizes has made sure it fits). */
+static int64_t at_example(const kb_graph *g, kb_dim d) { return kb_dim_eval(d, g->sym_examples); }
+
+/* A node's sizes are safe to multiply: the product of its size coefficients (a zero counts as
+ * one, so every sub-product is bounded too: kb_monomial_of, reshape's and fusion's checks, a
+ * row's length in codegen) and its element count at the graph's example sizes, both in bytes of
+ * a double, fit in int64. Run-time sizes are checked by kb_graph_check_symvals. */
+static const char *check_sizes(const kb_graph *g, const kb_node *t) {
+    int64_t coefs = 8, numel = 8;
+    for (int d = 0; d < t->rank; d++) {
+        int64_t s;
+        if (__builtin_mul_overflow(coefs, t->dims[d].coef > 1 ? t->dims[d].coef : 1, &coefs))
+            return "sizes: the product of the size coefficients overflows int64";
+        if (!dim_eval_checked(t->dims[d], g->sym_examples, &s) ||
+            __builtin_mul_overflow(numel, s > 1 ? s : 1, &numel))
+            return "sizes: the element count overflows int64 at the example sizes";
+    }
+    return NULL;
+}
+
+/* The last element a slice reads, start + (len - 1) * step, lies inside the operand (len > 0).
+ * Where the length and the operand's size are multiples of one product of symbols M (or both
+ * pinned: M = 1), for every M >= 1: len = cl*M, size = ca*M, and start + (cl*M - 1)*step <
+ * ca*M for all M exactly when it holds at M = 1 and cl*step <= ca. Otherwise (a slice of a
+ * size that varies to a pinned length, as `pe[:seq_len]`) at the example sizes: the capture's
+ * guards keep the run-time sizes to those where torch's slice is in bounds. */
+static const char *check_slice(const kb_graph *g, const kb_node *t, const kb_node *a) {
+    kb_dim ld = t->dims[t->axis], ad = a->dims[t->axis];
+    int64_t len = ld.coef, size = ad.coef, last, span;
+    int provable = same_symbols(ld, ad);
+    if (provable && ld.nsym > 0 && len > 0 && (__builtin_mul_overflow(len, t->step, &span) || span > size))
+        return "slice: runs past the end of the operand at larger sizes";
+    if (!provable) {
+        len = at_example(g, ld);
+        size = at_example(g, ad);
+    }
+    if (len <= 0) return NULL;
+    if (__builtin_mul_overflow(len - 1, t->step, &last) || __builtin_add_overflow(last, t->start, &last) ||
+        last >= size)
+        return provable ? "slice: runs past the end of the operand"
+                        : "slice: runs past the end of the operand at the example sizes";
+    return NULL;
 }
 
 /* Checks a node template against its operands; returns a message or NULL when it is fine. */
@@ -390,11 +470,18 @@ static const char *check_node(const kb_graph *g, const kb_node *t, char *msg, si
             if (i && dm->sym[i - 1] > dm->sym[i]) return "symbols of a size must be sorted";
         }
     }
+    const char *why = check_sizes(g, t);
+    if (why) return why;
     if (t->op == KB_OP_INPUT && (unsigned)t->input_kind > KB_INPUT_BUFFER) return "unknown input kind";
     const kb_node *a = t->ninputs > 0 ? &g->nodes[t->inputs[0]] : NULL;
     switch (info->kind) {
     case KB_KIND_LEAF:
-        if (t->op == KB_OP_IOTA && (t->axis < 0 || t->axis >= t->rank)) return "iota: axis out of range";
+        if (t->op == KB_OP_IOTA) {
+            if (t->axis < 0 || t->axis >= t->rank) return "iota: axis out of range";
+            /* its largest value is the axis size - 1, stored in the node's dtype */
+            if (t->dtype == KB_I32 && at_example(g, t->dims[t->axis]) - 1 > INT32_MAX)
+                return "iota: an i32 iota longer than 2^31 (at the example sizes)";
+        }
         return NULL;
     case KB_KIND_EXTERN:
         return NULL;
@@ -452,10 +539,7 @@ static const char *check_node(const kb_graph *g, const kb_node *t, char *msg, si
             if (t->start < 0 || t->step < 1) return "slice: start must be >= 0 and step >= 1";
             for (int d = 0; d < t->rank; d++)
                 if (d != t->axis && !kb_dim_equal(t->dims[d], a->dims[d])) return "slice: only the sliced axis may change";
-            if (a->dims[t->axis].nsym == 0 && t->dims[t->axis].nsym == 0 &&
-                t->dims[t->axis].coef > 0 &&
-                t->start + (t->dims[t->axis].coef - 1) * t->step >= a->dims[t->axis].coef)
-                return "slice: runs past the end of the operand";
+            return check_slice(g, t, a);
         }
         return NULL;
     case KB_KIND_GATHER: {
@@ -463,8 +547,16 @@ static const char *check_node(const kb_graph *g, const kb_node *t, char *msg, si
         if (idx->dtype != KB_I64 && idx->dtype != KB_I32) return "gather: index must be i64 or i32";
         if (idx->rank != a->rank || t->rank != a->rank) return "gather: operand, index and output must have one rank";
         if (t->axis < 0 || t->axis >= t->rank) return "gather: axis out of range";
-        for (int d = 0; d < t->rank; d++)
+        for (int d = 0; d < t->rank; d++) {
             if (!kb_dim_equal(t->dims[d], idx->dims[d])) return "gather: output has the index's shape";
+            /* torch.gather: index.size(d) <= input.size(d) off the axis, where the output reads
+             * the operand at the index's own coordinates: for every binding of the symbols */
+            if (d != t->axis && !kb_dim_equal(idx->dims[d], a->dims[d]) &&
+                !(same_symbols(idx->dims[d], a->dims[d]) && idx->dims[d].coef <= a->dims[d].coef)) {
+                snprintf(msg, n, "gather: the index is larger than the operand on dim %d (not the axis)", d);
+                return msg;
+            }
+        }
         return NULL;
     }
     }

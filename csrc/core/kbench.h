@@ -72,6 +72,8 @@ typedef struct kb_dim {
     uint8_t sym[KB_MAX_DIM_SYMS];
 } kb_dim;
 
+/* d at these symbol values; INT64_MAX where the product overflows (kb_graph_check_symvals
+ * refuses such values up front). */
 int64_t kb_dim_eval(kb_dim d, const int64_t *symvals);
 int kb_dim_equal(kb_dim a, kb_dim b);
 
@@ -161,8 +163,15 @@ int32_t kb_graph_input(const kb_graph *g, int32_t i);              /* node id of
 int32_t kb_graph_noutputs(const kb_graph *g);
 int32_t kb_graph_output(const kb_graph *g, int32_t i);
 
-/* Concrete sizes of value v for bound symbol values; returns numel. */
+/* Concrete sizes of value v for bound symbol values; returns numel, or -1 where a size or the
+ * count overflows int64. */
 int64_t kb_value_sizes(const kb_graph *g, int32_t v, const int64_t *symvals, int64_t sizes[KB_MAX_RANK]);
+/* Are these symbol values (one per symbol) sizes g can run at? Each >= 0, and every value's
+ * size, element count and bytes (8 per element, as the interpreter holds it; a size 0 counted
+ * as 1, so any product of its sizes is bounded), summed over the graph, fit in int64: no size
+ * arithmetic downstream overflows. KB_ERR_INVALID with the reason in g's context otherwise.
+ * Every entry point taking symbol values from outside checks. */
+kb_status kb_graph_check_symvals(const kb_graph *g, const int64_t *symvals);
 
 /* Stable text form; *out is allocated with the ctx allocator, free with kb_string_free. */
 kb_status kb_graph_dump(const kb_graph *g, char **out);
@@ -192,10 +201,11 @@ typedef struct kb_region {
 } kb_region;
 
 typedef struct kb_partition {
-    const kb_graph *graph;  /* borrowed: must outlive the partition */
+    const kb_graph *graph;  /* borrowed: must outlive the partition, and not grow */
     int32_t nregions;
     kb_region *regions;     /* in execution order */
     int32_t *region_of;     /* node id -> region index, -1 for nodes no region needs */
+    int32_t nnodes;         /* the graph's node count when partitioned: region_of's length */
 } kb_partition;
 
 kb_status kb_partition_new(const kb_graph *g, kb_partition **out);

@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 #define KB_LAUNCH_API_CAPSULE "kbench._C.launch_api"
-#define KB_LAUNCH_API_VERSION 1
+#define KB_LAUNCH_API_VERSION 2
 
 typedef struct kb_launch_api {
     int version;           /* KB_LAUNCH_API_VERSION */
@@ -27,6 +27,10 @@ typedef struct kb_launch_api {
                   void **args, char *err, size_t errlen);
     /* 1 if stream is being captured into a CUDA graph, 0 if not, -1 with err. Any thread. */
     int (*capturing)(void *cuda, void *stream, char *err, size_t errlen);
+    /* The CUfunction behind a function object (kbench._C.get_function's), or NULL if `capsule`
+     * is not one, or was loaded through another driver than `cuda`. Borrowed: the caller keeps
+     * the object alive (it keeps its module loaded) while it launches the result. Needs the GIL. */
+    void *(*function_of)(void *capsule, void *cuda);
 } kb_launch_api;
 
 #ifdef __cplusplus

@@ -223,11 +223,16 @@ PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (!self) return nullptr;
     new (&self->spec) LaunchSpec();
     LaunchSpec &l = self->spec;
-    self->keep = Py_BuildValue("(OO)", cuda, keep);
+    self->keep = Py_BuildValue("(OOOO)", cuda, keep, fn, finish); /* the functions keep their module loaded */
     l.cuda = self->keep ? api->cuda_of(cuda) : nullptr;
-    l.fn = PyLong_AsVoidPtr(fn);
-    l.finish = finish == Py_None ? nullptr : PyLong_AsVoidPtr(finish);
+    l.fn = l.cuda ? api->function_of(fn, l.cuda) : nullptr;
+    l.finish = finish == Py_None || !l.cuda ? nullptr : api->function_of(finish, l.cuda);
     std::vector<int64_t> g, chk, scr;
+    if (l.cuda && (!l.fn || (finish != Py_None && !l.finish))) {
+        PyErr_SetString(PyExc_TypeError, "Launch: fn and finish must be functions from kbench._C.get_function "
+                                         "through this cuda handle");
+        goto fail;
+    }
     if (PyErr_Occurred() || as_ints(grid, g, "grid must be a sequence of ints") < 0 ||
         (scratch && as_ints(scratch, scr, "scratch must be a sequence of ints (pointers)") < 0) ||
         as_ints(check, chk, "check must be a sequence of ints") < 0 ||

@@ -36,7 +36,7 @@ void kb_partition_free(kb_partition *p) {
         kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)(rg->noutputs ? rg->noutputs : 1));
     }
     kb_free(ctx, p->regions, sizeof(kb_region) * (size_t)(p->nregions ? p->nregions : 1));
-    kb_free(ctx, p->region_of, sizeof(int32_t) * (size_t)(kb_graph_nnodes(p->graph) ? kb_graph_nnodes(p->graph) : 1));
+    kb_free(ctx, p->region_of, sizeof(int32_t) * (size_t)(p->nnodes ? p->nnodes : 1));
     kb_free(ctx, p, sizeof *p);
 }
 
@@ -61,6 +61,7 @@ kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
     p = kb_calloc(ctx, 1, sizeof *p);
     KB_CHECK(ctx, p != NULL, KB_ERR_OOM, "out of memory");
     p->graph = g;
+    p->nnodes = kb_graph_nnodes(g);
     p->regions = kb_calloc(ctx, (size_t)(b.nreg ? b.nreg : 1), sizeof(kb_region));
     if (p->regions) p->nregions = b.nreg; /* kb_partition_free frees by this count */
     p->region_of = kb_malloc(ctx, sizeof(int32_t) * n1);

@@ -64,8 +64,17 @@ kb_ctx *kb_py_thread_ctx(void) {
     return ctx;
 }
 
+PyObject *kb_py_tuple(PyObject *seq, const char *what) {
+    PyObject *t = PySequence_Tuple(seq);
+    if (!t && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: expected a sequence, got %.100s", what, Py_TYPE(seq)->tp_name);
+    }
+    return t;
+}
+
 int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
-    PyObject *fast = PySequence_Fast(seq, what);
+    PyObject *fast = kb_py_tuple(seq, what);
     if (!fast) return -1;
     if (PySequence_Fast_GET_SIZE(fast) != n) {
         PyErr_Format(PyExc_ValueError, "%s: expected %zd values, got %zd", what, n, PySequence_Fast_GET_SIZE(fast));
@@ -83,9 +92,14 @@ int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
     return 0;
 }
 
-/* symvals: one int per symbol of g */
+/* symvals: one int per symbol of g, sizes g can be computed at (kb_graph_check_symvals) */
 int kb_py_symvals(const kb_graph *g, PyObject *seq, int64_t *out) {
-    return kb_py_int64s(seq, out, kb_graph_nsymbols(g), "symvals");
+    if (kb_py_int64s(seq, out, kb_graph_nsymbols(g), "symvals") < 0) return -1;
+    if (kb_graph_check_symvals(g, out) != KB_OK) {
+        PyErr_Format(PyExc_ValueError, "symvals: %s", kb_ctx_error(kb_graph_ctx(g)));
+        return -1;
+    }
+    return 0;
 }
 
 /* dev: None (the default device, kb_device_default) or a mapping with any of the keys of
@@ -106,6 +120,10 @@ int kb_py_devinfo(PyObject *dev, kb_device_info *out) {
         long x = PyLong_AsLong(v);
         Py_DECREF(v);
         if (x == -1 && PyErr_Occurred()) return -1;
+        if (x < INT32_MIN || x > INT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "dev['%s'] = %ld does not fit in an int32", keys[i], x);
+            return -1;
+        }
         *fields[i] = (int32_t)x;
     }
     return 0;
@@ -113,37 +131,101 @@ int kb_py_devinfo(PyObject *dev, kb_device_info *out) {
 
 /* ---------------------------------------------------------------- interpreter */
 
-/* Pointers arrive as Python ints (tensor.data_ptr()). */
-static int ptrs_from_py(PyObject *seq, void **out, Py_ssize_t n, const char *what) {
-    int64_t vals[64];
-    if (n > 64) {
-        PyErr_Format(PyExc_ValueError, "%s: at most 64 buffers", what);
+/* The interpreter's buffers are objects with the buffer protocol (bytearray, array.array,
+ * memoryview; bytes as an input), never addresses: a number cannot name memory here. Each holds
+ * exactly the bytes its value has at these sizes, contiguous and aligned to its element size;
+ * an output is writable and overlaps no other buffer (the interpreter loads a graph's inputs as
+ * it goes: an output written over one would change what it reads). The views stay held while
+ * the interpreter runs without the GIL, so their exporters can neither resize nor free them. */
+static int get_view(PyObject *obj, int writable, const kb_graph *g, int32_t v, const int64_t *symvals,
+                    const char *what, Py_ssize_t j, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s[%zd]: expected a %sbuffer (bytearray, array.array, memoryview), got %.100s",
+                     what, j, writable ? "writable " : "", Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (kb_py_int64s(seq, vals, n, what) < 0) return -1;
-    for (Py_ssize_t i = 0; i < n; i++) out[i] = (void *)(intptr_t)vals[i];
-    return 0;
+    const kb_node *nd = kb_graph_node(g, v);
+    int64_t sizes[KB_MAX_RANK];
+    int64_t want = kb_value_sizes(g, v, symvals, sizes) * (int64_t)kb_dtype_size(nd->dtype); /* checked sizes */
+    size_t align = kb_dtype_size(nd->dtype);
+    if ((int64_t)view->len != want)
+        PyErr_Format(PyExc_ValueError, "%s[%zd] holds %zd bytes; value %%%d (%s) needs %lld at these sizes", what, j,
+                     view->len, (int)v, kb_dtype_name(nd->dtype), (long long)want);
+    else if (want > 0 && (uintptr_t)view->buf % align != 0)
+        PyErr_Format(PyExc_ValueError, "%s[%zd] is not aligned to its %s elements (%zu bytes)", what, j,
+                     kb_dtype_name(nd->dtype), align);
+    else
+        return 0;
+    PyBuffer_Release(view);
+    return -1;
 }
 
-static PyObject *run_interp(PyObject *module, const kb_graph *g, const kb_partition *p, int32_t r, PyObject *symseq,
+static int overlaps(const Py_buffer *a, const Py_buffer *b) {
+    uintptr_t a0 = (uintptr_t)a->buf, b0 = (uintptr_t)b->buf;
+    return a->len > 0 && b->len > 0 && a0 < b0 + (uintptr_t)b->len && b0 < a0 + (uintptr_t)a->len;
+}
+
+/* Runs the graph (p NULL) or region r of p over ins and outs, sequences of buffers. The graph
+ * is frozen first: its nodes are read without the GIL, and an exporter's code (a __buffer__
+ * method, from Python 3.12) could otherwise grow it between the checks; the sequences are
+ * copied into tuples for the same reason. */
+static PyObject *run_interp(PyObject *module, kb_py_graph *gobj, const kb_partition *p, int32_t r, PyObject *symseq,
                             PyObject *ins, PyObject *outs) {
+    const kb_graph *g = gobj->graph;
     int64_t symvals[KB_MAX_SYMS];
-    void *in_ptrs[64], *out_ptrs[64];
+    if (kb_py_symvals(g, symseq, symvals) < 0) return NULL;
+    gobj->frozen = 1;
     Py_ssize_t nin = p ? p->regions[r].ninputs : kb_graph_ninputs(g);
     Py_ssize_t nout = p ? p->regions[r].noutputs : kb_graph_noutputs(g);
-    if (kb_py_symvals(g, symseq, symvals) < 0 || ptrs_from_py(ins, in_ptrs, nin, "inputs") < 0 ||
-        ptrs_from_py(outs, out_ptrs, nout, "outputs") < 0)
-        return NULL;
+    PyObject *fin = PySequence_Tuple(ins);
+    PyObject *fout = fin ? PySequence_Tuple(outs) : NULL;
+    Py_buffer *views = fout ? PyMem_Calloc((size_t)(nin + nout) + 1, sizeof *views) : NULL;
+    void **ptrs = views ? PyMem_Calloc((size_t)(nin + nout) + 1, sizeof *ptrs) : NULL;
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    if (fout && !ptrs) PyErr_NoMemory();
+    if (!ptrs) goto done;
+    if (PyTuple_GET_SIZE(fin) != nin || PyTuple_GET_SIZE(fout) != nout) {
+        PyErr_Format(PyExc_ValueError, "%s takes %zd inputs and %zd outputs, got %zd and %zd", p ? "the region" : "the graph",
+                     nin, nout, PyTuple_GET_SIZE(fin), PyTuple_GET_SIZE(fout));
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < nin + nout; k++, held++) {
+        int out = k >= nin;
+        Py_ssize_t j = out ? k - nin : k;
+        int32_t v = p ? (out ? p->regions[r].outputs[j] : p->regions[r].inputs[j])
+                      : (out ? kb_graph_output(g, (int32_t)j) : kb_graph_input(g, (int32_t)j));
+        PyObject *obj = PyTuple_GET_ITEM(out ? fout : fin, j);
+        if (get_view(obj, out, g, v, symvals, out ? "outputs" : "inputs", j, &views[k]) < 0) goto done;
+        ptrs[k] = views[k].buf;
+        for (Py_ssize_t o = 0; out && o < k; o++)
+            if (overlaps(&views[k], &views[o])) {
+                PyErr_Format(PyExc_ValueError, "outputs[%zd] overlaps %s[%zd]", j, o < nin ? "inputs" : "outputs",
+                             o < nin ? o : o - nin);
+                held++; /* views[k] too */
+                goto done;
+            }
+    }
     /* A context per call: the interpreter runs without the GIL, and errors stay this call's. */
     kb_ctx *ctx;
-    if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK) return PyErr_NoMemory();
+    if (kb_ctx_new(NULL, NULL, &ctx) != KB_OK) {
+        PyErr_NoMemory();
+        goto done;
+    }
     kb_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = p ? kb_interp_region(ctx, p, r, symvals, (const void *const *)in_ptrs, out_ptrs)
-           : kb_interp_graph(ctx, g, symvals, (const void *const *)in_ptrs, out_ptrs);
+    st = p ? kb_interp_region(ctx, p, r, symvals, (const void *const *)ptrs, ptrs + nin)
+           : kb_interp_graph(ctx, g, symvals, (const void *const *)ptrs, ptrs + nin);
     Py_END_ALLOW_THREADS
-    PyObject *result = st == KB_OK ? Py_NewRef(Py_None) : kb_py_raise(module, ctx, st, "interpreter");
+    result = st == KB_OK ? Py_NewRef(Py_None) : kb_py_raise(module, ctx, st, "interpreter");
     kb_ctx_free(ctx);
+done:
+    for (Py_ssize_t k = 0; k < held; k++) PyBuffer_Release(&views[k]);
+    PyMem_Free(views);
+    PyMem_Free(ptrs);
+    Py_XDECREF(fin);
+    Py_XDECREF(fout);
     return result;
 }
 
@@ -155,7 +237,8 @@ static PyObject *py_interp_region(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!iOOO:interp_region", state->partition_type, &p, &r, &symseq, &ins, &outs))
         return NULL;
     if (r < 0 || r >= p->part->nregions) return PyErr_Format(PyExc_IndexError, "region %d out of range", r);
-    return run_interp(module, p->graph->graph, p->part, r, symseq, ins, outs);
+    p->frozen = 1; /* save_stats would rewrite the regions the interpreter reads */
+    return run_interp(module, p->graph, p->part, r, symseq, ins, outs);
 }
 
 static PyObject *py_interp_graph(PyObject *module, PyObject *args) {
@@ -163,7 +246,7 @@ static PyObject *py_interp_graph(PyObject *module, PyObject *args) {
     kb_py_graph *g;
     PyObject *symseq, *ins, *outs;
     if (!PyArg_ParseTuple(args, "O!OOO:interp_graph", state->graph_type, &g, &symseq, &ins, &outs)) return NULL;
-    return run_interp(module, g->graph, NULL, 0, symseq, ins, outs);
+    return run_interp(module, g, NULL, 0, symseq, ins, outs);
 }
 
 /* ---------------------------------------------------------------- schedules and codegen */
@@ -203,7 +286,8 @@ static PyObject *py_generate(PyObject *module, PyObject *args) {
     if (genome_obj == Py_None) {
         int64_t symvals[KB_MAX_SYMS];
         for (int s = 0; s < kb_graph_nsymbols(g); s++) symvals[s] = kb_graph_symbol_example(g, s);
-        kb_status st = kb_genome_default(p->part, r, symvals, &info, &gn);
+        kb_status st = kb_graph_check_symvals(g, symvals);
+        if (st == KB_OK) st = kb_genome_default(p->part, r, symvals, &info, &gn);
         if (st != KB_OK) return kb_py_raise(module, ctx, st, "genome");
     }
     kb_kernel *k = NULL;
@@ -235,9 +319,12 @@ static PyObject *py_ops(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored
 
 static PyMethodDef module_methods[] = {
     {"interp_region", py_interp_region, METH_VARARGS,
-     "interp_region(partition, r, symvals, in_ptrs, out_ptrs): run region r on host buffers"},
+     "interp_region(partition, r, symvals, inputs, outputs): run region r on host buffers: objects with the "
+     "buffer protocol (bytearray, array.array, memoryview), each exactly its value's bytes, contiguous and "
+     "aligned; outputs writable and apart. kbench.runtime.interp.run_region takes tensors"},
     {"interp_graph", py_interp_graph, METH_VARARGS,
-     "interp_graph(graph, symvals, in_ptrs, out_ptrs): run a graph without EXTERN nodes on host buffers"},
+     "interp_graph(graph, symvals, inputs, outputs): run a graph without EXTERN nodes on host buffers, as "
+     "interp_region; the graph is frozen from then on. kbench.runtime.interp.run_graph takes tensors"},
     {"genome_default", py_genome_default, METH_VARARGS,
      "genome_default(partition, r, symvals, dev=None) -> Genome: region r's default schedule at these sizes"},
     {"generate", py_generate, METH_VARARGS,

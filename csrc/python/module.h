@@ -31,19 +31,24 @@ kb_ctx *kb_py_thread_ctx_raw(void);
 kb_ctx *kb_py_thread_ctx(void);
 
 /* The Graph object: owns its graph, and its context unless `owner` is set — a graph derived
- * from another (a gradient, a region's subgraph) shares that one's context and keeps it alive. */
+ * from another (a gradient, a region's subgraph) shares that one's context and keeps it alive.
+ * frozen: a Partition or the interpreter has read it, so the builder calls refuse to grow it (a
+ * partition's arrays are sized by its nodes; the interpreter reads them without the GIL). */
 typedef struct kb_py_graph {
     PyObject_HEAD
     kb_ctx *ctx;
     kb_graph *graph;
     PyObject *owner;
+    int frozen;
 } kb_py_graph;
 
-/* The Partition object: owns the partition, keeps its Graph alive. */
+/* The Partition object: owns the partition, keeps its Graph alive. frozen: the interpreter has
+ * read it (without the GIL), so save_stats no longer rewrites its regions. */
 typedef struct kb_py_partition {
     PyObject_HEAD
     kb_py_graph *graph;
     kb_partition *part;
+    int frozen;
 } kb_py_partition;
 
 /* The Genome object: one region's schedule, immutable (module_types.c). */
@@ -60,6 +65,11 @@ int kb_py_genome_of(kb_module_state *state, PyObject *obj, kb_genome *out, const
 
 /* A new KernelInfo describing k (max_blocks: kb_kernel_max_blocks on the device generated for). */
 PyObject *kb_py_kernel_info_new(kb_module_state *state, const kb_kernel *k, int64_t max_blocks);
+
+/* A tuple of seq's items (new reference), or NULL with TypeError naming `what`. Sequences are
+ * read through one: converting an item (__index__, __bool__) runs Python code, which could
+ * shrink a list under a loop over it. The PySequence_Fast_GET_* macros read it. */
+PyObject *kb_py_tuple(PyObject *seq, const char *what);
 
 /* Reads a sequence of Python ints into out[0..n); returns -1 with an exception set. */
 int kb_py_int64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what);

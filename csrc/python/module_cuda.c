@@ -12,6 +12,7 @@
 #define NVRTC_CAPSULE "kbench._C.nvrtc"
 #define CUDA_CAPSULE "kbench._C.cuda"
 #define MODULE_CAPSULE "kbench._C.cuda_module"
+#define FUNCTION_CAPSULE "kbench._C.cuda_function"
 #define MAX_DIRS 64
 #define MAX_ARGS 128 /* kernel arguments in one launch */
 
@@ -25,6 +26,14 @@ typedef struct {
     kb_cuda *cuda;
     kb_cuda_module *module;
 } module_handle;
+
+/* A kernel of a loaded module, as get_function returns it: launch and kbench._fast take this
+ * object, never an address, and it keeps its module loaded for as long as it lives. */
+typedef struct {
+    void *fn;        /* the CUfunction */
+    kb_cuda *cuda;   /* the driver handle it was loaded through */
+    PyObject *owner; /* its module capsule */
+} function_handle;
 
 static void nvrtc_capsule_free(PyObject *cap) {
     nvrtc_handle *h = PyCapsule_GetPointer(cap, NVRTC_CAPSULE);
@@ -47,6 +56,13 @@ static void module_capsule_free(PyObject *cap) {
     if (!h) return;
     kb_cuda_module_unload(h->cuda, h->module);
     kb_ctx_free(h->ctx);
+    Py_XDECREF(h->owner);
+    PyMem_Free(h);
+}
+
+static void function_capsule_free(PyObject *cap) {
+    function_handle *h = PyCapsule_GetPointer(cap, FUNCTION_CAPSULE);
+    if (!h) return;
     Py_XDECREF(h->owner);
     PyMem_Free(h);
 }
@@ -298,8 +314,16 @@ static PyObject *py_get_function(PyObject *self, PyObject *const *args, Py_ssize
     int regs = 0, spills = 0;
     kb_status st = kb_cuda_function(ctx, ch->cuda, mh->module, name, smem, &fn, &regs, &spills);
     if (st != KB_OK) return kb_py_raise(self, ctx, st, NULL);
-    /* NOTE: fn belongs to the module: the caller keeps the module capsule alive while using it */
-    return Py_BuildValue("(Nii)", PyLong_FromVoidPtr(fn), regs, spills);
+    function_handle *fh = PyMem_Calloc(1, sizeof *fh);
+    if (!fh) return PyErr_NoMemory();
+    *fh = (function_handle){fn, ch->cuda, Py_NewRef(args[1])};
+    PyObject *cap = PyCapsule_New(fh, FUNCTION_CAPSULE, function_capsule_free);
+    if (!cap) {
+        Py_DECREF(fh->owner);
+        PyMem_Free(fh);
+        return NULL;
+    }
+    return Py_BuildValue("(Nii)", cap, regs, spills);
 }
 
 /* ---------------------------------------------------------------- launch (the hot path) */
@@ -324,13 +348,14 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_TypeError, "launch(handle, fn, grid, block, smem, stream, ptrs, ints, floats=())");
         return NULL;
     }
-    cuda_handle *h = get_cuda(args[0]);
+    function_handle *fh = handle_of(args[1], FUNCTION_CAPSULE);
+    cuda_handle *h = fh ? get_cuda(args[0]) : NULL;
     if (!h) return NULL;
-    void *fn = PyLong_AsVoidPtr(args[1]);
-    if (!fn) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "launch: fn is NULL");
+    if (fh->cuda != h->cuda) {
+        PyErr_SetString(PyExc_ValueError, "launch: the function was loaded through another handle");
         return NULL;
     }
+    void *fn = fh->fn;
     uint32_t grid[3] = {1, 1, 1};
     if (PyLong_Check(args[2])) {
         unsigned long g = PyLong_AsUnsignedLong(args[2]);
@@ -386,12 +411,22 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (vals[k].u == (uint64_t)-1 && PyErr_Occurred()) return NULL;
         argp[k] = &vals[k];
     }
+    /* ints and floats only: converting anything else runs Python code (__index__, __float__),
+     * which could change a list whose items are read here in place */
     for (Py_ssize_t j = 0; j < ni; j++, k++) {
+        if (!PyLong_Check(ii[j])) {
+            PyErr_Format(PyExc_TypeError, "launch: ints[%zd] is a %.100s, not an int", j, Py_TYPE(ii[j])->tp_name);
+            return NULL;
+        }
         vals[k].i = PyLong_AsLongLong(ii[j]);
         if (vals[k].i == -1 && PyErr_Occurred()) return NULL;
         argp[k] = &vals[k];
     }
     for (Py_ssize_t j = 0; j < nf; j++, k++) {
+        if (!PyFloat_Check(fi[j]) && !PyLong_Check(fi[j])) {
+            PyErr_Format(PyExc_TypeError, "launch: floats[%zd] is a %.100s, not a float", j, Py_TYPE(fi[j])->tp_name);
+            return NULL;
+        }
         double d = PyFloat_AsDouble(fi[j]);
         if (d == -1.0 && PyErr_Occurred()) return NULL;
         vals[k].u = 0;
@@ -436,6 +471,13 @@ static void *capi_cuda_of(void *capsule) {
     return ((cuda_handle *)PyCapsule_GetPointer(o, CUDA_CAPSULE))->cuda;
 }
 
+static void *capi_function_of(void *capsule, void *cuda) {
+    PyObject *o = capsule;
+    if (!PyCapsule_IsValid(o, FUNCTION_CAPSULE)) return NULL;
+    function_handle *h = PyCapsule_GetPointer(o, FUNCTION_CAPSULE);
+    return h->cuda == cuda ? h->fn : NULL;
+}
+
 static int capi_launch(void *cuda, void *fn, const uint32_t grid[3], int block, int smem, void *stream,
                        void **args, char *err, size_t errlen) {
     kb_ctx *ctx = kb_py_thread_ctx_raw();
@@ -457,7 +499,7 @@ static int capi_capturing(void *cuda, void *stream, char *err, size_t errlen) {
 }
 
 static const kb_launch_api launch_api = {
-    KB_LAUNCH_API_VERSION, sizeof(kb_launch_api), capi_cuda_of, capi_launch, capi_capturing,
+    KB_LAUNCH_API_VERSION, sizeof(kb_launch_api), capi_cuda_of, capi_launch, capi_capturing, capi_function_of,
 };
 
 static PyObject *py_launch_api(PyObject *self, PyObject *unused) {
@@ -482,10 +524,11 @@ PyMethodDef kb_cuda_methods[] = {
     {"module_load", (PyCFunction)(void (*)(void))py_module_load, METH_FASTCALL,
      "module_load(handle, cubin: bytes) -> module handle (unloaded when collected)"},
     {"get_function", (PyCFunction)(void (*)(void))py_get_function, METH_FASTCALL,
-     "get_function(handle, module, name, smem) -> (fn, registers, spill bytes); fn lives as long as module"},
+     "get_function(handle, module, name, smem) -> (fn, registers, spill bytes); fn is a function object that "
+     "keeps its module loaded"},
     {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL,
-     "launch(handle, fn, grid, block, smem, stream, ptrs, ints, floats=()): cuLaunchKernel on stream; "
-     "arguments in order: ptrs (8-byte pointers), ints (int64), floats (float32)"},
+     "launch(handle, fn, grid, block, smem, stream, ptrs, ints, floats=()): cuLaunchKernel of fn (get_function's) "
+     "on stream; arguments in order: ptrs (8-byte device pointers), ints (int64), floats (float32)"},
     {"synchronize", (PyCFunction)(void (*)(void))py_synchronize, METH_FASTCALL,
      "synchronize(handle, stream=0): the stream, or the whole context when 0"},
     {NULL, NULL, 0, NULL},

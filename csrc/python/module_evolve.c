@@ -37,7 +37,7 @@ static int region_args(PyObject *module, PyObject *part, int r, PyObject *symseq
         PyErr_Format(PyExc_IndexError, "region %d out of range", r);
         return -1;
     }
-    if (kb_py_int64s(symseq, symvals, kb_graph_nsymbols(p->graph), "symvals") < 0) return -1;
+    if (kb_py_symvals(p->graph, symseq, symvals) < 0) return -1;
     return kb_py_devinfo(dev, info);
 }
 

@@ -18,6 +18,10 @@ int kb_py_dim_from(PyObject *o, kb_dim *d) {
     }
     PyObject *syms;
     long long coef;
+    if (!PyTuple_Check(o)) { /* PyArg_ParseTuple takes nothing else (SystemError) */
+        PyErr_Format(PyExc_TypeError, "a dim is an int or (coef, (sym ids...)), not %.100s", Py_TYPE(o)->tp_name);
+        return -1;
+    }
     if (!PyArg_ParseTuple(o, "LO;a dim is an int or (coef, (sym ids...))", &coef, &syms)) return -1;
     d->coef = coef;
     int64_t ids[KB_MAX_DIM_SYMS];
@@ -53,7 +57,7 @@ PyObject *kb_py_dim(kb_dim d) {
 }
 
 static int dims_from_py(PyObject *seq, kb_node *t) {
-    PyObject *fast = PySequence_Fast(seq, "dims must be a sequence");
+    PyObject *fast = kb_py_tuple(seq, "dims");
     if (!fast) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     if (n > KB_MAX_RANK) {
@@ -112,6 +116,14 @@ static PyObject *graph_raise(kb_py_graph *self, kb_status st) {
     return kb_py_raise(PyType_GetModule(Py_TYPE(self)), self->ctx, st, NULL);
 }
 
+/* -1 with RuntimeError where the graph may no longer grow (kb_py_graph.frozen). */
+static int graph_unfrozen(kb_py_graph *self, const char *call) {
+    if (!self->frozen) return 0;
+    PyErr_Format(PyExc_RuntimeError, "Graph.%s: the graph is frozen (a Partition or the interpreter has read it); "
+                 "build a new Graph", call);
+    return -1;
+}
+
 /* Wraps a graph made with owner's context (kb_graph_grad, kb_region_graph). */
 static PyObject *graph_wrap_derived(kb_py_graph *owner, kb_graph *g) {
     PyTypeObject *tp = kb_py_state(PyType_GetModule(Py_TYPE(owner)))->graph_type;
@@ -138,7 +150,7 @@ static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
                             (int)kb_graph_noutputs(self->graph));
     uint32_t reuse = 0;
     if (reads && reads != Py_None) {
-        PyObject *ks = PySequence_Fast(reads, "grad(outputs=): a sequence of output indices");
+        PyObject *ks = kb_py_tuple(reads, "grad(outputs=): output indices");
         if (!ks) return NULL;
         long nreal = (long)kb_graph_noutputs(self->graph) - saved;
         for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ks); i++) {
@@ -158,7 +170,7 @@ static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
     }
     if (joint && reuse) return PyErr_Format(PyExc_ValueError, "grad: joint=True reads no outputs");
     int32_t n = kb_graph_ninputs(self->graph);
-    PyObject *fast = PySequence_Fast(arg, "grad(wrt): wrt must be a sequence of bools, one per input");
+    PyObject *fast = kb_py_tuple(arg, "grad(wrt): one bool per input");
     if (!fast) return NULL;
     if (PySequence_Fast_GET_SIZE(fast) != n) {
         Py_DECREF(fast);
@@ -197,6 +209,7 @@ static PyObject *graph_add_symbol(kb_py_graph *self, PyObject *args) {
     const char *name;
     long long example;
     if (!PyArg_ParseTuple(args, "sL:add_symbol", &name, &example)) return NULL;
+    if (graph_unfrozen(self, "add_symbol") < 0) return NULL;
     int32_t id;
     kb_status st = kb_graph_add_symbol(self->graph, name, example, &id);
     return st == KB_OK ? PyLong_FromLong(id) : graph_raise(self, st);
@@ -207,6 +220,7 @@ static PyObject *graph_add_input(kb_py_graph *self, PyObject *args) {
     const char *name, *kind, *dtype;
     PyObject *dims;
     if (!PyArg_ParseTuple(args, "sssO:add_input", &name, &kind, &dtype, &dims)) return NULL;
+    if (graph_unfrozen(self, "add_input") < 0) return NULL;
     kb_node t;
     memset(&t, 0, sizeof t);
     t.op = KB_OP_INPUT;
@@ -235,6 +249,7 @@ static PyObject *graph_add_node(kb_py_graph *self, PyObject *args, PyObject *kwd
                                      &dims, &s0, &s1, &axes, &perm, &axis, &start, &step, &index, &name,
                                      &nograd))
         return NULL;
+    if (graph_unfrozen(self, "add_node") < 0) return NULL;
     kb_node t;
     memset(&t, 0, sizeof t);
     int o = kb_op_from_name(op);
@@ -260,6 +275,7 @@ static PyObject *graph_add_node(kb_py_graph *self, PyObject *args, PyObject *kwd
     }
     t.scalar[0] = s0;
     t.scalar[1] = s1;
+    if (axes > UINT32_MAX) return PyErr_Format(PyExc_ValueError, "%s: axes 0x%lx is not a mask of dims", op, axes);
     t.axes = (uint32_t)axes;
     t.axis = axis;
     t.start = start;
@@ -275,6 +291,8 @@ static PyObject *graph_add_node(kb_py_graph *self, PyObject *args, PyObject *kwd
 static PyObject *graph_add_output(kb_py_graph *self, PyObject *arg) {
     long v = PyLong_AsLong(arg);
     if (v == -1 && PyErr_Occurred()) return NULL;
+    if (graph_unfrozen(self, "add_output") < 0) return NULL;
+    if (v < 0 || v >= kb_graph_nnodes(self->graph)) return PyErr_Format(PyExc_ValueError, "output %%%ld does not exist", v);
     kb_status st = kb_graph_add_output(self->graph, (int32_t)v);
     if (st != KB_OK) return graph_raise(self, st);
     Py_RETURN_NONE;
@@ -291,7 +309,7 @@ static PyObject *graph_node(kb_py_graph *self, PyObject *arg) {
     static const char *const kinds[] = {"user", "param", "buffer"};
     long id = PyLong_AsLong(arg);
     if (id == -1 && PyErr_Occurred()) return NULL;
-    const kb_node *nd = kb_graph_node(self->graph, (int32_t)id);
+    const kb_node *nd = id >= 0 && id <= INT32_MAX ? kb_graph_node(self->graph, (int32_t)id) : NULL;
     if (!nd) return PyErr_Format(PyExc_IndexError, "node %%%ld does not exist", id);
     PyObject *dims = PyList_New(nd->rank), *perm = PyList_New(nd->op == KB_OP_PERMUTE ? nd->rank : 0);
     if (!dims || !perm) goto fail;
@@ -349,6 +367,7 @@ static PyObject *graph_partition(kb_py_graph *self, PyObject *Py_UNUSED(ignored)
         Py_DECREF(p);
         return graph_raise(self, st);
     }
+    self->frozen = 1; /* the partition's arrays are sized by the nodes there are now */
     return (PyObject *)p;
 }
 
@@ -357,7 +376,8 @@ static PyObject *graph_get_int(kb_py_graph *self, void *which) {
     case 0: return PyLong_FromLong(kb_graph_nnodes(self->graph));
     case 1: return PyLong_FromLong(kb_graph_ninputs(self->graph));
     case 2: return PyLong_FromLong(kb_graph_noutputs(self->graph));
-    default: return PyLong_FromLong(kb_graph_nsymbols(self->graph));
+    case 3: return PyLong_FromLong(kb_graph_nsymbols(self->graph));
+    default: return PyBool_FromLong(self->frozen);
     }
 }
 
@@ -412,6 +432,8 @@ static PyGetSetDef graph_getset[] = {
     {"inputs", (getter)graph_get_inputs, NULL, "node ids of the graph inputs", NULL},
     {"outputs", (getter)graph_get_outputs, NULL, "node ids of the graph outputs", NULL},
     {"symbols", (getter)graph_get_symbols, NULL, "[(name, example size)] per symbol", NULL},
+    {"frozen", (getter)graph_get_int, NULL, "True once a Partition or the interpreter has read the graph: it "
+     "no longer grows", (void *)4},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -455,6 +477,9 @@ static PyObject *partition_region(kb_py_partition *self, PyObject *arg) {
 static PyObject *partition_save_stats(kb_py_partition *self, PyObject *arg) {
     long long min_row_bytes = PyLong_AsLongLong(arg);
     if (min_row_bytes == -1 && PyErr_Occurred()) return NULL;
+    if (self->frozen)
+        return PyErr_Format(PyExc_RuntimeError, "Partition.save_stats: the interpreter has read this partition; "
+                            "save statistics before running it");
     kb_status st = kb_partition_save_stats(self->part, (int64_t)min_row_bytes);
     if (st != KB_OK) return kb_py_raise(PyType_GetModule(Py_TYPE(self)), self->graph->ctx, st, NULL);
     long total = 0;

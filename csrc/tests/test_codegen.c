@@ -446,6 +446,28 @@ static void test_columns(void) {
     }
 }
 
+/* Found by the fuzz target: a reduced dim of a huge coefficient whose symbol's example is 0 (the
+ * builder's size checks see 0 elements) made the per-thread share of a row overflow int64. Now
+ * codegen refuses rows of more than 2^20 elements a thread. */
+static void test_huge_rows_refused(void) {
+    tg t = new_graph();
+    int32_t s;
+    kb_graph_add_symbol(t.g, "s0", 0, &s);
+    int32_t x = tg_input(&t, "x", KB_F32, "2,288230376151711744*s0");   /* 2^58 * s0 */
+    tg_output(&t, tg_reduce(&t, KB_OP_SUM, KB_F32, "2", x, 2));
+    CHECK_MSG(t.st == KB_OK, "%s", kb_ctx_error(ctx));
+    kb_partition *p = NULL;
+    CHECK_STATUS(ctx, kb_partition_new(t.g, &p), KB_OK);
+    kb_genome gn;
+    kb_device_info dev = *kb_device_default();
+    CHECK_STATUS(ctx, kb_genome_default(p, 0, (const int64_t[]){0}, &dev, &gn), KB_OK);
+    kb_kernel *k = NULL;
+    CHECK_STATUS(ctx, kb_kernel_generate(p, 0, &gn, &dev, &k), KB_ERR_UNSUPPORTED);
+    CHECK(k == NULL && strstr(kb_ctx_error(ctx), "2^20") != NULL);
+    kb_partition_free(p);
+    kb_graph_free(t.g);
+}
+
 static void test_genome_text(void) {
     kb_genome g;
     CHECK_STATUS(ctx, kb_genome_parse(ctx, "threads=128 vec=4 cache=smem rows=2", &g), KB_OK);
@@ -561,6 +583,7 @@ int main(void) {
     test_norms();
     test_softmax_family();
     test_columns();
+    test_huge_rows_refused();
     test_failing_alloc();
     printf("kernels written: %d, genomes refused as illegal: %d\n", nwritten, ninvalid);
     kb_ctx_free(ctx);

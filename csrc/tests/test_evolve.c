@@ -33,7 +33,7 @@ static kb_status fx_region(fixture *f, kb_region_kind kind, int32_t anchor, uint
     for (int32_t i = 0; i < kb_graph_ninputs(g); i++) f->ins[i] = kb_graph_input(g, i);
     for (int32_t j = 0; j < kb_graph_noutputs(g); j++) f->outs[j] = kb_graph_output(g, j);
     f->reg = (kb_region){kind, n, f->nodes, kb_graph_ninputs(g), f->ins, kb_graph_noutputs(g), f->outs, anchor, red, 0, 0};
-    f->part = (kb_partition){g, 1, &f->reg, f->region_of};
+    f->part = (kb_partition){g, 1, &f->reg, f->region_of, 0};
     return KB_OK;
 }
 
@@ -161,6 +161,20 @@ static void test_default_is_legal(void) {
 }
 
 #define REST "two_pass=1 fast_math=0 persistent=0 col_split=1"
+
+/* Found by the fuzz target: a COL region whose columns number 0 at these sizes (a symbol bound
+ * to 0) divided by its zero column blocks choosing the default genome. */
+static void test_default_with_no_columns(void) {
+    fixture f;
+    CHECK_STATUS(NULL, fx_begin(&f, NULL, NULL, 0), KB_OK);
+    int32_t x = tg_input(&f.t, "x", KB_F32, "64,s0");
+    tg_output(&f.t, tg_reduce(&f.t, KB_OP_SUM, KB_F32, "s0", x, 1));
+    CHECK_STATUS(f.ctx, fx_region(&f, KB_REGION_COL, x, 1), KB_OK);
+    kb_genome gn;
+    CHECK_STATUS(f.ctx, kb_genome_default(&f.part, 0, f.symvals, kb_device_default(), &gn), KB_OK);
+    CHECK(gn.threads >= 32 && gn.col_split >= 1);
+    fx_end(&f);
+}
 
 static void test_legality_rules(void) {
     fixture f;
@@ -702,6 +716,7 @@ static void test_oom(void) {
 
 int main(void) {
     test_default_is_legal();
+    test_default_with_no_columns();
     test_legality_rules();
     test_bad_arguments();
     test_finds_the_optimum();

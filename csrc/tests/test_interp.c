@@ -208,6 +208,15 @@ static void test_slice(void)
                  KB_ERR_INVALID);
     CHECK(strstr(kb_ctx_error(ctx), "overrun") != NULL);
     kb_graph_free(t.g);
+
+    /* one element with a step of 2^62 (found by the fuzz target): the stride along the axis,
+     * never taken, was computed anyway and overflowed (UBSan) */
+    t = new_graph();
+    xi = tg_input(&t, "x", KB_F64, "3,10");
+    tg_output(&t, tg_slice(&t, KB_F64, "1,10", xi, 0, 1, (int64_t)1 << 62));   /* row 1 */
+    run_ok(&t, NULL, (const void *[]){x}, (void *[]){z});
+    for (int i = 0; i < 10; i++) CHECK(z[i] == x[10 + i]);
+    kb_graph_free(t.g);
 }
 
 static void test_gather(void)
@@ -353,7 +362,7 @@ static void test_regions(void)
         if (kb_graph_node(t.g, v)->op != KB_OP_INPUT) nodes[n++] = v;
     int32_t region_of[32];
     kb_region reg = {KB_REGION_ROW, n, nodes, 3, ins, 1, outs, y, 2, 0, 0};
-    kb_partition p = {t.g, 1, &reg, region_of};
+    kb_partition p = {t.g, 1, &reg, region_of, 0};
     CHECK_STATUS(ctx, kb_interp_region(ctx, &p, 0, NULL, (const void *[]){x, w, b}, (void *[]){got}), KB_OK);
     for (int i = 0; i < 8; i++) CHECK(got[i] == want[i]);
 
@@ -367,7 +376,7 @@ static void test_regions(void)
     int32_t ins_b[3] = {xc, wi, bi}, outs_a[1] = {xc};
     kb_region two[2] = {{KB_REGION_ROW, na, nodes, 1, ins, 1, outs_a, xc, 2, 0, 0},
                         {KB_REGION_ROW, n - na, nodes + na, 3, ins_b, 1, outs, y, 2, 0, 0}};
-    kb_partition p2 = {t.g, 2, two, region_of};
+    kb_partition p2 = {t.g, 2, two, region_of, 0};
     double mid[8];
     CHECK_STATUS(ctx, kb_interp_region(ctx, &p2, 0, NULL, (const void *[]){x}, (void *[]){mid}), KB_OK);
     CHECK_STATUS(ctx, kb_interp_region(ctx, &p2, 1, NULL, (const void *[]){mid, w, b}, (void *[]){got}), KB_OK);

@@ -142,6 +142,95 @@ static void test_sizes(void)
     kb_graph_free(t.g);
 }
 
+/* Size and index arithmetic of the checks never overflows into a pass: a slice whose last read
+ * wraps int64, sizes whose products wrap, a gather whose index outgrows its operand off the axis,
+ * an i32 iota too long for its dtype; and symbol values too large to compute with. */
+static void test_overflow_checks(void)
+{
+    tg t = {NULL, KB_OK};
+    CHECK_STATUS(ctx, kb_graph_new(ctx, &t.g), KB_OK);
+    int32_t s0, s1;
+    CHECK_STATUS(ctx, kb_graph_add_symbol(t.g, "s0", 4, &s0), KB_OK);
+    CHECK_STATUS(ctx, kb_graph_add_symbol(t.g, "s1", 6, &s1), KB_OK);
+    int32_t x = tg_input(&t, "x", KB_F32, "8");
+    int32_t v = tg_input(&t, "v", KB_F32, "2*s0,5");
+    int32_t w = tg_input(&t, "w", KB_F32, "s1");
+    int32_t ix = tg_input(&t, "ix", KB_I64, "2*s0,7");
+    CHECK_MSG(t.st == KB_OK, "%s", kb_ctx_error(ctx));
+
+    kb_node n = tg_tmpl(KB_OP_SLICE, KB_F32, "3");     /* 2^62 + 2 * 2^62 wraps negative */
+    n.ninputs = 1, n.inputs[0] = x, n.start = (int64_t)1 << 62, n.step = (int64_t)1 << 62;
+    REFUSED(t.g, &n, "past the end");
+    n.start = 0;                                       /* 2 * 2^62 = 2^63 */
+    REFUSED(t.g, &n, "past the end");
+    n.start = INT64_MAX, n.step = 1, n.dims[0].coef = 1;  /* one element, far past the end */
+    REFUSED(t.g, &n, "past the end");
+    n.start = 5, n.step = 1, n.dims[0].coef = 3;       /* reads 5, 6, 7: fine */
+    CHECK_STATUS(ctx, kb_graph_add(t.g, &n, &(int32_t){0}), KB_OK);
+    n = tg_tmpl(KB_OP_SLICE, KB_F32, "s0,5");          /* every 2nd of 2*s0 rows, from row 1: fine */
+    n.ninputs = 1, n.inputs[0] = v, n.start = 1, n.step = 2;
+    CHECK_STATUS(ctx, kb_graph_add(t.g, &n, &(int32_t){0}), KB_OK);
+    n.start = 2;                                       /* row 2*s0 at the last: past the end */
+    REFUSED(t.g, &n, "past the end");
+    n.start = 0, n.step = 3;                           /* 3*s0 > 2*s0 rows once s0 grows */
+    REFUSED(t.g, &n, "larger sizes");
+    n = tg_tmpl(KB_OP_SLICE, KB_F32, "s0");            /* pe[:s0] of a pinned 8: at the example (4) */
+    n.ninputs = 1, n.inputs[0] = x, n.start = 4;
+    CHECK_STATUS(ctx, kb_graph_add(t.g, &n, &(int32_t){0}), KB_OK);
+    n.start = 5;
+    REFUSED(t.g, &n, "example");
+    n = tg_tmpl(KB_OP_SLICE, KB_F32, "s0");            /* s1 (6 at the example) to s0 from 3: past */
+    n.ninputs = 1, n.inputs[0] = w, n.start = 3;
+    REFUSED(t.g, &n, "example");
+
+    n = tg_tmpl(KB_OP_NEG, KB_F32, "4294967296,4294967296");  /* 2^64 elements */
+    n.ninputs = 0, n.op = KB_OP_CONST;
+    REFUSED(t.g, &n, "overflows");
+    n = tg_tmpl(KB_OP_CONST, KB_F32, "0,4294967296,4294967296");  /* 0 elements, but 2^64 after a reshape */
+    REFUSED(t.g, &n, "coefficients");
+    n = tg_tmpl(KB_OP_CONST, KB_F32, "288230376151711744*s0");    /* 2^58 * 4 at the example, 8 bytes each */
+    REFUSED(t.g, &n, "example");
+
+    n = tg_tmpl(KB_OP_GATHER, KB_F32, "2*s0,7");       /* index 7 wide, operand 5: off the axis */
+    n.ninputs = 2, n.inputs[0] = v, n.inputs[1] = ix, n.axis = 0;
+    REFUSED(t.g, &n, "larger than the operand");
+    n.axis = 1;                                        /* along dim 1 any width is fine */
+    CHECK_STATUS(ctx, kb_graph_add(t.g, &n, &(int32_t){0}), KB_OK);
+    int32_t iy = tg_input(&t, "iy", KB_I64, "3*s0,2");
+    n = tg_tmpl(KB_OP_GATHER, KB_F32, "3*s0,2");       /* 3*s0 rows of index, 2*s0 of operand */
+    n.ninputs = 2, n.inputs[0] = v, n.inputs[1] = iy, n.axis = 1;
+    REFUSED(t.g, &n, "larger than the operand");
+    int32_t iz = tg_input(&t, "iz", KB_I64, "s1,2");
+    n = tg_tmpl(KB_OP_GATHER, KB_F32, "s1,2");         /* s1 against 2*s0: not provable */
+    n.ninputs = 2, n.inputs[0] = v, n.inputs[1] = iz, n.axis = 1;
+    REFUSED(t.g, &n, "larger than the operand");
+    CHECK(t.st == KB_OK);
+
+    n = tg_tmpl(KB_OP_IOTA, KB_I32, "4294967296");
+    REFUSED(t.g, &n, "iota");
+    n.dtype = KB_I64;
+    CHECK_STATUS(ctx, kb_graph_add(t.g, &n, &(int32_t){0}), KB_OK);
+
+    /* run-time symbol values: negative, or too large to hold, are refused; kb_value_sizes and
+     * kb_dim_eval report an overflow instead of wrapping */
+    int64_t sz[KB_MAX_RANK];
+    const int64_t ok[2] = {3, 5}, neg[2] = {-1, 5}, huge[2] = {(int64_t)1 << 61, 5};
+    CHECK_STATUS(ctx, kb_graph_check_symvals(t.g, ok), KB_OK);
+    CHECK_STATUS(ctx, kb_graph_check_symvals(t.g, neg), KB_ERR_INVALID);
+    CHECK(strstr(kb_ctx_error(ctx), "negative") != NULL);
+    CHECK_STATUS(ctx, kb_graph_check_symvals(t.g, huge), KB_ERR_INVALID);
+    CHECK(strstr(kb_ctx_error(ctx), "too large") != NULL);
+    CHECK(kb_value_sizes(t.g, v, huge, sz) == -1 && sz[0] == (int64_t)1 << 62);
+    CHECK(kb_dim_eval((kb_dim){4, 1, {0}}, huge) == INT64_MAX);
+    /* no elements, but a product of two of its sizes (a region's column count) past 2^63 */
+    int32_t z = tg_input(&t, "z", KB_F32, "s0,s1,s1");
+    CHECK(t.st == KB_OK && z >= 0);
+    const int64_t zero_huge[2] = {0, (int64_t)1 << 33};
+    CHECK(kb_value_sizes(t.g, z, zero_huge, sz) == 0);
+    CHECK_STATUS(ctx, kb_graph_check_symvals(t.g, zero_huge), KB_ERR_INVALID);
+    kb_graph_free(t.g);
+}
+
 static void test_tables(void)
 {
     for (int t = 0; t < KB_DTYPE_COUNT; t++)
@@ -278,6 +367,7 @@ int main(void)
     CHECK(strcmp(kb_ctx_error(ctx), "") == 0);
     test_builder_errors();
     test_sizes();
+    test_overflow_checks();
     test_tables();
     test_dump();
     test_names();

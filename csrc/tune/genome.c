@@ -176,7 +176,7 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
         if (gn.vec > 4 && f.last % 4 == 0) gn.vec = 4;
         int64_t cols = (f.kept + gn.vec - 1) / gn.vec;
         gn.threads = (int32_t)clamp64(pow2_floor(cols / 8), 32, 256);
-        int64_t colblocks = (cols + gn.threads - 1) / gn.threads;
+        int64_t colblocks = cols > 0 ? (cols + gn.threads - 1) / gn.threads : 1; /* no columns: one block */
         int64_t split = (4 * (int64_t)num_sms + colblocks - 1) / colblocks;
         split = clamp64(split, 1, 64);
         split = clamp64(split, 1, f.red / 32 > 0 ? f.red / 32 : 1);

@@ -135,6 +135,13 @@ def _mono(dims):
     return coef, tuple(sorted(syms))
 
 
+def _no_larger(i, a):
+    """Is size i at most size a for every value of the symbols (the IR's gather check)?"""
+    ci, si = (i, ()) if isinstance(i, int) else i
+    ca, sa = (a, ()) if isinstance(a, int) else a
+    return tuple(si) == tuple(sa) and ci <= ca
+
+
 def mono_dim(dims):
     """The product of dims as one dim, or None if it has too many symbols."""
     coef, syms = _mono(dims)
@@ -257,6 +264,9 @@ class Builder:
         elif op == "gather":
             if inputs[1].dims != dims or len(inputs[0].dims) != len(dims):
                 raise Unsupported("gather: index and output shapes")
+            for d, (i, a) in enumerate(zip(dims, inputs[0].dims)):
+                if d != attrs.get("axis") and i != a and not _no_larger(i, a):
+                    raise Unsupported(f"gather: the index may be larger than the operand on dim {d}")
         elif op == "extern" and len(inputs) > 16:
             raise Unsupported("more than 16 tensor operands")
 
