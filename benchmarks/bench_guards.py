@@ -34,10 +34,10 @@ def per_call_us(fn, n=20000) -> float:
     return best * 1e6
 
 
-def main():
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 12])
-    opts = ap.parse_args()
+    opts = ap.parse_args(argv)
     from transformers import GPT2Config, GPT2Model
     for n in opts.layers:
         cfg = GPT2Config(n_layer=n, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
@@ -55,7 +55,8 @@ def main():
         if native.native is not None:
             row += f"C++ {per_call_us(native.failing):.2f} us, "
         print(row + f"Python {per_call_us(python.failing, 2000):.2f} us", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

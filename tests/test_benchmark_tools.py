@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-TOOLS = ["bench_ops.py", "bench_tune.py", "bench_genomes.py", "bench_models.py", "sass_counts.py",
+TOOLS = ["bench_ops.py", "bench_tune.py", "bench_genomes.py", "bench_models.py", "bench_guards.py", "sass_counts.py",
          "plot_results.py"]
 # a plain run of each GPU tool: the arguments it needs, none of which asks for the CPU
 GPU_RUNS = {

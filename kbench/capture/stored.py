@@ -411,6 +411,11 @@ def _dec_extern(v):
     return Extern(steps, _str(v.get("name")), _int(v.get("noperands")), _dec_autocast(v.get("autocast")))
 
 
+def _strings(x, depth=0) -> bool:
+    """A string, or tuples of them (a Python-state description, capture/guards.py)."""
+    return isinstance(x, str) or (isinstance(x, tuple) and depth < 8 and all(_strings(y, depth + 1) for y in x))
+
+
 def _dec_autocast(v):
     """An extern's autocast mode: None, or (device type, dtype, enabled, cache enabled)."""
     mode = _dec(v) if v is not None else None
@@ -539,8 +544,8 @@ def _check(c) -> None:
     need(isinstance(c.input_writes, dict) and all(
         isinstance(k, str) and isinstance(v, tuple) and len(v) == 2 and type(v[0]) is int and type(v[1]) is bool
         for k, v in c.input_writes.items()), "input writes")
-    need(isinstance(c.python_state, tuple) and all(
-        isinstance(d, tuple) and all(isinstance(x, str) for x in d) for d in c.python_state), "python state")
+    need(isinstance(c.python_state, tuple) and all(isinstance(d, tuple) and _strings(d) for d in c.python_state),
+         "python state")
 
 
 def _refs_ok(e) -> bool:
