@@ -102,6 +102,7 @@ typedef struct cg {
     int32_t *in_slot;
     int8_t *dp;         /* latest reduction pass a value depends on */
     uint8_t *pure;      /* a function of reductions and constants only (no loads) */
+    uint8_t *written;   /* per value: the kernel's text stores it (an output with none fails) */
     /* passes and the row cache */
     int npasses, pass, maxred, nred_total, col_split;
     int G, U;

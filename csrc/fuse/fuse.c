@@ -566,7 +566,8 @@ static kb_status assign(fuse_build *b, int32_t v) {
         make_floating(b, v);
         return KB_OK;
     }
-    if (cls == C_POINTWISE)
+    int cut = b->cut && b->cut[v]; /* a region of its own: no float, no join */
+    if (cls == C_POINTWISE && !cut)
         for (size_t i = 0; i < sizeof FLOAT_RULES / sizeof FLOAT_RULES[0]; i++)
             if (FLOAT_RULES[i](b, v)) {
                 make_floating(b, v);
@@ -597,7 +598,7 @@ static kb_status assign(fuse_build *b, int32_t v) {
         make_floating(b, v);
         return KB_OK;
     }
-    if (r >= 0 && r == soft && r > hard && b->regs[r].kind != KB_REGION_EXTERN &&
+    if (!cut && r >= 0 && r == soft && r > hard && b->regs[r].kind != KB_REGION_EXTERN &&
         (rule = find_rule(b, v, r, &lv)) >= 0) {
         upgrade(b, r, v, RULES[rule].upgrades);
         place(b, v, r, lv);
@@ -605,7 +606,7 @@ static kb_status assign(fuse_build *b, int32_t v) {
     }
     /* Nothing computed in a region (operands are inputs or floating): join the latest region that
      * fits and runs after every region the floating operands read. */
-    if (soft < 0 && cls != C_EXTERN) {
+    if (soft < 0 && cls != C_EXTERN && !cut) {
         for (int32_t q = b->nreg - 1; q > hard; q--) {
             if (b->regs[q].kind == KB_REGION_EXTERN || (rule = find_rule(b, v, q, &lv)) < 0) continue;
             upgrade(b, q, v, RULES[rule].upgrades);
@@ -663,12 +664,13 @@ void fuse_build_free(fuse_build *b) {
     memset(b, 0, sizeof *b);
 }
 
-kb_status fuse_assign(const kb_graph *g, fuse_build *b) {
+kb_status fuse_assign(const kb_graph *g, const uint8_t *cut, fuse_build *b) {
     kb_ctx *ctx = kb_graph_ctx(g);
     kb_status st = KB_OK;
     memset(b, 0, sizeof *b);
     b->g = g;
     b->ctx = ctx;
+    b->cut = cut;
     b->n = kb_graph_nnodes(g);
     size_t n1 = (size_t)(b->n ? b->n : 1);
     b->reg = kb_malloc(ctx, sizeof(int32_t) * n1);
