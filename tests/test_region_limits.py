@@ -141,3 +141,42 @@ def test_saved_statistics_stay_within_the_parameter_space():
     assert len(part) == 1 and region_bytes(g, part, 0) == 4088
     part.save_stats(0)
     assert part.region(0)["saved"] == 1 and region_bytes(g, part, 0) == PARAM_BYTES
+
+
+def test_backward_of_seventy_parameters_generates():
+    """x * p_i for 70 parameters p_i: the backward sums 70 parameter gradients over the rows, as
+    column sums of row kernels. A row kernel carries at most 16 (a register partial each): the
+    partitioner spreads them over regions, and every region's kernel generates, storing every
+    output."""
+    g = _C.Graph()
+    g.add_symbol("s0", 4)
+    rows = [(1, (0,)), 8]
+    x = g.add_input("x", "user", "f32", rows)
+    for i in range(N):
+        p = g.add_input(f"p{i}", "param", "f32", [8])
+        pe = g.add_node("expand", [g.add_node("reshape", [p], "f32", [1, 8])], "f32", rows)
+        g.add_output(g.add_node("mul", [x, pe], "f32", rows))
+    bwd = g.grad([True] * (N + 1))
+    part = bwd.partition()
+    written = set()
+    for r in range(len(part)):
+        d = part.region(r)
+        k = _C.generate(part, r, 90, None)
+        outs = signature(k.source)[len(d["inputs"]):len(d["inputs"]) + len(d["outputs"])]
+        assert all(stores(k.source, o) for o in outs), (r, outs)
+        written |= set(d["outputs"])
+    assert set(bwd.outputs) <= written
+
+
+def test_grad_of_any_number_of_inputs():
+    """A graph's gradient with respect to 300 inputs (a model's parameters, for the joint loss
+    program): one flag per input, however many."""
+    g = _C.Graph()
+    xs = [g.add_input(f"x{i}", "param", "f32", [4]) for i in range(300)]
+    y = xs[0]
+    for x in xs[1:]:
+        y = g.add_node("add", [y, g.add_node("mul", [x, x], "f32", [4])], "f32", [4])
+    g.add_output(y)
+    bwd = g.grad([True] * 300)
+    assert len(bwd.outputs) == 300
+    assert len(g.grad([True] * 300, joint=True).outputs) == 301

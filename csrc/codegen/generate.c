@@ -173,7 +173,8 @@ static kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genom
         kb_op_kind kind = kb_op_get(nd->op)->kind;
         if (kind == KB_KIND_REDUCE && c->rg->kind == KB_REGION_ROW && nd->axes != c->red) {
             if (c->ncolsum == (int)(sizeof c->colsums / sizeof c->colsums[0]))
-                return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: more than 16 column sums in one region");
+                return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: more than %d column sums in one region",
+                               KB_MAX_COLSUMS);
             c->colsum[v] = 1;
             c->colsums[c->ncolsum++] = v;
         } else if (kind != KB_KIND_REDUCE && kind != KB_KIND_GATHER && reads_colsum(c, nd)) {
