@@ -165,7 +165,6 @@ static void online_local_sums(cg *c, const int32_t *reds, int nred) {
     }
 }
 
-/* The reductions and FULL outputs of one pass, and the statistics it finishes. */
 /* The reductions and FULL outputs of a pass, as arrays of the region's own size (no output
  * is left out, however many the region has); 0 with c->st set when out of memory. */
 static int pass_lists(cg *c, int pass, int row, int32_t **reds, int *nred, int32_t **outs, int *nout) {
@@ -202,8 +201,9 @@ static void row_pass(cg *c, int pass) {
     free_pass_lists(c, reds, outs);
 }
 
+/* The reductions and FULL outputs of one pass, and the statistics it finishes. */
 static void row_pass_lists(cg *c, int pass, int32_t *reds, int nred, int32_t *outs, int nout) {
-    int32_t csums[16];
+    int32_t csums[KB_MAX_COLSUMS];
     int ncs = 0;
     for (int j = 0; j < c->ncolsum; j++) /* added up where its operand is ready, like an output */
         if (cg_pass_of_output(c, c->colsums[j]) == pass) csums[ncs++] = c->colsums[j];
