@@ -187,6 +187,20 @@ def test_refuses_malformed_descriptions():
         program(net, apply_region=None)
 
 
+def test_takes_any_number_of_inputs():
+    """A module of 70 inputs (more than the 64 it keeps on the stack) is served, not declined to
+    the Python path."""
+    net = Net()
+    prog, _ = program(net, ninputs=70)
+    xs = tuple(torch.randn(2, 4) for _ in range(70))
+    assert prog.add(xs, [], [69, 70], "tuple") and prog.entries == 1
+    got = prog.call(net, xs)
+    assert got[0] is xs[69] and got[1] is net.ln.weight and prog.served == 1
+    assert declined(prog, net, xs[:69] + (torch.randn(3, 4),)) == "no bound signature matches"
+    prog.add(xs, [], [0], "one")   # the same signature again: replaces the entry
+    assert prog.entries == 1 and prog.call(net, xs) is xs[0]
+
+
 def test_collected_with_its_module():
     net = Net()
     prog, _ = program(net)

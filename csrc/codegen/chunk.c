@@ -8,6 +8,11 @@ static const kb_node *NODE(const cg *c, int32_t v) { return kb_graph_node(c->g, 
 
 /* ---------------------------------------------------------------- chunks, statistics, stores */
 
+/* A store of output v was written (generate.c checks every output has one). */
+static void wrote(cg *c, int32_t v) {
+    if (!c->dry) c->written[v] = 1;
+}
+
 static void full_index(cg *c, idx *x) { cg_set_lin(x, c->full_lin, cg_all_bits(c)); }
 
 static void stat_index(cg *c, idx *x) { cg_set_lin(x, c->stat_lin, cg_all_bits(c) & ~c->red); }
@@ -115,18 +120,15 @@ void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nou
         cg_ev(c, NODE(c, csums[j])->inputs[0], &full, val);
         cg_line(c, "cs%d[u][%s] += %s;", (int)csums[j], c->kvar, val);
     }
-    int vstore[256] = {0};
-    for (int j = 0; j < nout && j < 256; j++) {
+    const int vstore = c->full_vec_ok; /* every output of the chunk as one vector, or element by element */
+    for (int j = 0; j < nout; j++) {
         const kb_node *nd = NODE(c, outs[j]);
         cg_ev_store(c, outs[j], &full, val);
         char st[EXPR_LEN * 2];
         cg_fmt(c, st, sizeof st, cg_store_fmt(nd->dtype), val);
-        if (c->full_vec_ok) {
-            vstore[j] = 1;
-            cg_line(c, "y%d.v[k] = %s;", (int)outs[j], st);
-        } else {
-            cg_line(c, "p%d[%s] = %s;", (int)outs[j], c->full_lin, st);
-        }
+        if (vstore) cg_line(c, "y%d.v[k] = %s;", (int)outs[j], st);
+        else cg_line(c, "p%d[%s] = %s;", (int)outs[j], c->full_lin, st);
+        wrote(c, outs[j]);
     }
     c->in_element = 0;
     cg_scope_pop(c);
@@ -145,8 +147,8 @@ void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nou
         else cg_line(c, "const kb_vec<%s, %d> %s = kb_ld<%s, %d>(p%d + %s);", T, V, r->name, T, V, (int)r->v, r->base);
         if (r->fill) cg_line(c, "kb_st<%s, %d>(sm%d + c0, %s);  // into the row cache", T, V, (int)r->v, r->name);
     }
-    for (int j = 0; j < nout && j < 256; j++)
-        if (vstore[j]) cg_line(c, "kb_vec<%s, %d> y%d;", cg_storage(NODE(c, outs[j])->dtype), V, (int)outs[j]);
+    for (int j = 0; j < nout && vstore; j++)
+        cg_line(c, "kb_vec<%s, %d> y%d;", cg_storage(NODE(c, outs[j])->dtype), V, (int)outs[j]);
     if (V > 1) {
         cg_line(c, "#pragma unroll");
         cg_line(c, "for (int k = 0; k < %d; ++k) {", V);
@@ -157,11 +159,10 @@ void cg_chunk(cg *c, const int32_t *reds, int nred, const int32_t *outs, int nou
     if (body.oom) c->st = KB_FAIL(c->ctx, KB_ERR_OOM, "out of memory");
     kb_sb_discard(&body);
     cg_line(c, "}");
-    for (int j = 0; j < nout && j < 256; j++)
-        if (vstore[j]) {
-            const char *T = cg_storage(NODE(c, outs[j])->dtype);
-            cg_line(c, "kb_st<%s, %d>(p%d + %s, y%d);", T, V, (int)outs[j], c->full_lin0, (int)outs[j]);
-        }
+    for (int j = 0; j < nout && vstore; j++) {
+        const char *T = cg_storage(NODE(c, outs[j])->dtype);
+        cg_line(c, "kb_st<%s, %d>(p%d + %s, y%d);", T, V, (int)outs[j], c->full_lin0, (int)outs[j]);
+    }
 }
 
 void cg_bind_stat(cg *c, int32_t reduce) {
@@ -212,6 +213,7 @@ static int saved_output(const cg *c, int32_t v) {
 void cg_saved_stat_store(cg *c, int32_t v) {
     if (!c->saving || !saved_output(c, v)) return;
     cg_line(c, "if (KB_SAVE && lane == 0 && row < O) p%d[row] = v%d;  // saved for the backward", (int)v, (int)v);
+    wrote(c, v);
 }
 
 void cg_stat_outputs(cg *c) {
@@ -245,6 +247,7 @@ void cg_stat_outputs(cg *c) {
         cg_ev_store(c, v, &x, val);
         cg_fmt(c, st, sizeof st, cg_store_fmt(NODE(c, v)->dtype), val);
         cg_line(c, "p%d[%s] = %s;", (int)v, c->stat_lin, st);
+        wrote(c, v);
     }
     cg_scope_pop(c);
     c->ind--;
@@ -409,6 +412,7 @@ void cg_colsum_finish(cg *c) {
         cg_ev(c, w, &x, val);
         cg_fmt(c, st, sizeof st, cg_store_fmt(NODE(c, w)->dtype), val);
         cg_line(c, "p%d[col] = %s;", (int)w, st);
+        wrote(c, w);
     }
     c->ind--;
     cg_line(c, "}");

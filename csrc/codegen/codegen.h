@@ -102,6 +102,7 @@ typedef struct cg {
     int32_t *in_slot;
     int8_t *dp;         /* latest reduction pass a value depends on */
     uint8_t *pure;      /* a function of reductions and constants only (no loads) */
+    uint8_t *written;   /* per value: the kernel's text stores it (an output with none fails) */
     /* passes and the row cache */
     int npasses, pass, maxred, nred_total, col_split;
     int G, U;
@@ -124,7 +125,7 @@ typedef struct cg {
     int online_local;
     /* ROW: column sums (sums over the rows, COLSUM in fuse/fuse.c) kept as per-thread partials */
     uint8_t *colsum;    /* 1: a column sum; 2: a reshape of one (same elements) */
-    int32_t colsums[16];
+    int32_t colsums[KB_MAX_COLSUMS];
     int ncolsum;
     int smem_bytes;
     /* ROW with a capped grid (each block loops over many rows): the first pass's loads of a row

@@ -74,6 +74,7 @@ static void cg_done(cg *c) {
     kb_free(c->ctx, c->in_slot, sizeof(int32_t) * n);
     kb_free(c->ctx, c->dp, n);
     kb_free(c->ctx, c->pure, n);
+    kb_free(c->ctx, c->written, n);
     kb_free(c->ctx, c->uses, sizeof(uint32_t) * n);
     kb_free(c->ctx, c->reads, sizeof(uint32_t) * n);
     kb_free(c->ctx, c->cached, n);
@@ -109,6 +110,7 @@ static kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genom
     c->in_slot = kb_malloc(c->ctx, sizeof(int32_t) * n);
     c->dp = kb_calloc(c->ctx, n, 1);
     c->pure = kb_calloc(c->ctx, n, 1);
+    c->written = kb_calloc(c->ctx, n, 1);
     c->uses = kb_calloc(c->ctx, n, sizeof(uint32_t));
     c->reads = kb_calloc(c->ctx, n, sizeof(uint32_t));
     c->cached = kb_calloc(c->ctx, n, 1);
@@ -117,8 +119,8 @@ static kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genom
     c->partner = kb_malloc(c->ctx, sizeof(int32_t) * n);
     c->online_of = kb_malloc(c->ctx, sizeof(int32_t) * n);
     c->colsum = kb_calloc(c->ctx, n, 1);
-    if (!c->colsum || !c->member || !c->in_slot || !c->dp || !c->pure || !c->uses || !c->reads || !c->cached || !c->fill_pass ||
-        !c->smem_off || !c->partner || !c->online_of)
+    if (!c->colsum || !c->member || !c->in_slot || !c->dp || !c->pure || !c->written || !c->uses || !c->reads || !c->cached ||
+        !c->fill_pass || !c->smem_off || !c->partner || !c->online_of)
         return KB_ERR_OOM;
     for (int32_t v = 0; v < c->n; v++) c->in_slot[v] = c->partner[v] = c->online_of[v] = -1;
     for (int32_t i = 0; i < c->rg->ninputs; i++) c->in_slot[c->rg->inputs[i]] = i;
@@ -171,7 +173,8 @@ static kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genom
         kb_op_kind kind = kb_op_get(nd->op)->kind;
         if (kind == KB_KIND_REDUCE && c->rg->kind == KB_REGION_ROW && nd->axes != c->red) {
             if (c->ncolsum == (int)(sizeof c->colsums / sizeof c->colsums[0]))
-                return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: more than 16 column sums in one region");
+                return KB_FAIL(c->ctx, KB_ERR_UNSUPPORTED, "codegen: more than %d column sums in one region",
+                               KB_MAX_COLSUMS);
             c->colsum[v] = 1;
             c->colsums[c->ncolsum++] = v;
         } else if (kind != KB_KIND_REDUCE && kind != KB_KIND_GATHER && reads_colsum(c, nd)) {
@@ -345,6 +348,11 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     }
     KB_TRY(cg_status(&c));
     KB_CHECK(ctx, !body.oom && !finish.oom, KB_ERR_OOM, "out of memory");
+    /* a kernel that leaves an output unwritten is never handed out as a result */
+    for (int32_t j = 0; j < c.rg->noutputs; j++)
+        KB_CHECK(ctx, c.written[c.rg->outputs[j]], KB_ERR_UNSUPPORTED,
+                 "codegen: region %d: output %d of %d (%%%d) has no store in the kernel", (int)r, (int)j,
+                 (int)c.rg->noutputs, (int)c.rg->outputs[j]);
     if (body.buf) prune_unused(body.buf);
     if (finish.buf) prune_unused(finish.buf);
 

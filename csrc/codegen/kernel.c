@@ -165,21 +165,48 @@ static void online_local_sums(cg *c, const int32_t *reds, int nred) {
     }
 }
 
-/* The reductions and FULL outputs of one pass, and the statistics it finishes. */
-static void row_pass(cg *c, int pass) {
-    int32_t reds[64], outs[64], csums[16];
-    int nred = 0, nout = 0, ncs = 0;
+/* The reductions and FULL outputs of a pass, as arrays of the region's own size (no output
+ * is left out, however many the region has); 0 with c->st set when out of memory. */
+static int pass_lists(cg *c, int pass, int row, int32_t **reds, int *nred, int32_t **outs, int *nout) {
+    *reds = kb_malloc(c->ctx, sizeof(int32_t) * (size_t)(c->rg->nnodes ? c->rg->nnodes : 1));
+    *outs = kb_malloc(c->ctx, sizeof(int32_t) * (size_t)(c->rg->noutputs ? c->rg->noutputs : 1));
+    *nred = *nout = 0;
+    if (!*reds || !*outs) {
+        if (c->st == KB_OK) c->st = KB_FAIL(c->ctx, KB_ERR_OOM, "out of memory");
+        return 0;
+    }
     for (int32_t k = 0; k < c->rg->nnodes; k++) {
         int32_t v = c->rg->nodes[k];
-        if (kb_op_get(kb_graph_node(c->g, v)->op)->kind == KB_KIND_REDUCE && !c->colsum[v] && c->dp[v] == pass && nred < 64)
-            reds[nred++] = v;
+        if (kb_op_get(kb_graph_node(c->g, v)->op)->kind == KB_KIND_REDUCE && !(row && c->colsum[v]) && c->dp[v] == pass)
+            (*reds)[(*nred)++] = v;
     }
-    for (int j = 0; j < c->ncolsum; j++) /* added up where its operand is ready, like an output */
-        if (cg_pass_of_output(c, c->colsums[j]) == pass) csums[ncs++] = c->colsums[j];
     for (int32_t j = 0; j < c->rg->noutputs; j++) {
         int32_t v = c->rg->outputs[j];
-        if (cg_out_full(c, v) && cg_pass_of_output(c, v) == pass && nout < 64) outs[nout++] = v;
+        if (cg_out_full(c, v) && cg_pass_of_output(c, v) == pass) (*outs)[(*nout)++] = v;
     }
+    return 1;
+}
+
+static void free_pass_lists(cg *c, int32_t *reds, int32_t *outs) {
+    kb_free(c->ctx, reds, sizeof(int32_t) * (size_t)(c->rg->nnodes ? c->rg->nnodes : 1));
+    kb_free(c->ctx, outs, sizeof(int32_t) * (size_t)(c->rg->noutputs ? c->rg->noutputs : 1));
+}
+
+static void row_pass_lists(cg *c, int pass, int32_t *reds, int nred, int32_t *outs, int nout);
+
+static void row_pass(cg *c, int pass) {
+    int32_t *reds, *outs;
+    int nred, nout;
+    if (pass_lists(c, pass, 1, &reds, &nred, &outs, &nout)) row_pass_lists(c, pass, reds, nred, outs, nout);
+    free_pass_lists(c, reds, outs);
+}
+
+/* The reductions and FULL outputs of one pass, and the statistics it finishes. */
+static void row_pass_lists(cg *c, int pass, int32_t *reds, int nred, int32_t *outs, int nout) {
+    int32_t csums[KB_MAX_COLSUMS];
+    int ncs = 0;
+    for (int j = 0; j < c->ncolsum; j++) /* added up where its operand is ready, like an output */
+        if (cg_pass_of_output(c, c->colsums[j]) == pass) csums[ncs++] = c->colsums[j];
     if (nred == 0 && nout == 0 && ncs == 0) return;
     if (nred > c->maxred) c->maxred = nred;
     c->pass = pass;
@@ -313,18 +340,16 @@ static void col_o_loop_open(cg *c, const char *begin, const char *end) {
     c->ind++;
 }
 
+static void col_pass_lists(cg *c, int pass, int partial, int32_t *reds, int nred, int32_t *outs, int nout);
+
 static void col_pass(cg *c, int pass, int partial) {
-    int32_t reds[64], outs[64];
-    int nred = 0, nout = 0;
-    for (int32_t k = 0; k < c->rg->nnodes; k++) {
-        int32_t v = c->rg->nodes[k];
-        if (kb_op_get(kb_graph_node(c->g, v)->op)->kind == KB_KIND_REDUCE && c->dp[v] == pass && nred < 64)
-            reds[nred++] = v;
-    }
-    for (int32_t j = 0; j < c->rg->noutputs; j++) {
-        int32_t v = c->rg->outputs[j];
-        if (cg_out_full(c, v) && cg_pass_of_output(c, v) == pass && nout < 64) outs[nout++] = v;
-    }
+    int32_t *reds, *outs;
+    int nred, nout;
+    if (pass_lists(c, pass, 0, &reds, &nred, &outs, &nout)) col_pass_lists(c, pass, partial, reds, nred, outs, nout);
+    free_pass_lists(c, reds, outs);
+}
+
+static void col_pass_lists(cg *c, int pass, int partial, int32_t *reds, int nred, int32_t *outs, int nout) {
     if (nred == 0 && nout == 0) return;
     c->pass = pass;
     kb_sb_printf(c->out, "\n");
@@ -443,9 +468,8 @@ static void emit_pointwise_body(cg *c) {
     char nexpr[EXPR_LEN];
     cg_extent(c, 0, nexpr);
     int T = c->gn.threads, V = c->gn.vec, I = c->gn.items;
-    int32_t outs[256];
-    int nout = 0;
-    for (int32_t j = 0; j < c->rg->noutputs && nout < 256; j++) outs[nout++] = c->rg->outputs[j];
+    const int32_t *outs = c->rg->outputs;   /* every output, each element */
+    int nout = c->rg->noutputs;
     cg_line(c, "const long long n = %s;", nexpr);
     cg_line(c, "// %d threads x %d chunk(s) of %d element(s) per block, grid-stride", T, I, V);
     cg_line(c, "for (long long q0 = (long long)blockIdx.x * %d; q0 * %d < n; q0 += (long long)gridDim.x * %d) {", T * I, V,

@@ -71,10 +71,13 @@ static const char *const RESERVED[] = {
     "HUGE_VALF", "EOF", "assert", "errno", "main",
 };
 
+static int reserved_prefix(const char *name) {
+    return strncmp(name, "kb_", 3) == 0 || strncmp(name, "KB_", 3) == 0 || strncmp(name, "CUDART_", 7) == 0 ||
+           strncmp(name, "__", 2) == 0;
+}
+
 static int is_reserved(const char *name) {
-    if (strncmp(name, "kb_", 3) == 0 || strncmp(name, "KB_", 3) == 0 || strncmp(name, "CUDART_", 7) == 0 ||
-        strncmp(name, "__", 2) == 0)
-        return 1;
+    if (reserved_prefix(name)) return 1;
     for (size_t i = 0; i < sizeof RESERVED / sizeof RESERVED[0]; i++)
         if (strcmp(name, RESERVED[i]) == 0) return 1;
     return 0;
@@ -99,8 +102,15 @@ static void base_name(const cg *c, int32_t k, char *out, size_t n) {
 #define PNAME_LEN (KB_NAME_IDENT_MAX + 8)
 
 /* Unique, not reserved and not named by the kernel's code: base, else base_1, base_2, ...
- * (the base cut so the whole stays within KB_NAME_IDENT_MAX characters) */
+ * (the base cut so the whole stays within KB_NAME_IDENT_MAX characters). A base with a reserved
+ * prefix ("kb_ws", a model's own "KB_SCALE") is reserved whatever its suffix: it takes a "v" in
+ * front, so the search ends. */
 static void unique_name(const char *code, char (*taken)[PNAME_LEN], int32_t ntaken, const char *base, char *out) {
+    char own[PNAME_LEN + 1];
+    if (reserved_prefix(base)) {
+        snprintf(own, sizeof own, "v%s", base);
+        base = own;
+    }
     for (int i = 0;; i++) {
         char suffix[16] = "";
         if (i) snprintf(suffix, sizeof suffix, "_%d", i);

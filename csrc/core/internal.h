@@ -120,6 +120,10 @@ void kb_name_ident(const char *name, char *out, size_t n);
 /* Prints "f32[s0,128]" into buf; returns buf. */
 const char *kb_type_str(const kb_graph *g, const kb_node *nd, char *buf, size_t n);
 
+/* Column sums one ROW region's kernel carries (codegen keeps a register partial per sum and
+ * thread); the partitioner gives no region more, so codegen never refuses one for it. */
+#define KB_MAX_COLSUMS 16
+
 /* Does the op's CUDA spelling contain any of marks ("expf(", ...)? What fast math respells
  * (codegen/expr.c's FAST table) is read this way by the default genome and the search. */
 static inline int kb_op_spelled_with(const kb_op_info *info, const char *const *marks, size_t n) {

@@ -300,6 +300,12 @@ kb_status kb_graph_add_symbol(kb_graph *g, const char *name, int64_t example, in
     if (!name || !*name || strlen(name) >= sizeof g->sym_names[0])
         return KB_FAIL(g->ctx, KB_ERR_INVALID, "symbol name must have 1 to %zu characters",
                        sizeof g->sym_names[0] - 1);
+    /* a C identifier: symbol names are printed as they are into the dump and into generated
+     * sources' comments (the types of the values), so no name may end a comment or a line */
+    for (const char *c = name; *c; c++)
+        if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || *c == '_' || (c > name && *c >= '0' && *c <= '9')))
+            return KB_FAIL(g->ctx, KB_ERR_INVALID, "symbol name must be an identifier (letters, digits, '_'), got byte 0x%02x",
+                           (unsigned)(unsigned char)*c);
     if (example < 0) return KB_FAIL(g->ctx, KB_ERR_INVALID, "symbol %s: negative example size", name);
     for (int s = 0; s < g->nsyms; s++)
         if (strcmp(g->sym_names[s], name) == 0)

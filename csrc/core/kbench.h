@@ -208,6 +208,15 @@ typedef struct kb_partition {
     int32_t nnodes;         /* the graph's node count when partitioned: region_of's length */
 } kb_partition;
 
+/* A kernel's parameters: CUDA gives them 4 KB on every driver and architecture (32 KB only with
+ * CUDA 12.1+ drivers on Volta and later; kbench assumes the 4 KB everywhere). A region's kernel
+ * takes 8 bytes for each input, output and graph symbol, and one workspace pointer. */
+#define KB_MAX_PARAM_BYTES 4096
+int64_t kb_region_param_bytes(const kb_partition *p, int32_t r);
+
+/* The greedy pass (fuse/fuse.c) into regions, none whose kernel's parameters would pass
+ * KB_MAX_PARAM_BYTES: such a region is split (at its middle node, in node order, again until each
+ * part fits); KB_ERR_UNSUPPORTED where one cannot be split. */
 kb_status kb_partition_new(const kb_graph *g, kb_partition **out);
 void kb_partition_free(kb_partition *p);
 kb_status kb_partition_dump(const kb_partition *p, char **out);

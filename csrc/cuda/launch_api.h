@@ -12,6 +12,9 @@ extern "C" {
 
 #define KB_LAUNCH_API_CAPSULE "kbench._C.launch_api"
 #define KB_LAUNCH_API_VERSION 2
+/* CUDA's kernel parameter space as kbench assumes it: KB_MAX_PARAM_BYTES of kbench.h (checked
+ * there), for the C++ side, which does not include it */
+#define KB_LAUNCH_MAX_PARAM_BYTES 4096
 
 typedef struct kb_launch_api {
     int version;           /* KB_LAUNCH_API_VERSION */

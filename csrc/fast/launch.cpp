@@ -20,7 +20,9 @@ namespace kbfast {
 
 namespace {
 
-constexpr int MAX_ARGS = 128;  /* kernel arguments in one launch, as kbench._C's launch */
+/* kernel arguments in one launch, 8 bytes each: as many as CUDA's parameter space holds (the
+ * partitioner keeps every region's kernel within it) */
+constexpr int MAX_ARGS = KB_LAUNCH_MAX_PARAM_BYTES / 8;
 
 /* torch's current stream on device, as the driver takes it (NULL: the legacy default). */
 void *current_stream(int device) {

@@ -258,8 +258,9 @@ bool run_step(Program *self, const StepSpec &st, bool grad, std::vector<at::Tens
 PyObject *run(Program *self, PyObject *module, PyObject *const *inputs, size_t n) {
     HANDLE_TH_ERRORS
     if (n == 0 || n != self->s.ninputs) return decline(self, "not as many inputs as captured");
-    const at::Tensor *ts[64];
-    if (n > 64) return decline(self, "more than 64 inputs");
+    const at::Tensor *few[64], **ts = few;   /* on the stack for the usual few inputs, any number on the heap */
+    std::vector<const at::Tensor *> many;
+    if (n > 64) many.resize(n), ts = many.data();
     for (size_t i = 0; i < n; i++)
         if (!(ts[i] = plain_tensor(inputs[i]))) return decline(self, "an input is not a plain tensor");
     /* a copy of the entry's pointer: a launch releases the GIL, and another thread may clear
@@ -349,8 +350,8 @@ PyObject *program_add(Program *self, PyObject *a) {
     if (!PyArg_ParseTuple(a, "O!OOO", &PyTuple_Type, &args, &steps, &outputs, &build)) return nullptr;
     auto e = std::make_shared<Entry>();
     size_t n = (size_t)PyTuple_GET_SIZE(args);
-    if (n == 0 || n != self->s.ninputs || n > 64) Py_RETURN_FALSE;
-    const at::Tensor *ts[64];
+    if (n == 0 || n != self->s.ninputs) Py_RETURN_FALSE;
+    std::vector<const at::Tensor *> ts(n);
     for (size_t i = 0; i < n; i++) {
         if (!(ts[i] = plain_tensor(PyTuple_GET_ITEM(args, (Py_ssize_t)i)))) Py_RETURN_FALSE;
         if (ts[i]->device() != ts[0]->device()) Py_RETURN_FALSE;   /* _run falls back: Python says why */
@@ -358,7 +359,7 @@ PyObject *program_add(Program *self, PyObject *a) {
         e->ndims.push_back((size_t)ts[i]->dim());
         for (int64_t d : ts[i]->sizes()) e->sizes.push_back(d);
     }
-    e->hash = signature_hash(ts, n);
+    e->hash = signature_hash(ts.data(), n);
     e->device = ts[0]->device();
     /* slots: inputs, parameters, then each step's outputs; a statistic's slot may be left
      * undefined, so nothing may read one */
@@ -422,7 +423,7 @@ PyObject *program_add(Program *self, PyObject *a) {
     /* a signature bound again (after the Python table was cleared) replaces the old entry */
     auto &entries = self->s.entries;
     for (auto it = entries.begin(); it != entries.end(); ++it)
-        if (matches(**it, e->hash, ts, n)) {
+        if (matches(**it, e->hash, ts.data(), n)) {
             entries.erase(it);
             break;
         }

@@ -56,7 +56,8 @@ struct RegionState {
     std::vector<OutSpec> outs;      /* the real outputs (statistics excluded): zero gradients */
     std::vector<int> reads;         /* the real outputs the backward reads (after the statistics) */
     std::mutex lock;                /* programs are registered under the GIL, read without it */
-    std::unordered_map<uint64_t, std::shared_ptr<const BackwardProgram>> programs;
+    /* by the inputs that want a gradient (one flag per input, however many: std::hash has them) */
+    std::unordered_map<std::vector<bool>, std::shared_ptr<const BackwardProgram>> programs;
 };
 
 struct Region {
@@ -142,12 +143,10 @@ ag::variable_list RegionNode::apply(ag::variable_list &&grads) {
     Region *r = region;
     size_t nin = (size_t)r->s.ninputs;
     std::vector<bool> need(nin);
-    uint64_t key = 0;
     bool any = false;
     for (size_t i = 0; i < nin; i++) {
         need[i] = r->s.float_in[i] && task_should_compute_output(i);
         any |= need[i];
-        if (need[i] && i < 64) key |= uint64_t(1) << i;
     }
     ag::variable_list result(nin);
     if (!any) return result;
@@ -160,9 +159,9 @@ ag::variable_list RegionNode::apply(ag::variable_list &&grads) {
     check_outs_read();
 
     std::shared_ptr<const BackwardProgram> prog;
-    if (!c10::GradMode::is_enabled() && nin <= 64) {   /* create_graph: Python, differentiably */
+    if (!c10::GradMode::is_enabled()) {   /* create_graph: Python, differentiably */
         std::lock_guard<std::mutex> g(r->s.lock);
-        auto it = r->s.programs.find(key);
+        auto it = r->s.programs.find(need);
         if (it != r->s.programs.end()) prog = it->second;
     }
     if (!prog) return python_backward(inputs, grads, need);
@@ -360,19 +359,20 @@ PyObject *region_set_backward(Region *self, PyObject *args) {
     PyObject *need, *steps, *outputs, *drop;
     if (!PyArg_ParseTuple(args, "OOOO", &need, &steps, &outputs, &drop)) return nullptr;
     auto prog = std::make_shared<BackwardProgram>();
-    uint64_t key = 0;
+    std::vector<bool> key;
     THPObjectPtr fneed(PySequence_Fast(need, "need must be a sequence"));
     THPObjectPtr fdrop(PySequence_Fast(drop, "drop must be a sequence"));
     THPObjectPtr fsteps(PySequence_Fast(steps, "steps must be a sequence"));
     if (!fneed || !fdrop || !fsteps) return nullptr;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fneed.get());
-    if (n != self->s.ninputs || n > 64 || PySequence_Fast_GET_SIZE(fdrop.get()) != n) {
-        PyErr_SetString(PyExc_ValueError, "set_backward: need and drop need one entry per input (at most 64)");
+    if (n != self->s.ninputs || PySequence_Fast_GET_SIZE(fdrop.get()) != n) {
+        PyErr_SetString(PyExc_ValueError, "set_backward: need and drop need one entry per input");
         return nullptr;
     }
     Py_ssize_t nneed = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyObject_IsTrue(PySequence_Fast_GET_ITEM(fneed.get(), i)) == 1) key |= uint64_t(1) << i, nneed++;
+        key.push_back(PyObject_IsTrue(PySequence_Fast_GET_ITEM(fneed.get(), i)) == 1);
+        nneed += key.back();
         prog->drop.push_back(PyObject_IsTrue(PySequence_Fast_GET_ITEM(fdrop.get(), i)) == 1);
     }
     std::vector<int64_t> ints;

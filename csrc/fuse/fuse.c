@@ -83,6 +83,15 @@ static int level_in(const fuse_build *b, int32_t u, int32_t r) {
 
 /* ---------------------------------------------------------------- column sums in row kernels */
 
+/* Column sums region r carries (a ROW region's reductions at LV_COLSUM). */
+static int32_t colsums_in(const fuse_build *b, int32_t r) {
+    int32_t n = 0;
+    for (int32_t v = 0; v < b->n; v++)
+        n += !b->floating[v] && b->reg[v] == r && b->lvl[v] == LV_COLSUM &&
+             kb_op_get(N(b, v)->op)->kind == KB_KIND_REDUCE;
+    return n;
+}
+
 /* A single-pass COL region that sums over the leading dims (a bias gradient: db = sum over rows
  * of dy * act'(x)) streams better as a ROW region with column sums: whole rows in 16-byte
  * vectors, partials in registers, no barriers, a small finishing kernel; the COL kernel walks
@@ -98,10 +107,12 @@ static int colsum_ok(const fuse_build *b, int32_t r) {
             row *= a->dims[d].coef;
         }
     if (row > COLSUM_MAX_ROW) return 0;
+    int32_t nsums = 0;
     for (int32_t v = 0; v < b->n; v++) {
         if (b->floating[v] || b->reg[v] != r) continue;
         const kb_node *nd = N(b, v);
         int reduce = kb_op_get(nd->op)->kind == KB_KIND_REDUCE, reads_stat = 0;
+        if (reduce && ++nsums > KB_MAX_COLSUMS) return 0; /* each would be a column sum */
         for (int i = 0; i < nd->ninputs; i++) reads_stat |= level_in(b, nd->inputs[i], r) == LV_STAT;
         if (reduce && ((nd->op != KB_OP_SUM && nd->op != KB_OP_MEAN) || nd->axes != red || reads_stat)) return 0;
         if (b->lvl[v] == LV_FULL && reads_stat) return 0;      /* a second pass */
@@ -207,7 +218,7 @@ static int reduce_cols(const fuse_build *b, int32_t v, int32_t r, int *lv) {
             if (a->dims[d].nsym) return 0;
             row *= a->dims[d].coef;
         }
-    if (row > COLSUM_MAX_ROW) return 0;
+    if (row > COLSUM_MAX_ROW || colsums_in(b, r) >= KB_MAX_COLSUMS) return 0;
     *lv = LV_COLSUM;
     return 1;
 }
@@ -566,7 +577,8 @@ static kb_status assign(fuse_build *b, int32_t v) {
         make_floating(b, v);
         return KB_OK;
     }
-    if (cls == C_POINTWISE)
+    int cut = b->cut && b->cut[v]; /* a region of its own: no float, no join */
+    if (cls == C_POINTWISE && !cut)
         for (size_t i = 0; i < sizeof FLOAT_RULES / sizeof FLOAT_RULES[0]; i++)
             if (FLOAT_RULES[i](b, v)) {
                 make_floating(b, v);
@@ -597,7 +609,7 @@ static kb_status assign(fuse_build *b, int32_t v) {
         make_floating(b, v);
         return KB_OK;
     }
-    if (r >= 0 && r == soft && r > hard && b->regs[r].kind != KB_REGION_EXTERN &&
+    if (!cut && r >= 0 && r == soft && r > hard && b->regs[r].kind != KB_REGION_EXTERN &&
         (rule = find_rule(b, v, r, &lv)) >= 0) {
         upgrade(b, r, v, RULES[rule].upgrades);
         place(b, v, r, lv);
@@ -605,7 +617,7 @@ static kb_status assign(fuse_build *b, int32_t v) {
     }
     /* Nothing computed in a region (operands are inputs or floating): join the latest region that
      * fits and runs after every region the floating operands read. */
-    if (soft < 0 && cls != C_EXTERN) {
+    if (soft < 0 && cls != C_EXTERN && !cut) {
         for (int32_t q = b->nreg - 1; q > hard; q--) {
             if (b->regs[q].kind == KB_REGION_EXTERN || (rule = find_rule(b, v, q, &lv)) < 0) continue;
             upgrade(b, q, v, RULES[rule].upgrades);
@@ -663,12 +675,13 @@ void fuse_build_free(fuse_build *b) {
     memset(b, 0, sizeof *b);
 }
 
-kb_status fuse_assign(const kb_graph *g, fuse_build *b) {
+kb_status fuse_assign(const kb_graph *g, const uint8_t *cut, fuse_build *b) {
     kb_ctx *ctx = kb_graph_ctx(g);
     kb_status st = KB_OK;
     memset(b, 0, sizeof *b);
     b->g = g;
     b->ctx = ctx;
+    b->cut = cut;
     b->n = kb_graph_nnodes(g);
     size_t n1 = (size_t)(b->n ? b->n : 1);
     b->reg = kb_malloc(ctx, sizeof(int32_t) * n1);

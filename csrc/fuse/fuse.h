@@ -30,13 +30,16 @@ typedef struct fuse_build {
     uint8_t *fl;       /* floating: FL_* facts about what it reads */
     uint8_t *index_read; /* read only through static index maps (mark_index_reads) */
     uint8_t *lone_read;  /* from graph inputs alone, with one reader (mark_lone_reads) */
+    const uint8_t *cut;  /* NULL, or per node: 1 starts a region of its own (neither floats nor
+                          * joins one): how partition.c splits a region past KB_MAX_PARAM_BYTES */
     fuse_region *regs;
     int32_t nreg, capreg;
 } fuse_build;
 
 /* Runs the greedy pass over g into *b (zeroed first; free with fuse_build_free, also after a
- * failure). Every region in b->regs has at least one node or a floating anchor. */
-kb_status fuse_assign(const kb_graph *g, fuse_build *b);
+ * failure), with the nodes flagged in cut (NULL: none) each starting a region. Every region in
+ * b->regs has at least one node or a floating anchor. */
+kb_status fuse_assign(const kb_graph *g, const uint8_t *cut, fuse_build *b);
 void fuse_build_free(fuse_build *b);
 
 #endif /* KBENCH_FUSE_H */

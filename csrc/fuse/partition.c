@@ -1,5 +1,6 @@
 /* partition.c — the kb_partition: assembled from fuse.c's per-node assignment (each region's
- * nodes, the values it reads and the values it writes), its text form (kb_partition_dump), and
+ * nodes, the values it reads and the values it writes), regions split until each kernel's
+ * parameters fit CUDA's parameter space, its text form (kb_partition_dump), and
  * one region as a standalone graph (kb_region_graph), what a region's backward is built from and
  * what the runtime's cache keys and gradient checks compare. */
 #include "fuse/fuse.h"
@@ -40,8 +41,8 @@ void kb_partition_free(kb_partition *p) {
     kb_free(ctx, p, sizeof *p);
 }
 
-kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
-    if (!g || !out) return KB_ERR_INVALID;
+/* The greedy pass (with the nodes flagged in cut starting regions) assembled into a partition. */
+static kb_status assemble(const kb_graph *g, const uint8_t *cut, kb_partition **out) {
     *out = NULL;
     kb_ctx *ctx = kb_graph_ctx(g);
     kb_status st = KB_OK;
@@ -51,7 +52,7 @@ kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
     int32_t *tmp = NULL, *tmp2 = NULL;
     kb_partition *p = NULL;
     size_t n1 = (size_t)(kb_graph_nnodes(g) ? kb_graph_nnodes(g) : 1);
-    KB_TRY(fuse_assign(g, &b));
+    KB_TRY(fuse_assign(g, cut, &b));
     mark = kb_calloc(ctx, n1, 1);
     is_out = kb_calloc(ctx, n1, 1);
     tmp = kb_malloc(ctx, sizeof(int32_t) * n1);
@@ -131,6 +132,70 @@ cleanup:
     kb_free(ctx, is_out, n1);
     kb_free(ctx, tmp, sizeof(int32_t) * n1);
     kb_free(ctx, tmp2, sizeof(int32_t) * n1);
+    return st;
+}
+
+int64_t kb_region_param_bytes(const kb_partition *p, int32_t r) {
+    const kb_region *rg = &p->regions[r];
+    return 8 * ((int64_t)rg->ninputs + rg->noutputs + kb_graph_nsymbols(p->graph) + 1);
+}
+
+/* Can a region be split at node v: work that may start a region (not an input, a constant, an
+ * iota, a view folded into loads or a torch call)? */
+static int splits_at(const kb_graph *g, int32_t v) {
+    const kb_node *nd = kb_graph_node(g, v);
+    kb_op_kind kind = kb_op_get(nd->op)->kind;
+    return kind == KB_KIND_UNARY || kind == KB_KIND_BINARY || kind == KB_KIND_TERNARY || kind == KB_KIND_REDUCE ||
+           kind == KB_KIND_GATHER;
+}
+
+/* Regions whose kernels' parameters would pass CUDA's KB_MAX_PARAM_BYTES (a sum of 600 inputs,
+ * hundreds of parameters each scaled) would build and then never launch: such a region is cut at
+ * its middle node that may start a region (splits_at), which then starts one, and the greedy pass
+ * runs again; each part that still does not fit is cut again. Each round flags at least one more
+ * node, so this ends; a region left with nothing to cut at fails. Graphs that fit (nearly all)
+ * take one pass, as before. */
+kb_status kb_partition_new(const kb_graph *g, kb_partition **out) {
+    if (!g || !out) return KB_ERR_INVALID;
+    *out = NULL;
+    kb_ctx *ctx = kb_graph_ctx(g);
+    kb_status st = KB_OK;
+    size_t n1 = (size_t)(kb_graph_nnodes(g) ? kb_graph_nnodes(g) : 1);
+    uint8_t *cut = NULL;
+    int32_t *cand = NULL;
+    kb_partition *p = NULL;
+    for (;;) {
+        KB_TRY(assemble(g, cut, &p));
+        int over = 0;
+        for (int32_t r = 0; r < p->nregions; r++) {
+            const kb_region *rg = &p->regions[r];
+            int64_t bytes = kb_region_param_bytes(p, r);
+            if (rg->kind == KB_REGION_EXTERN || bytes <= KB_MAX_PARAM_BYTES) continue;
+            if (!cut) {
+                cut = kb_calloc(ctx, n1, 1);
+                cand = kb_malloc(ctx, sizeof(int32_t) * n1);
+                KB_CHECK(ctx, cut && cand, KB_ERR_OOM, "partition: out of memory");
+            }
+            int32_t nc = 0;
+            for (int32_t k = 0; k < rg->nnodes; k++)
+                if (!cut[rg->nodes[k]] && splits_at(g, rg->nodes[k])) cand[nc++] = rg->nodes[k];
+            KB_CHECK(ctx, nc > 0, KB_ERR_UNSUPPORTED,
+                     "partition: region %d reads %d values and writes %d: its kernel's parameters take %lld bytes, "
+                     "more than CUDA's %d, and it has no node left to split it at",
+                     (int)r, (int)rg->ninputs, (int)rg->noutputs, (long long)bytes, KB_MAX_PARAM_BYTES);
+            cut[cand[nc / 2]] = 1;
+            over = 1;
+        }
+        if (!over) break;
+        kb_partition_free(p);
+        p = NULL;
+    }
+    *out = p;
+    p = NULL;
+cleanup:
+    kb_partition_free(p);
+    kb_free(ctx, cut, n1);
+    kb_free(ctx, cand, sizeof(int32_t) * n1);
     return st;
 }
 

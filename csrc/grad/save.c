@@ -131,6 +131,9 @@ kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
             for (int32_t j = 0; j < rg->noutputs; j++) is_out |= rg->outputs[j] == v;
             if (!is_out) stats[ns++] = v;
         }
+        /* a statistic is a kernel parameter too: none past CUDA's parameter space (the
+           backward then reduces the row again) */
+        while (ns > 0 && kb_region_param_bytes(p, r) + 8 * (int64_t)ns > KB_MAX_PARAM_BYTES) ns--;
         if (ns == 0) continue;
         int32_t *outs = kb_malloc(ctx, sizeof(int32_t) * (size_t)(rg->noutputs + ns));
         KB_CHECK(ctx, outs != NULL, KB_ERR_OOM, "save_stats: out of memory");

@@ -14,7 +14,9 @@
 #define MODULE_CAPSULE "kbench._C.cuda_module"
 #define FUNCTION_CAPSULE "kbench._C.cuda_function"
 #define MAX_DIRS 64
-#define MAX_ARGS 128 /* kernel arguments in one launch */
+/* kernel arguments in one launch: as many as CUDA's parameter space holds (4 bytes the smallest) */
+#define MAX_ARGS (KB_MAX_PARAM_BYTES / 4)
+_Static_assert(KB_LAUNCH_MAX_PARAM_BYTES == KB_MAX_PARAM_BYTES, "launch_api.h and kbench.h agree on the parameter space");
 
 /* ---------------------------------------------------------------- handles */
 
@@ -397,8 +399,9 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (!ii) return NULL;
     PyObject *const *fi = NULL;
     if (nargs == 9 && !(fi = seq_items(args[8], &nf, "floats"))) return NULL;
-    if (np + ni + nf > MAX_ARGS) {
-        PyErr_Format(PyExc_ValueError, "launch: at most %d kernel arguments", MAX_ARGS);
+    if (8 * (np + ni) + 4 * nf > KB_MAX_PARAM_BYTES) {
+        PyErr_Format(PyExc_ValueError, "launch: %zd pointer, %zd int and %zd float arguments pass CUDA's %d bytes of "
+                     "kernel parameters", np, ni, nf, KB_MAX_PARAM_BYTES);
         return NULL;
     }
     /* each argument's value in its own 8-byte slot; the driver reads as many bytes as the

@@ -176,15 +176,16 @@ static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
         Py_DECREF(fast);
         return PyErr_Format(PyExc_ValueError, "grad(wrt): %d inputs, got %zd flags", n, PySequence_Fast_GET_SIZE(fast));
     }
-    uint8_t wrt[256];
-    if (n > 256) {
+    uint8_t *wrt = PyMem_Malloc((size_t)(n ? n : 1)); /* one flag per input, however many */
+    if (!wrt) {
         Py_DECREF(fast);
-        return PyErr_Format(PyExc_ValueError, "grad: at most 256 inputs");
+        return PyErr_NoMemory();
     }
     for (int32_t i = 0; i < n; i++) {
         int t = PyObject_IsTrue(PySequence_Fast_GET_ITEM(fast, i));
         if (t < 0) {
             Py_DECREF(fast);
+            PyMem_Free(wrt);
             return NULL;
         }
         wrt[i] = (uint8_t)t;
@@ -193,6 +194,7 @@ static PyObject *graph_grad(kb_py_graph *self, PyObject *args, PyObject *kwds) {
     kb_graph *out = NULL;
     kb_status st = joint ? kb_graph_grad_joint(self->graph, wrt, &out)
                          : kb_graph_grad_saved(self->graph, wrt, (int32_t)saved, reuse, &out);
+    PyMem_Free(wrt);
     if (st != KB_OK) return graph_raise(self, st);
     return graph_wrap_derived(self, out);
 }
