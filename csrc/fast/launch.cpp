@@ -231,8 +231,7 @@ PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     l.finish = finish == Py_None || !l.cuda ? nullptr : api->function_of(finish, l.cuda);
     std::vector<int64_t> g, chk, scr;
     if (l.cuda && (!l.fn || (finish != Py_None && !l.finish))) {
-        PyErr_SetString(PyExc_TypeError, "Launch: fn and finish must be functions from kbench._C.get_function "
-                                         "through this cuda handle");
+        PyErr_SetString(PyExc_TypeError, "Launch: fn and finish must be functions from kbench._C.get_function");
         goto fail;
     }
     if (PyErr_Occurred() || as_ints(grid, g, "grid must be a sequence of ints") < 0 ||

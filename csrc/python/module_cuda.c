@@ -353,10 +353,9 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
     function_handle *fh = handle_of(args[1], FUNCTION_CAPSULE);
     cuda_handle *h = fh ? get_cuda(args[0]) : NULL;
     if (!h) return NULL;
-    if (fh->cuda != h->cuda) {
-        PyErr_SetString(PyExc_ValueError, "launch: the function was loaded through another handle");
-        return NULL;
-    }
+    /* a function loaded through another handle of this process is as good: every handle opens
+     * the same libcuda and retains the same primary context, and the function keeps its module
+     * loaded (executors share kernels: a backward's executor launches the forward's cubins) */
     void *fn = fh->fn;
     uint32_t grid[3] = {1, 1, 1};
     if (PyLong_Check(args[2])) {
@@ -478,7 +477,8 @@ static void *capi_function_of(void *capsule, void *cuda) {
     PyObject *o = capsule;
     if (!PyCapsule_IsValid(o, FUNCTION_CAPSULE)) return NULL;
     function_handle *h = PyCapsule_GetPointer(o, FUNCTION_CAPSULE);
-    return h->cuda == cuda ? h->fn : NULL;
+    (void)cuda;   /* any handle of this process (py_launch says why) */
+    return h->fn;
 }
 
 static int capi_launch(void *cuda, void *fn, const uint32_t grid[3], int block, int smem, void *stream,

@@ -194,7 +194,7 @@ def test_bad_launches_raise_cuda_error(rt):
         _C.module_load(cuda, b"\x7fELF" + b"\0" * 10)
     with pytest.raises(TypeError):
         _C.launch(cuda, fn, 1, 32, 0, stream, None, (16,))
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError):   # an address is not a function
         _C.launch(cuda, 0, 1, 32, 0, stream, (), ())
     # the context is still usable after refused launches
     _C.launch(cuda, fn, 1, 32, 0, stream, (x.data_ptr(), x.data_ptr()), (16,), (1.0,))

@@ -316,8 +316,13 @@ def test_program_reads_replaced_parameters_and_submodules():
         model.ln.weight = torch.nn.Parameter(torch.rand(1024, device="cuda") + 0.5)
         (y,) = both_ways(opt, x, served=1)[1]
         assert torch.allclose(y, model(x), atol=1e-4)
-        model.ln = torch.nn.LayerNorm(1024).cuda()
+        original_ln = model.ln
+        model.ln = torch.nn.LayerNorm(1024).cuda()   # another submodule: the Python state guard declines
         torch.nn.init.uniform_(model.ln.bias, -1, 1)
+        (y,) = both_ways(opt, x, served=0)[1]
+        assert torch.allclose(y, model(x), atol=1e-4)
+        assert "Python state" in opt._kbench_fast_program.why
+        model.ln = original_ln
         (y,) = both_ways(opt, x, served=1)[1]
         assert torch.allclose(y, model(x), atol=1e-4)
         model.ln.weight = torch.nn.Parameter(torch.ones(512, device="cuda"))   # resized: eager's error
