@@ -331,7 +331,7 @@ def test_program_reads_replaced_parameters_and_submodules():
         both_ways(opt, x, served=1)
         del model.ln
         both_ways(opt, x, served=0)   # gone: the Python path's fallback and its error
-    assert any("gone" in r or "Python state" in r for r in opt._kbench_reasons)   # the guard sees it first
+    assert any("gone" in r or "changed since the capture" in r for r in opt._kbench_reasons)   # the guard sees it first
 
 
 @needs_program
