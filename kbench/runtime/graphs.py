@@ -326,7 +326,6 @@ class GraphRunner:
     def __init__(self, module, inner, option, capture=None):
         self.inner = inner
         self.option = option
-        self.training = module._kbench_captured_training
         self.ninputs = len(module._kbench_captured.input_names)
         self.device = module._kbench_device
         self.cuda = self.device.type == "cuda"
