@@ -181,7 +181,7 @@ def test_launch_takes_function_objects():
     """launch's kernel is the object get_function returns (it keeps its module loaded), checked
     before anything else: a number is never called as a CUfunction."""
     with pytest.raises(TypeError, match="cuda_function"):
-        _C.launch(None, 0xdeadbeef, 1, 32, 0, 0, (), ())
+        _C.launch(None, 0xdeadbeef, 1, 32, 0, None, ())
 
 
 def test_run_graph_checks_what_bytes_cannot_show():

@@ -616,17 +616,13 @@ def launch(cuda, k, fn, finish, symvals, ins, outs):
     grid = max(1, -(-units // k.units_per_block))
     if k.max_blocks:
         grid = min(grid, k.max_blocks)
-    ints = list(symvals)
-    ws = None
+    args = [*ins, *outs, *symvals]
     ws_bytes = k.workspace_bytes_per_unit * units + k.workspace_bytes_per_block * grid
     if ws_bytes:
-        ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
-        ints.append(ws.data_ptr())
-    ptrs = tuple(t.data_ptr() for t in ins) + tuple(t.data_ptr() for t in outs)
-    stream = torch.cuda.current_stream().cuda_stream
-    _C.launch(cuda, fn, (grid, 1, 1), k.block, k.smem, stream, ptrs, tuple(ints))
+        args.append(torch.empty(ws_bytes, dtype=torch.uint8, device="cuda"))
+    _C.launch(cuda, fn, (grid, 1, 1), k.block, k.smem, None, args)
     if finish is not None:
-        _C.launch(cuda, finish, (grid, 1, 1), k.block, 0, stream, ptrs, tuple(ints))
+        _C.launch(cuda, finish, (grid, 1, 1), k.block, 0, None, args)
     torch.cuda.synchronize()
 
 

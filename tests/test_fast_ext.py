@@ -25,6 +25,10 @@ def test_malformed_launches_are_refused():
         fast.Launch(**{**good, "grid": None})
     with pytest.raises(TypeError, match="scratch"):
         fast.Launch(**{**good, "scratch": None})
+    with pytest.raises(TypeError, match="scratch: input 0 is a int"):   # an address is not a buffer
+        fast.Launch(**{**good, "skipped": 1, "scratch": [0x7f0000000000]})
+    with pytest.raises(ValueError, match="scratch buffer is not a contiguous CUDA tensor"):
+        fast.Launch(**{**good, "skipped": 1, "scratch": [torch.zeros(4)]})
     with pytest.raises(TypeError):
         fast.Region(object(), None, (True,), 0, [((2,), torch.float32)], lambda *a: None)
     with pytest.raises(TypeError, match="exception classes"):

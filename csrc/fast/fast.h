@@ -46,7 +46,7 @@ struct LaunchSpec {
     uint32_t grid[3] = {1, 1, 1};
     int block = 0, smem = 0, device = 0, region = -1, vec = 1;
     int skipped = 0;             /* trailing outputs this entry point does not write (None) */
-    std::vector<uint64_t> scratch; /* ... or writes into these buffers, which nothing reads (kept by keep) */
+    std::vector<at::Tensor> scratch; /* ... or writes into these buffers, which nothing reads */
     int64_t workspace_bytes = 0;
     std::vector<int> check;      /* inputs checked for contiguity (the others are trusted) */
     std::vector<int64_t> ints;   /* the int64 arguments after the pointers */

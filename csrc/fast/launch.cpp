@@ -76,7 +76,8 @@ Outcome run_launch(const LaunchSpec &l, const std::vector<at::Tensor> &in, std::
         outs.push_back(o.like >= 0 ? at::empty_like(in[o.like]) : at::empty(o.shape, opts.dtype(o.dtype)));
         vals[k++] = (uintptr_t)outs.back().data_ptr();
     }
-    for (int j = 0; j < l.skipped; j++) vals[k++] = (size_t)j < l.scratch.size() ? l.scratch[(size_t)j] : 0;
+    for (int j = 0; j < l.skipped; j++)
+        vals[k++] = (size_t)j < l.scratch.size() ? (uintptr_t)l.scratch[(size_t)j].data_ptr() : 0;
     for (int64_t v : l.ints) vals[k++] = (uint64_t)v;
     void *stream = current_stream(l.device);
     char err[512];
@@ -207,6 +208,23 @@ int as_outs(PyObject *seq, std::vector<OutSpec> &out) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
+/* scratch: CUDA tensors on l.device, contiguous, which the spec keeps alive (tensors, never
+ * addresses: a buffer the kernel writes is one this process owns). -1 with an exception set. */
+static int as_scratch(PyObject *seq, LaunchSpec &l) {
+    THPObjectPtr fast(PySequence_Fast(seq, "Launch: scratch must be a sequence of tensors"));
+    if (!fast) return -1;
+    std::vector<at::Tensor> ts;
+    if (!unpack_tensors(PySequence_Fast_ITEMS(fast.get()), PySequence_Fast_GET_SIZE(fast.get()), ts, "Launch scratch"))
+        return -1;
+    for (const at::Tensor &t : ts)
+        if (!t.is_cuda() || !t.is_contiguous()) {
+            PyErr_SetString(PyExc_ValueError, "Launch: a scratch buffer is not a contiguous CUDA tensor");
+            return -1;
+        }
+    l.scratch = std::move(ts);
+    return 0;
+}
+
 PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static const char *kwlist[] = {"cuda", "keep", "fn", "finish", "grid", "block", "smem", "device", "region",
                                    "vec", "check", "ints", "workspace_bytes", "outs", "skipped", "scratch", nullptr};
@@ -229,13 +247,13 @@ PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     l.cuda = self->keep ? api->cuda_of(cuda) : nullptr;
     l.fn = l.cuda ? api->function_of(fn, l.cuda) : nullptr;
     l.finish = finish == Py_None || !l.cuda ? nullptr : api->function_of(finish, l.cuda);
-    std::vector<int64_t> g, chk, scr;
+    std::vector<int64_t> g, chk;
     if (l.cuda && (!l.fn || (finish != Py_None && !l.finish))) {
         PyErr_SetString(PyExc_TypeError, "Launch: fn and finish must be functions from kbench._C.get_function");
         goto fail;
     }
     if (PyErr_Occurred() || as_ints(grid, g, "grid must be a sequence of ints") < 0 ||
-        (scratch && as_ints(scratch, scr, "scratch must be a sequence of ints (pointers)") < 0) ||
+        (scratch && as_scratch(scratch, l) < 0) ||
         as_ints(check, chk, "check must be a sequence of ints") < 0 ||
         as_ints(ints, l.ints, "ints must be a sequence of ints") < 0 || as_outs(outs, l.outs) < 0)
         goto fail;
@@ -253,11 +271,15 @@ PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         l.grid[i] = (uint32_t)g[i];
     }
     for (int64_t c : chk) l.check.push_back((int)c);
-    for (int64_t p : scr) l.scratch.push_back((uint64_t)p);
     if (l.scratch.size() > (size_t)skipped) {
         PyErr_SetString(PyExc_ValueError, "Launch: more scratch buffers than skipped outputs");
         goto fail;
     }
+    for (const at::Tensor &t : l.scratch)
+        if (t.get_device() != device) {
+            PyErr_SetString(PyExc_ValueError, "Launch: a scratch buffer is on another device than the launch");
+            goto fail;
+        }
     l.block = block, l.smem = smem, l.device = device, l.region = region, l.vec = vec, l.skipped = skipped;
     l.workspace_bytes = workspace_bytes;
     return (PyObject *)self;

@@ -369,6 +369,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(state->kernel_info_type);
     Py_VISIT(state->compile_error);
     Py_VISIT(state->cuda_error);
+    Py_VISIT(state->torch_objects);
     return 0;
 }
 
@@ -380,6 +381,7 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(state->kernel_info_type);
     Py_CLEAR(state->compile_error);
     Py_CLEAR(state->cuda_error);
+    Py_CLEAR(state->torch_objects);
     return 0;
 }
 

@@ -16,6 +16,8 @@ typedef struct kb_module_state {
     PyTypeObject *kernel_info_type; /* kbench._C.KernelInfo */
     PyObject *compile_error;   /* kbench._C.CompileError(RuntimeError): NVRTC said no, with its log */
     PyObject *cuda_error;      /* kbench._C.CudaError(RuntimeError): a driver call failed */
+    PyObject *torch_objects;   /* what launch reads tensors and streams through (module_cuda.c),
+                                  a tuple made on the first launch: torch is imported then */
 } kb_module_state;
 
 kb_module_state *kb_py_state(PyObject *module);

@@ -328,26 +328,162 @@ static PyObject *py_get_function(PyObject *self, PyObject *const *args, Py_ssize
     return Py_BuildValue("(Nii)", cap, regs, spills);
 }
 
-/* ---------------------------------------------------------------- launch (the hot path) */
+/* ---------------------------------------------------------------- torch's tensors and streams */
 
-/* Items of a tuple or list without a copy; NULL with TypeError otherwise. */
-static PyObject *const *seq_items(PyObject *o, Py_ssize_t *n, const char *what) {
-    if (PyTuple_Check(o)) {
-        *n = PyTuple_GET_SIZE(o);
-        return &PyTuple_GET_ITEM(o, 0);
+/* launch and synchronize take tensors and torch streams, never addresses: a kernel's pointer
+ * is a tensor's own data pointer, its stream torch's stream object's handle. Each is read
+ * through torch's base-type descriptor, so neither an instance attribute nor a subclass's
+ * property can hand over another value; tensors must be exactly torch.Tensor or Parameter
+ * (a subclass's __torch_function__ could answer data_ptr itself). torch is imported on the
+ * first call: the rest of kbench._C does not need it. */
+enum {
+    T_TENSOR, T_PARAMETER,                 /* the tensor types taken */
+    T_DATA_PTR, T_IS_CUDA, T_GET_DEVICE,   /* TensorBase's descriptors */
+    T_STREAM, T_CUDA_STREAM, T_DEVICE_INDEX, /* torch._C._CudaStreamBase and its descriptors */
+    T_CURRENT_STREAM,                      /* torch._C._cuda_getCurrentRawStream */
+    T_COUNT
+};
+
+static PyObject *const *torch_objects(PyObject *module) {
+    kb_module_state *state = kb_py_state(module);
+    if (state->torch_objects) return &PyTuple_GET_ITEM(state->torch_objects, 0);
+    PyObject *torch = PyImport_ImportModule("torch");
+    if (!torch) return NULL;
+    PyObject *tc = PyObject_GetAttrString(torch, "_C");
+    PyObject *nn = tc ? PyImport_ImportModule("torch.nn") : NULL;
+    PyObject *objs = nn ? PyTuple_New(T_COUNT) : NULL;
+    PyObject *base = objs ? PyObject_GetAttrString(tc, "TensorBase") : NULL;
+    PyObject *stream = base ? PyObject_GetAttrString(tc, "_CudaStreamBase") : NULL;
+    if (!stream && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_RuntimeError, "kbench: this torch has no CUDA (torch._C._CudaStreamBase is missing)");
     }
-    if (PyList_Check(o)) {
-        *n = PyList_GET_SIZE(o);
-        return (PyObject *const *)&PyList_GET_ITEM(o, 0);
+    if (stream) {
+        PyObject *items[T_COUNT] = {
+            PyObject_GetAttrString(torch, "Tensor"), PyObject_GetAttrString(nn, "Parameter"),
+            PyObject_GetAttrString(base, "data_ptr"), PyObject_GetAttrString(base, "is_cuda"),
+            PyObject_GetAttrString(base, "get_device"), Py_NewRef(stream),
+            PyObject_GetAttrString(stream, "cuda_stream"), PyObject_GetAttrString(stream, "device_index"),
+            PyObject_GetAttrString(tc, "_cuda_getCurrentRawStream"),
+        };
+        for (int i = 0; i < T_COUNT; i++) PyTuple_SET_ITEM(objs, i, items[i]);
+        int ok = !PyErr_Occurred() && PyType_Check(items[T_TENSOR]) && PyType_Check(items[T_PARAMETER]) &&
+                 PyType_Check(stream) && Py_TYPE(items[T_IS_CUDA])->tp_descr_get &&
+                 Py_TYPE(items[T_CUDA_STREAM])->tp_descr_get && Py_TYPE(items[T_DEVICE_INDEX])->tp_descr_get;
+        if (ok)
+            state->torch_objects = Py_NewRef(objs);
+        else if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "kbench: torch's tensor and stream types are not as expected");
     }
-    PyErr_Format(PyExc_TypeError, "launch: %s must be a tuple or list", what);
-    return NULL;
+    Py_XDECREF(stream);
+    Py_XDECREF(base);
+    Py_XDECREF(objs);
+    Py_XDECREF(nn);
+    Py_XDECREF(tc);
+    Py_DECREF(torch);
+    return state->torch_objects ? &PyTuple_GET_ITEM(state->torch_objects, 0) : NULL;
 }
 
-/* launch(handle, fn, grid, block, smem, stream, ptrs, ints, floats=()) */
+/* descr's value on o, as the base type defines it; -1 with an exception set */
+static int long_of(PyObject *descr, PyObject *o, long long *out) {
+    PyObject *v = Py_TYPE(descr)->tp_descr_get ? Py_TYPE(descr)->tp_descr_get(descr, o, (PyObject *)Py_TYPE(o))
+                                               : NULL;
+    if (!v) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "kbench: not a descriptor");
+        return -1;
+    }
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* The data pointer of args[i], a CUDA tensor on *device (or, where *device < 0, the first one
+ * seen, which then sets it). -1 with TypeError / ValueError naming the argument. */
+static int tensor_pointer(PyObject *const *T, PyObject *o, Py_ssize_t i, int *device, uint64_t *out) {
+    long long is_cuda, dev;
+    if (long_of(T[T_IS_CUDA], o, &is_cuda) < 0) return -1;
+    if (!is_cuda) {
+        PyErr_Format(PyExc_ValueError, "launch: args[%zd] is not a CUDA tensor", i);
+        return -1;
+    }
+    PyObject *v = PyObject_CallOneArg(T[T_GET_DEVICE], o);
+    dev = v ? PyLong_AsLongLong(v) : -1;
+    Py_XDECREF(v);
+    if (dev == -1 && PyErr_Occurred()) return -1;
+    if (*device < 0) *device = (int)dev;
+    if (dev != *device) {
+        PyErr_Format(PyExc_ValueError, "launch: args[%zd] is on cuda:%lld, the launch on cuda:%d", i, dev, *device);
+        return -1;
+    }
+    v = PyObject_CallOneArg(T[T_DATA_PTR], o);
+    unsigned long long p = v ? PyLong_AsUnsignedLongLong(v) : (unsigned long long)-1;
+    Py_XDECREF(v);
+    if (p == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = p;
+    return 0;
+}
+
+/* The driver's handle of stream, a torch CUDA stream, or of torch's current stream on device
+ * for None; -1 with an exception set. */
+static int stream_handle(PyObject *const *T, PyObject *stream, int device, void **out) {
+    long long h;
+    if (stream == Py_None) {
+        if (device < 0) {
+            PyErr_SetString(PyExc_TypeError, "launch: stream=None needs a tensor argument to name the device");
+            return -1;
+        }
+        PyObject *dev = PyLong_FromLong(device);
+        PyObject *v = dev ? PyObject_CallOneArg(T[T_CURRENT_STREAM], dev) : NULL;
+        Py_XDECREF(dev);
+        h = v ? PyLong_AsLongLong(v) : -1;
+        Py_XDECREF(v);
+        if (h == -1 && PyErr_Occurred()) return -1;
+        *out = (void *)(intptr_t)h;
+        return 0;
+    }
+    if (!PyObject_TypeCheck(stream, (PyTypeObject *)T[T_STREAM])) {
+        PyErr_Format(PyExc_TypeError, "stream must be a torch.cuda.Stream or None, not %.100s", Py_TYPE(stream)->tp_name);
+        return -1;
+    }
+    long long index;
+    if (long_of(T[T_DEVICE_INDEX], stream, &index) < 0 || long_of(T[T_CUDA_STREAM], stream, &h) < 0) return -1;
+    if (device >= 0 && index != device) {
+        PyErr_Format(PyExc_ValueError, "launch: the stream is on cuda:%lld, the tensors on cuda:%d", index, device);
+        return -1;
+    }
+    *out = (void *)(intptr_t)h;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- launch */
+
+/* The grid: an int or 1 to 3 ints; -1 with an exception set. */
+static int grid_of(PyObject *o, uint32_t grid[3]) {
+    grid[0] = grid[1] = grid[2] = 1;
+    PyObject *t = PyLong_Check(o) ? PyTuple_Pack(1, o) : kb_py_tuple(o, "launch: grid must be an int or a sequence");
+    if (!t) return -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(t);
+    int rc = 0;
+    if (n < 1 || n > 3) {
+        PyErr_SetString(PyExc_ValueError, "launch: grid has 1 to 3 entries");
+        rc = -1;
+    }
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+        unsigned long g = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(t, i));
+        if (g == (unsigned long)-1 && PyErr_Occurred()) rc = -1;
+        else if (g > UINT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "launch: grid entry over 2^32-1");
+            rc = -1;
+        } else grid[i] = (uint32_t)g;
+    }
+    Py_DECREF(t);
+    return rc;
+}
+
+/* launch(handle, fn, grid, block, smem, stream, args) */
 static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8 && nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "launch(handle, fn, grid, block, smem, stream, ptrs, ints, floats=())");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "launch(handle, fn, grid, block, smem, stream, args)");
         return NULL;
     }
     function_handle *fh = handle_of(args[1], FUNCTION_CAPSULE);
@@ -357,29 +493,8 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
      * the same libcuda and retains the same primary context, and the function keeps its module
      * loaded (executors share kernels: a backward's executor launches the forward's cubins) */
     void *fn = fh->fn;
-    uint32_t grid[3] = {1, 1, 1};
-    if (PyLong_Check(args[2])) {
-        unsigned long g = PyLong_AsUnsignedLong(args[2]);
-        if (g == (unsigned long)-1 && PyErr_Occurred()) return NULL;
-        grid[0] = (uint32_t)g;
-    } else {
-        Py_ssize_t ng;
-        PyObject *const *gi = seq_items(args[2], &ng, "grid");
-        if (!gi) return NULL;
-        if (ng < 1 || ng > 3) {
-            PyErr_SetString(PyExc_ValueError, "launch: grid has 1 to 3 entries");
-            return NULL;
-        }
-        for (Py_ssize_t i = 0; i < ng; i++) {
-            unsigned long g = PyLong_AsUnsignedLong(gi[i]);
-            if (g == (unsigned long)-1 && PyErr_Occurred()) return NULL;
-            if (g > UINT32_MAX) {
-                PyErr_SetString(PyExc_OverflowError, "launch: grid entry over 2^32-1");
-                return NULL;
-            }
-            grid[i] = (uint32_t)g;
-        }
-    }
+    uint32_t grid[3];
+    if (grid_of(args[2], grid) < 0) return NULL;
     long block = PyLong_AsLong(args[3]);
     if (block == -1 && PyErr_Occurred()) return NULL;
     long smem = PyLong_AsLong(args[4]);
@@ -388,54 +503,48 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_Format(PyExc_ValueError, "launch: bad block %ld or smem %ld", block, smem);
         return NULL;
     }
-    void *stream = PyLong_AsVoidPtr(args[5]);
-    if (!stream && PyErr_Occurred()) return NULL;
-
-    Py_ssize_t np, ni, nf = 0;
-    PyObject *const *pi = seq_items(args[6], &np, "ptrs");
-    if (!pi) return NULL;
-    PyObject *const *ii = seq_items(args[7], &ni, "ints");
-    if (!ii) return NULL;
-    PyObject *const *fi = NULL;
-    if (nargs == 9 && !(fi = seq_items(args[8], &nf, "floats"))) return NULL;
-    if (8 * (np + ni) + 4 * nf > KB_MAX_PARAM_BYTES) {
-        PyErr_Format(PyExc_ValueError, "launch: %zd pointer, %zd int and %zd float arguments pass CUDA's %d bytes of "
-                     "kernel parameters", np, ni, nf, KB_MAX_PARAM_BYTES);
-        return NULL;
-    }
+    PyObject *const *T = torch_objects(self);
+    if (!T) return NULL;
+    /* a tuple of the arguments: reading a tensor's pointer runs torch's code, which must not
+     * see a list shrink under this loop */
+    PyObject *items = kb_py_tuple(args[6], "launch: args must be a sequence");
+    if (!items) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
     /* each argument's value in its own 8-byte slot; the driver reads as many bytes as the
      * kernel's parameter has: CUdeviceptr and int64 take 8, float32 takes 4 */
     union { uint64_t u; int64_t i; float f; } vals[MAX_ARGS];
     void *argp[MAX_ARGS + 1];
-    Py_ssize_t k = 0;
-    for (Py_ssize_t j = 0; j < np; j++, k++) {
-        vals[k].u = PyLong_AsUnsignedLongLong(pi[j]);
-        if (vals[k].u == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-        argp[k] = &vals[k];
-    }
-    /* ints and floats only: converting anything else runs Python code (__index__, __float__),
-     * which could change a list whose items are read here in place */
-    for (Py_ssize_t j = 0; j < ni; j++, k++) {
-        if (!PyLong_Check(ii[j])) {
-            PyErr_Format(PyExc_TypeError, "launch: ints[%zd] is a %.100s, not an int", j, Py_TYPE(ii[j])->tp_name);
-            return NULL;
+    size_t bytes = 0;
+    int device = -1;
+    void *stream = NULL;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *o = PyTuple_GET_ITEM(items, j);
+        int is_float = PyFloat_Check(o);
+        bytes += is_float ? 4 : 8;
+        if (bytes > KB_MAX_PARAM_BYTES) {
+            PyErr_Format(PyExc_ValueError, "launch: %zd arguments pass CUDA's %d bytes of kernel parameters", n,
+                         KB_MAX_PARAM_BYTES);
+            goto fail;
         }
-        vals[k].i = PyLong_AsLongLong(ii[j]);
-        if (vals[k].i == -1 && PyErr_Occurred()) return NULL;
-        argp[k] = &vals[k];
-    }
-    for (Py_ssize_t j = 0; j < nf; j++, k++) {
-        if (!PyFloat_Check(fi[j]) && !PyLong_Check(fi[j])) {
-            PyErr_Format(PyExc_TypeError, "launch: floats[%zd] is a %.100s, not a float", j, Py_TYPE(fi[j])->tp_name);
-            return NULL;
+        vals[j].u = 0;
+        argp[j] = &vals[j];
+        if (o == Py_None) continue;   /* a NULL pointer: an output the entry point does not write */
+        if (Py_IS_TYPE(o, (PyTypeObject *)T[T_TENSOR]) || Py_IS_TYPE(o, (PyTypeObject *)T[T_PARAMETER])) {
+            if (tensor_pointer(T, o, j, &device, &vals[j].u) < 0) goto fail;
+        } else if (PyLong_CheckExact(o)) {
+            vals[j].i = PyLong_AsLongLong(o);
+            if (vals[j].i == -1 && PyErr_Occurred()) goto fail;
+        } else if (is_float) {
+            vals[j].f = (float)PyFloat_AS_DOUBLE(o);
+        } else {
+            PyErr_Format(PyExc_TypeError, "launch: args[%zd] is a %.100s: a torch.Tensor (its data pointer), None "
+                         "(a null pointer), an int (int64) or a float (float32)", j, Py_TYPE(o)->tp_name);
+            goto fail;
         }
-        double d = PyFloat_AsDouble(fi[j]);
-        if (d == -1.0 && PyErr_Occurred()) return NULL;
-        vals[k].u = 0;
-        vals[k].f = (float)d;
-        argp[k] = &vals[k];
     }
-    argp[k] = NULL;
+    argp[n] = NULL;
+    if (stream_handle(T, args[5], device, &stream) < 0) goto fail;
+    Py_DECREF(items);
     kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) return NULL;
     kb_status st;
@@ -444,17 +553,23 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_END_ALLOW_THREADS
     if (st != KB_OK) return kb_py_raise(self, ctx, st, NULL);
     Py_RETURN_NONE;
+fail:
+    Py_DECREF(items);
+    return NULL;
 }
 
 static PyObject *py_synchronize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 1 && nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "synchronize(handle, stream=0)");
+        PyErr_SetString(PyExc_TypeError, "synchronize(handle, stream=None)");
         return NULL;
     }
     cuda_handle *h = get_cuda(args[0]);
     if (!h) return NULL;
-    void *stream = nargs == 2 ? PyLong_AsVoidPtr(args[1]) : NULL;
-    if (!stream && PyErr_Occurred()) return NULL;
+    void *stream = NULL;   /* NULL: the whole context */
+    if (nargs == 2 && args[1] != Py_None) {
+        PyObject *const *T = torch_objects(self);
+        if (!T || stream_handle(T, args[1], -1, &stream) < 0) return NULL;
+    }
     kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) return NULL;
     kb_status st;
@@ -530,9 +645,10 @@ PyMethodDef kb_cuda_methods[] = {
      "get_function(handle, module, name, smem) -> (fn, registers, spill bytes); fn is a function object that "
      "keeps its module loaded"},
     {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL,
-     "launch(handle, fn, grid, block, smem, stream, ptrs, ints, floats=()): cuLaunchKernel of fn (get_function's) "
-     "on stream; arguments in order: ptrs (8-byte device pointers), ints (int64), floats (float32)"},
+     "launch(handle, fn, grid, block, smem, stream, args): cuLaunchKernel of fn (get_function's) on stream (a "
+     "torch.cuda.Stream, or None: torch's current stream on the tensors' device); args in the kernel's order: a "
+     "CUDA tensor passes its data pointer, None a null pointer, an int an int64, a float a float32"},
     {"synchronize", (PyCFunction)(void (*)(void))py_synchronize, METH_FASTCALL,
-     "synchronize(handle, stream=0): the stream, or the whole context when 0"},
+     "synchronize(handle, stream=None): the stream (a torch.cuda.Stream), or the whole context for None"},
     {NULL, NULL, 0, NULL},
 };

@@ -170,15 +170,12 @@ class CudaExecutor(Executor):
             outs = [verify.poison_like(s, d, device) for s, d in shapes]
         else:
             outs = [torch.empty(s, dtype=d, device=device) for s, d in shapes]
+        args = [*inputs, *outs, *[None] * skipped, *ints]
         if workspace_bytes:
-            workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-            ints = ints + (workspace.data_ptr(),)  # a pointer argument is 8 bytes, like an int64
-        ptrs = tuple([x.data_ptr() for x in inputs] + [o.data_ptr() for o in outs] + [0] * skipped)
-        stream = current_stream(device)
-        _C.launch(self.cuda, kernel.fn_nostats if nostats else kernel.fn, grid, kernel.block, kernel.smem, stream,
-                  ptrs, ints)
+            args.append(torch.empty(workspace_bytes, dtype=torch.uint8, device=device))
+        _C.launch(self.cuda, kernel.fn_nostats if nostats else kernel.fn, grid, kernel.block, kernel.smem, None, args)
         if kernel.finish_fn is not None:
-            _C.launch(self.cuda, kernel.finish_fn, grid, kernel.block, 0, stream, ptrs, ints)
+            _C.launch(self.cuda, kernel.finish_fn, grid, kernel.block, 0, None, args)
         return outs
 
     def can_run(self, r):
@@ -192,8 +189,7 @@ class CudaExecutor(Executor):
                 raise RuntimeError("kbench: a gradient computed in the forward is not contiguous")
             n = t.numel()
             blocks = max(1, min((n + 255) // 256, 8 * self.dev["num_sms"]))
-            _C.launch(self.cuda, self.helper("scale.cu", _SCALE_NAMES[t.dtype]), blocks, 256, 0, current_stream(t.device),
-                      (t.data_ptr(), g.data_ptr()), (n,))
+            _C.launch(self.cuda, self.helper("scale.cu", _SCALE_NAMES[t.dtype]), blocks, 256, 0, None, (t, g, n))
 
     def run(self, r, symvals, inputs):
         """One call off the hot path (gradient checks, Program.run): through a launcher made
@@ -241,9 +237,9 @@ class CudaExecutor(Executor):
                 device=device.index if device.index is not None else torch.cuda.current_device(),
                 region=r, vec=kernel.vec, check=check, ints=ints, workspace_bytes=workspace_bytes,
                 outs=[(j, s, d) for j, (s, d) in zip(like, shapes)], skipped=skipped,
-                scratch=[t.data_ptr() for t in scratch]).run
+                scratch=scratch).run
         launch, cuda, finish, block, smem = _C.launch, self.cuda, kernel.finish_fn, kernel.block, kernel.smem
-        no_ptrs = tuple(t.data_ptr() for t in scratch) if scratch else (0,) * skipped
+        no_ptrs = list(scratch) if scratch else [None] * skipped
         no_outs = [None] * skipped
         empty, empty_like, u8 = torch.empty, torch.empty_like, torch.uint8
         stream_of = stream_getter(device)
@@ -257,33 +253,30 @@ class CudaExecutor(Executor):
                                    f"(region {r}, input {j})")
                 if not inputs[j].is_contiguous():
                     raise RegionFallback(f"region {r}: input {j} is not contiguous")
-            in_ptrs = [x.data_ptr() for x in inputs]
-            if align:   # every input: the pointers are at hand, the test is integer arithmetic
-                for j, p in enumerate(in_ptrs):
-                    if p & 15:
+            if align:   # every input's pointer, in integer arithmetic
+                for j, x in enumerate(inputs):
+                    if x.data_ptr() & 15:
                         raise RegionFallback(f"region {r}: input {j} is not 16-byte aligned (kernel uses vec={kernel.vec})")
             outs = [empty_like(inputs[j]) if j >= 0 else empty(s, dtype=d, device=device)
                     for j, (s, d) in zip(like, shapes)]
-            args = ints
-            stream = stream_of()
+            args = [*inputs, *outs, *no_ptrs, *ints] if skipped else [*inputs, *outs, *ints]
             if workspace_bytes:
                 # One workspace per kernel and stream, kept: launches on one stream run in
                 # order, so the next launch cannot overwrite partial sums the finishing kernel
                 # has yet to read. Under CUDA-graph capture each launch gets its own (from the
                 # graph's pool), as a replay may overlap work outside the graph.
+                stream = stream_of()
                 workspace = workspaces.get(stream)
                 capture = capturing()
                 if capture or workspace is None or workspace.numel() < workspace_bytes:
                     workspace = empty(workspace_bytes, dtype=u8, device=device)
                     if not capture:
                         workspaces[stream] = workspace
-                args = ints + (workspace.data_ptr(),)
-            ptrs = tuple(in_ptrs + [o.data_ptr() for o in outs])
-            if skipped:
-                ptrs += no_ptrs
-            launch(cuda, fn, grid, block, smem, stream, ptrs, args)
+                args.append(workspace)
+            # stream None: torch's current stream on the tensors' device
+            launch(cuda, fn, grid, block, smem, None, args)
             if finish is not None:
-                launch(cuda, finish, grid, block, 0, stream, ptrs, args)
+                launch(cuda, finish, grid, block, 0, None, args)
             return outs + no_outs if skipped else outs
         return run
 
@@ -297,14 +290,6 @@ class CudaExecutor(Executor):
 
 _SCALE_NAMES = {torch.float32: "kb_scale_f32", torch.float64: "kb_scale_f64", torch.float16: "kb_scale_f16",
                 torch.bfloat16: "kb_scale_bf16"}
-
-
-def current_stream(device) -> int:
-    """The raw handle of torch's current stream on device (the cheap way, where torch has it)."""
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get is not None:
-        return get(device.index if device.index is not None else torch.cuda.current_device())
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def stream_getter(device):

@@ -52,7 +52,6 @@ import torch
 
 from .. import _C, verify
 from ..runtime import nvrtc
-from ..runtime.cuda import current_stream
 
 log = logging.getLogger("kbench")
 
@@ -252,8 +251,8 @@ class CudaRegionBench:
         also evicted their address translations (see the module's docstring)."""
         ex = self.ex
         spans = buffers[2]
-        _C.launch(ex.cuda, ex.helper("touch.cu", "kb_touch"), 32, 256, 0, current_stream(self.device),
-                  (spans.data_ptr(), self.flush_out.data_ptr()), (spans.numel() // 2,))
+        _C.launch(ex.cuda, ex.helper("touch.cu", "kb_touch"), 32, 256, 0, None,
+                  (spans, self.flush_out, spans.numel() // 2))
 
     def flush_l2(self) -> None:
         """Reads the flush buffer (its sum into a scalar): the L2 then holds clean lines only."""

@@ -96,8 +96,7 @@ def test_saxpy_on_current_stream(rt):
     x = torch.randn(n, device="cuda")
     y = torch.randn(n, device="cuda")
     want = 2.5 * x + y
-    stream = torch.cuda.current_stream().cuda_stream
-    _C.launch(cuda, fn, ((n + 255) // 256, 1, 1), 256, 0, stream, (y.data_ptr(), x.data_ptr()), (n,), (2.5,))
+    _C.launch(cuda, fn, ((n + 255) // 256, 1, 1), 256, 0, None, (y, x, n, 2.5))
     torch.cuda.synchronize()
     torch.testing.assert_close(y, want)
     del module
@@ -112,7 +111,7 @@ def test_saxpy_on_a_side_stream(rt):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _C.launch(cuda, fn, (n + 127) // 128, 128, 0, side.cuda_stream, [y.data_ptr(), x.data_ptr()], [n], [-1.0])
+        _C.launch(cuda, fn, (n + 127) // 128, 128, 0, side, [y, x, n, -1.0])
     side.synchronize()
     torch.testing.assert_close(y, -x)
     del module
@@ -126,8 +125,7 @@ def test_bf16_fp16_kernel(rt):
     h = torch.randn(n, device="cuda").to(torch.float16)
     f = torch.empty(n, device="cuda")
     v = b.float() + h.float()
-    _C.launch(cuda, fn, (4, 1, 1), 256, 0, torch.cuda.current_stream().cuda_stream,
-              (b.data_ptr(), h.data_ptr(), f.data_ptr()), (n,))
+    _C.launch(cuda, fn, (4, 1, 1), 256, 0, torch.cuda.current_stream(), (b, h, f, n))
     torch.cuda.synchronize()
     torch.testing.assert_close(f, v)
     torch.testing.assert_close(b, (v * 2).to(torch.bfloat16), rtol=0, atol=0)
@@ -140,15 +138,15 @@ def test_dynamic_shared_memory_above_48k(rt):
     block, per_thread = 256, 64  # 64 KiB of shared memory
     smem = block * per_thread * 4
     assert smem <= dev["max_smem_per_block"]
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = torch.cuda.current_stream()
     x = torch.randn(3 * block * per_thread, device="cuda")
     y = torch.empty_like(x)
     # without the opt-in the driver refuses the launch
     module0, fn0, _, _ = _load(rt, SMEM, "reverse_chunks", 0)
     with pytest.raises(_C.CudaError, match="CUDA_ERROR_INVALID_VALUE"):
-        _C.launch(cuda, fn0, 3, block, smem, stream, (y.data_ptr(), x.data_ptr()), (per_thread,))
+        _C.launch(cuda, fn0, 3, block, smem, stream, (y, x, per_thread))
     module, fn, _, _ = _load(rt, SMEM, "reverse_chunks", smem)
-    _C.launch(cuda, fn, 3, block, smem, stream, (y.data_ptr(), x.data_ptr()), (per_thread,))
+    _C.launch(cuda, fn, 3, block, smem, stream, (y, x, per_thread))
     torch.cuda.synchronize()
     torch.testing.assert_close(y, x.view(3, -1).flip(1).reshape(-1))
     del module, module0
@@ -166,7 +164,7 @@ def test_launch_from_a_fresh_thread(rt):
 
     def work():
         try:
-            _C.launch(cuda, fn, 4, 256, 0, 0, (y.data_ptr(), x.data_ptr()), (n,), (3.0,))
+            _C.launch(cuda, fn, 4, 256, 0, None, (y, x, n, 3.0))
             _C.synchronize(cuda)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -183,25 +181,55 @@ def test_bad_launches_raise_cuda_error(rt):
     cuda = rt[0]
     module, fn, _, _ = _load(rt, SAXPY, "saxpy")
     x = torch.ones(16, device="cuda")
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = torch.cuda.current_stream()
     with pytest.raises(_C.CudaError, match="cuLaunchKernel.*CUDA_ERROR_INVALID_VALUE"):
-        _C.launch(cuda, fn, 1, 4096, 0, stream, (x.data_ptr(), x.data_ptr()), (16,), (1.0,))
+        _C.launch(cuda, fn, 1, 4096, 0, stream, (x, x, 16, 1.0))
     with pytest.raises(_C.CudaError, match="CUDA_ERROR_INVALID_VALUE"):
-        _C.launch(cuda, fn, (0, 1, 1), 32, 0, stream, (x.data_ptr(), x.data_ptr()), (16,), (1.0,))
+        _C.launch(cuda, fn, (0, 1, 1), 32, 0, stream, (x, x, 16, 1.0))
     with pytest.raises(_C.CudaError, match="CUDA_ERROR_NOT_FOUND"):
         _C.get_function(cuda, module, "no_such_kernel", 0)
     with pytest.raises(ValueError, match="CUBIN"):
         _C.module_load(cuda, b"\x7fELF" + b"\0" * 10)
     with pytest.raises(TypeError):
-        _C.launch(cuda, fn, 1, 32, 0, stream, None, (16,))
+        _C.launch(cuda, fn, 1, 32, 0, stream, None)
     with pytest.raises(TypeError):   # an address is not a function
-        _C.launch(cuda, 0, 1, 32, 0, stream, (), ())
+        _C.launch(cuda, 0, 1, 32, 0, stream, ())
     # the context is still usable after refused launches
-    _C.launch(cuda, fn, 1, 32, 0, stream, (x.data_ptr(), x.data_ptr()), (16,), (1.0,))
+    _C.launch(cuda, fn, 1, 32, 0, stream, (x, x, 16, 1.0))
     torch.cuda.synchronize()
     torch.testing.assert_close(x, torch.full_like(x, 2.0))
     del module
 
+
+
+def test_launch_takes_tensors_never_addresses(rt):
+    """A pointer argument is a CUDA tensor's own data pointer and a stream torch's stream object:
+    an address in either place, a host tensor, a tensor subclass and a forged data_ptr are
+    refused or ignored before anything reaches the driver."""
+    cuda = rt[0]
+    module, fn, _, _ = _load(rt, SAXPY, "saxpy")
+    x = torch.ones(16, device="cuda")
+    y = torch.zeros(16, device="cuda")
+    with pytest.raises(ValueError, match="not a CUDA tensor"):
+        _C.launch(cuda, fn, 1, 32, 0, None, (y, torch.ones(16), 16, 1.0))
+    with pytest.raises(TypeError, match="torch.cuda.Stream"):   # a raw stream handle
+        _C.launch(cuda, fn, 1, 32, 0, torch.cuda.current_stream().cuda_stream, (y, x, 16, 1.0))
+    with pytest.raises(TypeError, match="torch.cuda.Stream"):
+        _C.synchronize(cuda, 0)
+
+    class Sub(torch.Tensor):
+        pass
+    with pytest.raises(TypeError, match="args\\[1\\]"):
+        _C.launch(cuda, fn, 1, 32, 0, None, (y, x.as_subclass(Sub), 16, 1.0))
+    with pytest.raises(TypeError, match="args\\[0\\]"):
+        _C.launch(cuda, fn, 1, 32, 0, None, (True, x, 16, 1.0))
+    with pytest.raises(TypeError, match="needs a tensor"):
+        _C.launch(cuda, fn, 1, 32, 0, None, (16, 1.0))
+    y.data_ptr = lambda: 0xdead0000   # an instance attribute: launch reads torch's own pointer
+    _C.launch(cuda, fn, 1, 32, 0, None, [y, x, 16, 2.0])
+    _C.synchronize(cuda, torch.cuda.current_stream())
+    torch.testing.assert_close(y, torch.full_like(y, 2.0))
+    del module
 
 # a module whose __device__ array takes 64 MiB of device memory while it is loaded
 BIG = r"""
@@ -223,12 +251,12 @@ def test_modules_unload_when_collected(rt):
     big = 64 << 20
     cubin = _C.nvrtc_compile(nv, BIG, arch, None)
     y = torch.zeros(4096, device="cuda")   # torch's memory, taken before the baseline
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = torch.cuda.current_stream()
 
     def load_and_touch():
         module = _C.module_load(cuda, cubin)
         fn, _, _ = _C.get_function(cuda, module, "touch_big", 0)
-        _C.launch(cuda, fn, 16, 256, 0, stream, (y.data_ptr(),), ())   # the array is in use
+        _C.launch(cuda, fn, 16, 256, 0, stream, (y,))   # the array is in use
         torch.cuda.synchronize()
         return module
 
@@ -256,15 +284,15 @@ def test_launch_overhead_is_reported(rt, capsys):
     cuda = rt[0]
     module, fn, _, _ = _load(rt, SAXPY, "saxpy")
     x = torch.ones(256, device="cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-    args = (x.data_ptr(), x.data_ptr())
+    stream = torch.cuda.current_stream()
+    args = (x, x, 256, 0.0)
     for _ in range(100):
-        _C.launch(cuda, fn, 1, 256, 0, stream, args, (256,), (0.0,))
+        _C.launch(cuda, fn, 1, 256, 0, stream, args)
     torch.cuda.synchronize()
     reps = 500  # below the launch queue depth, so this is host time, not GPU time
     t0 = time.perf_counter()
     for _ in range(reps):
-        _C.launch(cuda, fn, 1, 256, 0, stream, args, (256,), (0.0,))
+        _C.launch(cuda, fn, 1, 256, 0, stream, args)
     host_us = (time.perf_counter() - t0) / reps * 1e6
     torch.cuda.synchronize()
     with capsys.disabled():
