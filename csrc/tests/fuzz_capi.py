@@ -40,7 +40,7 @@ class Fuzz:
         self.C, self.rnd = C, rnd
         self.ops = sorted(C.ops().items())
         self.stats = {"graphs": 0, "nodes": 0, "refused": 0, "interp_ok": 0, "interp_refused": 0,
-                      "regions": 0, "kernels": 0, "grads": 0}
+                      "regions": 0, "kernels": 0, "grads": 0, "runtime_refused": 0}
 
     # ------------------------------------------------------------------ building
 
@@ -267,8 +267,26 @@ class Fuzz:
         self.stats["interp_ok"] += 1
         return True
 
+    def runtime_calls(self):
+        """The CUDA entry points with bad handles and junk arguments: each is refused (TypeError)
+        before anything reaches NVRTC or the driver, on a machine with a GPU or without."""
+        rnd, C = self.rnd, self.C
+        junk = [None, 0, 2**64 - 1, -1, 0xdeadbeef, 1.5, "x", b"\x7fELF", (), [0] * 9, object(), bytearray(8)]
+        pick = lambda: rnd.choice(junk)   # noqa: E731
+        calls = [(C.launch, 7), (C.synchronize, rnd.choice([1, 2])), (C.get_function, 4), (C.module_load, 2),
+                 (C.nvrtc_compile, rnd.choice([4, 5])), (C.device_info, 2), (C.nvrtc_info, 1)]
+        fn, n = rnd.choice(calls)
+        try:
+            fn(*[pick() for _ in range(n)])
+        except TypeError:
+            self.stats["runtime_refused"] += 1
+            return
+        raise AssertionError(f"{fn.__name__} took junk arguments")
+
     def exercise(self, g):
         rnd, C = self.rnd, self.C
+        if rnd.random() < 0.3:
+            self.runtime_calls()
         str(g)
         sv = self.symvals(g)
         try:   # sizes the graph takes, small enough to compute every value at
