@@ -595,7 +595,8 @@ def test_kernels_compile(compile_once, name, dt):
     sources differ between archs only in the defaults codegen picks (shared memory, block limits),
     which the sm_80 default covers, and a second compile of the sweep costs a minute of CI.
     Variants often generate the same source (a gene the region's kind ignores): compile_once
-    (conftest.py) compiles each distinct source once per arch in the session, several at once."""
+    (conftest.py) compiles each distinct source once per arch in the session, several at once,
+    and several sources as one translation unit (NVRTC parses the headers once for them)."""
     g, symvals, _, _ = build(name, dt)
     p = g.partition()
     items = []
@@ -604,7 +605,7 @@ def test_kernels_compile(compile_once, name, dt):
             src = _C.generate(p, r, 90, genome).source
             items.append((src, "sm_90", (name, dt, r, str(genome))))
         items.append((_C.generate(p, r, 80, None).source, "sm_80", (name, dt, r, "default")))
-    for (_, arch, what), cubin in zip(items, compile_once(items)):
+    for (_, arch, what), cubin in zip(items, compile_once(items, together=True)):
         assert cubin[:4] == b"\x7fELF", (*what, arch)
 
 
