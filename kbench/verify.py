@@ -243,8 +243,8 @@ def plan_points(ex, r, example_symvals, free: int | None = -1) -> tuple[list, st
         if base is None:
             return [], (f"too large to verify in the free GPU memory (~{need:.3g} GiB at the example sizes, "
                         f"{free / 2 ** 30:.3g} GiB free)")
-        note = (f"checked up to sizes {base}: the example {example} does not fit the free GPU memory "
-                f"(~{need:.3g} GiB, {free / 2 ** 30:.3g} GiB free)")
+        note = (f"the example {example} does not fit the free GPU memory (~{need:.3g} GiB, "
+                f"{free / 2 ** 30:.3g} GiB free): checked at {base} in its stead")
     points = [base]
     for p in sweep_symvals(base)[1:]:
         if not plan.admits(p) or not fits(p):
