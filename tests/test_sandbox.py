@@ -77,18 +77,72 @@ def test_launch_items_are_checked():
         with pytest.raises(ProtocolError):
             parse_item(junk)
     good = {"entries": [["k", 0], ["k_finish", 0]],
-            "groups": [{"args": [["null"]], "calls": [[0, [4, 1, 1], 256, 0], [1, 4, [256, 1, 1], 0]]}]}
+            "groups": [{"args": [["null"]], "calls": [[0, [4, 1, 1], 256, 0], [1, 4, 256, 0]]}]}
     cubin, entries, groups = parse_check(good, [b"cubin"])
     assert cubin == b"cubin" and entries == [("k", 0), ("k_finish", 0)]
-    assert groups == [([("null",)], [(0, (4, 1, 1), (256, 1, 1), 0), (1, (4, 1, 1), (256, 1, 1), 0)])]
+    assert groups == [([("null",)], [(0, (4, 1, 1), 256, 0), (1, (4, 1, 1), 256, 0)])]
     for change in ({"entries": [["k; rm -rf /", 0]]}, {"entries": []},
                    {"groups": [{"args": [], "calls": [[2, 4, 256, 0]]}]},     # no such entry
                    {"groups": [{"args": [], "calls": [[0, 0, 256, 0]]}]},     # an empty grid
-                   {"groups": [{"args": [], "calls": [[0, [1, 1], 256, 0]]}]}):
+                   {"groups": [{"args": [], "calls": [[0, [1, 1], 256, 0]]}]},
+                   {"groups": [{"args": [], "calls": [[0, 1, [256, 1, 1], 0]]}]},    # threads: one int
+                   {"groups": [{"args": [], "calls": [[0, 1, 2048, 0]]}]}):
         with pytest.raises(ProtocolError):
             parse_check({**good, **change}, [b"cubin"])
     with pytest.raises(ProtocolError):
         parse_check(good, [])
+
+
+def test_the_worker_sees_writes_outside_a_buffer(monkeypatch):
+    """The worker's check on the CPU with the launches played by Python: inputs drawn by role,
+    outputs NaN-poisoned, and a byte written just before or just past any buffer (an output, a
+    workspace) refuses the candidate with where it was; a launch error that leaves the context
+    working is the candidate's "launch failed"."""
+    import kbench
+    seen = {}
+
+    def raw(t):
+        return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+    class FakeC:
+        CudaError = _C.CudaError
+
+        def module_load(self, cuda, cubin):
+            return cubin
+
+        def get_function(self, cuda, module, name, smem):
+            return name, 0, 0
+
+        def launch(self, cuda, fn, grid, block, smem, stream, args):
+            y, x, idx, stat, n, ws, none = args
+            seen.update(y=y.clone(), idx=idx.clone(), stat=stat.clone(), n=n, none=none, launch=(grid, block, smem))
+            y.copy_(x * 2)
+            end = y.storage_offset() * 4 + y.numel() * 4
+            if fn == "past_the_end":
+                raw(y)[end + 3] = 0
+            elif fn == "before":
+                raw(y)[y.storage_offset() * 4 - 1] = 0
+            elif fn == "workspace":
+                raw(ws)[ws.storage_offset() + ws.numel()] = 7
+            elif fn == "refused":
+                raise _C.CudaError("cuLaunchKernel: CUDA_ERROR_INVALID_VALUE: too many resources requested")
+    monkeypatch.setattr(kbench, "_C", FakeC())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    args = [["tensor", [5, 3], "float32", "output"], ["tensor", [5, 3], "float32", "input"],
+            ["tensor", [4], "int64", "index:3"], ["tensor", [2], "float32", "stat"], ["int", 5], ["workspace", 100],
+            ["null"]]
+    fates = {}
+    for fn in ("good", "past_the_end", "before", "workspace", "refused"):
+        request = {"op": "check", "entries": [[fn, 0]], "groups": [{"args": args, "calls": [[0, 2, 64, 0]]}]}
+        fates[fn] = sandbox_worker.check(None, torch.device("cpu"), *parse_check(request, [b"cubin"]))["fate"]
+    assert fates == {"good": "ok",
+                     "past_the_end": "out-of-bounds write: past the end of argument 0 (output) (sizes 1 of 1)",
+                     "before": "out-of-bounds write: before the start of argument 0 (output) (sizes 1 of 1)",
+                     "workspace": "out-of-bounds write: past the end of argument 5 (workspace) (sizes 1 of 1)",
+                     "refused": "launch failed: cuLaunchKernel: CUDA_ERROR_INVALID_VALUE: too many resources requested"}
+    assert torch.isnan(seen["y"]).all() and seen["y"].shape == (5, 3)       # poisoned before the launch
+    assert ((seen["idx"] >= 0) & (seen["idx"] < 3)).all() and (seen["stat"] >= 8).all()
+    assert seen["n"] == 5 and seen["none"] is None and seen["launch"] == ((2, 1, 1), 64, 0)
 
 
 def _executor(graph, monkeypatch, save_stats=False):
@@ -126,7 +180,7 @@ def test_a_candidates_request_round_trips(monkeypatch):
         ws = kernel.workspace_per_block * grid
         assert items == [("tensor", (n, 512), "float32", "input", None), ("tensor", (1, 512), "float32", "output", None),
                          ("int", n), ("workspace", ws)]
-        assert calls == [(0, (grid, 1, 1), (k.block, 1, 1), k.smem), (1, (grid, 1, 1), (k.block, 1, 1), 0)]
+        assert calls == [(0, (grid, 1, 1), k.block, k.smem), (1, (grid, 1, 1), k.block, 0)]
     assert moved == sum(2 * (n * 512 * 4 + 512 * 4 + kernel.workspace_per_block * kernel.grid([n])) for n in (4096, 7))
     assert sandbox.watchdog_s(moved) == pytest.approx(sandbox.WATCHDOG_FLOOR_S + sandbox.WATCHDOG_MARGIN * moved / 500e9)
     # a forward that saves row statistics: a second group runs the entry without them

@@ -171,7 +171,7 @@ def parse_item(item) -> tuple:
 
 def parse_check(header: dict, blobs: list) -> tuple:
     """A "check" request: (cubin, entries [(name, smem)], groups [(items, calls)]), each call
-    (entry index, grid (3 ints), block (3 ints), smem). Every group is one size: its arguments
+    (entry index, grid (3 ints), threads per block, smem). Every group is one size: its arguments
     are made once, then its calls run in order on them (a kernel and its finishing kernel)."""
     if len(blobs) != 1:
         raise ProtocolError("a check carries one CUBIN")
@@ -188,7 +188,7 @@ def parse_check(header: dict, blobs: list) -> tuple:
     def dims(v):
         v = [v, 1, 1] if type(v) is int else v
         if not (isinstance(v, list) and len(v) == 3 and all(type(d) is int and 1 <= d < 1 << 31 for d in v)):
-            raise ProtocolError(f"bad launch dimensions {v!r:.60}")
+            raise ProtocolError(f"bad grid {v!r:.60}")
         return tuple(v)
     out = []
     for g in groups:
@@ -198,9 +198,9 @@ def parse_check(header: dict, blobs: list) -> tuple:
         calls = []
         for c in g["calls"]:
             if not (isinstance(c, list) and len(c) == 4 and type(c[0]) is int and 0 <= c[0] < len(ents)
-                    and type(c[3]) is int and 0 <= c[3] < 1 << 24):
+                    and type(c[2]) is int and 1 <= c[2] <= 1024 and type(c[3]) is int and 0 <= c[3] < 1 << 24):
                 raise ProtocolError(f"bad call {c!r:.60}")
-            calls.append((c[0], dims(c[1]), dims(c[2]), c[3]))
+            calls.append((c[0], dims(c[1]), c[2], c[3]))
         out.append((items, calls))
     return blobs[0], ents, out
 
@@ -267,7 +267,7 @@ def check(cuda, device, cubin: bytes, entries, groups, seed: int = 0) -> dict:
         for j, (what, _, _) in enumerate(blocks):
             if bad[2 * j] or bad[2 * j + 1]:
                 where = "before the start" if bad[2 * j] else "past the end"
-                return {"fate": f"out-of-bounds write: {where} of {what} (size {gi})"}
+                return {"fate": f"out-of-bounds write: {where} of {what} (sizes {gi + 1} of {len(groups)})"}
         del args, blocks
     torch.cuda.empty_cache()   # the worker holds no memory between requests
     return {"fate": "ok"}
