@@ -3,6 +3,8 @@ a candidate makes, the watchdog against a stand-in worker (tests/_sandbox_standi
 CUDA), and what the tuner makes of a search that ends without a verified kernel (a fake bench): the
 region runs in torch with the reason, nothing is built after it; the memory the checks may use.
 tests/gpu/test_sandbox.py plants real kernels that hang, trap and write out of bounds."""
+import io
+import json
 import os
 import time
 
@@ -249,6 +251,17 @@ def test_a_worker_past_the_watchdog_is_killed_with_its_children_and_replaced():
     finally:
         box.close()
     assert box.proc is None
+    # an idle worker is stopped (its CUDA context holds device memory); the next request starts one
+    box = sandbox.Sandbox(target="_sandbox_standin:serve", kwargs={}, idle_stop=0.2)
+    try:
+        pid = box.request({"op": "echo"}, timeout=10)["pid"]
+        end = time.monotonic() + 5
+        while box.proc is not None and time.monotonic() < end:
+            time.sleep(0.02)
+        assert box.proc is None and _gone(pid)
+        assert box.request({"op": "echo"}, timeout=10)["pid"] != pid and box.starts == 2
+    finally:
+        box.close()
     # a worker that never says it is ready: no sandbox, and every request after is refused at once
     box = sandbox.Sandbox(target="_sandbox_standin:never_ready", kwargs={}, startup_timeout=0.3)
     for _ in range(2):
@@ -278,6 +291,13 @@ def layernorm_ex(tmp_path, monkeypatch):
     tuner._db.close()
 
 
+def candidates(db) -> list:
+    """The search records in the cache, as `kbench cache export` writes them."""
+    out = io.StringIO()
+    db.export(out, cubins=False)
+    return [row for row in map(json.loads, out.getvalue().splitlines()) if row["kind"] == "candidate"]
+
+
 def _first(ex, r, n=12):
     return texts(_C.evolve_ask(_C.evolve_new(ex.plan.partition, r, [4096], None, 0, n), n))
 
@@ -293,9 +313,9 @@ def test_a_fatal_search_leaves_the_region_to_torch(layernorm_ex):
     assert info.reason.startswith("search stopped: cuStreamSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS") and \
         "the CUDA context may be unusable" in info.reason and "\n" not in info.reason
     assert ex.tuner.poisoned
-    rows = ex.tuner.store()._run(lambda c: c.execute("SELECT genome, verify, extra FROM candidates").fetchall(), write=False)
-    assert [row[0] for row in rows] == first                 # the record of what became of each candidate
-    assert rows[2][1].startswith("trap: ") and all('"sandbox": "ok"' in row[2] for row in rows[:3])
+    rows = candidates(ex.tuner.store())
+    assert [row["genome"] for row in rows] == first          # the record of what became of each candidate
+    assert rows[2]["verify"].startswith("trap: ") and all(row["extra"]["sandbox"] == "ok" for row in rows[:3])
     # nothing is launched in a context that may be dead: the next region is not tried
     other = type(info)(99, "ROW", [], [], [], "sum")
     ex.tuner.prepare_region(ex, other, [4096])

@@ -28,6 +28,9 @@ WATCHDOG_FLOOR_S = 5.0
 WATCHDOG_MARGIN = 100.0
 WATCHDOG_BANDWIDTH = 500e9
 STARTUP_TIMEOUT_S = 180.0   # a worker's start: Python, torch, a CUDA context
+# A worker idle this long is stopped: its CUDA context holds device memory the user's process may
+# want; the next candidate (a backward's search at the first backward call) starts another.
+IDLE_STOP_S = 300.0
 WORKER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
 SERVE = "kbench.tune.sandbox_worker:serve"
 KBENCH_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,8 +51,10 @@ class Sandbox:
     was killed. request() never raises for what the worker does: a timeout, a death or a reply
     outside the protocol comes back as {"fate": ...} with the worker killed."""
 
-    def __init__(self, device: int = 0, target: str = SERVE, kwargs=None, startup_timeout: float = STARTUP_TIMEOUT_S):
-        self.device, self.target, self.startup_timeout = device, target, startup_timeout
+    def __init__(self, device: int = 0, target: str = SERVE, kwargs=None, startup_timeout: float = STARTUP_TIMEOUT_S,
+                 idle_stop: float = IDLE_STOP_S):
+        self.device, self.target, self.startup_timeout, self.idle_stop = device, target, startup_timeout, idle_stop
+        self.idle_timer = None
         self.kwargs = {"device": device} if kwargs is None else dict(kwargs)
         self.proc = None
         self.wfd = self.rfd = self.err = None
@@ -100,24 +105,41 @@ class Sandbox:
         with self.lock:
             if self.broken:
                 raise SandboxUnavailable(self.broken)
-            if self.proc is None:
-                self._start()
-            deadline = time.monotonic() + timeout
+            if self.idle_timer is not None:
+                self.idle_timer.cancel()
             try:
-                write_frame(self.wfd, encode(header, blobs), deadline)
-                reply = decode(read_frame(self.rfd, MAX_REPLY_BYTES, deadline))[0]
-            except TimeoutError:
-                self.kill()
-                return {"fate": f"hang: no answer within {timeout:.3g} s (worker killed)"}
-            except (EOFError, OSError):
-                how = self.kill()
-                return {"fate": f"crash: the worker died ({how}{self._tail()})"}
-            except ProtocolError as e:
-                self.kill()
-                return {"fate": f"crash: the worker answered outside the protocol ({e})"}
-            if reply.get("dead"):   # it exits by itself (its context is gone): reaped here
-                self.kill()
-            return reply
+                return self._request(header, blobs, timeout)
+            finally:
+                if self.proc is not None:
+                    timer = self.idle_timer = threading.Timer(self.idle_stop, lambda: self._stop_idle(timer))
+                    timer.daemon = True
+                    timer.start()
+
+    def _stop_idle(self, timer) -> None:
+        with self.lock:
+            if self.idle_timer is timer:   # no request since it was set
+                self.idle_timer = None
+                self._exit()
+
+    def _request(self, header, blobs, timeout) -> dict:
+        if self.proc is None:
+            self._start()
+        deadline = time.monotonic() + timeout
+        try:
+            write_frame(self.wfd, encode(header, blobs), deadline)
+            reply = decode(read_frame(self.rfd, MAX_REPLY_BYTES, deadline))[0]
+        except TimeoutError:
+            self.kill()
+            return {"fate": f"hang: no answer within {timeout:.3g} s (worker killed)"}
+        except (EOFError, OSError):
+            how = self.kill()
+            return {"fate": f"crash: the worker died ({how}{self._tail()})"}
+        except ProtocolError as e:
+            self.kill()
+            return {"fate": f"crash: the worker answered outside the protocol ({e})"}
+        if reply.get("dead"):   # it exits by itself (its context is gone): reaped here
+            self.kill()
+        return reply
 
     def _tail(self) -> str:
         """The last line the worker wrote to stderr, where it wrote one."""
@@ -153,16 +175,21 @@ class Sandbox:
             return "still running after SIGKILL"
         return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
 
-    def close(self) -> None:
+    def _exit(self) -> None:
         """Asks the worker to exit, then makes sure it has."""
+        if self.proc is not None:
+            try:
+                write_frame(self.wfd, encode({"op": "exit"}), time.monotonic() + 1)
+                self.proc.wait(timeout=5)
+            except (OSError, TimeoutError, subprocess.TimeoutExpired):
+                pass
+            self.kill()
+
+    def close(self) -> None:
         with self.lock:
-            if self.proc is not None:
-                try:
-                    write_frame(self.wfd, encode({"op": "exit"}), time.monotonic() + 1)
-                    self.proc.wait(timeout=5)
-                except (OSError, TimeoutError, subprocess.TimeoutExpired):
-                    pass
-                self.kill()
+            if self.idle_timer is not None:
+                self.idle_timer.cancel()
+            self._exit()
             if self.err is not None:
                 self.err.close()
                 self.err = None
