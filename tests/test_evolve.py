@@ -452,6 +452,11 @@ def test_the_sandbox_refuses_candidates_before_anything_runs_here(ln):
     assert res.best_k is None and not res.poisoned
     assert res.note == ("no candidate compiled and passed the sandbox and the gate: 12 of 12 compiled, 12 refused "
                         "by the sandbox (first: hang: no answer within 5 s (worker killed))")
+    # every finalist fails full verification: no winner either, the default not kept
+    res = run_search(ln, FakeBench(ln_cost, verify_fail=set(first)), budget="fast")
+    assert res.best_k is None and res.kernel is None and not res.poisoned
+    assert res.note == ("no candidate passed full verification (first: output 0 at sizes [7], large inputs: "
+                        "error 0.3 of the norm exceeds 0.00032)")
 
 
 def test_no_sandbox_stops_the_search(ln):

@@ -72,7 +72,10 @@ class Sandbox:
         err = tempfile.TemporaryFile()
         try:
             # its own session: a kill of its process group takes whatever it started with it
-            proc = subprocess.Popen([sys.executable, WORKER_PATH, str(r1), str(w2)], pass_fds=(r1, w2),
+            # -P: the script's folder (kbench/tune) is not put on sys.path, where its modules' names
+            # would stand for top-level ones; the init frame gives the path to use
+            flags = ["-P"] if sys.version_info >= (3, 11) else []
+            proc = subprocess.Popen([sys.executable, *flags, WORKER_PATH, str(r1), str(w2)], pass_fds=(r1, w2),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                     start_new_session=True)
         except OSError as e:

@@ -473,8 +473,9 @@ class _Search:
                 continue
             self.evaluate(rec, k, fut, started, i)
         for rec, same in dups:
-            for f in ("compile_status", "compile_log", "regs", "spills", "time_ms", "verify"):
-                rec[f] = same[f]
+            for f in ("compile_status", "compile_log", "regs", "spills", "time_ms", "verify", "sandbox"):
+                if f in same:
+                    rec[f] = same[f]
             rec["same_kernel_as"] = same["genome"]
             if same.get("_ok"):
                 self.kernels[rec["genome"]] = self.kernels[same["genome"]]
@@ -715,8 +716,9 @@ class _Search:
         """One line on why no candidate won: verification refused the finalists, or none got that
         far (what became of the candidates, the sandbox's first refusal among them)."""
         if names:
-            first = self.by_genome[names[0]]["verify"]
-            return f"no candidate passed full verification (the first finalist's: {first})"
+            first = next((self.by_genome[g]["verify"] for g in names if self.by_genome[g]["verify"].startswith("full:")),
+                         "")
+            return f"no candidate passed full verification (first: {first.removeprefix('full: ')})"
         refused = [rec for rec in self.records if rec.get("sandbox") not in (None, "ok")]
         gated = [rec for rec in self.records if rec["verify"].startswith("gate:")]
         built = [rec for rec in self.records if rec["compile_status"] == "ok"]
