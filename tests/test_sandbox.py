@@ -351,6 +351,18 @@ def test_out_of_memory_in_a_search_leaves_the_region_to_torch(layernorm_ex):
     ex.tuner.cached = lambda *a: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA out of memory (gate)"))
     ex.tuner.prepare_region(ex, info, [4096])
     assert info.status is Status.EAGER and info.reason.startswith("out of GPU memory while it was searched")
+    # a trap or hang here on the way (a kernel the sandbox passed): the region in torch, nothing tried after
+    ex.tuner.by_source.clear()
+    ex.tuner.cached = lambda *a: (_ for _ in ()).throw(search.KernelHang("kernel hang: still running after 10 s"))
+    ex.tuner.prepare_region(ex, info, [4096])
+    assert info.status is Status.EAGER and info.reason == \
+        "trap: kernel hang: still running after 10 s; the CUDA context may be unusable"
+    assert ex.tuner.poisoned == f"region {r}: kernel hang: still running after 10 s"
+    ex.tuner.cached = lambda *a: (_ for _ in ()).throw(ValueError("a bug, not the device's"))
+    ex.tuner.poisoned = ""
+    ex.tuner.by_source.clear()
+    with pytest.raises(ValueError):
+        ex.tuner.prepare_region(ex, info, [4096])
 
 
 def test_checks_fit_the_free_memory():

@@ -141,7 +141,8 @@ class Tuner:
         """Pick region r's kernel: the cache's winner, else the search's (budget fast/default/max),
         else (budget none) the default genome — each verified before the runtime trusts it. A
         region without one runs in torch with the reason; the device running out of memory on the
-        way is such a reason, never an error out of optimize()."""
+        way is such a reason, never an error out of optimize(), and so is a trap or hang here
+        (after which nothing more is launched: self.poisoned)."""
         r = info.index
         if self.poisoned:   # a trap or hang earlier: nothing is launched here any more
             ex.kernels.pop(r, None)
@@ -150,12 +151,17 @@ class Tuner:
         key = self.cache_key(ex, r)
         try:
             self._prepare(ex, info, key, example_symvals)
-        except Exception as e:
-            if not search.is_oom(e):
+        except RuntimeError as e:
+            line = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            if search.is_oom(e):
+                torch.cuda.empty_cache()
+                why = f"out of GPU memory while it was searched, verified or timed ({line})"
+            elif search.is_fatal(e):   # a kernel the sandbox passed trapped or hung here after all
+                self.poisoned = f"region {r}: {line}"
+                why = f"trap: {line}; the CUDA context may be unusable"
+            else:
                 raise
-            torch.cuda.empty_cache()
             ex.kernels.pop(r, None)
-            why = f"out of GPU memory while it was searched, verified or timed ({str(e).splitlines()[0][:160]})"
             info.set_status(Status.EAGER, why)
             info.envelope = ""
             self.by_source[key] = (None, (Status.EAGER, why), "", {}, r)
