@@ -227,10 +227,14 @@ def serve(conn: Conn, device: int = 0) -> None:
         try:
             if header.get("op") != "check":
                 raise ProtocolError(f"unknown op {str(header.get('op'))[:40]!r}")
-            reply = check(cuda, torch.device("cuda", device), *parse_check(header, blobs),
-                          seed=int(header.get("seed", 0)))
+            seed = header.get("seed", 0)
+            if type(seed) is not int:
+                raise ProtocolError("the seed is not an int")
+            reply = check(cuda, torch.device("cuda", device), *parse_check(header, blobs), seed=seed)
         except ProtocolError as e:
             reply = {"error": f"bad request: {e}"}
+        except Exception as e:  # noqa: BLE001 - the candidate is refused with it; the parent decides
+            reply = {"error": f"{type(e).__name__}: {_line(e)}"}
         conn.send(reply)
         if reply.get("dead"):
             return
