@@ -9,9 +9,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dtypes import torch_dtype
+
 # tolerance on max|out - ref| relative to max|ref| (the norm), per output dtype
 TOLERANCE = {torch.float32: 2e-5 * 16, torch.float64: 1e-9, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 DISTRIBUTIONS = ("normal", "uniform", "large", "tiny")
+# A sweep point is checked only where what it holds at once (point_bytes) is at most this share
+# of the free device memory: the rest is the sandbox's, the timing's and the user's.
+MEMORY_SHARE = 0.5
+# Nodes that move no data: views in the float64 reference, no memory of their own.
+VIEW_OPS = frozenset(("input", "reshape", "permute", "expand", "slice", "squeeze"))
 
 
 @dataclass
@@ -21,6 +28,7 @@ class Verdict:
     checked: int = 0                    # sweep points compared
     max_error: float = 0.0              # worst relative-to-norm error seen
     sizes: list = field(default_factory=list)   # symbol values that passed
+    note: str = ""                      # where the sizes checked stop short of the example (memory)
 
     def __bool__(self) -> bool:
         return self.ok
@@ -177,6 +185,76 @@ def varies(values: list) -> bool:
     return scale > 0 and max(finite) - min(finite) > TOLERANCE[torch.float32] * 10 * scale
 
 
+# ---------------------------------------------------------------------------------- sizes that fit
+
+def free_bytes(device) -> int | None:
+    """Device memory this process may still use: what the driver reports free plus what torch's
+    allocator holds unused; None off the GPU (no limit)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def point_bytes(plan, r, symvals) -> int:
+    """What checking region r at one sweep point holds at once, at most: each input, its clone and
+    its float64 copy; every value the float64 reference computes (views excepted); two launches'
+    outputs; and as much again while the input dependence is checked beside them."""
+    info = plan.regions[r]
+
+    def numel(v):
+        return math.prod(plan.graph.sizes(v, symvals))
+
+    def itemsize(v):
+        return torch_dtype(plan.nodes[v]["dtype"]).itemsize
+    total = sum(numel(v) * (2 * itemsize(v) + 8) for v in info.inputs)
+    inputs = set(info.inputs)
+    total += sum(numel(v) * 8 for v in info.nodes if v not in inputs and plan.nodes[v]["op"] not in VIEW_OPS)
+    total += sum(numel(v) * 2 * itemsize(v) for v in info.outputs)
+    return 2 * total
+
+
+def plan_points(ex, r, example_symvals, free: int | None = -1) -> tuple[list, str]:
+    """The sweep points region r is checked at (the sandbox runs each candidate at the same ones):
+    (points, note). The first point is the example, or, where checking at the example would not
+    fit MEMORY_SHARE of the free memory (free_bytes; free=None: no limit), the example with every
+    varying size divided by the smallest power of two that makes it fit, and the note says so;
+    the other points are sweep_symvals' that the graph admits and that fit. No points where not
+    even all sizes at 1 fit (or nothing varies), and the note says why."""
+    plan = ex.plan
+    if free == -1:
+        free = free_bytes(getattr(ex, "device", "cpu"))
+    limit = None if free is None else MEMORY_SHARE * free
+
+    def fits(p):
+        return limit is None or point_bytes(plan, r, p) <= limit
+    example = list(example_symvals)
+    base, note = example, ""
+    if not fits(example):
+        base, f = None, 2
+        while any(v // (f // 2) > 1 for v in example):
+            p = [max(1, v // f) for v in example]
+            if plan.admits(p) and fits(p):
+                base = p
+                break
+            f *= 2
+        need = point_bytes(plan, r, example) / 2 ** 30
+        if base is None:
+            return [], (f"too large to verify in the free GPU memory (~{need:.3g} GiB at the example sizes, "
+                        f"{free / 2 ** 30:.3g} GiB free)")
+        note = (f"the example {example} does not fit the free GPU memory (~{need:.3g} GiB, "
+                f"{free / 2 ** 30:.3g} GiB free): checked at {base} in its stead")
+    points = [base]
+    for p in sweep_symvals(base)[1:]:
+        if not plan.admits(p) or not fits(p):
+            continue
+        if any(math.prod(plan.graph.sizes(v, p)) > (1 << 28) for v in plan.regions[r].inputs + plan.regions[r].outputs):
+            continue  # keep verification memory bounded; the first point is never skipped this way
+        points.append(p)
+    return points, note
+
+
 # ---------------------------------------------------------------------------------- a region's kernel
 # `ex` below is a CUDA executor (runtime/cuda.py) whose plan holds the region: region_inputs(),
 # reference() (the region in float64 through torch), launch(), plan, device, seed.
@@ -200,23 +278,25 @@ def gate_nostats(ex, r, kernel, symvals) -> str:
     return gate(ex, r, kernel, symvals, nostats=True) if kernel.fn_nostats else ""
 
 
-def verify_region(ex, r, kernel, example_symvals) -> Verdict:
+def verify_region(ex, r, kernel, example_symvals, points=None, note: str = "") -> Verdict:
     """The full check before a kernel is trusted: every sweep point the captured graph admits,
     several value distributions at the example sizes, outputs poisoned, run twice (a race moves
     the result), inputs untouched, input dependence, and a test point that tells the kernel
-    from a constant output."""
+    from a constant output. points, note: plan_points' (made here where not given): sizes that
+    fit the free memory, the first one standing for the example."""
     plan = ex.plan
     info = plan.regions[r]
+    if points is None:
+        points, note = plan_points(ex, r, example_symvals)
+    if not points:
+        return Verdict(False, note or "no sizes to check at")
+    example_symvals = points[0]
     gen = torch.Generator(device=ex.device).manual_seed(ex.seed + 1000 * r)
-    verdict = Verdict(ok=True)
+    verdict = Verdict(ok=True, note=note)
     strong = False
     seen = [[] for _ in info.outputs]   # each output's reference at every point (its first values)
     least = plan.precision(r)
-    for symvals in sweep_symvals(example_symvals):
-        if symvals != example_symvals and not plan.admits(symvals):
-            continue  # sizes the captured graph does not hold for (the runtime guard refuses them too)
-        if any(math.prod(plan.graph.sizes(v, symvals)) > (1 << 28) for v in info.inputs + info.outputs):
-            continue  # keep verification memory bounded; the example point is never skipped this way
+    for symvals in points:   # sizes the graph admits and that fit (plan_points)
         for dist in DISTRIBUTIONS if symvals == example_symvals else ("normal", "large"):
             inputs = ex.region_inputs(r, symvals, dist, gen)
             clones = [x.clone() for x in inputs]
@@ -250,7 +330,7 @@ def verify_region(ex, r, kernel, example_symvals) -> Verdict:
     strong = strong or any(varies(vals) for vals in seen)
     if not strong and any(plan.nodes[v]["dtype"] in ("f32", "f16", "bf16", "f64") for v in info.outputs):
         verdict = Verdict(False, "no test point could tell this kernel from a constant output",
-                          verdict.checked, verdict.max_error, verdict.sizes)
+                          verdict.checked, verdict.max_error, verdict.sizes, note)
     return verdict
 
 
@@ -279,7 +359,8 @@ def check_dependence(ex, kernel, r, symvals, gen) -> str:
 def envelope(verdict: Verdict, names) -> str:
     """The verified envelope as the report gives it; names: the graph's size symbols."""
     sizes = sorted({tuple(s) for s in verdict.sizes})
-    return f"{verdict.checked} checks, sizes {describe_sizes(names, sizes)}, max err {verdict.max_error:.2g}"
+    text = f"{verdict.checked} checks, sizes {describe_sizes(names, sizes)}, max err {verdict.max_error:.2g}"
+    return f"{text} ({verdict.note})" if verdict.note else text
 
 
 def describe_sizes(names, sizes) -> str:

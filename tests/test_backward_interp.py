@@ -138,6 +138,25 @@ def test_backward_failing_its_check_runs_eager(monkeypatch):
     torch.testing.assert_close(model.scale.grad, ref_model.scale.grad)
 
 
+def test_out_of_memory_in_the_gradient_check_runs_the_backward_in_eager(monkeypatch):
+    """A backward whose check ran out of device memory is unchecked, so never used: eager autograd
+    runs it (with the reason), and the user's backward call does not raise."""
+    torch.manual_seed(0)
+    model = Mixed()
+    x = torch.randn(5, 6, requires_grad=True)
+    opt = kbench.optimize(model, (x,), backend="interp")
+
+    def oom(self, r, need, seed=0):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (test)")
+    monkeypatch.setattr(type(opt), "_check_backward", oom)
+    opt(x).sum().backward()
+    assert any("gradient check failed: out of GPU memory (CUDA out of memory" in r for r in opt._kbench_reasons), \
+        opt._kbench_reasons
+    x2 = x.detach().clone().requires_grad_(True)
+    model(x2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
 def test_double_backward_differentiates_the_gradient():
     """create_graph=True (a gradient penalty): the first backward must itself be differentiable,
     so it runs through torch; the second-order gradients match eager's."""

@@ -12,7 +12,7 @@ import torch
 
 from kbench import _C, kernels, verify
 from kbench.runtime.interp import run_region
-from kbench.tune import cache, search
+from kbench.tune import cache, sandbox, search
 
 # ---------------------------------------------------------------------------------------- graphs
 
@@ -198,8 +198,9 @@ class FakeBench:
     named. Its kernels carry their genome's text, as the search's records name them."""
 
     def __init__(self, cost, *, codegen_fail=(), compile_fail=(), slow=(), gate_fail=(), trap=(), verify_fail=(),
-                 real_partition=None, noise=0.0):
+                 real_partition=None, noise=0.0, sandbox=None):
         self.cost, self.noise = cost, noise
+        self.fates = dict(sandbox or {})      # genome -> what the sandbox answers for it (else it passes)
         self.codegen_fail, self.compile_fail, self.slow = set(codegen_fail), set(compile_fail), dict(slow)
         self.gate_fail, self.trap, self.verify_fail = set(gate_fail), set(trap), set(verify_fail)
         self.real_partition = real_partition
@@ -231,6 +232,13 @@ class FakeBench:
     def load(self, k):
         self.calls.append(("load", str(k.genome)))
         return FakeKernel(str(k.genome))
+
+    def sandbox(self, k, kernel):
+        self.calls.append(("sandbox", kernel.genome))
+        fate = self.fates.get(kernel.genome, "")
+        if isinstance(fate, BaseException):
+            raise fate
+        return fate
 
     def gate(self, kernel):
         self.calls.append(("gate", kernel.genome))
@@ -406,18 +414,75 @@ def test_failures_are_recorded_and_the_search_goes_on(ln):
     assert len(rec) == len(res.candidates)
 
 
-def test_trap_stops_the_search_and_keeps_the_default(ln):
+def test_a_trap_here_stops_the_search_and_keeps_nothing(ln):
+    # a kernel the sandbox passed traps in this process: the search stops, and nothing unverified
+    # is kept (not the default either): no winner, the context marked as possibly unusable
     g, p, r = ln
     first = texts(_C.evolve_ask(_C.evolve_new(p, r, [4096], None, 0, 12), 12))
     bench = FakeBench(ln_cost, trap={first[5]})
     res = run_search(ln, bench, budget="fast")
-    assert "ILLEGAL_ADDRESS" in res.note and "default genome is kept" in res.note
-    assert res.best_genome == res.default_genome == first[0] and str(res.best_k.genome) == first[0]
-    assert res.kernel is None and res.verdict is None
+    assert res.note.startswith("search stopped: ") and "ILLEGAL_ADDRESS" in res.note and res.poisoned
+    assert res.best_k is None and res.kernel is None and res.verdict is None and res.best_genome == ""
     rec = {c["genome"]: c for c in res.candidates}
-    assert rec[first[5]]["verify"].startswith("trap: ")
+    assert rec[first[5]]["verify"].startswith("trap: ") and rec[first[5]]["sandbox"] == "ok"
     assert all(rec[t]["verify"].startswith("search stopped") for t in first[6:])
     assert not [c for c in bench.calls if c[0] in ("gate", "verify") and c[1] in first[6:]]
+
+
+def test_the_sandbox_refuses_candidates_before_anything_runs_here(ln):
+    # a hang, a trap, an out-of-bounds write, a crashed worker: each candidate refused with its fate,
+    # never gated or timed here, and the search goes on with the others
+    g, p, r = ln
+    first = texts(_C.evolve_ask(_C.evolve_new(p, r, [4096], None, 0, 12), 12))
+    fates = {first[1]: "hang: no answer within 5 s (worker killed)", first[2]: "trap: CUDA error: unspecified launch failure",
+             first[3]: "out-of-bounds write: past the end of argument 3 (output) (size 0)",
+             first[4]: "crash: the worker died (killed by signal 11)"}
+    bench = FakeBench(ln_cost, sandbox=fates)
+    res = run_search(ln, bench, budget="fast")
+    rec = {c["genome"]: c for c in res.candidates}
+    for genome, fate in fates.items():
+        assert rec[genome]["sandbox"] == fate and rec[genome]["verify"] == f"sandbox: {fate}"
+        assert rec[genome]["time_ms"] is None
+    assert not [c for c in bench.calls if c[0] in ("gate", "time", "verify") and c[1] in fates]
+    assert all(rec[t]["sandbox"] == "ok" for t in first if t not in fates)
+    assert res.best_k is not None and res.verdict and not res.poisoned and not res.note
+    # every candidate refused: no winner, and the note says what became of them
+    res = run_search(ln, FakeBench(ln_cost, sandbox={t: "hang: no answer within 5 s (worker killed)" for t in first}),
+                     budget="fast")
+    assert res.best_k is None and not res.poisoned
+    assert res.note == ("no candidate compiled and passed the sandbox and the gate: 12 of 12 compiled, 12 refused "
+                        "by the sandbox (first: hang: no answer within 5 s (worker killed))")
+    # every finalist fails full verification: no winner either, the default not kept
+    res = run_search(ln, FakeBench(ln_cost, verify_fail=set(first)), budget="fast")
+    assert res.best_k is None and res.kernel is None and not res.poisoned
+    assert res.note == ("no candidate passed full verification (first: output 0 at sizes [7], large inputs: "
+                        "error 0.3 of the norm exceeds 0.00032)")
+
+
+def test_no_sandbox_stops_the_search(ln):
+    g, p, r = ln
+    first = texts(_C.evolve_ask(_C.evolve_new(p, r, [4096], None, 0, 12), 12))
+    bench = FakeBench(ln_cost, sandbox={first[0]: sandbox.SandboxUnavailable("the sandbox worker did not start (x)")})
+    res = run_search(ln, bench, budget="fast")
+    assert res.best_k is None and not res.poisoned
+    assert res.note == "search stopped: the sandbox worker did not start (x)"
+    assert [c[1] for c in bench.calls if c[0] == "sandbox"] == [first[0]]
+
+
+def test_out_of_memory_ends_the_search(ln):
+    g, p, r = ln
+    first = texts(_C.evolve_ask(_C.evolve_new(p, r, [4096], None, 0, 12), 12))
+
+    class Oom(FakeBench):
+        def gate(self, kernel):
+            if kernel.genome == first[3]:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().gate(kernel)
+    bench = Oom(ln_cost)
+    res = run_search(ln, bench, budget="fast")
+    assert res.best_k is None and res.note.startswith("out of GPU memory: CUDA out of memory")
+    assert [c["genome"] for c in res.candidates][:4] == first[:4]
+    assert not [c for c in bench.calls if c[0] in ("gate", "sandbox") and c[1] in first[4:]]
 
 
 def test_budget_in_seconds(ln):

@@ -131,7 +131,11 @@ class RegionBackward:
             memo_key = (plan.region_text(r), need, tuple(x.genome or x.status_text for x in prog.plan.regions))
             memo = self._kbench_grad_checks.get(memo_key)
             if memo is None:
-                why, checked = self._check_backward(r, need)
+                try:
+                    why, checked = self._check_backward(r, need)
+                except torch.cuda.OutOfMemoryError as e:   # unchecked is untrusted: the backward runs in torch
+                    torch.cuda.empty_cache()
+                    why, checked = f"out of GPU memory ({str(e).splitlines()[0][:120]})", 0
                 memo = self._kbench_grad_checks[memo_key] = (why, checked, self._kbench_unused_grads.get((r, need)))
             why, checked, unused = memo
             if not why:

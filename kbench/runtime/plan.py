@@ -247,6 +247,22 @@ class Executor:
                 inputs.append(verify.fill(t, dist, gen, high=self._index_bound(r, v, symvals)))
         return inputs
 
+    def input_roles(self, r, symvals) -> list:
+        """What region_inputs draws for each input of region r, as data (the sandbox's worker makes
+        its own): (sizes, dtype, role), role "stat" (a row statistic), "index:N" (integers below
+        N: a gather's indices, or 0 and 1) or "input" (random values)."""
+        plan = self.plan
+        out = []
+        for v in plan.regions[r].inputs:
+            dtype = torch_dtype(plan.nodes[v]["dtype"])
+            role = "input"
+            if v in plan.stat_inputs and v not in plan.output_inputs:
+                role = "stat"
+            elif not dtype.is_floating_point and dtype != torch.bool:
+                role = f"index:{max(int(self._index_bound(r, v, symvals) or 2), 1)}"
+            out.append((list(plan.graph.sizes(v, symvals)), dtype, role))
+        return out
+
     def _index_bound(self, r, v, symvals):
         """For an integer input used as a gather index: the size of the gathered axis."""
         plan = self.plan

@@ -1,7 +1,9 @@
 """The schedule search of one region (docs/DESIGN.md, "Search"): csrc/tune/evolve.c's genetic
-search asks for genomes; each is generated, compiled by NVRTC (several at once), gated on one
-shape against the float64 reference with NaN-poisoned outputs, timed (CUDA events, median, L2
-flushed between repetitions) and told. The fastest few, the default genome among them, are
+search asks for genomes; each is generated, compiled by NVRTC (several at once), run first in the
+sandbox's worker process at every size its verification uses (sandbox.py: a hang, a trap or an
+out-of-bounds write refuses it there, never here), gated on one shape against the float64
+reference with NaN-poisoned outputs, timed (CUDA events, median, L2 flushed between repetitions)
+and told. The fastest few, the default genome among them, are
 re-timed interleaved (A B C A B C) and the winner goes through full verification. Every
 candidate is recorded.
 
@@ -52,6 +54,7 @@ import torch
 
 from .. import _C, verify
 from ..runtime import nvrtc
+from . import sandbox
 
 log = logging.getLogger("kbench")
 
@@ -106,6 +109,11 @@ def is_fatal(exc: BaseException) -> bool:
     return any(s in text for s in _STICKY)
 
 
+def is_oom(exc: BaseException) -> bool:
+    """Did the device run out of memory (torch's allocator, or the driver's CUDA_ERROR_OUT_OF_MEMORY)?"""
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
 @dataclass
 class SearchResult:
     best_k: object | None            # the winner's _C.KernelInfo (generate()); None when nothing verified
@@ -118,7 +126,8 @@ class SearchResult:
     generations: int = 0
     kernel: object = None            # the winner as loaded by the bench (the executor's Kernel)
     verdict: object = None           # the winner's full verification
-    note: str = ""                   # why the search stopped early or fell back to the default
+    note: str = ""                   # why there is no winner, where there is none
+    poisoned: bool = False           # a kernel trapped or hung in this process: its CUDA context may be unusable
 
 
 def _first_lines(text: str, n: int = 2) -> str:
@@ -180,8 +189,9 @@ class CudaRegionBench:
     Built inside the executor's device context; the gate's inputs and float64 reference are
     computed once and shared by every candidate."""
 
-    def __init__(self, executor, r: int, symvals, verifier=verify.verify_region):
+    def __init__(self, executor, r: int, symvals, verifier=verify.verify_region, sizes=None):
         self.torch, self.verify_mod, self.verifier = torch, verify, verifier
+        self.sizes = sizes       # where the sandbox runs each candidate: verification's points (plan_points)
         plan = getattr(executor, "plan", None)
         self.precision = plan.precision(r) if hasattr(plan, "precision") else None
         self.ex, self.r, self.symvals = executor, r, list(symvals)
@@ -270,6 +280,16 @@ class CudaRegionBench:
 
     def load(self, k):
         return self.ex.load(k)   # a cache hit after compile()
+
+    def sandbox(self, k, kernel) -> str:
+        """The candidate's first launches, in the sandbox's worker process at every size its
+        verification uses (kbench/tune/sandbox.py): "" where it passed, else its fate. On a CPU
+        stand-in executor (tests) there is no GPU to protect and nothing runs there."""
+        if not self.cuda:
+            return ""
+        if self.sizes is None:
+            self.sizes = verify.plan_points(self.ex, self.r, self.symvals)[0] or [self.symvals]
+        return sandbox.check(self.ex, self.r, k, kernel, nvrtc.compile(k.source, self.ex.arch), self.sizes)
 
     def _launch(self, kernel, poison=False, buffers=None):
         ins, outs = buffers[:2] if buffers else (self.inputs, None)
@@ -361,7 +381,8 @@ class _Search:
         self.ks: dict = {}                    # genome text -> generated kernel (_C.KernelInfo)
         self.kernels: dict[str, object] = {}  # genome text -> loaded kernel (timed successfully)
         self.default_genome = ""
-        self.fatal = ""
+        self.fatal = ""                       # why the search stopped before its budget
+        self.poisoned = False                 # ... where that was a trap or hang in this process
         self.counted = 0
         self.asked = 0
         self.generations = 0
@@ -452,8 +473,9 @@ class _Search:
                 continue
             self.evaluate(rec, k, fut, started, i)
         for rec, same in dups:
-            for f in ("compile_status", "compile_log", "regs", "spills", "time_ms", "verify"):
-                rec[f] = same[f]
+            for f in ("compile_status", "compile_log", "regs", "spills", "time_ms", "verify", "sandbox"):
+                if f in same:
+                    rec[f] = same[f]
             rec["same_kernel_as"] = same["genome"]
             if same.get("_ok"):
                 self.kernels[rec["genome"]] = self.kernels[same["genome"]]
@@ -490,11 +512,29 @@ class _Search:
         try:
             kernel = bench.load(k)
         except Exception as e:
+            if is_oom(e):
+                raise
             if is_fatal(e):
-                self.fatal = _first_lines(e, 1)
+                self.fatal, self.poisoned = _first_lines(e, 1), True
             self.fail(rec, "load error", str(e))
             return
         rec["regs"], rec["spills"] = getattr(kernel, "regs", None), getattr(kernel, "spills", None)
+        # nothing launches here before the sandbox's worker has run it (a trap there costs that process)
+        try:
+            fate = bench.sandbox(k, kernel)
+        except sandbox.SandboxUnavailable as e:   # nothing can be checked: no candidate can be run
+            self.fatal = _first_lines(e, 1)
+            self.fail(rec, verify=f"sandbox: {self.fatal}")
+            rec["sandbox"] = "unavailable"
+            return
+        except Exception as e:
+            if is_oom(e):
+                raise
+            fate = f"could not be run there: {_first_lines(e, 1)}"
+        rec["sandbox"] = fate or "ok"
+        if fate:
+            self.fail(rec, verify=f"sandbox: {fate}")
+            return
         try:
             why = bench.gate(kernel)
             if why:
@@ -502,8 +542,10 @@ class _Search:
                 return
             times = bench.time(kernel, self.b.reps)
         except Exception as e:
+            if is_oom(e):
+                raise
             if is_fatal(e):
-                self.fatal = _first_lines(e, 1)
+                self.fatal, self.poisoned = _first_lines(e, 1), True
                 self.fail(rec, verify=f"trap: {_first_lines(e, 1)}")
             else:
                 self.fail(rec, verify=f"launch failed: {_first_lines(e, 1)}")
@@ -571,7 +613,7 @@ class _Search:
             try:
                 out.append(self.bench.load(self.ks[g]))
             except Exception as e:
-                if is_fatal(e):
+                if is_fatal(e) or is_oom(e):
                     raise
                 log.debug("kbench: another load of %s failed: %s", g, _first_lines(e, 1))
                 break
@@ -619,15 +661,16 @@ class _Search:
         return first + sorted((g for g in names if g not in first), key=lambda g: (final[g], asked[g]))
 
     def finish(self) -> SearchResult:
+        """The winner: the first finalist, in order(), that passes full verification. Nothing
+        unverified is ever kept: a search that stopped (a trap or hang here, no sandbox) or where
+        nothing verified has no winner, and the note says why (the region runs in torch)."""
         res = SearchResult(None, None, None, self.records, 0.0, default_genome=self.default_genome,
                            generations=self.generations)
         d = self.by_genome.get(self.default_genome)
         res.default_ms = d["time_ms"] if d else None
         if self.fatal:
-            res.note = (f"search stopped ({self.fatal}); the CUDA context may be unusable: the default genome "
-                        "is kept, unverified")
-            res.best_genome = self.default_genome
-            res.best_k = self.ks.get(self.default_genome)
+            res.poisoned = self.poisoned
+            res.note = f"search stopped: {self.fatal}" + ("; the CUDA context may be unusable" if self.poisoned else "")
             return self._done(res)
         names = self.finalists()
         try:
@@ -635,7 +678,7 @@ class _Search:
         except Exception as e:
             if not is_fatal(e):
                 raise
-            self.fatal = _first_lines(e, 1)
+            self.fatal, self.poisoned = _first_lines(e, 1), True
             return self.finish()
         stand = self.standings(names, samples)[0]
         final = {g: statistics.median(list(samples[g].values())) if samples[g] else self.by_genome[g]["time_ms"]
@@ -650,10 +693,12 @@ class _Search:
             try:
                 verdict = self.bench.verify(self.kernels[g])
             except Exception as e:
+                if is_oom(e):
+                    raise
                 if not is_fatal(e):
                     rec["verify"] = f"full: raised {_first_lines(e, 1)}"
                     continue
-                self.fatal = _first_lines(e, 1)
+                self.fatal, self.poisoned = _first_lines(e, 1), True
                 rec["verify"] = f"trap: {self.fatal}"
                 return self.finish()
             if not verdict:
@@ -664,8 +709,25 @@ class _Search:
             res.kernel, res.verdict = self.kernels[g], verdict
             break
         else:
-            res.note = "no candidate passed full verification" if names else "no candidate compiled and passed the gate"
+            res.note = self.why_none(names)
         return self._done(res)
+
+    def why_none(self, names) -> str:
+        """One line on why no candidate won: verification refused the finalists, or none got that
+        far (what became of the candidates, the sandbox's first refusal among them)."""
+        if names:
+            first = next((self.by_genome[g]["verify"] for g in names if self.by_genome[g]["verify"].startswith("full:")),
+                         "")
+            return f"no candidate passed full verification (first: {first.removeprefix('full: ')})"
+        refused = [rec for rec in self.records if rec.get("sandbox") not in (None, "ok")]
+        gated = [rec for rec in self.records if rec["verify"].startswith("gate:")]
+        built = [rec for rec in self.records if rec["compile_status"] == "ok"]
+        parts = [f"{len(built)} of {len(self.records)} compiled"]
+        if refused:
+            parts.append(f"{len(refused)} refused by the sandbox (first: {refused[0]['sandbox']})")
+        if gated:
+            parts.append(f"{len(gated)} failed the gate (first: {gated[0]['verify'][6:]})")
+        return "no candidate compiled and passed the sandbox and the gate: " + ", ".join(parts)
 
     def _done(self, res: SearchResult) -> SearchResult:
         for rec in self.records:
@@ -675,23 +737,38 @@ class _Search:
 
 
 def search_region(executor, r: int, example_symvals, *, budget="default", seed: int = 0, progress=None,
-                  bench=None, verifier=verify.verify_region) -> SearchResult:
+                  bench=None, verifier=verify.verify_region, sizes=None) -> SearchResult:
     """Search region r's schedule on the executor's GPU at the example sizes.
 
     budget: "fast" | "default" | "max" or a Budget. progress: optional callable (region,
     generation, best_ms) after each generation. bench: the device side (CudaRegionBench by
     default; tests pass a fake); verifier(executor, r, kernel, symvals) -> verify.Verdict, the
-    winner's full check. The default genome is always a candidate and stays unless a
+    winner's full check; sizes: the sizes it checks at, where the sandbox runs each candidate
+    (verify.plan_points' by default). The default genome is always a candidate and stays unless a
     verified candidate beats it by more than KEEP_DEFAULT; result.best_k is None when nothing
-    verified, and result.note says so (or why the search stopped)."""
+    verified, and result.note says why (result.poisoned: a trap or hang in this process). The
+    device running out of memory ends the search the same way."""
     b = BUDGETS.get(budget) if isinstance(budget, str) else budget
     if not isinstance(b, Budget):
         raise ValueError(f"budget must be one of {sorted(BUDGETS)} or a Budget, got {budget!r}")
-    if bench is None:
-        bench = CudaRegionBench(executor, r, example_symvals, verifier)
-    s = _Search(executor, r, example_symvals, b, seed, progress, bench)
-    s.run()
-    res = s.finish()
+    s = None
+    try:
+        if bench is None:
+            bench = CudaRegionBench(executor, r, example_symvals, verifier, sizes)
+        s = _Search(executor, r, example_symvals, b, seed, progress, bench)
+        s.run()
+        res = s.finish()
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()   # what the search held goes back before the region runs in torch
+        res = SearchResult(None, None, None, s.records if s else [], note=f"out of GPU memory: {_first_lines(e, 1)}")
+        if s is not None:
+            for rec in s.records:
+                if not rec["verify"] and rec["compile_status"] in (None, "ok"):
+                    rec["verify"] = "search stopped: out of GPU memory"
+            s._done(res)
     if res.best_k is not None and not res.note:
         log.debug("kbench: region %d searched %d candidates in %.1f s: %s (%.4g ms; default %.4g ms)", r,
                   len(res.candidates), res.seconds, res.best_genome, res.best_ms or 0, res.default_ms or 0)

@@ -1,6 +1,7 @@
 """The tuner: prepares each compute region of a CUDA executor — the kernel cache's winner (loaded
-from its CUBIN, gated once), else the search's (budget fast/default/max), else the default
-genome — each verified (kbench/verify.py) before the runtime may launch it; and times each
+from its CUBIN, gated once), else the search's (budget fast/default/max), else (budget none) the
+default genome — each run first in the sandbox (sandbox.py) and verified (kbench/verify.py) before
+the runtime may launch it; a region left without one runs in torch with the reason; and times each
 region against what eager runs for its ops (their ATen calls, runtime/eager.py), for the report
 and for the verdict: a region whose kernel does not beat that goes back to torch (status eager),
 and optimize() keeps its ops in torch as those calls. One tuner serves an optimized module's
@@ -9,6 +10,7 @@ every round of optimize()'s demotion, so identical regions (a repeated block) ar
 compiled and timed once."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -20,7 +22,7 @@ from .. import _C, verify
 from ..runtime import nvrtc, torch_eval
 from ..runtime.cuda import event_ms
 from ..runtime.plan import Status
-from . import cache, search, timing
+from . import cache, sandbox, search, timing
 
 log = logging.getLogger("kbench")
 
@@ -111,6 +113,8 @@ class Tuner:
         self.by_source: dict = {}   # cache key -> prepared kernel: identical regions tuned once
         self.times: dict = {}       # (cache key, eager signature) -> (eager ms, kernel ms)
         self.demote = True          # verdicts may send a working kernel's region back to torch
+        self.poisoned = ""          # why this process's CUDA context may be unusable (nothing more is tried)
+        self.sizes: dict = {}       # cache key -> the sizes its checks and timings ran at (points())
         self._db = None
 
     def prepare(self, ex) -> None:
@@ -128,16 +132,53 @@ class Tuner:
     def envelope(self, ex, verdict) -> str:
         return verify.envelope(verdict, [s[0] for s in ex.plan.graph.symbols])
 
+    def points(self, ex, r, example_symvals):
+        """(points, note): the sizes region r is checked at, those that fit the free device memory
+        (verify.plan_points); the first stands for the example (note: where it is smaller)."""
+        return verify.plan_points(ex, r, example_symvals)
+
     def prepare_region(self, ex, info, example_symvals):
         """Pick region r's kernel: the cache's winner, else the search's (budget fast/default/max),
-        else the default genome — each verified before the runtime trusts it."""
+        else (budget none) the default genome — each verified before the runtime trusts it. A
+        region without one runs in torch with the reason; the device running out of memory on the
+        way is such a reason, never an error out of optimize(), and so is a trap or hang here
+        (after which nothing more is launched: self.poisoned)."""
         r = info.index
+        if self.poisoned:   # a trap or hang earlier: nothing is launched here any more
+            ex.kernels.pop(r, None)
+            info.set_status(Status.EAGER, f"not tried: {self.poisoned}")
+            return
         key = self.cache_key(ex, r)
+        try:
+            self._prepare(ex, info, key, example_symvals)
+        except RuntimeError as e:
+            line = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            if search.is_oom(e):
+                torch.cuda.empty_cache()
+                why = f"out of GPU memory while it was searched, verified or timed ({line})"
+            elif search.is_fatal(e):   # a kernel the sandbox passed trapped or hung here after all
+                self.poisoned = f"region {r}: {line}"
+                why = f"trap: {line}; the CUDA context may be unusable"
+            else:
+                raise
+            ex.kernels.pop(r, None)
+            info.set_status(Status.EAGER, why)
+            info.envelope = ""
+            self.by_source[key] = (None, (Status.EAGER, why), "", {}, r)
+
+    def _prepare(self, ex, info, key, example_symvals):
+        r = info.index
         sig = eager_signature(info)
         memo = self.by_source.get(key)
         tuned_here = memo is None
         if tuned_here:                         # identical regions (a repeated block) are tuned once
-            memo = self.cached(ex, r, key, example_symvals, sig) or self.tune(ex, r, key, example_symvals, info)
+            points, note = self.points(ex, r, example_symvals)
+            self.sizes[key] = sizes = points[0] if points else list(example_symvals)
+            if not points:
+                memo = None, (Status.EAGER, f"not verified: {note}"), "", {}
+            else:
+                memo = self.cached(ex, r, key, sizes, sig) or self.tune(ex, r, key, example_symvals, info,
+                                                                        points=(points, note))
             self.by_source[key] = memo + (r,)
             kernel, status, envelope, extra = memo
             info.extra.update(extra)
@@ -148,16 +189,17 @@ class Tuner:
         info.envelope = envelope
         if kernel is None:
             return
+        sizes = self.sizes.get(key, list(example_symvals))
         info.genome = str(kernel.genome)   # the canonical text: the report's and the plan's name for it
         info.extra.update(regs=kernel.regs, spills=kernel.spills)
         ex.kernels[r] = kernel
         if tuned_here and kernel.fn_nostats is not None:   # once per kernel: identical regions share it
-            self.choose_inference_entry(ex, r, kernel, example_symvals, info)
+            self.choose_inference_entry(ex, r, kernel, sizes, info)
         # identical regions (same key: same ops, dtypes and sizes; the same ATen calls in eager)
         # time the same: measure once; a cache hit brings the times measured when the kernel was
         # tuned (cached() fills them in)
         if (key, sig) not in self.times:
-            self.times[(key, sig)] = self.time_region(ex, r, example_symvals)
+            self.times[(key, sig)] = self.time_region(ex, r, sizes)
             if self.budget != "none":   # with the stored winner, so that a later hit need not time
                 try:
                     self.store().set_times(key, *self.times[(key, sig)], eager_sig=sig or None)
@@ -230,34 +272,57 @@ class Tuner:
             extra["times"] = "from cache"
         return kernel, (Status.CACHED, ""), w.envelope, extra
 
-    def tune(self, ex, r, key, example_symvals, info):
-        k = None
+    def tune(self, ex, r, key, example_symvals, info, points=None):
+        """(kernel or None, (Status, reason), envelope, extra): the search's verified winner (budget
+        fast/default/max), or the default genome built and verified (budget none). A search without
+        a verified winner leaves the region to torch with its reason: nothing is built after it
+        (after a trap or hang here, nothing is launched again: self.poisoned). points: the points()
+        to check at."""
+        points, note = points if points is not None else self.points(ex, r, example_symvals)
         extra = {"cache": "miss" if self.budget != "none" else "off"}
+        if not points:
+            return None, (Status.EAGER, f"not verified: {note}"), "", extra
+        sizes = points[0]
         if self.budget != "none":
             progress = self.progress(info)
             try:
-                res = search.search_region(ex, r, example_symvals, budget=self.budget, seed=self.seed,
-                                           progress=progress)
+                res = search.search_region(ex, r, sizes, budget=self.budget, seed=self.seed, progress=progress,
+                                           verifier=functools.partial(verify.verify_region, points=points, note=note),
+                                           sizes=points)
             finally:
                 if progress is not None:
                     progress.close()
             extra.update(search_s=round(res.seconds, 2), candidates=len(res.candidates),
                          default_ms=res.default_ms, best_ms=res.best_ms, search_note=res.note)
-            if res.kernel is not None and res.verdict and not verify.gate_nostats(ex, r, res.kernel, example_symvals):
-                kernel = res.kernel
-                envelope = self.envelope(ex, res.verdict)
-                self.remember(ex, key, res.best_k, kernel, envelope, res)
-                return kernel, (Status.KERNEL, ""), envelope, extra
-            k = res.best_k  # the default genome's kernel, when the search could not do better
-        if k is None:
-            try:
-                k = _C.generate(ex.plan.partition, r, ex.sm, None, ex.dev)
-            except (NotImplementedError, ValueError) as e:
-                return None, (Status.EAGER, f"no kernel: {str(e).splitlines()[0]}"), "", extra
-        kernel, status, envelope = self.build(ex, k, r, example_symvals)
-        if kernel is not None and self.budget != "none":
-            self.remember(ex, key, k, kernel, envelope, None)
+            if res.poisoned:
+                self.poisoned = f"region {r}'s search: {res.note}"
+            if res.kernel is not None and res.verdict:
+                why = verify.gate_nostats(ex, r, res.kernel, sizes)
+                if not why:
+                    kernel = res.kernel
+                    envelope = self.envelope(ex, res.verdict)
+                    self.remember(ex, key, res.best_k, kernel, envelope, res)
+                    return kernel, (Status.KERNEL, ""), envelope, extra
+                reason = f"verification failed without saved statistics: {why}"
+            else:
+                reason = res.note or "no verified kernel"
+            self.record(key, res)
+            return None, (Status.EAGER, reason.splitlines()[0][:240]), "", extra
+        try:
+            k = _C.generate(ex.plan.partition, r, ex.sm, None, ex.dev)
+        except (NotImplementedError, ValueError) as e:
+            return None, (Status.EAGER, f"no kernel: {str(e).splitlines()[0]}"), "", extra
+        kernel, status, envelope = self.build(ex, k, r, points, note)
         return kernel, status, envelope, extra
+
+    def record(self, key, res) -> None:
+        """The search's record of candidates (each one's fate), kept where no winner is stored."""
+        if not res.candidates:
+            return
+        try:
+            self.store().record(key, res.candidates)
+        except Exception as e:  # noqa: BLE001 - only the record is not persisted
+            log.warning("kbench: could not record the search's candidates in the cache: %s", e)
 
     def remember(self, ex, key, k, kernel, envelope, res):
         """Store k (a _C.KernelInfo), the region's verified kernel, as the key's winner, with the
@@ -332,8 +397,9 @@ class Tuner:
             kernel.fn_nostats = None   # the launcher then writes them into scratch buffers of its own
             info.extra["inference_entry"] += ": the one with statistics runs"
 
-    def build(self, ex, k, r, example_symvals):
-        """(kernel or None, (Status, reason), envelope): load, then verify before anything trusts it."""
+    def build(self, ex, k, r, points, note=""):
+        """(kernel or None, (Status, reason), envelope): load, run in the sandbox at every point,
+        then verify before anything trusts it."""
         try:
             kernel = ex.load(k)
         except _C.CompileError as e:
@@ -341,10 +407,23 @@ class Tuner:
         if not self.verify_kernels:
             return kernel, (Status.UNVERIFIED, ""), "unverified"
         try:
-            verdict = verify.verify_region(ex, r, kernel, example_symvals)
-            why = verify.gate_nostats(ex, r, kernel, example_symvals) if verdict else ""
-        except _C.CudaError as e:  # a launch the driver refuses (resources): this region stays eager
-            return None, (Status.EAGER, f"launch failed: {str(e).splitlines()[0][:120]}"), ""
+            fate = sandbox.check(ex, r, k, kernel, nvrtc.compile(k.source, ex.arch), points)
+        except sandbox.SandboxUnavailable as e:
+            fate = str(e)
+        if fate:   # never launched here
+            return None, (Status.EAGER, f"refused by the sandbox: {fate.splitlines()[0][:200]}"), ""
+        try:
+            verdict = verify.verify_region(ex, r, kernel, points[0], points=points, note=note)
+            why = verify.gate_nostats(ex, r, kernel, points[0]) if verdict else ""
+        except Exception as e:
+            if search.is_oom(e):
+                raise
+            if search.is_fatal(e):   # the sandbox passed it, yet it trapped here: nothing more is launched
+                self.poisoned = f"region {r}'s kernel: {str(e).splitlines()[0][:160]}"
+                return None, (Status.EAGER, f"trap: {str(e).splitlines()[0][:160]}"), ""
+            if isinstance(e, _C.CudaError):   # a launch the driver refuses (resources): this region stays eager
+                return None, (Status.EAGER, f"launch failed: {str(e).splitlines()[0][:120]}"), ""
+            raise
         if not verdict:
             return None, (Status.EAGER, f"verification failed: {verdict.reason}"), ""
         if why:
