@@ -279,7 +279,7 @@ static void build_domains(kb_evolve *ev) {
     /* row_split where rows are few next to the SMs (and long enough for parts): up to about 16
        blocks an SM in all */
     dom_add(ev, G_ROW_SPLIT, 1);
-    if (f->kind == KB_REGION_ROW && f->splittable && f->kept < 2 * (int64_t)f->num_sms)
+    if (f->kind == KB_REGION_ROW && f->splittable && f->kept > 0 && f->kept < 2 * (int64_t)f->num_sms)
         for (int s = 2; s <= KB_ROW_SPLIT_MAX && cdiv(f->red, s) >= KB_ROW_PART_MIN && (int64_t)s * f->kept <= 16 * (int64_t)f->num_sms;
              s *= 2)
             dom_add(ev, G_ROW_SPLIT, s);

@@ -112,12 +112,9 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
            SM in all but no part under KB_ROW_PART_DEFAULT elements, so the whole GPU reduces and
            writes (one block per row leaves most SMs idle: 8 rows of 1M elements are 8 blocks).
            The rest of the schedule is chosen for one block's part as if it were the row. */
-        int64_t split = 1;
-        if (f.splittable && f.kept < 2 * (int64_t)num_sms) {
-            split = (4 * (int64_t)num_sms + f.kept - 1) / f.kept;
-            split = clamp64(split, 1, f.red / KB_ROW_PART_DEFAULT);
-            split = clamp64(split, 1, KB_ROW_SPLIT_MAX);
-        }
+        int64_t split = 1, most = clamp64(f.red / KB_ROW_PART_DEFAULT, 1, KB_ROW_SPLIT_MAX);
+        if (f.splittable && f.kept > 0 && f.kept < 2 * (int64_t)num_sms && most > 1)
+            split = clamp64((4 * (int64_t)num_sms + f.kept - 1) / f.kept, 1, most);
         gn.row_split = (int32_t)split;
         f.red = (f.red + split - 1) / split;
         gn.vec = pick_vec(&f, 1);
