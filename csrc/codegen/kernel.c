@@ -705,7 +705,14 @@ static void split_merge(cg *c, int np) {
 }
 
 void cg_emit_row_split_finish(cg *c) {
-    int np = split_slot(c, -1), cache = c->gn.cache;
+    int np = split_slot(c, -1), cache = c->gn.cache, nout = 0;
+    int32_t *outs = kb_malloc(c->ctx, sizeof(int32_t) * (size_t)(c->rg->noutputs ? c->rg->noutputs : 1));
+    if (!outs) {
+        if (c->st == KB_OK) c->st = KB_FAIL(c->ctx, KB_ERR_OOM, "out of memory");
+        return;
+    }
+    for (int32_t j = 0; j < c->rg->noutputs; j++) /* what reads a statistic: all but the first pass's */
+        if (cg_out_full(c, c->rg->outputs[j]) && cg_pass_of_output(c, c->rg->outputs[j]) > 0) outs[nout++] = c->rg->outputs[j];
     /* the part is read again from memory: no row cache, nothing kept from the main kernel */
     c->gn.cache = KB_CACHE_REREAD;
     memset(c->cached, 0, (size_t)(c->n ? c->n : 1));
@@ -727,16 +734,6 @@ void cg_emit_row_split_finish(cg *c) {
         cg_bind_stat(c, v);
     }
     cg_eager_stats(c, c->npasses);
-    int32_t *outs = kb_malloc(c->ctx, sizeof(int32_t) * (size_t)(c->rg->noutputs ? c->rg->noutputs : 1));
-    if (!outs) {
-        if (c->st == KB_OK) c->st = KB_FAIL(c->ctx, KB_ERR_OOM, "out of memory");
-        return;
-    }
-    int nout = 0;
-    for (int32_t j = 0; j < c->rg->noutputs; j++) {
-        int32_t v = c->rg->outputs[j];
-        if (cg_out_full(c, v) && cg_pass_of_output(c, v) > 0) outs[nout++] = v;
-    }
     if (nout) {
         kb_sb_printf(c->out, "\n");
         cg_line(c, "// the outputs over this block's part of the row:");
@@ -747,7 +744,7 @@ void cg_emit_row_split_finish(cg *c) {
     }
     kb_free(c->ctx, outs, sizeof(int32_t) * (size_t)(c->rg->noutputs ? c->rg->noutputs : 1));
     cg_stat_outputs(c);
-    cg_line(c, "%s;  // kb_rs holds the next unit's row next", c->rd->barrier);
+    cg_line(c, "%s;  // before kb_rs takes the next unit's row", c->rd->barrier);
     split_loop_close(c);
     c->gn.cache = cache;
 }

@@ -64,13 +64,16 @@ class Split:
 
 
 def inputs_of(g, p, r, symvals, gen):
-    """The region's inputs: rows of mean 3 and spread 2 (a variance from a difference of large
-    sums would show), parameters about 1."""
+    """The region's inputs: rows of spread 2 about a ramp from 1 to 5 along the row (a variance
+    from a difference of large sums, or parts merged as if their means were the row's, would
+    show), parameters about 1."""
     out = []
     for v in p.region(r)["inputs"]:
         nd = g.node(v)
         x = torch.randn(g.sizes(v, symvals), generator=gen, dtype=torch.float64)
-        out.append((x * 2 + 3 if nd["input_kind"] == "user" else x).to(DT[nd["dtype"]]))
+        if nd["input_kind"] == "user":
+            x = x * 2 + torch.linspace(1.0, 5.0, x.shape[-1], dtype=torch.float64)
+        out.append(x.to(DT[nd["dtype"]]))
     return out
 
 
