@@ -19,7 +19,7 @@ from kbench.tune.tuner import stored_kernel, stored_launch
 
 import test_codegen as tc
 
-GENES = ("threads", "vec", "rows", "items", "cache", "two_pass", "fast_math", "persistent", "col_split")
+GENES = ("threads", "vec", "rows", "items", "cache", "two_pass", "fast_math", "persistent", "col_split", "row_split")
 FLOAT = ("f32", "bf16", "f16", "f64")
 
 
@@ -50,18 +50,25 @@ def task_partitions():
                 yield f"{name}/{dtype}/backward of {r}", bg.partition(), symvals
 
 
+def canonical_text(g):
+    """Each gene as its attribute says, in the order of the C struct; row_split only where it is
+    not 1 (a genome without a split keeps the text it had before the gene)."""
+    return " ".join(f"{gene}={getattr(g, gene)}" for gene in GENES if gene != "row_split" or g.row_split != 1)
+
+
 def test_every_default_genome_of_every_task_round_trips_through_its_text():
-    """str(g) is the canonical text (each gene as its attribute says, in the order of the C
-    struct); Genome.parse gives back an equal genome with the same hash and the same text; repr
-    evaluates to it; generate() of the default genome carries it."""
-    n, kinds = 0, set()
+    """str(g) is the canonical text (canonical_text); Genome.parse gives back an equal genome with
+    the same hash and the same text; repr evaluates to it; generate() of the default genome carries
+    it."""
+    n, kinds, split = 0, set(), 0
     for label, p, symvals in task_partitions():
         for r in range(len(p)):
             if p.region(r)["kind"] == "EXTERN":
                 continue
             g = _C.genome_default(p, r, symvals)
             text = str(g)
-            assert text == " ".join(f"{gene}={getattr(g, gene)}" for gene in GENES), (label, r, text)
+            split += g.row_split > 1
+            assert text == canonical_text(g), (label, r, text)
             back = _C.Genome.parse(text)
             assert back == g and hash(back) == hash(g) and str(back) == text, (label, r, text)
             assert eval(repr(g), {"Genome": _C.Genome}) == g
@@ -70,6 +77,7 @@ def test_every_default_genome_of_every_task_round_trips_through_its_text():
             kinds.add(p.region(r)["kind"])
             n += 1
     assert n > 100 and kinds == {"POINTWISE", "ROW"}, (n, kinds)
+    assert split > 0, "no task's default splits a row (cross_entropy_32k's 4 rows of 32000 did)"
 
 
 def test_genome_equality_hash_and_immutability():
@@ -81,7 +89,7 @@ def test_genome_equality_hash_and_immutability():
     assert g == base.replace(threads=128, vec=4, cache="smem", persistent=1) and g != base
     assert g.replace() == g and g.replace(vec=2) != g and g.vec == 4      # replace makes a new one
     for gene, value in (("threads", 64), ("vec", 2), ("rows", 4), ("items", 2), ("cache", "reread"),
-                        ("two_pass", 0), ("fast_math", 1), ("persistent", 0), ("col_split", 8)):
+                        ("two_pass", 0), ("fast_math", 1), ("persistent", 0), ("col_split", 8), ("row_split", 3)):
         other = g.replace(**{gene: value})
         assert other != g and getattr(other, gene) == value, gene      # every gene takes part in ==
     # hashed by value: equal genomes are one key; the text is another key
@@ -96,6 +104,25 @@ def test_genome_equality_hash_and_immutability():
     with pytest.raises(AttributeError):
         g.extra = 1
     assert pickle.loads(pickle.dumps(g)) == g and copy.deepcopy(g) == g and copy.copy(g) == g
+
+
+def test_row_split_text_round_trips_and_old_texts_still_parse():
+    """row_split is appended last, and only where it is not 1: a text written before the gene
+    (every cached winner's) parses with row_split=1 and prints as it was; a split prints and
+    parses back; "row_split=1" given explicitly is the same genome as the old text."""
+    old = "threads=512 vec=4 rows=1 items=4 cache=reread two_pass=0 fast_math=0 persistent=0 col_split=1"
+    g = _C.Genome.parse(old)
+    assert g.row_split == 1 and str(g) == old and g == _C.Genome.parse(old + " row_split=1")
+    split = g.replace(row_split=66)
+    assert str(split) == old + " row_split=66" and split != g
+    back = _C.Genome.parse(str(split))
+    assert back == split and hash(back) == hash(split) and back.row_split == 66
+    assert eval(repr(split), {"Genome": _C.Genome}) == split and "row_split=66" in repr(split)
+    assert pickle.loads(pickle.dumps(split)) == split
+    assert _C.Genome(row_split=4096).row_split == 4096
+    for bad in ("row_split=0", "row_split=4097", "row_split=x"):
+        with pytest.raises(ValueError, match="row_split"):
+            _C.Genome.parse(bad)
 
 
 @pytest.mark.parametrize("text,message", [

@@ -226,7 +226,10 @@ void cg_stat_outputs(cg *c) {
     idx x;
     char val[EXPR_LEN], st[EXPR_LEN * 2];
     kb_sb_puts(c->out, c->dry ? "" : "\n");
-    if (c->rg->kind == KB_REGION_ROW) {
+    if (c->rg->kind == KB_REGION_ROW && c->split > 1) { /* every part's block has them: the first writes */
+        cg_line(c, "// per-row outputs, by the row's first part");
+        cg_line(c, "if (lane == 0 && part == 0) {");
+    } else if (c->rg->kind == KB_REGION_ROW) {
         cg_line(c, "// per-row outputs");
         cg_line(c, "if (lane == 0 && row < O) {");
     } else {

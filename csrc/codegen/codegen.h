@@ -105,6 +105,10 @@ typedef struct cg {
     uint8_t *written;   /* per value: the kernel's text stores it (an output with none fails) */
     /* passes and the row cache */
     int npasses, pass, maxred, nred_total, col_split;
+    /* ROW with row_split > 1: blocks per row (1: none). The main kernel reduces one part of a row
+     * per block to partials (kernel.c's emit_row_split_body), the finishing kernel merges a row's
+     * partials and writes its outputs, each block its part (cg_emit_row_split_finish) */
+    int split;
     int G, U;
     int dry;
     uint32_t *uses;     /* per value: passes that evaluate it at the canonical element */
@@ -246,6 +250,12 @@ int cg_pass_of_output(const cg *c, int32_t v);
 void cg_emit_body(cg *c);
 /* the finishing kernel's body of a COL region with col_split > 1 */
 void cg_emit_col_finish(cg *c);
+/* row_split > 1: the mean m whose squares about it reduction v sums (v = sum or mean of
+ * (y - m)^2 with m = mean(y) of the first pass), which a split row merges with Chan's formula;
+ * -1 for any other v */
+int32_t cg_split_center(const cg *c, int32_t v);
+/* the finishing kernel's body of a ROW region with row_split > 1 */
+void cg_emit_row_split_finish(cg *c);
 
 /* ================================ layer 5: source (generate.c, params.c, preamble.c) */
 

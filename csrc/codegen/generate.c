@@ -46,9 +46,9 @@ static kb_status cg_grid_units(cg *c, kb_dim *units, int64_t *per_block) {
     case KB_REGION_POINTWISE:
         *per_block = (int64_t)c->gn.threads * c->gn.vec * c->gn.items;
         return dims_product(c, all, 1, units);
-    case KB_REGION_ROW:
+    case KB_REGION_ROW: /* a split row: (row, part) units, a block each */
         *per_block = c->gn.rows;
-        return dims_product(c, all & ~c->red, 1, units);
+        return dims_product(c, all & ~c->red, c->split, units);
     default:
         *per_block = (int64_t)c->gn.threads * c->gn.vec;
         return dims_product(c, all & ~c->red, c->col_split, units);
@@ -154,9 +154,14 @@ static kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genom
     static const char *const kinds[] = {"pointwise", "row", "col", "extern"};
     snprintf(c->name, sizeof c->name, "kb_r%d_%s", (int)r, kinds[c->rg->kind]);
     c->col_split = c->rg->kind == KB_REGION_COL ? gn->col_split : 1;
+    c->split = c->rg->kind == KB_REGION_ROW && gn->row_split > 1 ? gn->row_split : 1;
     c->G = c->rg->kind == KB_REGION_ROW ? gn->threads / (gn->rows > 0 ? gn->rows : 1) : gn->threads;
     if (c->G < 1) c->G = 1;
     c->vec = gn->vec;
+    if (c->split > 1) { /* a block holds one part of the row (kernel.c's span) */
+        int64_t v = c->vec > 0 ? c->vec : 1;
+        R = ((R + c->split - 1) / c->split + v - 1) / v * v;
+    }
     int64_t per = (int64_t)c->G * (c->vec > 0 ? c->vec : 1), U = R / per + (R % per != 0);
     /* a row's share per thread is a loop bound and the size of register arrays: bounded, so
        no count made from it overflows an int */
@@ -273,6 +278,25 @@ static kb_status check_genome(cg *c) {
     } else if (gn->rows != 1) {
         return KB_FAIL(ctx, KB_ERR_INVALID, "genome: rows=%d applies to ROW regions only", gn->rows);
     }
+    const kb_gene *rs = &kb_genome_genes()[KB_NGENES - 1]; /* row_split, the last gene */
+    if (gn->row_split < rs->lo || gn->row_split > rs->hi)
+        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: row_split=%d (%d..%d)", gn->row_split, rs->lo, rs->hi);
+    if (gn->row_split > 1) {
+        if (c->rg->kind != KB_REGION_ROW)
+            return KB_FAIL(ctx, KB_ERR_INVALID, "genome: row_split=%d applies to ROW regions only", gn->row_split);
+        if (gn->rows != 1 || gn->persistent || gn->cache == KB_CACHE_SMEM || c->ncolsum)
+            return KB_FAIL(ctx, KB_ERR_INVALID,
+                           "genome: row_split>1 takes rows=1, persistent=0, cache regs or reread and no column sums");
+        for (int32_t k = 0; k < c->rg->nnodes; k++) { /* each row reduction merges from its parts' partials */
+            int32_t v = c->rg->nodes[k];
+            if (kb_op_get(NODE(c, v)->op)->kind != KB_KIND_REDUCE || c->colsum[v] || c->dp[v] == 0 ||
+                (c->dp[v] == 1 && cg_split_center(c, v) >= 0))
+                continue;
+            return KB_FAIL(ctx, KB_ERR_INVALID,
+                           "genome: row_split>1 with %%%d, a row reduction of another's result (only squares about a "
+                           "mean and softmax's sum of exp merge from a split row's parts)", (int)v);
+        }
+    }
     if (c->rg->kind == KB_REGION_COL && gn->col_split > 1) {
         if (c->npasses > 1) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: col_split>1 with reductions in sequence");
         for (int32_t j = 0; j < c->rg->noutputs; j++)
@@ -311,7 +335,9 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     KB_TRY(cg_init(&c, p, r, gn, dev, &CUDA_RENDERER));
     cg_plan_passes(&c);
     KB_TRY(check_genome(&c));
-    c.saving = c.rg->kind == KB_REGION_ROW && c.rg->nsaved > 0;
+    /* a split row's statistics are the finishing kernel's, written like any per-row output: one
+       entry point (inference writes them into the launcher's scratch) */
+    c.saving = c.rg->kind == KB_REGION_ROW && c.rg->nsaved > 0 && c.split == 1;
 
     /* dry runs: which values several passes evaluate (those a row cache holds), then which of
        those caches a later pass actually reads */
@@ -336,13 +362,14 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     c.dry = 0;
     c.out = &body;
     cg_emit_body(&c);
-    if (c.col_split > 1 || c.ncolsum) {
+    if (c.col_split > 1 || c.ncolsum || c.split > 1) {
         c.out = &finish;
         kb_sb_puts(&finish, "\n");
         cg_emit_signature(&c, &finish, KB_ENTRY_FINISH);
         kb_sb_puts(&finish, "{\n");
         cg_reset(&c);
         if (c.ncolsum) cg_colsum_finish(&c);
+        else if (c.split > 1) cg_emit_row_split_finish(&c);
         else cg_emit_col_finish(&c);
         kb_sb_puts(&finish, "}\n");
     }
@@ -382,10 +409,11 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     k->block = gn->threads;
     k->smem_bytes = c.smem_bytes;
     k->genome = *gn;
-    k->nkernels = c.col_split > 1 || c.ncolsum ? 2 : 1;
+    k->nkernels = c.col_split > 1 || c.ncolsum || c.split > 1 ? 2 : 1;
     k->nostats = c.saving;
-    /* grid_units of a split COL region count (column, split) pairs: one partial per reduction */
-    k->workspace_bytes_per_unit = c.col_split > 1 ? (int64_t)c.nred_total * (c.dbl ? 8 : 4) : 0;
+    /* grid_units of a split COL region count (column, split) pairs, of a split ROW region (row,
+       part) pairs: one partial per reduction */
+    k->workspace_bytes_per_unit = c.col_split > 1 || c.split > 1 ? (int64_t)c.nred_total * (c.dbl ? 8 : 4) : 0;
     if (c.ncolsum) { /* a partial row per column sum and row slot of each block: few blocks, about 1024
                         threads per SM (persistent=1: 2048, twice the partials) */
         int64_t R = 1;

@@ -23,7 +23,7 @@ void cg_emit_params(cg *c, kb_sb *sb, int decl) {
         kb_sb_printf(sb, "p%d", rg->outputs[j]);
     }
     for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++, first = 0) kb_sb_printf(sb, "%s%ss%d", first ? "" : ", ", decl ? "long long " : "", s);
-    if (c->col_split > 1 || c->ncolsum) {
+    if (c->col_split > 1 || c->ncolsum || c->split > 1) {
         if (decl) kb_sb_printf(sb, "%svoid *%s kb_ws", first ? "" : ", ", c->rd->restrict_kw);
         else kb_sb_printf(sb, "%skb_ws", first ? "" : ", ");
     }

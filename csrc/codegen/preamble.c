@@ -1,8 +1,8 @@
 /* preamble.c — part of the source layer of code generation: what a generated kernel starts with,
  * the region as comments, the headers its types need and the device helpers it uses (vector
  * loads and stores, NaN-propagating max/min, fast-math exp, bf16 element reads, warp reductions,
- * the online softmax normalizer) — only those the kernel's text names, with the helpers they
- * use in turn. */
+ * the online softmax normalizer, Chan's merge of squares) — only those the kernel's text names,
+ * with the helpers they use in turn. */
 #include "codegen/codegen.h"
 
 /* ---------------------------------------------------------------- the helpers */
@@ -13,7 +13,7 @@
  * helper_text. */
 enum {
     H_INF, H_NAN, H_VEC, H_LD, H_ST, H_BITS, H_MAXF, H_MINF, H_MAXD, H_MIND, H_FEXP, H_BF16_AT,
-    H_WARP_SUM, H_WARP_MAX, H_WARP_MIN, H_EXP, H_ONLINE_ADD, H_ONLINE_MERGE, H_WARP_ONLINE, NHELPERS
+    H_WARP_SUM, H_WARP_MAX, H_WARP_MIN, H_EXP, H_ONLINE_ADD, H_ONLINE_MERGE, H_WARP_ONLINE, H_CHAN_M2, NHELPERS
 };
 
 static const struct helper {
@@ -106,6 +106,16 @@ static const struct helper {
                         "    m = mx;\n"
                         "}\n"},
     [H_WARP_ONLINE] = {"kb_warp_online", {H_ONLINE_MERGE, -1}, NULL},
+    [H_CHAN_M2] = {"kb_chan_m2", {-1},
+                   "// Chan et al.'s merge of two parts' squares about their own means: parts of n and n2 elements,\n"
+                   "// with sums s and s2 and squares m2 and m22, give the squares about the mean of both (an empty\n"
+                   "// part adds nothing)\n"
+                   "template <typename T> __device__ __forceinline__ T kb_chan_m2(T n, T s, T m2, T n2, T s2, T m22) {\n"
+                   "    if (n2 == (T)0) return m2;\n"
+                   "    if (n == (T)0) return m22;\n"
+                   "    const T d = s2 / n2 - s / n;\n"
+                   "    return m2 + m22 + d * d * (n * n2 / (n + n2));\n"
+                   "}\n"},
 };
 
 /* The text of helper h where it depends on the kernel. */

@@ -304,6 +304,9 @@ typedef struct kb_genome {
     int32_t fast_math;      /* __expf and friends */
     int32_t persistent;     /* grid = a few blocks per SM looping over work items */
     int32_t col_split;      /* COL: blocks along the reduced dim (partials, then a finishing kernel) */
+    int32_t row_split;      /* ROW: blocks per row (1 = the row in one block; > 1: each block reduces a
+                               contiguous part of the row to partials, a finishing kernel merges them
+                               and writes the row's outputs, each block its part) */
 } kb_genome;
 
 /* What schedules and launches need to know of a device (kb_cuda_device_info reads it from the
@@ -335,13 +338,16 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
 int kb_genome_format(const kb_genome *gn, char *buf, size_t n);
 /* The text's genes ("key=value" separated by blanks, any order) over kb_genome_base(); a gene
  * given twice takes its last value. KB_ERR_INVALID for an unknown gene or a value out of its
- * range (kb_genome_genes). */
+ * range (kb_genome_genes). The canonical text (kb_genome_format) lists every gene in field order
+ * but row_split, which it appends only where it is not 1: a genome without a split keeps the
+ * text (its name in caches and reports) it had before the gene existed, and such a text parses
+ * back with row_split=1. */
 kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out);
 
 /* The genes of a kb_genome in field order (kb_evolve_domain numbers them the same way): each
  * one's name in the text form, the offset of its int32_t, and the values the text may give it
  * (cache: a kb_cache_where, written by its name). Static storage, KB_NGENES entries. */
-#define KB_NGENES 9
+#define KB_NGENES 10
 typedef struct kb_gene {
     const char *name;
     size_t offset;
@@ -349,7 +355,7 @@ typedef struct kb_gene {
 } kb_gene;
 const kb_gene *kb_genome_genes(void);
 /* The genes a text leaves out ("threads=256 vec=1 rows=1 items=1 cache=regs two_pass=1
- * fast_math=0 persistent=0 col_split=1"). Static storage. */
+ * fast_math=0 persistent=0 col_split=1", row_split=1). Static storage. */
 const kb_genome *kb_genome_base(void);
 /* A kb_cache_where's name in the text ("regs", "smem", "reread"); NULL out of range. */
 const char *kb_cache_where_name(int32_t where);
@@ -364,7 +370,8 @@ kb_status kb_genome_check(kb_ctx *ctx, const kb_genome *gn);
 
 /* A generated kernel. Arguments, in order: one pointer per region input, one per region
  * output, then one int64 per graph symbol (every symbol, in id order), then, for COL regions
- * with col_split > 1 and ROW regions with column sums, a workspace pointer. The pointers are
+ * with col_split > 1, ROW regions with row_split > 1 and ROW regions with column sums, a
+ * workspace pointer. The pointers are
  * named after the model's values (a parameter path's last component, a user input's name, out,
  * out1, ..., the saved statistics' names or stat0, ...), made safe C identifiers; launchers
  * pass arguments by position. The source's preamble holds only the helpers the kernel uses.
@@ -374,7 +381,8 @@ typedef struct kb_kernel {
     char name[64];          /* entry point */
     int32_t block;          /* threads per block */
     int32_t smem_bytes;     /* dynamic shared memory */
-    int64_t workspace_bytes_per_unit; /* COL split: bytes of workspace per column (0 if none) */
+    int64_t workspace_bytes_per_unit; /* COL split: bytes of workspace per (column, split) unit; ROW
+                                         split: per (row, part) unit (0 if none) */
     int64_t workspace_bytes_per_block; /* ROW column sums: partials per block of the grid */
     int32_t max_blocks_per_sm; /* grid cap (with the device's SM count); 0: none unless persistent */
     int32_t nkernels;       /* 1, or 2 when a finishing kernel follows (name KB_ENTRY_FINISH) */
@@ -474,6 +482,11 @@ kb_status kb_cuda_copy_to_host(kb_ctx *ctx, kb_cuda *c, void *dst, uint64_t src,
  *            smem when rows * row * (full-size input bytes) <= the device's shared memory
  *   col_split COL: 1..64; > 1 only with no reduction or full-size output after a reduction, and
  *            col_split * 8 <= the column height; 1 elsewhere
+ *   row_split ROW: 1..4096; > 1 only where every row reduction merges from partials (one that reads
+ *            no other row reduction, softmax's sum of exp(y - max) with its max, the sum of squares
+ *            about a mean of the same values), with no column sums, rows = 1, persistent = 0, cache
+ *            regs or reread, and each part (the row / row_split) at least 1024 elements; the
+ *            thread, vector and cache rules above then apply to the part instead of the row
  *   COL      threads at most max(32, columns / vec rounded up to a power of two)
  *   POINTWISE threads > 256 only when threads * vec <= elements; items > 1 only when
  *            threads * vec * items <= elements
@@ -508,7 +521,8 @@ int kb_evolve_best(const kb_evolve *ev, kb_genome *out, double *ms);
 /* The generation of the latest batch (0 for the seed population and before the first ask). */
 int kb_evolve_generation(const kb_evolve *ev);
 /* The values the search draws gene `gene` from (genes in kb_genome field order: 0 threads,
- * 1 vec, 2 rows, 3 items, 4 cache, 5 two_pass, 6 fast_math, 7 persistent, 8 col_split), sorted;
+ * 1 vec, 2 rows, 3 items, 4 cache, 5 two_pass, 6 fast_math, 7 persistent, 8 col_split,
+ * 9 row_split), sorted;
  * writes at most max of them and returns how many there are (0 for a bad gene). */
 int kb_evolve_domain(const kb_evolve *ev, int gene, int32_t *values, int max);
 

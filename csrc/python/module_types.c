@@ -13,11 +13,12 @@
 
 static const char GENOME_DOC[] =
     "Genome(*, threads=256, vec=1, rows=1, items=1, cache='regs', two_pass=1, fast_math=0, persistent=0, "
-    "col_split=1)\n"
+    "col_split=1, row_split=1)\n"
     "--\n\n"
     "One region's schedule. Genes left out take the values above (those of a text that leaves them out);\n"
     "each must be within its range (ValueError). Genome.parse(text) reads the canonical text, str() writes\n"
-    "it: the genome's identity in the kernel cache and in reports. Immutable; equal and hashed by value.\n"
+    "it: the genome's identity in the kernel cache and in reports (row_split only where it is not 1, so a\n"
+    "genome without a split keeps the text it had before the gene). Immutable; equal and hashed by value.\n"
     "Whether a region can run it is genome_legal()'s question, and generate() refuses what codegen cannot do.";
 
 static int32_t *gene_field(kb_genome *gn, int i) { return (int32_t *)((char *)gn + kb_genome_genes()[i].offset); }
@@ -90,7 +91,7 @@ static int genes_from_kwds(PyObject *module, const char *fname, PyObject *args, 
             int i = gene_index(key);
             if (i < 0) {
                 PyErr_Format(PyExc_TypeError, "%s got an unexpected keyword argument %R (genes: threads, vec, rows, "
-                             "items, cache, two_pass, fast_math, persistent, col_split)", fname, key);
+                             "items, cache, two_pass, fast_math, persistent, col_split, row_split)", fname, key);
                 return -1;
             }
             if (gene_set(gn, i, value) < 0) return -1;
@@ -173,10 +174,10 @@ static PyObject *genome_str(PyObject *self) {
 static PyObject *genome_repr(PyObject *self) {
     const kb_genome *g = &((kb_py_genome *)self)->gn;
     return PyUnicode_FromFormat("Genome(threads=%d, vec=%d, rows=%d, items=%d, cache='%s', two_pass=%d, fast_math=%d, "
-                                "persistent=%d, col_split=%d)",
+                                "persistent=%d, col_split=%d, row_split=%d)",
                                 (int)g->threads, (int)g->vec, (int)g->rows,
                                 (int)g->items, kb_cache_where_name(g->cache), (int)g->two_pass, (int)g->fast_math,
-                                (int)g->persistent, (int)g->col_split);
+                                (int)g->persistent, (int)g->col_split, (int)g->row_split);
 }
 
 /* pickle and copy: Genome.parse(str(g)) */
@@ -228,6 +229,8 @@ static PyGetSetDef genome_getset[] = {
     {"persistent", genome_get, NULL, "1: a grid of a few blocks per SM looping over the work", (void *)7},
     {"col_split", genome_get, NULL, "COL: blocks along the reduced dim (partials, then a finishing kernel)",
      (void *)8},
+    {"row_split", genome_get, NULL, "ROW: blocks per row (partials of each part, then a finishing kernel that "
+     "merges them and writes each part's outputs)", (void *)9},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

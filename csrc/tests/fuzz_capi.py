@@ -40,7 +40,7 @@ class Fuzz:
         self.C, self.rnd = C, rnd
         self.ops = sorted(C.ops().items())
         self.stats = {"graphs": 0, "nodes": 0, "refused": 0, "interp_ok": 0, "interp_refused": 0,
-                      "regions": 0, "kernels": 0, "grads": 0, "runtime_refused": 0}
+                      "regions": 0, "kernels": 0, "split_kernels": 0, "grads": 0, "runtime_refused": 0}
 
     # ------------------------------------------------------------------ building
 
@@ -333,7 +333,10 @@ class Fuzz:
                 try:
                     C.generate(p, r, rnd.choice([80, 90]), None, self.device())
                     self.stats["kernels"] += 1
-                    C.genome_default(p, r, sv, self.device())
+                    gn = C.genome_default(p, r, sv, self.device())
+                    if reg["kind"] == "ROW":   # its rows split over blocks (refused where they do not merge)
+                        C.generate(p, r, 90, gn.replace(row_split=rnd.choice([2, 3, 64]), rows=1, persistent=0))
+                        self.stats["split_kernels"] += 1
                 except REFUSALS:
                     pass
             if reg["kind"] != "EXTERN" and rnd.random() < 0.1:

@@ -161,11 +161,12 @@ static void write_kernel(const char *name, int r, const char *tag, const char *s
 static kb_status gen_one(const char *name, const kb_partition *p, int r, const kb_genome *gn, int must) {
     kb_kernel *k1 = NULL, *k2 = NULL;
     kb_status s = kb_kernel_generate(p, r, gn, kb_device_default(), &k1);
-    char text[256], tag[96];
+    char text[256], tag[112], rs[16] = "";
     kb_genome_format(gn, text, sizeof text);
-    snprintf(tag, sizeof tag, "t%d_v%d_r%d_i%d_%s_tp%d_fm%d_p%d_cs%d", gn->threads, gn->vec, gn->rows, gn->items,
+    if (gn->row_split > 1) snprintf(rs, sizeof rs, "_rs%d", gn->row_split);
+    snprintf(tag, sizeof tag, "t%d_v%d_r%d_i%d_%s_tp%d_fm%d_p%d_cs%d%s", gn->threads, gn->vec, gn->rows, gn->items,
              gn->cache == KB_CACHE_REGS ? "regs" : gn->cache == KB_CACHE_SMEM ? "smem" : "reread", gn->two_pass,
-             gn->fast_math, gn->persistent, gn->col_split);
+             gn->fast_math, gn->persistent, gn->col_split, rs);
     if (s == KB_ERR_INVALID && !must) {
         ninvalid++;
         return s;
@@ -224,6 +225,14 @@ static void check_codegen(const char *name, const kb_partition *p, const int64_t
                             gen_one(name, p, r, &v, 0);
                         }
                     }
+                /* rows split over blocks (refused where a reduction does not merge from parts) */
+                v.threads = 128, v.rows = 1, v.persistent = 0, v.two_pass = 1;
+                for (int rs = 2; rs <= 32; rs *= 16)
+                    for (int cache = 0; cache < 3; cache += 2) {
+                        v.row_split = rs, v.cache = cache, v.items = cache == 2 ? 4 : 1;
+                        gen_one(name, p, r, &v, 0);
+                    }
+                v.row_split = gn.row_split;
                 break;
             }
             case KB_REGION_COL:
@@ -493,8 +502,8 @@ static void test_genome_text(void) {
 /* The gene table: names and fields in kb_genome order, the ranges the parser and the check apply. */
 static void test_genome_genes(void) {
     const kb_gene *genes = kb_genome_genes();
-    static const char *const names[KB_NGENES] = {"threads",  "vec",       "rows",       "items",    "cache",
-                                                 "two_pass", "fast_math", "persistent", "col_split"};
+    static const char *const names[KB_NGENES] = {"threads",  "vec",       "rows",       "items",     "cache",
+                                                 "two_pass", "fast_math", "persistent", "col_split", "row_split"};
     for (int i = 0; i < KB_NGENES; i++) {
         CHECK(strcmp(genes[i].name, names[i]) == 0);
         CHECK(genes[i].offset == (size_t)i * sizeof(int32_t) && genes[i].lo <= genes[i].hi);

@@ -406,7 +406,7 @@ static void test_same_seed_same_asks(void) {
 static int genes_differ(const kb_genome *a, const kb_genome *b) {
     return (a->threads != b->threads) + (a->vec != b->vec) + (a->rows != b->rows) + (a->items != b->items) +
            (a->cache != b->cache) + (a->two_pass != b->two_pass) + (a->fast_math != b->fast_math) +
-           (a->persistent != b->persistent) + (a->col_split != b->col_split);
+           (a->persistent != b->persistent) + (a->col_split != b->col_split) + (a->row_split != b->row_split);
 }
 
 /* With every seed candidate but the default failed, the next generation can only come from the
@@ -488,17 +488,18 @@ static void test_exhausted_space(void) {
     kb_evolve *ev = NULL;
     CHECK_STATUS(f.ctx, kb_evolve_new(&f.part, 0, f.symvals, kb_device_default(), 5, 6, &ev), KB_OK);
     /* brute force over the domains */
-    int32_t dom[9][16];
-    int nd[9];
-    for (int i = 0; i < 9; i++) nd[i] = kb_evolve_domain(ev, i, dom[i], 16);
-    CHECK(nd[1] == 2 && nd[2] == 1 && nd[4] == 1 && nd[6] == 1 && nd[8] == 1); /* vec 1,2; the rest pinned */
-    CHECK(kb_evolve_domain(ev, 9, dom[0], 16) == 0);
+    int32_t dom[10][16];
+    int nd[10];
+    for (int i = 0; i < 10; i++) nd[i] = kb_evolve_domain(ev, i, dom[i], 16);
+    CHECK(nd[1] == 2 && nd[2] == 1 && nd[4] == 1 && nd[6] == 1 && nd[8] == 1 && nd[9] == 1); /* vec 1,2; the rest pinned */
+    CHECK(kb_evolve_domain(ev, 10, dom[0], 16) == 0);
     int legal_count = 0;
     for (int a = 0; a < nd[0]; a++)
         for (int b = 0; b < nd[1]; b++)
             for (int c = 0; c < nd[3]; c++)
                 for (int d = 0; d < nd[7]; d++) {
-                    kb_genome g = {dom[0][a], dom[1][b], dom[2][0], dom[3][c], dom[4][0], dom[5][0], dom[6][0], dom[7][d], dom[8][0]};
+                    kb_genome g = {dom[0][a], dom[1][b], dom[2][0], dom[3][c], dom[4][0],
+                                   dom[5][0], dom[6][0], dom[7][d], dom[8][0], dom[9][0]};
                     legal_count += kb_genome_legal(&f.part, 0, f.symvals, kb_device_default(), &g);
                 }
     CHECK(legal_count == 18);
@@ -561,19 +562,21 @@ static void test_told_from_elsewhere(void) {
     fx_end(&f);
 }
 
-/* Codegen accepts every genome the search asks (legality is a subset of what it generates). */
+/* Codegen accepts every genome the search asks (legality is a subset of what it generates); the
+ * last rows are few and long, so the search also asks rows split over blocks. */
 static void test_codegen_accepts_asks(void) {
-    static const char *const rows[] = {"8", "100", "768", "770", "4096", "5000", "s0"};
-    int generated = 0, rejected = 0;
+    static const char *const rows[] = {"8", "100", "768", "770", "4096", "5000", "s0", "65536", "40000"};
+    int generated = 0, rejected = 0, split = 0;
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
         for (int kind = 0; kind < 5; kind++) {
             fixture f;
             kb_dtype dt = i & 1 ? KB_BF16 : KB_F32;
-            kb_status st = kind == 0 ? fx_layernorm(&f, NULL, NULL, dt, 300, rows[i])
-                           : kind == 1 ? fx_softmax(&f, dt, 300, rows[i])
-                           : kind == 2 ? fx_colsum(&f, dt, 300, rows[i], 0)
-                           : kind == 3 ? fx_colsum(&f, dt, 300, rows[i], 1)
-                                       : fx_pointwise(&f, KB_OP_SILU, dt, 300, rows[i]);
+            int64_t s0 = i >= 7 ? 5 : 300;
+            kb_status st = kind == 0 ? fx_layernorm(&f, NULL, NULL, dt, s0, rows[i])
+                           : kind == 1 ? fx_softmax(&f, dt, s0, rows[i])
+                           : kind == 2 ? fx_colsum(&f, dt, s0, rows[i], 0)
+                           : kind == 3 ? fx_colsum(&f, dt, s0, rows[i], 1)
+                                       : fx_pointwise(&f, KB_OP_SILU, dt, s0, rows[i]);
             kb_evolve *ev = NULL;
             if (st == KB_OK) st = kb_evolve_new(&f.part, 0, f.symvals, kb_device_default(), i, 8, &ev);
             CHECK_STATUS(f.ctx, st, KB_OK);
@@ -589,6 +592,7 @@ static void test_codegen_accepts_asks(void) {
                     CHECK_MSG(gs == KB_OK, "kind %d rows %s: codegen rejects %s: %s", kind, rows[i], t, kb_ctx_error(f.ctx));
                     rejected += gs != KB_OK;
                     generated += gs == KB_OK;
+                    split += gs == KB_OK && out[k].row_split > 1;
                     kb_kernel_free(f.ctx, kern);
                     kb_evolve_tell(ev, &out[k], out[k].threads * 0.01 + out[k].items);
                 }
@@ -596,7 +600,8 @@ static void test_codegen_accepts_asks(void) {
             kb_evolve_free(ev);
             fx_end(&f);
         }
-    printf("codegen generated %d asked genomes, rejected %d\n", generated, rejected);
+    printf("codegen generated %d asked genomes (%d with rows split), rejected %d\n", generated, split, rejected);
+    CHECK(split > 0);
 }
 
 /* Regions from the real partitioner (layer_norm, softmax, then gelu of a column sum: one ROW

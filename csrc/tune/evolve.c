@@ -7,7 +7,7 @@
 
 #include <math.h>
 
-enum { G_THREADS, G_VEC, G_ROWS, G_ITEMS, G_CACHE, G_TWO_PASS, G_FAST_MATH, G_PERSISTENT, G_COL_SPLIT, NGENES };
+enum { G_THREADS, G_VEC, G_ROWS, G_ITEMS, G_CACHE, G_TWO_PASS, G_FAST_MATH, G_PERSISTENT, G_COL_SPLIT, G_ROW_SPLIT, NGENES };
 
 #define MAX_VALUES 16
 #define DEFAULT_POPULATION 12
@@ -25,6 +25,7 @@ static const struct gene {
     {offsetof(kb_genome, threads), 1},   {offsetof(kb_genome, vec), 1},       {offsetof(kb_genome, rows), 1},
     {offsetof(kb_genome, items), 1},     {offsetof(kb_genome, cache), 0},     {offsetof(kb_genome, two_pass), 0},
     {offsetof(kb_genome, fast_math), 0}, {offsetof(kb_genome, persistent), 0}, {offsetof(kb_genome, col_split), 1},
+    {offsetof(kb_genome, row_split), 1},
 };
 
 static int32_t *gene_at(kb_genome *g, int i) { return (int32_t *)((char *)g + GENE[i].off); }
@@ -53,10 +54,16 @@ static int legal_facts(const tune_facts *f, const kb_genome *g) {
     if ((int64_t)g->vec * f->minsz > 16) return 0;
     /* ROW and COL step along the last dim in whole vectors */
     if (f->kind != KB_REGION_POINTWISE && g->vec > 1 && (f->last == 0 || f->last % g->vec != 0)) return 0;
+    if (g->row_split < 1 || g->row_split > KB_ROW_SPLIT_MAX) return 0;
+    if (g->row_split > 1) { /* a row split over blocks: each reduces a part of at least KB_ROW_PART_MIN */
+        if (f->kind != KB_REGION_ROW || !f->splittable || g->rows != 1 || g->persistent || g->cache == KB_CACHE_SMEM ||
+            cdiv(f->red, g->row_split) < KB_ROW_PART_MIN)
+            return 0;
+    }
     if (f->kind == KB_REGION_ROW) {
         if (!is_pow2(g->rows) || g->rows > 256 || g->rows > g->threads) return 0;
         int64_t G = g->threads / g->rows;             /* threads sharing one row */
-        int64_t chunks = cdiv(f->red, g->vec);        /* vectors in a row */
+        int64_t chunks = cdiv(cdiv(f->red, g->row_split), g->vec); /* vectors in a row (its part, split) */
         if (G > max64(32, pow2_ceil(chunks))) return 0;
         if (g->cache != KB_CACHE_REREAD && !f->red_pinned) return 0;
         if (g->cache == KB_CACHE_REGS) {
@@ -86,8 +93,9 @@ static int legal_facts(const tune_facts *f, const kb_genome *g) {
 static void canonical(const tune_facts *f, const kb_genome *d, kb_genome *g) {
     if (f->kind != KB_REGION_ROW) g->rows = d->rows;
     if (f->kind != KB_REGION_COL) g->col_split = d->col_split;
+    if (f->kind != KB_REGION_ROW) g->row_split = d->row_split;
     if (!f->transcendental) g->fast_math = d->fast_math;
-    if (!f->online) g->two_pass = d->two_pass;
+    if (!f->online || g->row_split > 1) g->two_pass = d->two_pass; /* split: the pairs are online anyway */
     if (f->kind != KB_REGION_ROW) {
         g->cache = d->cache; /* where a row lives between passes: ROW only */
     } else {
@@ -268,6 +276,13 @@ static void build_domains(kb_evolve *ev) {
     dom_add(ev, G_COL_SPLIT, 1);
     if (f->kind == KB_REGION_COL && !f->rereads)
         for (int s = 2; s <= 64 && (int64_t)s * 8 <= f->red; s *= 2) dom_add(ev, G_COL_SPLIT, s);
+    /* row_split where rows are few next to the SMs (and long enough for parts): up to about 16
+       blocks an SM in all */
+    dom_add(ev, G_ROW_SPLIT, 1);
+    if (f->kind == KB_REGION_ROW && f->splittable && f->kept > 0 && f->kept < 2 * (int64_t)f->num_sms)
+        for (int s = 2; s <= KB_ROW_SPLIT_MAX && cdiv(f->red, s) >= KB_ROW_PART_MIN && (int64_t)s * f->kept <= 16 * (int64_t)f->num_sms;
+             s *= 2)
+            dom_add(ev, G_ROW_SPLIT, s);
     for (int i = 0; i < NGENES; i++) dom_add(ev, i, gene_get(&c, i));
 }
 
@@ -320,6 +335,10 @@ static int fresh(const kb_evolve *ev, kb_genome *g) {
     return legal_facts(&ev->f, g) && find(ev, g) < 0;
 }
 
+/* Is gene gi drawn at random? row_split came last and is pinned for most regions: there it draws
+ * no random number, so their searches ask what they asked before the gene existed. */
+static int drawn(const kb_evolve *ev, int gi) { return gi != G_ROW_SPLIT || ev->ndom[gi] > 1; }
+
 static int dom_index(const kb_evolve *ev, int gi, int32_t v) {
     for (int i = 0; i < ev->ndom[gi]; i++)
         if (ev->dom[gi][i] == v) return i;
@@ -331,7 +350,8 @@ static int dom_index(const kb_evolve *ev, int gi, int32_t v) {
 static int draw_fresh(kb_evolve *ev, kb_genome *out) {
     for (int t = 0; t < RANDOM_TRIES; t++) {
         kb_genome g = ev->dflt;
-        for (int i = 0; i < NGENES; i++) *gene_at(&g, i) = ev->dom[i][below(ev->rng, (uint64_t)ev->ndom[i])];
+        for (int i = 0; i < NGENES; i++)
+            if (drawn(ev, i)) *gene_at(&g, i) = ev->dom[i][below(ev->rng, (uint64_t)ev->ndom[i])];
         if (fresh(ev, &g)) {
             *out = g;
             return 1;
@@ -385,7 +405,7 @@ static void make_child(kb_evolve *ev, int np, kb_genome *child) {
     if (np > 1 && unit(ev->rng) < 0.5) {
         const kb_genome *b = &ev->recs[tournament(ev, np)].g;
         for (int i = 0; i < NGENES; i++)
-            if (below(ev->rng, 2)) *gene_at(child, i) = gene_get(b, i);
+            if (drawn(ev, i) && below(ev->rng, 2)) *gene_at(child, i) = gene_get(b, i);
     }
     int mutable_genes[NGENES], nm = 0;
     for (int i = 0; i < NGENES; i++)

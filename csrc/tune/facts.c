@@ -5,21 +5,40 @@
 #include "tune/tune.h"
 
 /* dep[] bits of the walk: the value reads a row reduction (column sums aside: multipass), a
- * reduction of any kind (rereads), or is computed in the region */
-enum { DEP_ROW_RED = 1, DEP_ANY_RED = 2, DEP_MEMBER = 4 };
+ * reduction of any kind (rereads), or is computed in the region; a max already paired with a sum
+ * of exp (online_pattern) */
+enum { DEP_ROW_RED = 1, DEP_ANY_RED = 2, DEP_MEMBER = 4, DEP_PAIRED = 8 };
 
 /* sum(exp(y - expand(max(y)))) over the same axes, all inside the region: what two_pass=0 turns
- * into one pass with an online normalizer (mirrors codegen/kernel.c's online_max_of). */
-static int online_pattern(const kb_graph *g, const uint8_t *dep, const kb_node *S) {
+ * into one pass with an online normalizer (mirrors codegen/kernel.c's online_max_of). Returns the
+ * max's id, or -1. */
+static int32_t online_pattern(const kb_graph *g, const uint8_t *dep, const kb_node *S) {
     int32_t e = S->inputs[0];
     const kb_node *E = kb_graph_node(g, e);
-    if (!(dep[e] & DEP_MEMBER) || E->op != KB_OP_EXP || !(dep[E->inputs[0]] & DEP_MEMBER)) return 0;
+    if (!(dep[e] & DEP_MEMBER) || E->op != KB_OP_EXP || !(dep[E->inputs[0]] & DEP_MEMBER)) return -1;
     const kb_node *D = kb_graph_node(g, E->inputs[0]);
-    if (D->op != KB_OP_SUB || !(dep[D->inputs[1]] & DEP_MEMBER)) return 0;
+    if (D->op != KB_OP_SUB || !(dep[D->inputs[1]] & DEP_MEMBER)) return -1;
     const kb_node *X = kb_graph_node(g, D->inputs[1]);
-    if (X->op != KB_OP_EXPAND || !(dep[X->inputs[0]] & DEP_MEMBER)) return 0;
+    if (X->op != KB_OP_EXPAND || !(dep[X->inputs[0]] & DEP_MEMBER)) return -1;
     const kb_node *M = kb_graph_node(g, X->inputs[0]);
-    return M->op == KB_OP_RMAX && M->axes == S->axes && M->inputs[0] == D->inputs[0];
+    return M->op == KB_OP_RMAX && M->axes == S->axes && M->inputs[0] == D->inputs[0] ? X->inputs[0] : -1;
+}
+
+/* sum or mean of (y - expand(mean(y)))^2 over the same axes, all but y inside the region: the
+ * squares about the mean, which a split row merges from each part's (count, sum, squares about
+ * the part's own mean) (mirrors codegen/kernel.c's split_center). Returns the mean's id, or -1. */
+static int32_t chan_pattern(const kb_graph *g, const uint8_t *dep, const kb_node *V) {
+    if (V->op != KB_OP_SUM && V->op != KB_OP_MEAN) return -1;
+    int32_t q = V->inputs[0];
+    const kb_node *Q = kb_graph_node(g, q);
+    if (!(dep[q] & DEP_MEMBER) || Q->op != KB_OP_MUL || Q->inputs[0] != Q->inputs[1] || !(dep[Q->inputs[0]] & DEP_MEMBER))
+        return -1;
+    const kb_node *D = kb_graph_node(g, Q->inputs[0]);
+    if (D->op != KB_OP_SUB || !(dep[D->inputs[1]] & DEP_MEMBER)) return -1;
+    const kb_node *X = kb_graph_node(g, D->inputs[1]);
+    if (X->op != KB_OP_EXPAND || !(dep[X->inputs[0]] & DEP_MEMBER)) return -1;
+    const kb_node *M = kb_graph_node(g, X->inputs[0]);
+    return M->op == KB_OP_MEAN && M->axes == V->axes && M->inputs[0] == D->inputs[0] ? X->inputs[0] : -1;
 }
 
 kb_status tune_facts_of(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
@@ -97,27 +116,51 @@ kb_status tune_facts_of(const kb_partition *p, int32_t r, const int64_t *symvals
     f->fast_exp_log = has_exp_log && !has_trig_pow && all16;
     f->precise_math = has_trig_pow || has_erf_tanh || (has_exp_log && !f->fast_exp_log);
 
-    /* multipass and rereads: does a reduction (or a full-size output) depend on another one? */
+    /* multipass and rereads: does a reduction (or a full-size output) depend on another one? And
+       splittable: lvl[] is what a value waits for where the row is split over blocks, -1 nothing,
+       0 the merge of its parts' partials; a row reduction that would wait for two cannot be split */
     int32_t n = kb_graph_nnodes(g);
     uint8_t *dep = kb_calloc(ctx, (size_t)(n ? n : 1), 1);
-    if (!dep) return KB_ERR_OOM;
+    int8_t *lvl = kb_malloc(ctx, (size_t)(n ? n : 1));
+    if (!dep || !lvl) {
+        kb_free(ctx, dep, (size_t)(n ? n : 1));
+        kb_free(ctx, lvl, (size_t)(n ? n : 1));
+        return KB_ERR_OOM;
+    }
+    memset(lvl, -1, (size_t)(n ? n : 1));
+    f->splittable = rg->kind == KB_REGION_ROW;
     for (int32_t k = 0; k < rg->nnodes; k++) {
         int32_t v = rg->nodes[k];
         const kb_node *nd = kb_graph_node(g, v);
-        int d = 0;
-        for (int i = 0; i < nd->ninputs; i++) d |= dep[nd->inputs[i]] & (DEP_ROW_RED | DEP_ANY_RED);
+        int d = 0, l = -1;
+        for (int i = 0; i < nd->ninputs; i++) {
+            d |= dep[nd->inputs[i]] & (DEP_ROW_RED | DEP_ANY_RED);
+            if (lvl[nd->inputs[i]] > l) l = lvl[nd->inputs[i]];
+        }
+        int32_t m = -1;
         if (kb_op_get(nd->op)->kind == KB_KIND_REDUCE) {
             if (d & DEP_ANY_RED) f->rereads = 1;
             d |= DEP_ANY_RED;
             if (rg->kind == KB_REGION_ROW && nd->axes != rg->reduce_axes) {
                 f->ncolsum++; /* a column sum: no pass of its own */
+                f->splittable = 0;
             } else {
                 if (d & DEP_ROW_RED) f->multipass = 1;
                 d |= DEP_ROW_RED;
+                if (nd->op == KB_OP_SUM && (m = online_pattern(g, dep, nd)) >= 0 && !(dep[m] & DEP_PAIRED)) {
+                    dep[m] |= DEP_PAIRED; /* one sum per max, as codegen pairs them */
+                    l = lvl[m];
+                } else if ((m = chan_pattern(g, dep, nd)) >= 0 && lvl[m] == 0 && lvl[kb_graph_node(g, m)->inputs[0]] < 0) {
+                    l = 0;
+                } else {
+                    l++;
+                }
+                if (l != 0) f->splittable = 0;
             }
         }
         dep[v] = (uint8_t)(d | DEP_MEMBER);
-        if (nd->op == KB_OP_SUM && online_pattern(g, dep, nd)) f->online = 1;
+        lvl[v] = (int8_t)(l > 1 ? 1 : l);
+        if (nd->op == KB_OP_SUM && online_pattern(g, dep, nd) >= 0) f->online = 1;
     }
     for (int32_t j = 0; j < rg->noutputs; j++) {
         if (!(dep[rg->outputs[j]] & (DEP_ROW_RED | DEP_ANY_RED)) || f->red <= 1 ||
@@ -127,5 +170,6 @@ kb_status tune_facts_of(const kb_partition *p, int32_t r, const int64_t *symvals
         if (dep[rg->outputs[j]] & DEP_ANY_RED) f->rereads = 1;
     }
     kb_free(ctx, dep, (size_t)(n ? n : 1));
+    kb_free(ctx, lvl, (size_t)(n ? n : 1));
     return KB_OK;
 }

@@ -1,15 +1,16 @@
 /* genome.c — a region's schedule: the default genome (chosen from the region's facts at the
  * example sizes and the device, tune/facts.c), the table of genes (name, field, range) and the
  * canonical text form that names a genome in the cache and in reports ("threads=256 vec=4
- * rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1"). The search's
- * legality is evolve.c's; codegen refuses what it cannot generate (KB_ERR_INVALID). */
+ * rows=1 items=1 cache=regs two_pass=1 fast_math=0 persistent=0 col_split=1", then " row_split=N"
+ * where N > 1). The search's legality is evolve.c's; codegen refuses what it cannot generate
+ * (KB_ERR_INVALID). */
 #include "tune/tune.h"
 
 #include <stdlib.h>
 
 static const char *const cache_names[] = {"regs", "smem", "reread"};
 
-static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1};
+static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1, 1};
 
 /* The genes of the text form, in kb_genome field order: name, where it lives, its range. */
 static const kb_gene GENES[KB_NGENES] = {
@@ -22,6 +23,7 @@ static const kb_gene GENES[KB_NGENES] = {
     {"fast_math", offsetof(kb_genome, fast_math), 0, 1},
     {"persistent", offsetof(kb_genome, persistent), 0, 1},
     {"col_split", offsetof(kb_genome, col_split), 1, 4096},
+    {"row_split", offsetof(kb_genome, row_split), 1, 4096},
 };
 
 const kb_gene *kb_genome_genes(void) { return GENES; }
@@ -106,6 +108,15 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
         gn.items = !heavy ? 1 : waves >= 8 ? 4 : waves >= 2 ? 2 : 1;
         gn.threads = gn.items == 1 ? 128 : 256;
     } else if (rg->kind == KB_REGION_ROW) {
+        /* few long rows (fewer than two an SM): each row split over blocks, about four blocks an
+           SM in all but no part under KB_ROW_PART_DEFAULT elements, so the whole GPU reduces and
+           writes (one block per row leaves most SMs idle: 8 rows of 1M elements are 8 blocks).
+           The rest of the schedule is chosen for one block's part as if it were the row. */
+        int64_t split = 1, most = clamp64(f.red / KB_ROW_PART_DEFAULT, 1, KB_ROW_SPLIT_MAX);
+        if (f.splittable && f.kept > 0 && f.kept < 2 * (int64_t)num_sms && most > 1)
+            split = clamp64((4 * (int64_t)num_sms + f.kept - 1) / f.kept, 1, most);
+        gn.row_split = (int32_t)split;
+        f.red = (f.red + split - 1) / split;
         gn.vec = pick_vec(&f, 1);
         int64_t chunks = (f.red + gn.vec - 1) / gn.vec;
         int64_t group;
@@ -153,7 +164,7 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
         if (f.red_pinned && per_thread <= reg_budget) {
             gn.cache = KB_CACHE_REGS;
             gn.items = 1;
-        } else if (f.red_pinned && f.multipass && smem <= smem_cap / 2) {
+        } else if (f.red_pinned && f.multipass && smem <= smem_cap / 2 && split == 1) { /* (not for a part) */
             gn.cache = KB_CACHE_SMEM;
             gn.items = 4;
             if (gn.rows == 1 && gn.threads > 256 && !f.ncolsum) gn.threads = 256;
@@ -191,11 +202,14 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
 int kb_genome_format(const kb_genome *gn, char *buf, size_t n) {
     const char *cache = kb_cache_where_name(gn->cache);
     if (!cache) cache = "?";
+    /* row_split last and only where it splits: a genome without one keeps the text it always had */
+    char split[32] = "";
+    if (gn->row_split != 1) snprintf(split, sizeof split, " row_split=%d", gn->row_split);
     int len = snprintf(buf, n,
                        "threads=%d vec=%d rows=%d items=%d cache=%s two_pass=%d fast_math=%d persistent=%d "
-                       "col_split=%d",
+                       "col_split=%d%s",
                        gn->threads, gn->vec, gn->rows, gn->items, cache, gn->two_pass, gn->fast_math,
-                       gn->persistent, gn->col_split);
+                       gn->persistent, gn->col_split, split);
     if (n > 0 && len >= 0 && (size_t)len >= n) buf[n - 1] = '\0';
     return len < 0 ? 0 : len;
 }

@@ -32,6 +32,12 @@ typedef struct tune_facts {
     int multipass, rereads;
     int online;          /* softmax's max and sum(exp) over the same axes: two_pass=0 computes them
                             in one pass (codegen's online normalizer, kernel.c's online_max_of) */
+    int splittable;      /* ROW: a row may be split over blocks (row_split > 1): no column sums, and
+                            every row reduction merges from the partials of the row's parts — it
+                            reads no other row reduction (sum, mean, max, min), or it is softmax's
+                            sum of exp(y - max) beside its max (an online pair), or the sum of
+                            squares about a mean of the same values (Chan's merge); codegen/kernel.c
+                            decides the same (split_center, online_max_of) */
     /* fast math (codegen/expr.c's FAST table: expf, logf, sinf, cosf, powf become intrinsics) */
     int transcendental;  /* an op fast math changes, computed in float: the gene matters */
     int fast_exp_log;    /* it changes only exp/log, and every float output is 16-bit: on by default */
@@ -40,6 +46,12 @@ typedef struct tune_facts {
     int num_sms;         /* the device's (kb_device_for_schedule: the default device's if unsaid) */
     int64_t smem_cap;    /* shared memory per block (kb_device_for_schedule: KB_SMEM_PORTABLE if unsaid) */
 } tune_facts;
+
+/* row_split's limits: the most blocks per row, and the fewest elements one block's part may hold
+ * (kb_genome_legal); the default splits only rows of at least two parts of KB_ROW_PART_DEFAULT */
+#define KB_ROW_SPLIT_MAX 4096
+#define KB_ROW_PART_MIN 1024
+#define KB_ROW_PART_DEFAULT 8192
 
 kb_status tune_facts_of(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
                         tune_facts *f);
