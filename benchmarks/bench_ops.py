@@ -66,6 +66,12 @@ OPS = {
                             dict(shape=(64, 256)), None),
     "cross_entropy": ("cross_entropy_32k", dict(N=8192, V=32000), dict(N=16, V=1000),
                       ("float32",)),
+    # few, long rows: a block per row would leave most SMs idle
+    "layer_norm_wide": ("layer_norm_wide", dict(shape=(8, 32, 128, 256)), dict(shape=(2, 4, 8, 16)), None),
+    "frobenius_norm": ("frobenius_norm", dict(shape=(28, 64, 512, 512)), dict(shape=(4, 3, 5, 7)),
+                       ("float32",)),
+    "cross_entropy_50k": ("cross_entropy_32k", dict(N=8192, V=50257), dict(N=16, V=1001),
+                          ("float32",)),
 }
 def task_model(op: str, dtype, cfg=None, device="cuda"):
     """The model of benchmark op `op` and its inputs at the timed size (or at cfg), seeded: the
