@@ -616,6 +616,23 @@ def test_cuda_bench_plumbing_on_cpu():
     assert len(each) == 2 and all(t >= 0 for t in each)
 
 
+def test_a_slow_candidate_is_timed_once(monkeypatch):
+    """A candidate whose one call times every rep past half the hang timeout (one block over a
+    huge row) is launched once and that call stands for its reps: its timing cannot turn into a
+    hang that stops the search."""
+    g = softmax_graph(rows=64, n=1000)
+    ex = CpuExecutor(g)
+    r = region_of_kind(ex.plan.partition, "ROW")
+    bench = search.CudaRegionBench(ex, r, [64])
+    kern = bench.load(bench.generate(_C.genome_default(ex.plan.partition, r, [64])))
+    ex.launched.clear()
+    times = bench.time(kern, 5)
+    assert len(times) == 5 and len(ex.launched) == 1 + 1 + 5       # the first call, the warm-up, the reps
+    monkeypatch.setattr(search, "GATE_TIMEOUT_S", 1e-9)
+    ex.launched.clear()
+    times = bench.time(kern, 5)
+    assert len(ex.launched) == 1 and len(times) == 5 and len(set(times)) == 1
+
 def test_layouts_fit_and_spread():
     """_layout: layout 0 at offset 0 without gaps; the others inside the arena, 256-byte aligned,
     with gaps and offsets that differ from one layout to the next, the same in every call."""
