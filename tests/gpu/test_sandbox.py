@@ -122,6 +122,18 @@ BAD = [
 ]
 
 
+def _region_reasons(monkeypatch) -> list:
+    """A list that gets (status, reason) of every region the tuner prepares."""
+    reasons = []
+    prepare_region = Tuner.prepare_region
+
+    def seen(self, ex, info, symvals):
+        prepare_region(self, ex, info, symvals)
+        reasons.append((info.status, info.reason))
+    monkeypatch.setattr(Tuner, "prepare_region", seen)
+    return reasons
+
+
 class Pointwise(nn.Module):
     def forward(self, x):
         return torch.relu(x) * 2 - 0.5
@@ -142,13 +154,7 @@ def test_a_region_whose_candidates_are_all_bad_runs_in_torch(monkeypatch, tmp_pa
         tag, body = BAD[len(asked) - 1]
         return _planted(generate(self, genome), body, genome, tag)
     monkeypatch.setattr(search.CudaRegionBench, "generate", planted)
-    reasons = []
-    prepare_region = Tuner.prepare_region
-
-    def seen(self, ex, info, symvals):
-        prepare_region(self, ex, info, symvals)
-        reasons.append((info.status, info.reason))
-    monkeypatch.setattr(Tuner, "prepare_region", seen)
+    reasons = _region_reasons(monkeypatch)
     model = Pointwise().cuda().eval()
     x = torch.randn(4096, 512, device="cuda")
     opt = kbench.optimize(model, (x,), budget="fast", verbose=False)
@@ -200,13 +206,7 @@ def test_out_of_memory_in_verification_leaves_the_region_to_torch(monkeypatch, t
     def oom(*a, **kw):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB (test)")
     monkeypatch.setattr(verify, "verify_region", oom)
-    reasons = []
-    prepare_region = Tuner.prepare_region
-
-    def seen(self, ex, info, symvals):
-        prepare_region(self, ex, info, symvals)
-        reasons.append((info.status, info.reason))
-    monkeypatch.setattr(Tuner, "prepare_region", seen)
+    reasons = _region_reasons(monkeypatch)
     model = nn.Sequential(nn.LayerNorm(384), nn.ReLU()).cuda().eval()
     x = torch.randn(1000, 384, device="cuda")
     opt = kbench.optimize(model, (x,), budget=budget, verbose=False)
