@@ -240,7 +240,7 @@ void cg_colsum_decl(cg *c);
 void cg_colsum_store(cg *c);
 void cg_colsum_finish(cg *c);
 
-/* ================================ layer 4: kernel (kernel.c) */
+/* ================================ layer 4: kernel (kernel.c, split.c) */
 
 /* dp[v] and the passes of a ROW / COL region (and its online normalizers) */
 void cg_plan_passes(cg *c);
@@ -254,8 +254,28 @@ void cg_emit_col_finish(cg *c);
  * (y - m)^2 with m = mean(y) of the first pass), which a split row merges with Chan's formula;
  * -1 for any other v */
 int32_t cg_split_center(const cg *c, int32_t v);
-/* the finishing kernel's body of a ROW region with row_split > 1 */
+/* split.c: the main kernel's body (cg_emit_body calls it) and the finishing kernel's body of a
+ * ROW region with row_split > 1 */
+void cg_emit_row_split_body(cg *c);
 void cg_emit_row_split_finish(cg *c);
+
+/* kernel.c's row machinery, shared with split.c: how each reduction starts, combines and
+ * reduces across a warp; the loop over a row's chunks; the cross-thread reduction of a pass;
+ * online softmax's local sums; the reductions and FULL outputs of a pass (freed by
+ * cg_free_pass_lists; 0 where there are none) */
+struct cg_red_render {
+    kb_op op;
+    const char *init;    /* identity, as a function of the compute type */
+    const char *combine; /* %s = accumulator, %s = value */
+    const char *warp;    /* helper name */
+};
+const struct cg_red_render *cg_red_of(kb_op op);
+void cg_row_chunk_loop_open(cg *c);
+void cg_row_chunk_loop_close(cg *c);
+void cg_row_group_reduce(cg *c, const int32_t *reds, int nred);
+void cg_online_local_sums(cg *c, const int32_t *reds, int nred);
+int cg_pass_lists(cg *c, int pass, int row, int32_t **reds, int *nred, int32_t **outs, int *nout);
+void cg_free_pass_lists(cg *c, int32_t *reds, int32_t *outs);
 
 /* ================================ layer 5: source (generate.c, params.c, preamble.c) */
 
