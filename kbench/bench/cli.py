@@ -10,7 +10,7 @@ import sys
 from typing import List, Optional
 
 from . import filters as filters_mod
-from . import harness, impls, results
+from . import harness, impls, results, suites
 from .tasks import dtype_name, parse_dtype, select
 
 
@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filters", action="store_true",
                    help="run the task filters (5 seeds) and write filters.json")
     p.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
+    p.add_argument("--suite", default=None,
+                   help="score a public suite's tasks instead of kbench's: a KernelBench level "
+                        "folder or file, or robust-kbench's tasks/ folder or one task folder")
     p.add_argument("--dtypes", default=None,
                    help="comma-separated dtypes (default: each task's own list)")
     p.add_argument("--backward", action="store_true",
@@ -65,9 +68,16 @@ class _Progress:
             self.bar.close()
 
 
-def list_tasks(names=None) -> str:
+def _tasks(args):
+    """The tasks a run covers: kbench's own, or those of the suite at --suite."""
+    if getattr(args, "suite", None):
+        return suites.select(suites.load(args.suite), args.tasks)
+    return select(args.tasks)
+
+
+def list_tasks(names=None, tasks=None) -> str:
     rows = []
-    for t in select(names):
+    for t in tasks if tasks is not None else select(names):
         perf = [c["name"] for c in t.configs(perf=True)]
         rows.append((t.name, ",".join(t.dtypes), "yes" if t.backward else "no",
                      len(t.input_configs), ",".join(perf) or "—", len(t.init_configs),
@@ -84,12 +94,13 @@ def _device(arg: Optional[str]) -> str:
 
 
 def run_filters(args) -> int:
-    names = args.tasks
-    prog = _Progress(len(select(names)), "filters")
-    res = filters_mod.run_filters(names, device=args.device or "cpu",
-                                  progress=lambda n: prog.step(n))
+    tasks = _tasks(args)
+    prog = _Progress(len(tasks), "filters")
+    res = filters_mod.run_filters(device=args.device or "cpu", progress=lambda n: prog.step(n),
+                                  tasks=tasks)
     prog.close()
-    path = filters_mod.write_filters(res, args.out)
+    path = filters_mod.write_filters(res, args.out,
+                                     name="suite-filters.json" if args.suite else "filters.json")
     print("\n".join(filters_mod.summary_lines(res)))
     print(f"wrote {path}")
     return 1 if filters_mod.failing(res) else 0
@@ -122,8 +133,11 @@ def write_outputs(path_json: str, rows: List[dict], impl_name: str) -> List[str]
                  " / ".join(str(d[6].get(k)) for k in ("eager", "compile", impl_name)), r["status"])
                 for r, d in zip(rows, summary_data(rows, impl_name))]
     written = [results.write_csv(base + ".csv", header, csv_rows)]
+    fp = results.fast_p(rows)
+    written.append(results.write_csv(base + "-fast_p.csv", *results.fast_p_table(fp)))
     with open(base + ".md", "w") as f:
-        f.write(summary_table(rows, impl_name) + "\n")
+        f.write(summary_table(rows, impl_name) + "\n\n"
+                + results.markdown_table(*results.fast_p_table(fp)) + "\n")
     written.append(base + ".md")
     data = summary_data(rows, impl_name)
     labels = [d[0] for d in data]
@@ -160,25 +174,26 @@ def summary_table(rows: List[dict], impl_name: str) -> str:
 def run_bench(args) -> int:
     device = _device(args.device)
     spec = args.kernel or args.impl
+    tasks = _tasks(args)
     with harness.Env(device, args.budget) as env:
         try:
-            if impls.is_builtin(spec):
+            # a suite's models are code we did not write: even eager runs in the worker
+            if impls.is_builtin(spec) and not args.suite:
                 impl_name, factory = impls.resolve(spec, budget=env.budget.kbench_budget)
             else:   # a file: loaded in the worker process, which the harness starts here
-                factory = os.path.abspath(spec)
-                if not os.path.exists(factory):
+                factory = spec if impls.is_builtin(spec) else os.path.abspath(spec)
+                if not impls.is_builtin(spec) and not os.path.exists(factory):
                     raise FileNotFoundError(spec)
                 impl_name = env.runner(factory).start()
         except Exception as e:  # noqa: BLE001 - a kernel that does not build is a failure
             print(f"error: cannot load implementation {spec!r}: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return 1
-        return _run_units(args, env, device, spec, impl_name, factory)
+        return _run_units(args, env, device, spec, impl_name, factory, tasks)
 
 
-def _run_units(args, env, device, spec, impl_name, factory) -> int:
+def _run_units(args, env, device, spec, impl_name, factory, tasks) -> int:
     import torch
-    tasks = select(args.tasks)
     want = None if not args.dtypes else {dtype_name(parse_dtype(d))
                                          for d in args.dtypes.split(",") if d}
     units = []
@@ -211,8 +226,12 @@ def _run_units(args, env, device, spec, impl_name, factory) -> int:
             torch.cuda.empty_cache()
     prog.close()
     doc = {"schema": "kbench-bench/1", "impl": impl_name, "impl_spec": spec,
-           "budget": env.budget.name, "meta": meta, "env": env.describe(), "rows": rows}
-    path = results.write_json(results.results_path(args.out, meta, prefix=f"bench-{impl_name}-"),
+           "budget": env.budget.name, "meta": meta, "env": env.describe(), "rows": rows,
+           "suite": os.path.abspath(args.suite) if args.suite else None,
+           "fast_p": results.fast_p(rows)}
+    prefix = f"bench-{impl_name}-" + (f"{os.path.basename(os.path.normpath(args.suite))}-"
+                                      if args.suite else "")
+    path = results.write_json(results.results_path(args.out, meta, prefix=prefix),
                               doc)
     extra = write_outputs(path, rows, impl_name)
     print(summary_table(rows, impl_name))
@@ -226,13 +245,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.list:
-            print(list_tasks(args.tasks))
+            print(list_tasks(tasks=_tasks(args)))
             return 0
         if args.filters:
             return run_filters(args)
         return run_bench(args)
     except KeyError as e:  # unknown task names
         print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # a --suite path that is neither format
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 

@@ -118,10 +118,12 @@ def filter_task(task: Task, device="cpu", dtype="float32", seeds: int = SEEDS) -
             "passed": all(c["passed"] for c in checks.values()), "checks": checks}
 
 
-def run_filters(names=None, device="cpu", dtype="float32", progress=None) -> dict:
-    """Filters for the named tasks (all by default). `progress(task_name)` is called per task."""
+def run_filters(names=None, device="cpu", dtype="float32", progress=None,
+                tasks=None) -> dict:
+    """Filters for the named tasks (all by default), or for `tasks` (Task objects, a suite's).
+    `progress(task_name)` is called per task."""
     results = {}
-    for task in select(names):
+    for task in tasks if tasks is not None else select(names):
         if progress is not None:
             progress(task.name)
         try:
@@ -137,10 +139,11 @@ def run_filters(names=None, device="cpu", dtype="float32", progress=None) -> dic
             "tasks": results}
 
 
-def write_filters(result: dict, out_dir: str, merge: bool = True) -> str:
-    """Write filters.json under out_dir; with merge, tasks not re-run keep their old entry."""
+def write_filters(result: dict, out_dir: str, merge: bool = True,
+                  name: str = "filters.json") -> str:
+    """Write `name` under out_dir; with merge, tasks not re-run keep their old entry."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "filters.json")
+    path = os.path.join(out_dir, name)
     if merge and os.path.exists(path):
         try:
             with open(path) as f:

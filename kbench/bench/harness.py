@@ -508,7 +508,8 @@ def _score_group(task, row, run, key, model, group, to_time, dtype, env, backwar
             if bl == impl_name:
                 continue
             try:
-                lr = env.runner(impl_mod.resolve(bl)[1])
+                # a suite task's model is code we did not write: its baselines run in workers
+                lr = env.runner(bl if getattr(task, "remote", False) else impl_mod.resolve(bl)[1])
                 lr.build(f"{key}/{bl}", task, cfg, dtype, inits[0], seed, model)
                 contenders[bl] = (lr, f"{key}/{bl}")
                 local.append(lr)

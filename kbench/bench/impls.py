@@ -4,7 +4,9 @@ built once per model (so it is then checked across batch sizes and parameter val
 not built for). Built in: eager, compile (torch.compile, default mode), kbench
 (kbench.optimize). From a file:
 
-  FILE.py   defines make(model, example_inputs) -> callable, or the kernel functions below;
+  FILE.py   defines make(model, example_inputs) -> callable, or KernelBench's ModelNew (built
+            with the task Model's constructor arguments, see model_new), or the kernel
+            functions below;
   FILE.cu   (or .cpp) a pybind11 extension built with torch.utils.cpp_extension.load that
             defines the kernel functions:
     forward(*inputs, *state) -> Tensor or tuple of Tensors
@@ -107,6 +109,28 @@ class KernelCall:
             return self.mod.forward(*args)
 
 
+def model_new(cls, model: torch.nn.Module) -> torch.nn.Module:
+    """A KernelBench candidate: ModelNew built with the task Model's constructor arguments
+    (which a suite task's model carries), its parameters and buffers then replaced by the
+    model's own tensors (the same names are required), so the values the harness sets in place
+    are the ones it computes with."""
+    args, kwargs = getattr(model, "_kbench_init_args", ((), {}))
+    new = cls(*args, **kwargs)
+    mine = dict(new.state_dict(keep_vars=True))
+    theirs = model.state_dict(keep_vars=True)
+    if set(mine) != set(theirs):
+        raise ValueError(f"ModelNew's parameters and buffers {sorted(mine)} are not Model's "
+                         f"{sorted(theirs)}")
+    for name, t in theirs.items():
+        *path, leaf = name.split(".")
+        owner = new.get_submodule(".".join(path)) if path else new
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = t
+        else:
+            owner._buffers[leaf] = t
+    return new.eval()
+
+
 def _load_py(path: str):
     name = "kbench_impl_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -129,6 +153,8 @@ def from_file(path: str) -> Factory:
     if not os.path.exists(path):
         raise FileNotFoundError(path)
     mod = _load_py(path) if path.endswith(".py") else _load_ext(path)
+    if hasattr(mod, "ModelNew"):
+        return lambda model, example_inputs: model_new(mod.ModelNew, model)
     if hasattr(mod, "make"):
         return lambda model, example_inputs: mod.make(model, example_inputs)
     if not hasattr(mod, "forward"):

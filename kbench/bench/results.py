@@ -148,3 +148,34 @@ def write_plots(path_prefix: str, labels: List[str], series: dict, roofline: dic
         plt.close(fig)
         written.append(path)
     return written
+
+
+# fast_p (KernelBench's metric, with p the margin): the share of rows that are correct (status
+# PASS) and faster than the baseline by more than p, i.e. speedup > 1 + p. KernelBench's own
+# fast_p counts speedup > p, so its fast_1 is fast_0 here. Rows whose task cannot discriminate
+# (status TASK) are not scored: they are counted apart, not in the share.
+FAST_P = (0.0, 0.05, 0.5, 1.0)
+
+
+def fast_p(rows: List[dict], baselines=("eager", "compile"), ps=FAST_P) -> dict:
+    """{"rows": scored rows, "not_scored": TASK rows, "correct": share PASS,
+    "vs_<baseline>": {"<p>": share}}."""
+    scored = [r for r in rows if r.get("status") != "TASK"]
+    n = len(scored)
+    out = {"rows": n, "not_scored": len(rows) - n,
+           "correct": sum(r.get("status") == "PASS" for r in scored) / n if n else None}
+    for bl in baselines:
+        out[f"vs_{bl}"] = {
+            f"{p:g}": (sum(1 for r in scored if r.get("status") == "PASS"
+                           and (r.get(f"speedup_vs_{bl}") or 0.0) > 1.0 + p) / n) if n else None
+            for p in ps}
+    return out
+
+
+def fast_p_table(fp: dict):
+    """(header, rows) of fast_p for the CSV and markdown summaries."""
+    ps = list(next((v for k, v in fp.items() if k.startswith("vs_")), {}))
+    header = ["baseline", "rows scored", "not scored (task)", "correct"] + [f"fast_{p}" for p in ps]
+    rows = [(k[3:], fp["rows"], fp["not_scored"], fmt(fp["correct"], ".3f"),
+             *(fmt(v[p], ".3f") for p in ps)) for k, v in fp.items() if k.startswith("vs_")]
+    return header, rows

@@ -417,7 +417,7 @@ def tampered(snap: list) -> List[str]:
 def serve(conn, arena_path: str, arena_bytes: int, device: str, threads: int) -> None:
     """The worker's loop: one request (a pickle from the harness) at a time, one JSON reply.
     Timing marks are sent as they happen, for the harness's own clock."""
-    from . import impls
+    from . import impls, suite_formats
     from .tasks import TASKS
 
     torch.set_num_threads(max(1, threads))
@@ -443,7 +443,8 @@ def serve(conn, arena_path: str, arena_bytes: int, device: str, threads: int) ->
             name, factories[req["spec"]] = impls.resolve(req["spec"], budget=req.get("budget"))
             return {"name": name}
         if op == "build":
-            task = TASKS[req["task"]]
+            task = (suite_formats.local_task(req["suite"]) if req.get("suite")
+                    else TASKS[req["task"]])
             model = task.build(req["cfg"], req["dtype"], dev, init=req["init"], seed=req["seed"])
             load_state(model, tensors_in(req["state"]))   # the harness's values, exactly
             session.build(req["key"], model, factories[req["spec"]],
@@ -456,6 +457,8 @@ def serve(conn, arena_path: str, arena_bytes: int, device: str, threads: int) ->
             session.set_state(req["key"], tensors_in(req["state"]))
             return {}
         w = Writer(arena, req["out_start"])
+        if op.startswith("suite_"):   # the task side of a suite task (suites.py)
+            return dict(suite_formats.handle(req, tensors_in, w.put, dev), full=w.full)
         if op == "state":
             return {"state": [w.put(t) for t in session.state(req["key"])], "full": w.full}
         gouts = tensors_in(req["gouts"]) if req.get("gouts") is not None else None
