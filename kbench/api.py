@@ -174,7 +174,9 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     what else is guarded), and, with the gate on, where the graphed example call is faster than
     the un-graphed one; True graphs where safe, whatever the gate, and logs once why a call runs
     without; False never. The report gives the graphed signatures and the memory they pin.
-    The returned module shares model's parameters and buffers; model itself is not modified."""
+    The returned module shares model's parameters and buffers; model itself is not modified,
+    but for a DistributedDataParallel model: its `module` is replaced by the optimized one and the
+    same DDP object returned (its gradient synchronization stays as it was built)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if backend is not None and backend not in BACKENDS:
@@ -184,6 +186,12 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     graphs.check_option(cuda_graphs)
     options = dict(backend=backend, budget=budget, seed=seed, verbose=verbose, grad_in_forward=grad_in_forward,
                    strict=strict, gate=gate, cuda_graphs=cuda_graphs)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # torch.export cannot take DDP's forward; its reducer, hooks and buckets belong to the
+        # parameters, which the optimized module shares: the wrapped module is optimized and the
+        # same DDP object returned, synchronizing gradients as before
+        model.module = optimize(model.module, example_inputs, example_kwargs, **options)
+        return model
     if example_inputs is None and example_kwargs is None:   # capture on the first call
         return LazyOptimized(model, options)
     args = () if example_inputs is None else _as_args(example_inputs)

@@ -1,0 +1,98 @@
+"""Optimized modules under DistributedDataParallel on the CPU: 2 processes, the gloo backend, the
+interp backend. DDP(optimize(model)) and optimize(DDP(model)) train as eager DDP does (the same
+losses and parameters after a few SGD steps, gradients all-reduced), with find_unused_parameters
+and with no_sync() gradient accumulation."""
+import copy
+import os
+import socket
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+class Block(nn.Module):
+    """A transformer-style MLP block, with a layer the forward never uses where `unused`."""
+
+    def __init__(self, d=32, unused=False):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        if unused:
+            self.unused = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, out):
+    sys.path.insert(0, TESTS)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import kbench
+    results = {}
+    try:
+        for order in ("ddp_of_optimized", "optimized_ddp"):
+            for unused in (False, True):
+                torch.manual_seed(0)
+                model = Block(unused=unused)
+                twin = copy.deepcopy(model)
+                xs = [torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(4)]
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    if order == "ddp_of_optimized":
+                        ours = DDP(kbench.optimize(model, (xs[0],), backend="interp", verbose=False, strict=True),
+                                   find_unused_parameters=unused)
+                    else:
+                        ours = kbench.optimize(DDP(model, find_unused_parameters=unused), (xs[0],), backend="interp",
+                                               verbose=False, strict=True)
+                ref = DDP(twin, find_unused_parameters=unused)
+                losses = []
+                for m in (ours, ref):
+                    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+                    got = []
+                    for step in range(2):
+                        opt.zero_grad()
+                        with m.no_sync():      # accumulate one micro-batch locally
+                            m(xs[2 * step]).pow(2).mean().backward()
+                        loss = m(xs[2 * step + 1]).pow(2).mean()
+                        loss.backward()
+                        opt.step()
+                        got.append(loss.item())
+                    losses.append(got)
+                params = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), twin.parameters()))
+                same = all(torch.equal(p, q) for p, q in zip(ours.module.parameters(), model.parameters()))
+                results[(order, unused)] = (losses, params, same, type(ours.module).__name__)
+    finally:
+        dist.destroy_process_group()
+    out.put((rank, results))
+
+
+def test_ddp_trains_like_eager_ddp():
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(2, _free_port(), out), nprocs=2, start_method="spawn")
+    got = dict(out.get() for _ in range(2))
+    for rank, results in got.items():
+        assert len(results) == 4
+        for (order, unused), (losses, params, same, kind) in results.items():
+            ours, ref = losses
+            assert kind == "OptimizedModule", (order, kind)
+            assert same, order     # the optimized module trains the model's own parameters
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, ref)), (rank, order, unused, losses)
+            assert params <= 1e-5, (rank, order, unused, params)
+    # the ranks' data differ, the all-reduced parameters do not: each rank's losses differ
+    assert got[0][("ddp_of_optimized", False)][0] != got[1][("ddp_of_optimized", False)][0]
