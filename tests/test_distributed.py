@@ -1,7 +1,9 @@
-"""Optimized modules under DistributedDataParallel on the CPU: 2 processes, the gloo backend, the
-interp backend. DDP(optimize(model)) and optimize(DDP(model)) train as eager DDP does (the same
-losses and parameters after a few SGD steps, gradients all-reduced), with find_unused_parameters
-and with no_sync() gradient accumulation."""
+"""Optimized modules under DistributedDataParallel and FSDP2 on the CPU: 2 processes, the gloo
+backend, the interp backend. DDP(optimize(model)) and optimize(DDP(model)) train as eager DDP
+does (the same losses and parameters after a few SGD steps, gradients all-reduced), with
+find_unused_parameters and with no_sync() gradient accumulation; an optimized block inside a
+model sharded with fully_shard trains as the eager one does, on kbench's regions at every step
+(the parameters FSDP gathers are what they read: no fallback)."""
 import copy
 import os
 import socket
@@ -76,9 +78,47 @@ def _worker(rank, world, port, out):
                 params = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), twin.parameters()))
                 same = all(torch.equal(p, q) for p, q in zip(ours.module.parameters(), model.parameters()))
                 results[(order, unused)] = (losses, params, same, type(ours.module).__name__)
+        results["fsdp"] = _fsdp(rank, world, kbench)
     finally:
         dist.destroy_process_group()
     out.put((rank, results))
+
+
+def _fsdp(rank, world, kbench):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from kbench.runtime import interp
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(rank))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model[0] = kbench.optimize(model[0], (x,), backend="interp", verbose=False, strict=True)
+    for m in (model, twin):
+        for block in m:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    runs, real = [0], interp.InterpExecutor.run
+
+    def counted(self, *a, **kw):
+        runs[0] += 1
+        return real(self, *a, **kw)
+    interp.InterpExecutor.run = counted
+    losses = []
+    for m in (model, twin):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        got = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            got.append(loss.item())
+        losses.append(got)
+    interp.InterpExecutor.run = real
+    return losses, runs[0], sorted(model[0]._kbench_reasons)
 
 
 def test_ddp_trains_like_eager_ddp():
@@ -87,6 +127,9 @@ def test_ddp_trains_like_eager_ddp():
     mp.start_processes(_worker, args=(2, _free_port(), out), nprocs=2, start_method="spawn")
     got = dict(out.get() for _ in range(2))
     for rank, results in got.items():
+        (ours, ref), runs, reasons = results.pop("fsdp")
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, ref)), (rank, ours, ref)
+        assert runs >= 3 and reasons == [], (runs, reasons)    # kbench's regions ran at each step
         assert len(results) == 4
         for (order, unused), (losses, params, same, kind) in results.items():
             ours, ref = losses
