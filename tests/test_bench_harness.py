@@ -481,3 +481,43 @@ def test_external_cu_kernel(tmp_path):
     half = types.SimpleNamespace(forward=mod.forward_half)
     row = score("bias_silu", lambda m, ex: impls.KernelCall(half, m), env)
     assert row["status"] == "FAIL" and "NaN positions" in reasons(row)
+
+
+def test_cli_resumes_from_its_results_file(tmp_path, capsys):
+    """--resume keeps the finished rows of an earlier results file (the file is rewritten after
+    every row, so a run stopped midway leaves one) and runs only the rest; a file of another
+    implementation is refused."""
+    args = ["--impl", "eager", "--tasks", "softmax,rms_norm", "--dtypes", "float32", "--budget", "quick",
+            "--baselines", "eager", "--device", "cpu", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    (path,) = tmp_path.glob("bench-eager-*.json")
+    doc = json.loads(path.read_text())
+    assert [r["task"] for r in doc["rows"]] == ["softmax", "rms_norm"]
+    kept = doc["rows"][0]
+    kept["timings"][0]["marker"] = "from the first run"
+    doc["rows"] = [kept]                       # as if the run had stopped after its first row
+    path.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert cli.main(args + ["--resume", str(path)]) == 0
+    assert "(kept)" in capsys.readouterr().err
+    again = json.loads(path.read_text())
+    assert [r["task"] for r in again["rows"]] == ["softmax", "rms_norm"]
+    assert again["rows"][0]["timings"][0]["marker"] == "from the first run" and again["rows"][1]["status"] == "PASS"
+    other = ["--impl", "compile"] + args[2:] + ["--resume", str(path)]
+    assert cli.main(other) == 2 and "nothing to resume" in capsys.readouterr().err
+
+
+def test_cli_task_timeout_bounds_every_worker_request(monkeypatch, capsys):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def env(device, budget, **kw):
+        seen.update(kw)
+        raise Stop
+    monkeypatch.setattr(cli.harness, "Env", env)
+    with pytest.raises(Stop):
+        cli.main(["--impl", "eager", "--tasks", "softmax", "--device", "cpu", "--task-timeout", "7"])
+    from kbench.bench.runner import TIMEOUTS
+    assert seen["timeouts"] == {op: 7.0 for op in TIMEOUTS}

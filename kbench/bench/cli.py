@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--out", default="benchmarks/results", help="directory for result files")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", metavar="RESULTS_JSON",
+                   help="keep the rows of an earlier run's results file (same implementation) and "
+                        "run only the others; the file is rewritten after every row")
+    p.add_argument("--task-timeout", type=float, metavar="SECONDS",
+                   help="bound every request to the implementation's worker (build, call, timing) to "
+                        "SECONDS: a task past it fails with the reason and the run goes on")
     return p
 
 
@@ -175,7 +181,8 @@ def run_bench(args) -> int:
     device = _device(args.device)
     spec = args.kernel or args.impl
     tasks = _tasks(args)
-    with harness.Env(device, args.budget) as env:
+    timeouts = {op: args.task_timeout for op in runner_timeouts()} if args.task_timeout else None
+    with harness.Env(device, args.budget, timeouts=timeouts) as env:
         try:
             # a suite's models are code we did not write: even eager runs in the worker
             if impls.is_builtin(spec) and not args.suite:
@@ -208,10 +215,26 @@ def _run_units(args, env, device, spec, impl_name, factory, tasks) -> int:
     meta = results.metadata(device)
     if env.cuda:
         env.copy()  # measured up front, in the same run as everything it is compared with
-    rows = []
+    rows, kept, path = [], {}, None
+    if args.resume:
+        kept, path = _resumed(args.resume, spec)
     prog = _Progress(len(units), impl_name)
+
+    def doc():
+        return {"schema": "kbench-bench/1", "impl": impl_name, "impl_spec": spec,
+                "budget": env.budget.name, "meta": meta, "env": env.describe(), "rows": rows,
+                "suite": os.path.abspath(args.suite) if args.suite else None,
+                "fast_p": results.fast_p(rows)}
+    prefix = f"bench-{impl_name}-" + (f"{os.path.basename(os.path.normpath(args.suite))}-"
+                                      if args.suite else "")
+    path = path or results.results_path(args.out, meta, prefix=prefix)
     for t, dt, bw in units:
         label = f"{t.name} {dt} {'fwd+bwd' if bw else 'fwd'}"
+        old = kept.get((t.name, dt, "fwdbwd" if bw else "fwd"))
+        if old is not None:
+            rows.append(old)
+            prog.step(label, old["status"] + " (kept)")
+            continue
         try:
             row = harness.score(t, impl_name, factory, dtype=dt, backward=bw, env=env,
                                 baselines=baselines, seed=args.seed)
@@ -221,24 +244,37 @@ def _run_units(args, env, device, spec, impl_name, factory, tasks) -> int:
                    "failures": [f"harness error: {type(e).__name__}: {e}"],
                    "task_problems": [], "flags": []}
         rows.append(row)
+        results.write_json(path, doc())     # a run stopped here resumes from this file
         prog.step(label, row["status"])
         if env.cuda:
             torch.cuda.empty_cache()
     prog.close()
-    doc = {"schema": "kbench-bench/1", "impl": impl_name, "impl_spec": spec,
-           "budget": env.budget.name, "meta": meta, "env": env.describe(), "rows": rows,
-           "suite": os.path.abspath(args.suite) if args.suite else None,
-           "fast_p": results.fast_p(rows)}
-    prefix = f"bench-{impl_name}-" + (f"{os.path.basename(os.path.normpath(args.suite))}-"
-                                      if args.suite else "")
-    path = results.write_json(results.results_path(args.out, meta, prefix=prefix),
-                              doc)
+    path = results.write_json(path, doc())
     extra = write_outputs(path, rows, impl_name)
     print(summary_table(rows, impl_name))
     bad = [r for r in rows if r["status"] != "PASS"]
     print(f"\n{len(rows) - len(bad)}/{len(rows)} rows pass; results in {path}"
           + (f" (and {', '.join(os.path.basename(x) for x in extra)})" if extra else ""))
     return 1 if bad else 0
+
+
+def runner_timeouts() -> dict:
+    from .runner import TIMEOUTS
+    return TIMEOUTS
+
+
+def _resumed(path: str, spec: str) -> tuple:
+    """({(task, dtype, mode): row}, path) of an earlier results file for the same implementation:
+    its finished rows (PASS, FAIL, TASK; not ERROR: a harness error is tried again)."""
+    import json
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("schema") != "kbench-bench/1":
+        raise ValueError(f"{path} is not a kbench bench results file")
+    if doc.get("impl_spec") != spec:
+        raise ValueError(f"{path} scored {doc.get('impl_spec')!r}, not {spec!r}: nothing to resume")
+    return {(r["task"], r["dtype"], r["mode"]): r for r in doc.get("rows", [])
+            if r.get("status") != "ERROR"}, path
 
 
 def main(argv: Optional[List[str]] = None) -> int:
