@@ -1,5 +1,5 @@
-"""python -m kbench {info,bench,cache}: what kbench sees on this machine, the robust benchmark,
-and the persistent kernel cache."""
+"""python -m kbench {info,bench,cache,agent}: what kbench sees on this machine, the robust benchmark,
+the persistent kernel cache, and the agentic loop."""
 from __future__ import annotations
 
 import argparse
@@ -28,8 +28,9 @@ def info() -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m kbench", description=__doc__)
-    parser.add_argument("command", choices=["info", "bench", "cache"],
-                        help="info: versions, GPU, NVRTC; bench: the benchmark; cache: ls, clear, export, info")
+    parser.add_argument("command", choices=["info", "bench", "cache", "agent"],
+                        help="info: versions, GPU, NVRTC; bench: the benchmark; cache: ls, clear, export, info; "
+                             "agent: the agentic loop on a task")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -42,6 +43,9 @@ def main(argv=None) -> int:
     if command == "cache":
         from kbench.tune.cache import cli_main
         return cli_main(rest)
+    if command == "agent":
+        from kbench.agent.cli import main as agent_main
+        return agent_main(rest)
     parser.parse_args([command])
     return 2
 

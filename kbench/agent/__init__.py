@@ -1,3 +1,3 @@
-"""The agentic loop's parts (docs/DESIGN.md, "Verification"): the soft verifier, which judges a
-CUDA source before anything of it runs on a GPU (soft.py, cubin.py), and the LLM proposer and
-verifier over any OpenAI-compatible endpoint (llm.py). The loop that drives them is not built yet."""
+"""The agentic loop (loop.py, `python -m kbench agent`): proposals from kbench's own generator and
+from any OpenAI-compatible endpoint (llm.py), judged before any GPU by the soft verifier (soft.py,
+cubin.py), then by the robust harness on the hardware."""

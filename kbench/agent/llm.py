@@ -93,13 +93,28 @@ def extract_cuda(text: str) -> str | None:
     return None
 
 
+def extract_implementation(text: str) -> tuple[str | None, str]:
+    """(source, ".cu" or ".py") of an answer: a CUDA extension (a block with a __global__ kernel
+    and no Python), else a Python implementation file (a ```python block defining make, forward
+    or ModelNew, kbench bench's file formats; it may hold CUDA for load_inline); (None, "")."""
+    for m in re.finditer(r"```[ \t]*([\w+]*)[ \t]*\n(.*?)```", text, flags=re.S):
+        lang, body = m.group(1).lower(), m.group(2)
+        if lang in ("python", "py") and re.search(r"^(?:def (?:make|forward)\b|class ModelNew\b)", body, re.M):
+            return body.strip() + "\n", ".py"
+        if lang not in ("python", "py") and "__global__" in body:
+            return body.strip() + "\n", ".cu"
+    return None, ""
+
+
 # ------------------------------------------------------------------------------------ proposer
 
 @dataclasses.dataclass
 class Proposal:
-    source: str | None      # a CUDA source (robust-kbench's kernel.cu format), None where there is none
+    source: str | None      # an implementation file's text (suffix says which), None where there is none
     error: str = ""         # why there is none
     proposer: str = "openai"
+    suffix: str = ".cu"     # ".cu" (a torch extension) or ".py" (kbench bench's Python formats)
+    spec: str = ""          # instead of a source: a built-in implementation ("kbench:fast")
 
 
 PROMPT = """You write CUDA kernels that replace a PyTorch function. Answer with one fenced ```cuda
@@ -146,8 +161,9 @@ class OpenAIProposer:
         entry["replies"] = texts
         out = []
         for t in texts:
-            src = extract_cuda(t)
-            out.append(Proposal(src, "" if src else "no ```cuda block with a __global__ kernel in the reply"))
+            src, suffix = extract_implementation(t)
+            out.append(Proposal(src, "" if src else "no ```cuda block with a __global__ kernel in the reply",
+                                suffix=suffix or ".cu"))
         return out
 
 

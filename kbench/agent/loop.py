@@ -1,0 +1,163 @@
+"""The agentic loop: generations of proposals -> soft verification -> the robust harness
+(hardware verification and timing; files run in its worker processes) -> selection. The best
+verified implementations and the last generation's feedback (failures, soft findings) go into
+the next generation's prompts. Every candidate is one line of a JSONL record, which also makes a
+run resumable: a candidate already in the record is not scored again."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import time
+
+from . import soft
+from .llm import Proposal
+
+
+class KbenchProposer:
+    """kbench's own generator: captured regions, genomes, the search's mutation and crossover,
+    proposed as kbench.optimize at a larger search budget each generation (the evolution over
+    genomes runs inside it), so the loop runs end to end with no LLM."""
+    name = "kbench"
+    BUDGETS = ("fast", "default", "max")
+
+    def __init__(self):
+        self.asked = 0
+
+    def propose(self, task_code: str, best=(), feedback=(), n: int = 1) -> list[Proposal]:
+        if self.asked >= len(self.BUDGETS):
+            return []
+        budget = self.BUDGETS[self.asked]
+        self.asked += 1
+        return [Proposal(None, proposer=self.name, spec=f"kbench:{budget}")]
+
+
+@dataclasses.dataclass
+class Candidate:
+    key: str                # sha256 of the proposal (its source, or its built-in spec)
+    proposer: str
+    generation: int
+    spec: str               # "kbench:<budget>" or the implementation file scored
+    status: str             # PASS, FAIL, ERROR (the harness's), SOFT (refused before the GPU), NONE
+    speedup: float | None = None     # over eager, at the timed configs
+    ms: float | None = None
+    feedback: str = ""      # the first failure, finding or error: what the next prompt hears
+    source: str | None = None
+
+
+def cuda_in(source: str, suffix: str) -> list[str]:
+    """The CUDA sources of an implementation: the file itself (.cu), or a Python file's string
+    literals that define kernels (load_inline), found by parsing, never by running it."""
+    if suffix != ".py":
+        return [source]
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and "__global__" in n.value]
+
+
+def _impl_ms(row: dict, name: str):
+    for t in row.get("timings", []):
+        e = t.get("impls", {}).get(name) or {}
+        if e.get("median_ms") is not None:
+            return e["median_ms"]
+    return None
+
+
+def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir: str) -> Candidate:
+    """One proposal through soft verification and the harness."""
+    from ..bench import harness, impls
+    what = prop.source if prop.source is not None else prop.spec
+    key = hashlib.sha256(f"{prop.suffix}\0{what}".encode()).hexdigest()
+    cand = Candidate(key, prop.proposer, generation, prop.spec, "NONE", source=prop.source)
+    if prop.source is None and not prop.spec:
+        cand.feedback = prop.error or "no proposal"
+        return cand
+    if prop.source is not None:
+        findings = [f for src in cuda_in(prop.source, prop.suffix) for f in soft.analyze(src) if f.fatal]
+        if findings:
+            cand.status, cand.feedback = "SOFT", "; ".join(f"{f.kind} in {f.where}: {f.detail}" for f in findings)
+            return cand
+        os.makedirs(out_dir, exist_ok=True)
+        cand.spec = os.path.join(out_dir, f"cand-{key[:16]}{prop.suffix}")
+        with open(cand.spec, "w") as f:
+            f.write(prop.source)
+        name, factory = os.path.basename(cand.spec), cand.spec
+    else:
+        builtin, _, budget = prop.spec.partition(":")
+        name, factory = impls.resolve(builtin, budget=budget or None)
+    try:
+        row = harness.score(task, name, factory, dtype=dtype, backward=False, env=env, baselines=("eager",))
+    except Exception as e:  # noqa: BLE001 - a harness error is this candidate's, the loop goes on
+        cand.status, cand.feedback = "ERROR", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        return cand
+    cand.status = row["status"]
+    cand.speedup, cand.ms = row.get("speedup_vs_eager"), _impl_ms(row, name)
+    cand.feedback = ((row["failures"] or row["task_problems"] or row["flags"] or [""])[0])[:300]
+    return cand
+
+
+def _load_record(path: str | None) -> dict:
+    done = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    d = json.loads(line)
+                    done[d["key"]] = Candidate(**{k: d.get(k) for k in Candidate.__dataclass_fields__})
+                except (ValueError, KeyError, TypeError):
+                    continue   # a line cut by an interrupted run
+    return done
+
+
+def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str = "cpu", dtype: str | None = None,
+        out_dir: str = "agent-out", budget: str = "quick", record_path: str | None = None,
+        seconds: float | None = None, progress=None) -> dict:
+    """Runs the loop on a bench Task. Returns {"best": the fastest PASS Candidate or None,
+    "candidates": every Candidate}; the record (JSONL) at record_path, by default in out_dir."""
+    from ..bench import harness
+    record_path = record_path or os.path.join(out_dir, "record.jsonl")
+    os.makedirs(os.path.dirname(record_path) or ".", exist_ok=True)
+    done = _load_record(record_path)
+    try:
+        task_code = inspect.getsource(task.module)
+    except (TypeError, OSError):
+        task_code = f"# task {task.name}: {task.description}"
+    dtype = dtype or task.dtypes[0]
+    t0, cands, best, feedback = time.monotonic(), [], [], []
+    with harness.Env(device, budget) as env, open(record_path, "a") as rec:
+        for g in range(generations):
+            proposals = []
+            for p in proposers:
+                try:
+                    proposals += p.propose(task_code, best=[(c.source or c.spec, c.ms or 0.0, None) for c in best],
+                                           feedback=feedback, n=per_call)
+                except Exception as e:  # noqa: BLE001 - a proposer that fails: the others go on
+                    proposals.append(Proposal(None, f"proposer failed: {type(e).__name__}: {e}",
+                                              proposer=getattr(p, "name", "?")))
+            feedback = []
+            for prop in proposals:
+                what = prop.source if prop.source is not None else prop.spec
+                key = hashlib.sha256(f"{prop.suffix}\0{what}".encode()).hexdigest()
+                cand = done.get(key) if what else None
+                if cand is None:
+                    cand = evaluate(task, prop, g, env, dtype=dtype, out_dir=out_dir)
+                    rec.write(json.dumps(dataclasses.asdict(cand)) + "\n")
+                    rec.flush()
+                    done[key] = cand
+                cands.append(cand)
+                if cand.status != "PASS" and cand.feedback:
+                    feedback.append(f"a {cand.proposer} candidate: {cand.status}: {cand.feedback}")
+                if progress:
+                    progress(f"generation {g}: {cand.proposer} {cand.status} "
+                             f"{'' if cand.speedup is None else f'{cand.speedup:.2f}x eager'}")
+            passed = {c.key: c for c in cands if c.status == "PASS" and c.speedup is not None}
+            best = sorted(passed.values(), key=lambda c: -c.speedup)[:3]
+            if seconds is not None and time.monotonic() - t0 > seconds:
+                break
+    return {"best": best[0] if best else None, "candidates": cands}

@@ -1,0 +1,59 @@
+"""The agentic loop (kbench/agent/loop.py) end to end on the CPU: kbench's own proposer and an
+LLM proposer against a local chat-completions test double (tests/test_llm_endpoint.py's),
+through soft verification and the robust harness. A right proposal passes and is the best; a
+wrong one fails the harness; one with a shared-memory race is refused before anything runs;
+the next generation's prompt carries the best source and the failures; a second run resumes
+from the record without scoring anything again."""
+import json
+
+from kbench.agent import llm, loop
+from kbench.bench.tasks import TASKS
+from test_llm_endpoint import answer, endpoint, server  # noqa: F401 - the fixture
+
+RIGHT = "```python\nimport torch\n\ndef make(model, example_inputs):\n    return lambda x: torch.softmax(x, dim=-1)\n```"
+WRONG = "```python\ndef make(model, example_inputs):\n    return lambda x: x * 1.0\n```"
+RACY = """```cuda
+#include <torch/extension.h>
+__global__ void k(float *y, const float *x) {
+    __shared__ float m[1];
+    if (threadIdx.x == 0) m[0] = x[0];
+    y[threadIdx.x] = x[threadIdx.x] - m[0];
+}
+torch::Tensor forward(torch::Tensor x) { return x; }
+```"""
+
+
+def test_the_loop_end_to_end_on_the_cpu(server, tmp_path):  # noqa: F811 - the fixture
+    server.script += [(200, answer(RIGHT, WRONG, RACY), 0), (200, answer("no code today"), 0)]
+    proposers = [loop.KbenchProposer(), llm.OpenAIProposer(endpoint(server))]
+    lines = []
+    got = loop.run(TASKS["softmax"], proposers, generations=2, per_call=3, device="cpu", out_dir=str(tmp_path),
+                   budget="quick", progress=lines.append)
+    by = {}
+    for c in got["candidates"]:
+        by.setdefault((c.proposer, c.status), []).append(c)
+    assert sorted(by) == [("kbench", "PASS"), ("openai", "FAIL"), ("openai", "NONE"), ("openai", "PASS"),
+                          ("openai", "SOFT")], sorted(by)
+    assert "missing barrier" in by[("openai", "SOFT")][0].feedback
+    assert [c.spec for c in by[("kbench", "PASS")]] == ["kbench:fast", "kbench:default"]
+    best = got["best"]
+    assert best is not None and best.status == "PASS" and best.speedup > 0
+    # the second generation's prompt: the best so far and what the first generation met
+    prompt = server.seen[1]["body"]["messages"][1]["content"]
+    assert "torch.softmax(x, dim=-1)" in prompt or "kbench:" in prompt
+    assert "FAIL" in prompt and "missing barrier" in prompt
+    record = [json.loads(x) for x in (tmp_path / "record.jsonl").read_text().splitlines()]
+    assert len(record) == len(got["candidates"]) and len(lines) == len(record)
+
+    # a second run with kbench's proposer alone scores nothing again: both come from the record
+    again = loop.run(TASKS["softmax"], [loop.KbenchProposer()], generations=2, device="cpu", out_dir=str(tmp_path))
+    assert [c.status for c in again["candidates"]] == ["PASS", "PASS"]
+    assert len((tmp_path / "record.jsonl").read_text().splitlines()) == len(record)
+
+
+def test_agent_cli_refuses_what_it_cannot_run(capsys):
+    from kbench.__main__ import main
+    assert main(["agent", "softmax", "--no-kbench"]) == 2 and "no proposer" in capsys.readouterr().err
+    assert main(["agent", "softmax", "--endpoint", "http://127.0.0.1:9/v1"]) == 2
+    assert "needs --model" in capsys.readouterr().err
+    assert main(["agent", "no_such_task", "--device", "cpu"]) == 2 and "no task" in capsys.readouterr().err
