@@ -57,3 +57,32 @@ def test_agent_cli_refuses_what_it_cannot_run(capsys):
     assert main(["agent", "softmax", "--endpoint", "http://127.0.0.1:9/v1"]) == 2
     assert "needs --model" in capsys.readouterr().err
     assert main(["agent", "no_such_task", "--device", "cpu"]) == 2 and "no task" in capsys.readouterr().err
+
+
+RACY_RIGHT = '''```python
+import torch
+KERNEL = """
+__global__ void k(float *y, const float *x) {
+    __shared__ float m[1];
+    if (threadIdx.x == 0) m[0] = x[0];
+    y[threadIdx.x] = m[0];
+}
+"""
+
+def make(model, example_inputs):
+    return lambda x: torch.softmax(x, dim=-1)   # the kernel above is never built
+```'''
+WRONG_CLEAN = "```python\ndef make(model, example_inputs):\n    return lambda x: x + 0.0\n```"
+
+
+def test_soft_audit_measures_the_verifier_against_the_harness(server, tmp_path):  # noqa: F811 - the fixture
+    """With audit_soft, what the soft verifier refuses is scored anyway: a proposal whose
+    load_inline string races (found by parsing, never run) but whose Python is right counts as a
+    right one refused; a clean but wrong one as a wrong one let through."""
+    server.script.append((200, answer(RACY_RIGHT, WRONG_CLEAN), 0))
+    got = loop.run(TASKS["softmax"], [llm.OpenAIProposer(endpoint(server))], generations=1, per_call=2,
+                   device="cpu", out_dir=str(tmp_path), audit_soft=True)
+    racy, wrong = got["candidates"]
+    assert "missing barrier" in racy.soft and racy.status == "PASS"
+    assert wrong.soft == "" and wrong.status == "FAIL"
+    assert got["soft"] == {"scored": 2, "stopped_wrong": 0, "rejected_right": 1, "missed_wrong": 1}

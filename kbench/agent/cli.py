@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", help="an OpenAI-compatible base URL, e.g. http://localhost:8000/v1")
     p.add_argument("--model", help="the endpoint's model name")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="the variable holding the API key")
+    p.add_argument("--audit-soft", action="store_true",
+                   help="score what the soft verifier refuses too, and report how it did against the harness")
     return p
 
 
@@ -52,7 +54,11 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     got = loop.run(task, proposers, generations=args.generations, per_call=args.per_call, device=device,
                    dtype=args.dtype, out_dir=args.out, budget=args.budget, seconds=args.seconds,
-                   progress=lambda line: print(line, file=sys.stderr, flush=True))
+                   progress=lambda line: print(line, file=sys.stderr, flush=True), audit_soft=args.audit_soft)
+    if args.audit_soft:
+        r = got["soft"]
+        print(f"soft verification against the harness, over {r['scored']} scored: stopped {r['stopped_wrong']} "
+              f"wrong, refused {r['rejected_right']} right, let {r['missed_wrong']} wrong through")
     best = got["best"]
     print(f"{len(got['candidates'])} candidates; best: " +
           (f"{best.proposer} {best.spec} at {best.speedup:.2f}x eager" if best else "none passed"))

@@ -46,6 +46,7 @@ class Candidate:
     ms: float | None = None
     feedback: str = ""      # the first failure, finding or error: what the next prompt hears
     source: str | None = None
+    soft: str = ""          # the soft verifier's fatal findings ("" where it found none)
 
 
 def cuda_in(source: str, suffix: str) -> list[str]:
@@ -69,8 +70,10 @@ def _impl_ms(row: dict, name: str):
     return None
 
 
-def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir: str) -> Candidate:
-    """One proposal through soft verification and the harness."""
+def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir: str,
+             audit_soft: bool = False) -> Candidate:
+    """One proposal through soft verification and the harness. audit_soft: a proposal the soft
+    verifier refuses is scored anyway (its status is then the harness's), to measure the verifier."""
     from ..bench import harness, impls
     what = prop.source if prop.source is not None else prop.spec
     key = hashlib.sha256(f"{prop.suffix}\0{what}".encode()).hexdigest()
@@ -81,8 +84,10 @@ def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir:
     if prop.source is not None:
         findings = [f for src in cuda_in(prop.source, prop.suffix) for f in soft.analyze(src) if f.fatal]
         if findings:
-            cand.status, cand.feedback = "SOFT", "; ".join(f"{f.kind} in {f.where}: {f.detail}" for f in findings)
-            return cand
+            cand.soft = "; ".join(f"{f.kind} in {f.where}: {f.detail}" for f in findings)
+            cand.status, cand.feedback = "SOFT", cand.soft
+            if not audit_soft:
+                return cand
         os.makedirs(out_dir, exist_ok=True)
         cand.spec = os.path.join(out_dir, f"cand-{key[:16]}{prop.suffix}")
         with open(cand.spec, "w") as f:
@@ -98,8 +103,19 @@ def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir:
         return cand
     cand.status = row["status"]
     cand.speedup, cand.ms = row.get("speedup_vs_eager"), _impl_ms(row, name)
-    cand.feedback = ((row["failures"] or row["task_problems"] or row["flags"] or [""])[0])[:300]
+    cand.feedback = cand.soft or ((row["failures"] or row["task_problems"] or row["flags"] or [""])[0])[:300]
     return cand
+
+
+def soft_report(cands) -> dict:
+    """How the soft verifier did against the harness, over candidates scored by both (a run with
+    audit_soft): wrong ones it stopped before the GPU, right ones it refused, wrong ones it let
+    through (the harness caught them)."""
+    both = [c for c in cands if c.status in ("PASS", "FAIL")]
+    return {"scored": len(both),
+            "stopped_wrong": sum(1 for c in both if c.soft and c.status == "FAIL"),
+            "rejected_right": sum(1 for c in both if c.soft and c.status == "PASS"),
+            "missed_wrong": sum(1 for c in both if not c.soft and c.status == "FAIL")}
 
 
 def _load_record(path: str | None) -> dict:
@@ -117,9 +133,10 @@ def _load_record(path: str | None) -> dict:
 
 def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str = "cpu", dtype: str | None = None,
         out_dir: str = "agent-out", budget: str = "quick", record_path: str | None = None,
-        seconds: float | None = None, progress=None) -> dict:
+        seconds: float | None = None, progress=None, audit_soft: bool = False) -> dict:
     """Runs the loop on a bench Task. Returns {"best": the fastest PASS Candidate or None,
-    "candidates": every Candidate}; the record (JSONL) at record_path, by default in out_dir."""
+    "candidates": every Candidate, "soft": soft_report}; the record (JSONL) at record_path, by
+    default in out_dir. audit_soft: score what the soft verifier refuses too (see soft_report)."""
     from ..bench import harness
     record_path = record_path or os.path.join(out_dir, "record.jsonl")
     os.makedirs(os.path.dirname(record_path) or ".", exist_ok=True)
@@ -146,7 +163,7 @@ def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str
                 key = hashlib.sha256(f"{prop.suffix}\0{what}".encode()).hexdigest()
                 cand = done.get(key) if what else None
                 if cand is None:
-                    cand = evaluate(task, prop, g, env, dtype=dtype, out_dir=out_dir)
+                    cand = evaluate(task, prop, g, env, dtype=dtype, out_dir=out_dir, audit_soft=audit_soft)
                     rec.write(json.dumps(dataclasses.asdict(cand)) + "\n")
                     rec.flush()
                     done[key] = cand
@@ -160,4 +177,4 @@ def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str
             best = sorted(passed.values(), key=lambda c: -c.speedup)[:3]
             if seconds is not None and time.monotonic() - t0 > seconds:
                 break
-    return {"best": best[0] if best else None, "candidates": cands}
+    return {"best": best[0] if best else None, "candidates": cands, "soft": soft_report(cands)}
