@@ -70,7 +70,7 @@ def resources(blob: bytes) -> dict[str, dict[str, int]]:
             fmt, attr, n = struct.unpack_from("<BBH", blob, pos)
             pos += 4
             if fmt != _EIFMT_SVAL:
-                n = 0 if fmt in (1, 2) else n   # NVAL/BVAL carry no payload beyond the 2-byte size field
+                n = 0   # NVAL, BVAL, HVAL: the value (if any) is in the 2-byte field itself
             if fmt == _EIFMT_SVAL and n >= 8 and attr in (_EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT):
                 sym, value = struct.unpack_from("<II", blob, pos)
                 kernel = syms[sym] if sym < len(syms) else ""

@@ -62,6 +62,12 @@ def cuda_in(source: str, suffix: str) -> list[str]:
             and "__global__" in n.value]
 
 
+def proposal_key(prop: Proposal) -> str:
+    """A proposal's identity in the record: its source (or built-in spec) and file kind."""
+    what = prop.source if prop.source is not None else prop.spec
+    return hashlib.sha256(f"{prop.suffix}\0{what}".encode()).hexdigest()
+
+
 def _impl_ms(row: dict, name: str):
     for t in row.get("timings", []):
         e = t.get("impls", {}).get(name) or {}
@@ -75,8 +81,7 @@ def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir:
     """One proposal through soft verification and the harness. audit_soft: a proposal the soft
     verifier refuses is scored anyway (its status is then the harness's), to measure the verifier."""
     from ..bench import harness, impls
-    what = prop.source if prop.source is not None else prop.spec
-    key = hashlib.sha256(f"{prop.suffix}\0{what}".encode()).hexdigest()
+    key = proposal_key(prop)
     cand = Candidate(key, prop.proposer, generation, prop.spec, "NONE", source=prop.source)
     if prop.source is None and not prop.spec:
         cand.feedback = prop.error or "no proposal"
@@ -159,14 +164,12 @@ def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str
                                               proposer=getattr(p, "name", "?")))
             feedback = []
             for prop in proposals:
-                what = prop.source if prop.source is not None else prop.spec
-                key = hashlib.sha256(f"{prop.suffix}\0{what}".encode()).hexdigest()
-                cand = done.get(key) if what else None
+                cand = done.get(proposal_key(prop)) if prop.source is not None or prop.spec else None
                 if cand is None:
                     cand = evaluate(task, prop, g, env, dtype=dtype, out_dir=out_dir, audit_soft=audit_soft)
                     rec.write(json.dumps(dataclasses.asdict(cand)) + "\n")
                     rec.flush()
-                    done[key] = cand
+                    done[cand.key] = cand
                 cands.append(cand)
                 if cand.status != "PASS" and cand.feedback:
                     feedback.append(f"a {cand.proposer} candidate: {cand.status}: {cand.feedback}")

@@ -135,13 +135,15 @@ def _shared_findings(name: str, body: str) -> list[Finding]:
     findings = []
     arrays = [m.group(2) for m in re.finditer(
         r"(?<!volatile )\b__shared__\s+(?!volatile)(?:[\w:<>]+\s+)+?(?:__align__\s*\(\s*\d+\s*\)\s*)?(\*?\s*)(\w+)\s*\[", body)]
+    stmts = _statements(body)
+    norm = lambda s: re.sub(r"\s+", "", s)   # noqa: E731
     for arr in arrays:
         uses = re.findall(rf"\b{arr}\b(?!\s*\[)", body)
         if len(uses) > 1:   # the declaration's own name aside: passed by pointer or aliased
             continue
         wrote_any, pending = False, []     # pending: (index, under a condition) since the last barrier
-        stmts = _statements(body)
-        norm = lambda s: re.sub(r"\s+", "", s)   # noqa: E731
+        last_write = max((n for n, (t, _) in enumerate(stmts) if re.search(rf"\b{arr}{_SUBS}{_ASSIGN}", t)),
+                         default=-1)
         for n, (text, conditional) in enumerate(stmts):
             if BARRIERS.search(text):
                 pending = []
@@ -153,8 +155,7 @@ def _shared_findings(name: str, body: str) -> list[Finding]:
             reads += [m.group(1) for m in re.finditer(rf"\b{arr}{_SUBS}\s*(?:[-+*/%&|^]|<<|>>)=", text)]
             found = None
             for idx in reads:
-                later_write = any(re.search(rf"\b{arr}{_SUBS}{_ASSIGN}", t) for t, _ in stmts[n + 1:])
-                if not wrote_any and not later_write:
+                if not wrote_any and last_write <= n:
                     found = Finding("shared read before write", name,
                                     f"{arr}{idx.strip()} is read and nothing writes {arr}")
                 elif not wrote_any and not re.search(r"\b(?:for|while|do)\b", body[:body.find(text)]):

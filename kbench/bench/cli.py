@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from . import filters as filters_mod
 from . import harness, impls, results, suites
+from .runner import TIMEOUTS
 from .tasks import dtype_name, parse_dtype, select
 
 
@@ -181,7 +182,7 @@ def run_bench(args) -> int:
     device = _device(args.device)
     spec = args.kernel or args.impl
     tasks = _tasks(args)
-    timeouts = {op: args.task_timeout for op in runner_timeouts()} if args.task_timeout else None
+    timeouts = {op: args.task_timeout for op in TIMEOUTS} if args.task_timeout else None
     with harness.Env(device, args.budget, timeouts=timeouts) as env:
         try:
             # a suite's models are code we did not write: even eager runs in the worker
@@ -256,11 +257,6 @@ def _run_units(args, env, device, spec, impl_name, factory, tasks) -> int:
     print(f"\n{len(rows) - len(bad)}/{len(rows)} rows pass; results in {path}"
           + (f" (and {', '.join(os.path.basename(x) for x in extra)})" if extra else ""))
     return 1 if bad else 0
-
-
-def runner_timeouts() -> dict:
-    from .runner import TIMEOUTS
-    return TIMEOUTS
 
 
 def _resumed(path: str, spec: str) -> tuple:

@@ -206,19 +206,28 @@ def _recording_class(cls):
 
     has_getattr = hasattr(cls, "__getattr__")
 
-    def __getattribute__(self, name):
-        try:
-            v = super(sub, self).__getattribute__(name)
-        except AttributeError:
+    def recorded(lookup: str, note_missing: bool):
+        """cls's `lookup` (__getattribute__ or __getattr__), with each read (and, where
+        note_missing, each miss) told to the active recorder."""
+        base = getattr(cls, lookup)   # sub's only base is cls: what super(sub, self) would find
+
+        def get(self, name):
+            try:
+                v = base(self, name)
+            except AttributeError:
+                rec = _active
+                if note_missing and rec is not None and rec.depth:
+                    rec.missed(self, name)
+                raise
             rec = _active
-            if not has_getattr and rec is not None and rec.depth:   # else __getattr__ decides
-                rec.missed(self, name)
-            raise
-        rec = _active
-        if rec is not None and rec.depth:
-            rec.read(self, name, v)
-        return v
-    ns["__getattribute__"] = __getattribute__
+            if rec is not None and rec.depth:
+                rec.read(self, name, v)
+            return v
+        get.__name__ = lookup
+        return get
+    # a miss is __getattr__'s to note where the class has one (nn.Module's: parameters, buffers,
+    # submodules), else __getattribute__'s
+    ns["__getattribute__"] = recorded("__getattribute__", not has_getattr)
 
     def __setattr__(self, name, value):
         rec = _active
@@ -233,20 +242,8 @@ def _recording_class(cls):
             rec.wrote(self, name)
         super(sub, self).__delattr__(name)
     ns["__delattr__"] = __delattr__
-    if has_getattr:   # nn.Module's: parameters, buffers, submodules
-        def __getattr__(self, name):
-            try:
-                v = super(sub, self).__getattr__(name)
-            except AttributeError:
-                rec = _active
-                if rec is not None and rec.depth:
-                    rec.missed(self, name)
-                raise
-            rec = _active
-            if rec is not None and rec.depth:
-                rec.read(self, name, v)
-            return v
-        ns["__getattr__"] = __getattr__
+    if has_getattr:
+        ns["__getattr__"] = recorded("__getattr__", True)
     sub = _subclasses[cls] = type(cls.__name__, (cls,), ns)
     _origin[sub] = cls
     return sub
