@@ -194,3 +194,65 @@ def test_split_kernels_compile(compile_once, norm_capture):
             items.append((_C.generate(p, 0, sm, gn, dev).source, f"sm_{sm}", (label, str(gn))))
     for (_, arch, what), cubin in zip(items, compile_once(items)):
         assert cubin[:4] == b"\x7fELF", (*what, arch)
+
+
+# ------------------------------------------------------------------ the backward of few long rows
+
+def _ln_capture(normalized, batch, dtype=torch.float64):
+    from kbench.capture import capture
+    m = torch.nn.LayerNorm(normalized).to(dtype)
+    with torch.no_grad():
+        m.weight.normal_(), m.bias.normal_()
+    return m, capture(m, (torch.randn(batch, *normalized, dtype=dtype),))
+
+
+def test_layernorm_backward_over_several_dims_is_one_pass_of_sums():
+    """LayerNorm over three dims, its mean and variance saved: the backward's sum of
+    -(g * rstd + 2 * k * xc), k from another row sum, is regrouped into sums that wait for no
+    other (simplify.c, over an axis set, as over one axis), and the gradients match autograd."""
+    from kbench.runtime.interp import run_graph
+    m, cap = _ln_capture((3, 4, 5), 2)
+    p = cap.graph.partition()
+    p.save_stats(0)
+    bwd = p.region_graph(0).grad([True, True, True], saved=p.region(0)["saved"])
+    text = str(bwd)
+    depth, row_sums = {}, []
+    for ln in text.splitlines():    # "%k = op %a, %b ..." in id order: reductions nested under v
+        mt = re.match(r"\s*%(\d+) = (\w+)(.*)", ln)
+        if not mt:
+            continue
+        v, op = int(mt.group(1)), mt.group(2)
+        d = max([depth.get(int(u), 0) for u in re.findall(r"%(\d+)", mt.group(3))], default=0)
+        depth[v] = d + (op in ("sum", "mean", "max", "min"))
+        if op == "sum" and "axes=[1,2,3]" in ln:
+            row_sums.append(v)
+    assert len(row_sums) == 2 and max(depth[v] for v in row_sums) == 1, text
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    want = torch.autograd.grad(m(x), [x, m.weight, m.bias], up)
+    xd = x.detach()
+    mean = xd.mean((1, 2, 3), keepdim=True)
+    var = ((xd - mean) ** 2).mean((1, 2, 3), keepdim=True)
+    got = run_graph(bwd, cap.example_symvals, [xd, m.weight.detach(), m.bias.detach(), mean, var, up])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_layernorm_backward_of_long_rows_recomputes_instead_of_writing():
+    """With the forward's mean and variance saved (rows this long save them), the backward is
+    the column sums for dweight and dbias and one split row kernel for dx, each reading x and dy
+    itself: x - mean, dy * w and dy * w * xhat are recomputed where read (fuse.c,
+    float_input_work), not written by the first kernel and read back by the next two."""
+    _, cap = _ln_capture((4, 64, 128), 2, torch.float32)
+    p = cap.graph.partition()
+    p.save_stats(0)
+    reg = p.region(0)
+    bwd = p.region_graph(0).grad([True, True, True], saved=reg["saved"]).partition()
+    kinds = [bwd.region(r)["kind"] for r in range(len(bwd))]
+    assert sorted(kinds) == ["COL", "ROW"], str(bwd)
+    for r in range(len(bwd)):
+        outs = bwd.region(r)["outputs"]
+        # only the graph's own outputs leave a region: dx from the row kernel, dw and db from the columns
+        assert len(outs) == (1 if kinds[r] == "ROW" else 2), (kinds, str(bwd))
+    row = kinds.index("ROW")
+    assert _C.genome_default(bwd, row, [8]).row_split > 1

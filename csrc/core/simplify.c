@@ -81,24 +81,32 @@ static kb_status put_const(kb_graph *w, kb_dtype dt, int32_t rank, const kb_dim 
  * is a few operations per row. Exact for every integer T, in range or not; for size_a = 0 the
  * interpreter reports the read of the size (below) out of range. */
 
-/* Is v the same all along axis a: size 1 there, a constant, a broadcast along a, or pointwise
- * work on such values (a per-row statistic's arithmetic, -0.5 * rstd^3 / n)? */
-#define MAX_ALONG_DEPTH 8
-static int along_const_d(const kb_graph *w, int32_t v, int a, int depth)
+/* Size 1 on every axis of the mask? */
+static int ones_on(const kb_node *n, uint32_t axes)
 {
-    const kb_node *n = N(w, v);
-    if (is_one(n->dims[a]) || n->op == KB_OP_CONST) return 1;
-    if (n->op == KB_OP_EXPAND) return is_one(N(w, n->inputs[0])->dims[a]);
-    kb_op_kind kind = kb_op_get(n->op)->kind;
-    if (depth == 0 || (kind != KB_KIND_UNARY && kind != KB_KIND_BINARY && kind != KB_KIND_TERNARY)) return 0;
-    for (int i = 0; i < n->ninputs; i++)
-        if (!along_const_d(w, n->inputs[i], a, depth - 1)) return 0;
+    for (int d = 0; d < n->rank; d++)
+        if (axes >> d & 1u && !is_one(n->dims[d])) return 0;
     return 1;
 }
 
-static int along_const(const kb_graph *w, int32_t v, int a) { return along_const_d(w, v, a, MAX_ALONG_DEPTH); }
+/* Is v the same all along the axes of the mask: size 1 there, a constant, a broadcast along
+ * them, or pointwise work on such values (a per-row statistic's arithmetic, -0.5 * rstd^3 / n)? */
+#define MAX_ALONG_DEPTH 8
+static int along_const_d(const kb_graph *w, int32_t v, uint32_t axes, int depth)
+{
+    const kb_node *n = N(w, v);
+    if (ones_on(n, axes) || n->op == KB_OP_CONST) return 1;
+    if (n->op == KB_OP_EXPAND) return ones_on(N(w, n->inputs[0]), axes);
+    kb_op_kind kind = kb_op_get(n->op)->kind;
+    if (depth == 0 || (kind != KB_KIND_UNARY && kind != KB_KIND_BINARY && kind != KB_KIND_TERNARY)) return 0;
+    for (int i = 0; i < n->ninputs; i++)
+        if (!along_const_d(w, n->inputs[i], axes, depth - 1)) return 0;
+    return 1;
+}
 
-/* v (along_const) at the keepdim shape kd: the same values with size 1 on a. */
+static int along_const(const kb_graph *w, int32_t v, uint32_t axes) { return along_const_d(w, v, axes, MAX_ALONG_DEPTH); }
+
+/* v (along_const) at the keepdim shape kd: the same values with size 1 on the summed axes. */
 static kb_status keep_along(kb_graph *w, int32_t v, int32_t rank, const kb_dim *kd, int32_t *out)
 {
     kb_status st = KB_OK;
@@ -162,7 +170,7 @@ static int match_onehot(const kb_graph *w, int32_t v, int a, onehot *m)
     else return 0;
     m->d = n->inputs[hot];
     kb_dtype tt = N(w, m->t)->dtype;
-    return (tt == KB_I64 || tt == KB_I32) && along_const(w, m->t, a) && along_const(w, m->d, a) &&
+    return (tt == KB_I64 || tt == KB_I32) && along_const(w, m->t, 1u << a) && along_const(w, m->d, 1u << a) &&
            is_zero(w, n->inputs[3 - hot], &m->zero);
 }
 
@@ -243,6 +251,18 @@ static int one_axis_sum(const kb_graph *w, const kb_node *s, kb_dim *kd)
     return a;
 }
 
+/* The axes of s where s is a differentiable sum (over one axis or several: a LayerNorm over the
+ * last three dims) of an operand of its own dtype, with the operand's dims kept at size 1 there
+ * in kd; else 0. */
+static uint32_t sum_axes(const kb_graph *w, const kb_node *s, kb_dim *kd)
+{
+    if (s->op != KB_OP_SUM || s->nograd || s->axes == 0) return 0;
+    const kb_node *x = N(w, s->inputs[0]);
+    if (s->dtype != x->dtype || s->axes >> x->rank) return 0;
+    for (int k = 0; k < x->rank; k++) kd[k] = s->axes >> k & 1u ? (kb_dim){1, 0, {0}} : x->dims[k];
+    return s->axes;
+}
+
 /* s: a node about to be added to w (operands already w's). *out = its replacement, or -1 when
  * s is not a sum over one axis of a linear map of a one-hot. */
 static kb_status onehot_sum(kb_graph *w, const kb_node *s, int32_t *out)
@@ -303,20 +323,20 @@ typedef struct known_means {
     const int32_t *map;          /* the caller's ids -> the graph being rebuilt's (-1: not yet) */
 } known_means;
 
-/* Is m (size 1 along a) the mean of x along a, and only a? */
-static int is_mean_of(const kb_graph *w, const known_means *km, int32_t m, int32_t x, int a)
+/* Is m (size 1 along the axes) the mean of x along those axes, and only those? */
+static int is_mean_of(const kb_graph *w, const known_means *km, int32_t m, int32_t x, uint32_t axes)
 {
     const kb_node *mn = N(w, m);
-    if (mn->op == KB_OP_MEAN) return mn->inputs[0] == x && mn->axes == (1u << a);
+    if (mn->op == KB_OP_MEAN) return mn->inputs[0] == x && mn->axes == axes;
     for (int i = 0; km && i < km->nfacts; i++) {
         const kb_mean_fact *f = &km->facts[i];
-        if (f->axes == (1u << a) && km->map[f->value] == m && km->map[f->of] == x) return 1;
+        if (f->axes == axes && km->map[f->value] == m && km->map[f->of] == x) return 1;
     }
     return 0;
 }
 
-/* Is v = x - expand(mean_a(x)), x full along a? */
-static int deviation_from_mean(const kb_graph *w, const known_means *km, int32_t v, int a)
+/* Is v = x - expand(mean_axes(x)), x full along the axes? */
+static int deviation_from_mean(const kb_graph *w, const known_means *km, int32_t v, uint32_t axes)
 {
     const kb_node *n = N(w, v);
     if (n->op != KB_OP_SUB) return 0;
@@ -324,8 +344,8 @@ static int deviation_from_mean(const kb_graph *w, const known_means *km, int32_t
     if (e->op != KB_OP_EXPAND || !has_dims(x, n->rank, n->dims)) return 0;
     int32_t m = e->inputs[0];
     const kb_node *mn = N(w, m);
-    if (mn->rank != n->rank || !is_one(mn->dims[a]) || mn->dtype != x->dtype) return 0;
-    return is_mean_of(w, km, m, n->inputs[0], a);
+    if (mn->rank != n->rank || !ones_on(mn, axes) || mn->dtype != x->dtype) return 0;
+    return is_mean_of(w, km, m, n->inputs[0], axes);
 }
 
 /* ---------------------------------------------------------------- sums of row-constant multiples */
@@ -352,7 +372,7 @@ typedef struct lin_term {
 typedef struct lin_sum {
     const kb_graph *w;
     const known_means *means;
-    int a;
+    uint32_t axes;               /* the summed axes */
     kb_dtype dt;
     lin_term t[MAX_TERMS];
     int n;
@@ -372,20 +392,20 @@ static int decompose(lin_sum *L, int32_t v, double sign, const lin_term *cur, in
 {
     const kb_node *n = N(L->w, v);
     lin_term t = *cur;
-    if (along_const(L->w, v, L->a)) return 0; /* a per-row term: left as it is */
+    if (along_const(L->w, v, L->axes)) return 0; /* a per-row term: left as it is */
     if (n->dtype != L->dt || depth == 0) goto atom;
     switch (n->op) {
     case KB_OP_NEG: return decompose(L, n->inputs[0], -sign, cur, depth - 1);
     case KB_OP_ADD:
     case KB_OP_SUB:
         /* x - mean stays whole: sum(x) - n * mean would cancel where |mean| >> the spread */
-        if (along_const(L->w, n->inputs[0], L->a) || along_const(L->w, n->inputs[1], L->a)) goto atom;
+        if (along_const(L->w, n->inputs[0], L->axes) || along_const(L->w, n->inputs[1], L->axes)) goto atom;
         return decompose(L, n->inputs[0], sign, cur, depth - 1) &&
                decompose(L, n->inputs[1], n->op == KB_OP_SUB ? -sign : sign, cur, depth - 1);
     case KB_OP_MUL:
     case KB_OP_DIV:
         for (int k = n->op == KB_OP_DIV; k < 2; k++) { /* a per-row operand (the divisor only) */
-            if (!along_const(L->w, n->inputs[k], L->a)) continue;
+            if (!along_const(L->w, n->inputs[k], L->axes)) continue;
             if (t.nfac == MAX_FACTORS) return 0;
             t.fac[t.nfac] = n->inputs[k], t.div[t.nfac++] = n->op == KB_OP_DIV;
             return decompose(L, n->inputs[1 - k], sign, &t, depth - 1);
@@ -394,7 +414,7 @@ static int decompose(lin_sum *L, int32_t v, double sign, const lin_term *cur, in
     default: break;
     }
 atom:
-    if (deviation_from_mean(L->w, L->means, v, L->a)) { /* its sum is 0 */
+    if (deviation_from_mean(L->w, L->means, v, L->axes)) { /* its sum is 0 */
         L->zeros++;
         return 1;
     }
@@ -438,11 +458,11 @@ static kb_status linear_sum(kb_graph *w, const known_means *km, const kb_node *s
     kb_status st = KB_OK;
     kb_dim kd[KB_MAX_RANK];
     *out = -1;
-    int a = one_axis_sum(w, s, kd);
-    if (a < 0) return KB_OK;
+    uint32_t axes = sum_axes(w, s, kd);
+    if (!axes) return KB_OK;
     const kb_node *x = N(w, s->inputs[0]);
     if (!kb_dtype_is_float(x->dtype)) return KB_OK;
-    lin_sum L = {w, km, a, x->dtype, {{0}}, 0, 0};
+    lin_sum L = {w, km, axes, x->dtype, {{0}}, 0, 0};
     lin_term one = {-1, {0}, {0}, 0, 1.0};  /* the empty product */
     if (!decompose(&L, s->inputs[0], 1.0, &one, MAX_LINEAR_STEPS)) return KB_OK;
     int32_t atoms[MAX_TERMS];

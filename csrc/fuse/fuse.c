@@ -459,8 +459,77 @@ static int float_index_read(const fuse_build *b, int32_t v) { return b->index_re
 /* From graph inputs alone, with a single reader (mark_lone_reads). */
 static int float_lone_read(const fuse_build *b, int32_t v) { return b->lone_read[v]; }
 
+/* Pointwise work on at most two full-size graph inputs (mark_input_work), whose operands did
+ * float or are inputs: work on a value that joined a region stays with it. */
+static int float_input_work(const fuse_build *b, int32_t v) {
+    if (!b->input_work[v]) return 0;
+    const kb_node *nd = N(b, v);
+    for (int i = 0; i < nd->ninputs; i++) {
+        int32_t u = nd->inputs[i];
+        if (N(b, u)->op != KB_OP_INPUT && (!b->floating[u] || b->dep[u] >= 0)) return 0;
+    }
+    return 1;
+}
+
 static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_per_row, float_index_read,
-                                       float_lone_read};
+                                       float_lone_read, float_input_work};
+
+/* The pre-pass behind float_input_work: pointwise work whose every operand is, through pointwise
+ * work and views, a graph input, a constant or an iota, reading at most two full-size user
+ * inputs (a per-row statistic or a parameter does not count), not a graph output, and read only
+ * by pointwise work and reductions. Recomputed in each region that reads it, it costs the reads
+ * of those inputs, which the region mostly makes anyway; materialized, a full write and a read
+ * per reading region. A backward that reads its saved statistics is such work throughout: x -
+ * mean, dy * w, dy * w * xhat, read by the column sums for dw and db and by the row sums for dx.
+ * Joined to the first region that reads it (the column sums), four full-size values were
+ * written there and read back by the row kernel, which had no inputs of its own to recompute
+ * them from. */
+static kb_status mark_input_work(fuse_build *b) {
+    enum { IMPURE = 3 };
+    size_t n1 = (size_t)(b->n ? b->n : 1);
+    int32_t(*src)[2] = kb_malloc(b->ctx, sizeof *src * n1);
+    uint8_t *cnt = kb_calloc(b->ctx, n1, 1), *bad_reader = kb_calloc(b->ctx, n1, 1);
+    if (!src || !cnt || !bad_reader) {
+        kb_free(b->ctx, src, sizeof *src * n1);
+        kb_free(b->ctx, cnt, n1);
+        kb_free(b->ctx, bad_reader, n1);
+        return KB_ERR_OOM;
+    }
+    for (int32_t v = 0; v < b->n; v++) {
+        const kb_node *nd = N(b, v);
+        enum node_class cls = classify(nd);
+        if (nd->op == KB_OP_INPUT) {
+            int per_row = 0;
+            for (int d = 0; d < nd->rank && nd->rank >= 2; d++) per_row |= is_one(nd->dims[d]);
+            if (nd->input_kind == KB_INPUT_USER && !per_row) src[v][0] = v, cnt[v] = 1;
+        } else if (nd->op == KB_OP_CONST || nd->op == KB_OP_IOTA) {
+            cnt[v] = 0;
+        } else if (cls == C_POINTWISE || cls == C_RESHAPE || cls == C_EXPAND || cls == C_VIEW) {
+            for (int i = 0; i < nd->ninputs && cnt[v] != IMPURE; i++) {
+                int32_t u = nd->inputs[i];
+                if (cnt[u] == IMPURE) cnt[v] = IMPURE;
+                for (int k = 0; k < cnt[u] && cnt[v] != IMPURE; k++) {
+                    int seen = 0;
+                    for (int j = 0; j < cnt[v]; j++) seen |= src[v][j] == src[u][k];
+                    if (seen) continue;
+                    if (cnt[v] == 2) cnt[v] = IMPURE;
+                    else src[v][cnt[v]++] = src[u][k];
+                }
+            }
+        } else {
+            cnt[v] = IMPURE;
+        }
+        for (int i = 0; i < nd->ninputs; i++)
+            if (cls != C_POINTWISE && cls != C_REDUCE) bad_reader[nd->inputs[i]] = 1;
+    }
+    for (int32_t i = 0; i < kb_graph_noutputs(b->g); i++) bad_reader[kb_graph_output(b->g, i)] = 1;
+    for (int32_t v = 0; v < b->n; v++)
+        b->input_work[v] = classify(N(b, v)) == C_POINTWISE && cnt[v] >= 1 && cnt[v] <= 2 && !bad_reader[v];
+    kb_free(b->ctx, src, sizeof *src * n1);
+    kb_free(b->ctx, cnt, n1);
+    kb_free(b->ctx, bad_reader, n1);
+    return KB_OK;
+}
 
 /* The pre-pass behind float_lone_read: a chain of pointwise work, each link read once, on graph
  * inputs, constants and iotas (through views), not a graph output, whose last link's reader is
@@ -671,6 +740,7 @@ void fuse_build_free(fuse_build *b) {
     kb_free(ctx, b->fl, n1);
     kb_free(ctx, b->index_read, n1);
     kb_free(ctx, b->lone_read, n1);
+    kb_free(ctx, b->input_work, n1);
     kb_free(ctx, b->regs, sizeof(fuse_region) * (size_t)b->capreg);
     memset(b, 0, sizeof *b);
 }
@@ -691,12 +761,14 @@ kb_status fuse_assign(const kb_graph *g, const uint8_t *cut, fuse_build *b) {
     b->fl = kb_calloc(ctx, n1, 1);
     b->index_read = kb_calloc(ctx, n1, 1);
     b->lone_read = kb_calloc(ctx, n1, 1);
-    KB_CHECK(ctx, b->reg && b->dep && b->lvl && b->floating && b->fl && b->index_read && b->lone_read, KB_ERR_OOM,
+    b->input_work = kb_calloc(ctx, n1, 1);
+    KB_CHECK(ctx, b->reg && b->dep && b->lvl && b->floating && b->fl && b->index_read && b->lone_read && b->input_work, KB_ERR_OOM,
              "out of memory");
     for (int32_t v = 0; v < b->n; v++) b->reg[v] = b->dep[v] = -1;
 
     KB_TRY(mark_index_reads(b));
     KB_TRY(mark_lone_reads(b));
+    KB_TRY(mark_input_work(b));
     for (int32_t v = 0; v < b->n; v++) KB_TRY(assign(b, v));
     for (int32_t r = 0; r < b->nreg; r++)
         if (colsum_ok(b, r)) make_row_colsum(b, r);

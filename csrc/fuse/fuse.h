@@ -30,6 +30,7 @@ typedef struct fuse_build {
     uint8_t *fl;       /* floating: FL_* facts about what it reads */
     uint8_t *index_read; /* read only through static index maps (mark_index_reads) */
     uint8_t *lone_read;  /* from graph inputs alone, with one reader (mark_lone_reads) */
+    uint8_t *input_work; /* pointwise work on at most two full-size graph inputs (mark_input_work) */
     const uint8_t *cut;  /* NULL, or per node: 1 starts a region of its own (neither floats nor
                           * joins one): how partition.c splits a region past KB_MAX_PARAM_BYTES */
     fuse_region *regs;
