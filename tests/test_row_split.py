@@ -81,6 +81,7 @@ def test_default_splits_few_long_rows(dt):
     for dev, split in ((None, 66), (H100, 66), (A100, 54)):
         gn = _C.genome_default(p, 0, [8], dev)
         assert gn.row_split == split and gn.rows == 1 and gn.persistent == 0 and gn.cache != "smem", (dev, gn)
+        assert gn.threads == 256, gn      # a part: twice the blocks an SM of 512 threads
         assert _C.genome_legal(p, 0, [8], dev, gn)
     # more parts than 4 an SM would cut a part below 8K elements: 300 rows are many, 8 rows of
     # 64K split 8 ways
@@ -114,7 +115,7 @@ def test_legality_of_a_split():
     gn = _C.genome_default(p, 0, [8])
     legal = lambda **kw: _C.genome_legal(p, 0, [8], None, gn.replace(**kw))   # noqa: E731
     assert legal(row_split=2) and legal(row_split=1024, threads=256) and legal(row_split=1)
-    assert not legal(row_split=1024)                       # 512 threads for 256 vectors a part
+    assert not legal(row_split=1024, threads=512)          # 512 threads for 256 vectors a part
     assert not legal(row_split=2048, threads=128)          # parts of 512 elements: under 1024
     assert not legal(rows=2, threads=512)                  # a part per block
     assert not legal(persistent=1)

@@ -148,6 +148,10 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
                     benchmarks/bench_genomes.py layer_norm --no-forward). */
             group = clamp64(pow2_floor(f.red / (f.ncolsum ? 16 / f.maxsz : 16)), 128, 1024);
             if (group > pow2_ceil(chunks)) group = pow2_ceil(chunks);
+            /* a part of a split row: 256 threads, twice the blocks an SM of 512 (H200, LayerNorm
+               f32 over 8 rows of 1M, 66 parts a row: forward 37.4 us against 46.5, backward's
+               row kernel 52.8 against 58.3; bench_genomes.py layer_norm_wide --dtype float32) */
+            if (split > 1 && group > 256) group = 256;
             gn.threads = (int32_t)group;
             gn.rows = 1;
         }
