@@ -237,6 +237,8 @@ class LocalSuiteTask(Task):
             model = self.Model(*args, **kwargs)
         model = model.to(device=device, dtype=parse_dtype(dtype)).eval()
         model._kbench_init_args = (args, kwargs)   # for a KernelBench ModelNew candidate
+        # the contract kernel functions are held to on this model (impls.RobustKernelCall)
+        model._kbench_suite = {"format": self.spec["format"], "mode": self.spec["mode"]}
         return model
 
     def inputs(self, cfg: dict, dtype, device, seed: int = 0) -> list:
