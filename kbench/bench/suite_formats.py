@@ -136,6 +136,8 @@ def robust_configs(d: str, mode: str) -> List[dict]:
         conf = json.load(f)
     out, seen = [], set()
     for kind in ("single", "multi"):
+        if not any(f"{kind}_{x}_configs" in conf for x in ("init", "input", "shared")):
+            continue   # a file with no multi setting has no default config either
         for init in conf.get(f"{kind}_init_configs") or [{}]:
             for inp in conf.get(f"{kind}_input_configs") or [{}]:
                 for shared in conf.get(f"{kind}_shared_configs") or [{}]:
