@@ -64,6 +64,14 @@ def test_robust_config_cross_product(tmp_path):
     assert len({c["name"] for c in cfgs}) == len(cfgs)
 
 
+def test_robust_config_without_multi_setting(tmp_path):
+    (tmp_path / "config_backward.json").write_text(json.dumps({
+        "single_input_configs": [{"b": 2}], "single_init_configs": [{}],
+        "single_shared_configs": [{"f": 3}]}))
+    cfgs = suite_formats.robust_configs(str(tmp_path), "backward")
+    assert [(c["init"], c["inputs"]) for c in cfgs] == [({"f": 3}, {"b": 2, "f": 3})]
+
+
 def test_list_reads_without_importing(capsys):
     assert cli.main(["--suite", str(RK), "--list"]) == 0
     out = capsys.readouterr().out

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from . import filters as filters_mod
 from . import harness, impls, results, suites
-from .runner import TIMEOUTS
+from .runner import TIMEOUTS, WorkerError
 from .tasks import dtype_name, parse_dtype, select
 
 
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", action="store_true",
                    help="also score forward+backward, for tasks that have one")
     p.add_argument("--impl", default="kbench",
-                   help="eager | compile | kbench | path to a .py or .cu implementation")
+                   help="eager | compile | kbench | path to a .py or .cu implementation (or a "
+                        "folder holding a kernel.cu)")
     p.add_argument("--kernel", default=None, help="same as --impl FILE")
     p.add_argument("--budget", default="default", choices=sorted(harness.BUDGETS),
                    help="repetitions, which configs are timed, kbench's search budget")
@@ -183,6 +184,7 @@ def run_bench(args) -> int:
     spec = args.kernel or args.impl
     tasks = _tasks(args)
     timeouts = {op: args.task_timeout for op in TIMEOUTS} if args.task_timeout else None
+    load_error = None
     with harness.Env(device, args.budget, timeouts=timeouts) as env:
         try:
             # a suite's models are code we did not write: even eager runs in the worker
@@ -190,17 +192,35 @@ def run_bench(args) -> int:
                 impl_name, factory = impls.resolve(spec, budget=env.budget.kbench_budget)
             else:   # a file: loaded in the worker process, which the harness starts here
                 factory = spec if impls.is_builtin(spec) else os.path.abspath(spec)
-                if not impls.is_builtin(spec) and not os.path.exists(factory):
-                    raise FileNotFoundError(spec)
-                impl_name = env.runner(factory).start()
-        except Exception as e:  # noqa: BLE001 - a kernel that does not build is a failure
+                if not impls.is_builtin(spec):
+                    if not os.path.exists(factory):
+                        raise FileNotFoundError(spec)
+                    impls.kernel_path(factory)   # a folder must hold a kernel.cu
+                try:
+                    impl_name = env.runner(factory).start()
+                except WorkerError as e:   # a kernel that does not compile: every row says so
+                    load_error = str(e)
+                    impl_name = spec if impls.is_builtin(spec) else impls.file_name(factory)
+                    print(f"error: the implementation did not load: {load_error}",
+                          file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - a path that is not there, an in-process load
             print(f"error: cannot load implementation {spec!r}: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return 1
-        return _run_units(args, env, device, spec, impl_name, factory, tasks)
+        return _run_units(args, env, device, spec, impl_name, factory, tasks, load_error)
 
 
-def _run_units(args, env, device, spec, impl_name, factory, tasks) -> int:
+def _error_row(t, dt: str, bw: bool, impl_name: str, why: str) -> dict:
+    return {"task": t.name, "dtype": dt, "mode": "fwdbwd" if bw else "fwd", "impl": impl_name,
+            "status": "ERROR", "cases": [], "timings": [], "failures": [why],
+            "task_problems": [], "flags": []}
+
+
+def _run_units(args, env, device, spec, impl_name, factory, tasks,
+               load_error: Optional[str] = None) -> int:
+    """Score every (task, dtype, mode) unit, one row each. Where the implementation did not load
+    (load_error), every row is an ERROR row with that reason: the run still writes its files,
+    and --resume tries those rows again."""
     import torch
     want = None if not args.dtypes else {dtype_name(parse_dtype(d))
                                          for d in args.dtypes.split(",") if d}
@@ -236,14 +256,15 @@ def _run_units(args, env, device, spec, impl_name, factory, tasks) -> int:
             rows.append(old)
             prog.step(label, old["status"] + " (kept)")
             continue
-        try:
-            row = harness.score(t, impl_name, factory, dtype=dt, backward=bw, env=env,
-                                baselines=baselines, seed=args.seed)
-        except Exception as e:  # noqa: BLE001 - a harness error must not hide other rows
-            row = {"task": t.name, "dtype": dt, "mode": "fwdbwd" if bw else "fwd",
-                   "impl": impl_name, "status": "ERROR", "cases": [], "timings": [],
-                   "failures": [f"harness error: {type(e).__name__}: {e}"],
-                   "task_problems": [], "flags": []}
+        if load_error is not None:
+            row = _error_row(t, dt, bw, impl_name, load_error)
+        else:
+            try:
+                row = harness.score(t, impl_name, factory, dtype=dt, backward=bw, env=env,
+                                    baselines=baselines, seed=args.seed)
+            except Exception as e:  # noqa: BLE001 - a harness error must not hide other rows
+                row = _error_row(t, dt, bw, impl_name,
+                                 f"harness error: {type(e).__name__}: {e}")
         rows.append(row)
         results.write_json(path, doc())     # a run stopped here resumes from this file
         prog.step(label, row["status"])

@@ -245,8 +245,11 @@ def check_config(task: Task, run, key: str, model: torch.nn.Module, cfg: dict, d
                                 f"still running on another stream or thread when it returned)")
             got = res["outs"] + res["grads"]
             gfacts = [None] * len(e_out) + res["grad_facts"]
+            why = _grad_key_sets(labels[len(e_out):], got[len(e_out):], expect[len(e_out):])
+            if why:
+                failures.append(f"{name}: {why} ({kind}-poisoned run)")
             for j, (lab, c, e, r, tol) in enumerate(zip(labels, got, expect, refs, tols)):
-                if e is None:
+                if e is None or (c is None and j >= len(e_out)):   # gradients: just above
                     continue
                 if c is None:
                     failures.append(f"{name}: {lab} missing")
@@ -283,6 +286,20 @@ def check_config(task: Task, run, key: str, model: torch.nn.Module, cfg: dict, d
     return {"config": name, "ok": not failures and not task_problems,
             "failures": failures, "task_problems": task_problems, "max_rel_norm": worst,
             "deterministic": deterministic}
+
+
+def _grad_key_sets(labels: list, got: list, expect: list) -> str:
+    """'' where the candidate has a gradient for exactly the inputs and parameters eager has one
+    for (robust-kbench's check: the gradient key sets are equal); else which are missing and
+    which are extra (a gradient where eager's is None: the input or parameter does not reach
+    the output, or cannot be differentiated)."""
+    missing = [lab for lab, c, e in zip(labels, got, expect) if e is not None and c is None]
+    extra = [lab for lab, c, e in zip(labels, got, expect) if e is None and c is not None]
+    if not missing and not extra:
+        return ""
+    parts = ([f"missing {', '.join(missing)}"] if missing else []) + \
+        ([f"extra {', '.join(extra)} (the reference has none)"] if extra else [])
+    return "the gradient key sets differ: " + "; ".join(parts)
 
 
 def _rel_change(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -257,19 +257,24 @@ class WorkerRunner:
         self.spec, self.budget = spec, budget
         self.device = torch.device(device)
         self.w = proc or Worker(device, timeouts)
+        self.load_error: Optional[str] = None   # why loading failed: not tried again
 
     def with_spec(self, spec: str) -> "WorkerRunner":
         return WorkerRunner(spec, self.device, self.budget, proc=self.w)
 
     def start(self) -> str:
         """Start the worker if needed and load the implementation there; its name. Raises
-        WorkerError, with the worker's reason where it gave one."""
+        WorkerError, with the worker's reason where it gave one. A failed load (a kernel that
+        does not compile) is remembered and raised again, not retried: a compile takes minutes."""
+        if self.load_error is not None:
+            raise WorkerError(self.load_error)
         self.w.start()
         if self.spec not in self.w.loaded:
             try:
                 r = self.w.request({"op": "load", "spec": self.spec, "budget": self.budget})
             except WorkerError as e:
-                raise WorkerError(f"loading {self.spec} failed: {e}") from None
+                self.load_error = f"{e} (loading {self.spec})"   # the reason first: rows cut it
+                raise WorkerError(self.load_error) from None
             self.w.loaded[self.spec] = str(r.get("name", os.path.basename(self.spec)))[:200]
         return self.w.loaded[self.spec]
 

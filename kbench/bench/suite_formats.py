@@ -136,6 +136,8 @@ def robust_configs(d: str, mode: str) -> List[dict]:
         conf = json.load(f)
     out, seen = [], set()
     for kind in ("single", "multi"):
+        if not any(f"{kind}_{x}_configs" in conf for x in ("init", "input", "shared")):
+            continue   # a file with no multi setting has no default config either
         for init in conf.get(f"{kind}_init_configs") or [{}]:
             for inp in conf.get(f"{kind}_input_configs") or [{}]:
                 for shared in conf.get(f"{kind}_shared_configs") or [{}]:
@@ -237,6 +239,8 @@ class LocalSuiteTask(Task):
             model = self.Model(*args, **kwargs)
         model = model.to(device=device, dtype=parse_dtype(dtype)).eval()
         model._kbench_init_args = (args, kwargs)   # for a KernelBench ModelNew candidate
+        # the contract kernel functions are held to on this model (impls.RobustKernelCall)
+        model._kbench_suite = {"format": self.spec["format"], "mode": self.spec["mode"]}
         return model
 
     def inputs(self, cfg: dict, dtype, device, seed: int = 0) -> list:
