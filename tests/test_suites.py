@@ -143,3 +143,24 @@ def test_fast_p_arithmetic():
     header, table = results.fast_p_table(fp)
     assert header[-4:] == ["fast_0", "fast_0.05", "fast_0.5", "fast_1"]
     assert table[0][:4] == ("eager", 4, 1, "0.750")
+
+
+def test_max_autotune_is_a_baseline_scored_like_the_others():
+    """--baselines eager,compile,compile-max-autotune: the row's speedup against each timed
+    baseline (a geometric mean over configs), and fast_p over every baseline the rows carry."""
+    from kbench.bench import harness, impls
+    name, factory = impls.resolve("compile-max-autotune")
+    assert name == "compile-max-autotune" and factory is impls.compile_max_autotune
+    assert impls.is_builtin(name)
+    t = lambda cfg, ms: {"config": cfg, "impls": {   # noqa: E731
+        "mine": {"median_ms": 1.0, "mean_ms": 1.0},
+        "eager": {"median_ms": ms[0], "mean_ms": ms[0]},
+        "compile-max-autotune": {"median_ms": ms[1], "mean_ms": ms[1]}}}
+    row = {"timings": [t("a", (2.0, 0.5)), t("b", (8.0, 2.0))], "failures": [], "flags": [],
+           "task_problems": [], "cases": []}
+    harness._summarize(row, "mine", ("eager", "compile-max-autotune"))
+    assert row["speedup_vs_eager"] == pytest.approx(4.0)
+    assert row["speedup_vs_compile-max-autotune"] == pytest.approx(1.0)
+    assert "speedup_vs_compile" not in row and row["status"] == "PASS"
+    fp = results.fast_p([row])
+    assert fp["vs_compile-max-autotune"]["0"] == 0.0 and fp["vs_eager"]["1"] == 1.0

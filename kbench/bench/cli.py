@@ -32,13 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", action="store_true",
                    help="also score forward+backward, for tasks that have one")
     p.add_argument("--impl", default="kbench",
-                   help="eager | compile | kbench | path to a .py or .cu implementation (or a "
+                   help="eager | compile | compile-max-autotune | kbench | path to a .py or .cu "
+                        "implementation (or a "
                         "folder holding a kernel.cu)")
     p.add_argument("--kernel", default=None, help="same as --impl FILE")
     p.add_argument("--budget", default="default", choices=sorted(harness.BUDGETS),
                    help="repetitions, which configs are timed, kbench's search budget")
     p.add_argument("--baselines", default="eager,compile",
-                   help="comma-separated baselines timed beside the implementation")
+                   help="comma-separated baselines timed beside the implementation: eager, compile, "
+                        "compile-max-autotune")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--out", default="benchmarks/results", help="directory for result files")
     p.add_argument("--seed", type=int, default=0)

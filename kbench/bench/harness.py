@@ -485,7 +485,7 @@ def score(task: Task, impl_name: str, factory: Union[Callable, str], *, dtype, b
                 run.drop(key)
             except WorkerError:
                 pass
-    _summarize(row, impl_name)
+    _summarize(row, impl_name, baselines)
     return row
 
 
@@ -544,8 +544,8 @@ def _score_group(task, row, run, key, model, group, to_time, dtype, env, backwar
         row["failures"].append(f"while timing: {why}")
 
 
-def _summarize(row: dict, impl_name: str) -> None:
-    ratios = {"eager": [], "compile": []}
+def _summarize(row: dict, impl_name: str, baselines=("eager", "compile")) -> None:
+    ratios = {bl: [] for bl in dict.fromkeys(("eager", "compile", *baselines))}
     for t in row["timings"]:
         me = t.get("impls", {}).get(impl_name, {})
         if "impls" not in t:

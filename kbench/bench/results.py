@@ -157,9 +157,14 @@ def write_plots(path_prefix: str, labels: List[str], series: dict, roofline: dic
 FAST_P = (0.0, 0.05, 0.5, 1.0)
 
 
-def fast_p(rows: List[dict], baselines=("eager", "compile"), ps=FAST_P) -> dict:
+def fast_p(rows: List[dict], baselines=None, ps=FAST_P) -> dict:
     """{"rows": scored rows, "not_scored": TASK rows, "correct": share PASS,
-    "vs_<baseline>": {"<p>": share}}."""
+    "vs_<baseline>": {"<p>": share}}; baselines: eager, compile and any other a row was timed
+    against (compile-max-autotune), unless given."""
+    if baselines is None:
+        found = {k[len("speedup_vs_"):] for r in rows for k in r
+                 if k.startswith("speedup_vs_") and not k.endswith("_mean_based")}
+        baselines = ("eager", "compile", *sorted(found - {"eager", "compile"}))
     scored = [r for r in rows if r.get("status") != "TASK"]
     n = len(scored)
     out = {"rows": n, "not_scored": len(rows) - n,
