@@ -27,8 +27,9 @@ def test_the_loop_end_to_end_on_the_cpu(server, tmp_path):  # noqa: F811 - the f
     server.script += [(200, answer(RIGHT, WRONG, RACY), 0), (200, answer("no code today"), 0)]
     proposers = [loop.KbenchProposer(), llm.OpenAIProposer(endpoint(server))]
     lines = []
+    db = str(tmp_path / "cache.sqlite")
     got = loop.run(TASKS["softmax"], proposers, generations=2, per_call=3, device="cpu", out_dir=str(tmp_path),
-                   budget="quick", progress=lines.append)
+                   budget="quick", progress=lines.append, cache_path=db)
     by = {}
     for c in got["candidates"]:
         by.setdefault((c.proposer, c.status), []).append(c)
@@ -45,10 +46,22 @@ def test_the_loop_end_to_end_on_the_cpu(server, tmp_path):  # noqa: F811 - the f
     record = [json.loads(x) for x in (tmp_path / "record.jsonl").read_text().splitlines()]
     assert len(record) == len(got["candidates"]) and len(lines) == len(record)
 
+    # the cache holds the same record, and its export writes it out with the search's (the data set)
+    from kbench.tune.cache import cli_main
+    out = tmp_path / "export.jsonl"
+    assert cli_main(["--path", db, "export", str(out), "--no-cubins"]) == 0
+    exported = [json.loads(x) for x in out.read_text().splitlines()]
+    agent = [x for x in exported if x["kind"] == "agent"]
+    assert sorted(x["key"] for x in agent) == sorted(x["key"] for x in record)
+    assert {x["task"] for x in agent} == {"softmax"} and {x["status"] for x in agent} >= {"PASS", "SOFT"}
+
     # a second run with kbench's proposer alone scores nothing again: both come from the record
-    again = loop.run(TASKS["softmax"], [loop.KbenchProposer()], generations=2, device="cpu", out_dir=str(tmp_path))
+    again = loop.run(TASKS["softmax"], [loop.KbenchProposer()], generations=2, device="cpu", out_dir=str(tmp_path),
+                     cache_path=db)
     assert [c.status for c in again["candidates"]] == ["PASS", "PASS"]
     assert len((tmp_path / "record.jsonl").read_text().splitlines()) == len(record)
+    assert cli_main(["--path", db, "export", str(out), "--no-cubins"]) == 0
+    assert sum(json.loads(x)["kind"] == "agent" for x in out.read_text().splitlines()) == len(agent)
 
 
 def test_agent_cli_refuses_what_it_cannot_run(capsys):

@@ -95,6 +95,29 @@ def test_cache_written_before_the_time_columns_keeps_its_entries(tmp_path):
     # a reader that knows only the old columns (an older kbench) still reads the entry
     with sqlite3.connect(path) as con:
         assert con.execute(f"SELECT {', '.join(old_fields)} FROM winners").fetchone()[0] == w.genome
+    # the tables added since (captures, the agent's record) are made on open, and work
+    c = kc.open_cache(path)
+    c.record_agent("softmax", [{"key": "k1", "status": "PASS", "source": "__global__ void f() {}"}])
+    assert c.info()["agent_candidates"] == 1
+    lines = [__import__("json").loads(x) for x in _export(c).splitlines()]
+    assert [(x["kind"], x["task"], x["key"]) for x in lines if x["kind"] == "agent"] == [("agent", "softmax", "k1")]
+    c.clear()
+    assert c.info()["agent_candidates"] == 0
+    c.close()
+    # read only, without the table (a file an older kbench wrote, in a folder this user cannot write)
+    with sqlite3.connect(path) as con:
+        con.execute("DROP TABLE agent_record")
+    ro = kc.Cache(sqlite3.connect(path), str(path), read_only=True, tables={"meta", "winners", "candidates"})
+    ro.record_agent("softmax", [{"key": "k2"}])      # skipped, no error
+    assert ro.info()["agent_candidates"] == 0 and "agent" not in _export(ro)
+    ro.close()
+
+
+def _export(cache) -> str:
+    import io
+    buf = io.StringIO()
+    cache.export(buf, cubins=False)
+    return buf.getvalue()
 
 
 # ------------------------------------------------------------------------------------ the backend

@@ -6,6 +6,7 @@ run resumable: a candidate already in the record is not scored again."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -138,11 +139,14 @@ def _load_record(path: str | None) -> dict:
 
 def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str = "cpu", dtype: str | None = None,
         out_dir: str = "agent-out", budget: str = "quick", record_path: str | None = None,
-        seconds: float | None = None, progress=None, audit_soft: bool = False) -> dict:
+        seconds: float | None = None, progress=None, audit_soft: bool = False, cache_path: str | None = None) -> dict:
     """Runs the loop on a bench Task. Returns {"best": the fastest PASS Candidate or None,
     "candidates": every Candidate, "soft": soft_report}; the record (JSONL) at record_path, by
-    default in out_dir. audit_soft: score what the soft verifier refuses too (see soft_report)."""
+    default in out_dir, and each new candidate in kbench's cache too (cache_path, default the
+    user's; `python -m kbench cache export` writes it out with the search record). audit_soft:
+    score what the soft verifier refuses too (see soft_report)."""
     from ..bench import harness
+    from ..tune.cache import open_cache
     record_path = record_path or os.path.join(out_dir, "record.jsonl")
     os.makedirs(os.path.dirname(record_path) or ".", exist_ok=True)
     done = _load_record(record_path)
@@ -152,7 +156,8 @@ def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str
         task_code = f"# task {task.name}: {task.description}"
     dtype = dtype or task.dtypes[0]
     t0, cands, best, feedback = time.monotonic(), [], [], []
-    with harness.Env(device, budget) as env, open(record_path, "a") as rec:
+    with harness.Env(device, budget) as env, open(record_path, "a") as rec, \
+            contextlib.closing(open_cache(cache_path)) as cache:
         for g in range(generations):
             proposals = []
             for p in proposers:
@@ -169,6 +174,7 @@ def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str
                     cand = evaluate(task, prop, g, env, dtype=dtype, out_dir=out_dir, audit_soft=audit_soft)
                     rec.write(json.dumps(dataclasses.asdict(cand)) + "\n")
                     rec.flush()
+                    cache.record_agent(task.name, [dataclasses.asdict(cand)])
                     done[cand.key] = cand
                 cands.append(cand)
                 if cand.status != "PASS" and cand.feedback:

@@ -60,9 +60,14 @@ CREATE TABLE candidates (
     time_ms REAL, verify TEXT, generation INTEGER, seed INTEGER, extra TEXT, created REAL NOT NULL);
 CREATE INDEX candidates_region ON candidates (region_sig);
 CREATE TABLE captures (key TEXT PRIMARY KEY, blob BLOB NOT NULL, created REAL NOT NULL);
+CREATE TABLE agent_record (id INTEGER PRIMARY KEY, task TEXT NOT NULL, key TEXT NOT NULL, body TEXT NOT NULL,
+    created REAL NOT NULL);
 """
-# Tables added after schema version 1 was released: created on open where missing.
-ADDED_TABLES = {"captures": "CREATE TABLE captures (key TEXT PRIMARY KEY, blob BLOB NOT NULL, created REAL NOT NULL)"}
+# Tables added after schema version 1 was released: created on open where missing. agent_record:
+# the agentic loop's candidates (kbench.agent.loop), a JSON body each, exported with the rest.
+ADDED_TABLES = {"captures": "CREATE TABLE captures (key TEXT PRIMARY KEY, blob BLOB NOT NULL, created REAL NOT NULL)",
+                "agent_record": "CREATE TABLE agent_record (id INTEGER PRIMARY KEY, task TEXT NOT NULL, "
+                                "key TEXT NOT NULL, body TEXT NOT NULL, created REAL NOT NULL)"}
 _TABLES = {"meta", "winners", "candidates"}
 _TEXT_FIELDS = ("genome", "compile_status", "compile_log", "verify")  # free text: scrubbed of paths
 
@@ -196,7 +201,11 @@ class Cache:
         self._key: tuple | None = (os.urandom(keyfile.KEY_BYTES), "") if path is None else None
         # the winner columns the file has (a read-only file from an older kbench lacks the added ones)
         self._columns = None if columns is None else frozenset(columns)
-        self._has_captures = tables is None or "captures" in tables
+        self._tables = None if tables is None else frozenset(tables)  # None: every table is there
+
+    def _has(self, table: str) -> bool:
+        """Whether the file has this table (a read-only file from an older kbench may lack one)."""
+        return self._tables is None or table in self._tables
 
     @property
     def in_memory(self) -> bool:
@@ -252,7 +261,7 @@ class Cache:
                               f"in-memory cache for this process", RuntimeWarning, stacklevel=3)
                 self._conn.close()
                 self._conn, self.path, self.note = _memory(), None, f"database error: {e}"
-                self.read_only, self._columns, self._has_captures = False, None, True
+                self.read_only, self._columns, self._tables = False, None, None
                 self._key = (os.urandom(keyfile.KEY_BYTES), "")
                 return fn(self._conn)
 
@@ -342,7 +351,7 @@ class Cache:
     def load_capture(self, key: str) -> bytes | None:
         """A captured model stored by store_capture (kbench.capture.cache's bytes), or None; an
         entry not signed with this user's key (an older kbench's, or planted) is a miss."""
-        if not self._has_captures:
+        if not self._has("captures"):
             return None
         row = self._run(lambda c: c.execute("SELECT blob FROM captures WHERE key = ?", (key,)).fetchone(),
                         write=False)
@@ -393,6 +402,18 @@ class Cache:
         sql = f"INSERT INTO candidates ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
         self._run(lambda c: c.executemany(sql, rows), write=True)
 
+    def record_agent(self, task: str, entries: list) -> None:
+        """Append the agentic loop's candidates for a task (JSON-able dicts with their 'key': the
+        proposal, every verdict, time and piece of feedback) to the record, which `export` writes
+        out with the search's: the record as a data set."""
+        if not entries or not self._has("agent_record") or not self._writable("record agent candidates in"):
+            return
+        now = time.time()
+        rows = [(str(task), str(e.get("key")), _scrub(json.dumps(e, sort_keys=True, default=str)), now)
+                for e in entries]
+        self._run(lambda c: c.executemany("INSERT INTO agent_record (task, key, body, created) VALUES (?, ?, ?, ?)",
+                                          rows), write=True)
+
     # ------------------------------------------------------------------ inspection
 
     def ls(self) -> list[dict]:
@@ -407,7 +428,8 @@ class Cache:
         if not self._writable("clear"):
             return
         self._run(lambda c: (c.execute("DELETE FROM winners"), c.execute("DELETE FROM candidates"),
-                             c.execute("DELETE FROM captures")), write=True)
+                             c.execute("DELETE FROM captures"),
+                             self._has("agent_record") and c.execute("DELETE FROM agent_record")), write=True)
         with self._lock, contextlib.suppress(sqlite3.Error):
             self._conn.execute("VACUUM")  # give the space back; harmless to skip if another process is busy
 
@@ -417,24 +439,27 @@ class Cache:
                     c.execute("SELECT count(*) FROM winners").fetchone()[0],
                     c.execute("SELECT count(*) FROM candidates").fetchone()[0],
                     c.execute("PRAGMA journal_mode").fetchone()[0],
-                    c.execute("SELECT count(*) FROM captures").fetchone()[0] if self._has_captures else 0)
-        version, nw, nc, journal, ncap = self._run(q, write=False)
+                    c.execute("SELECT count(*) FROM captures").fetchone()[0] if self._has("captures") else 0,
+                    c.execute("SELECT count(*) FROM agent_record").fetchone()[0] if self._has("agent_record") else 0)
+        version, nw, nc, journal, ncap, nagent = self._run(q, write=False)
         size = sum(os.path.getsize(p) for p in (self.path, f"{self.path}-wal") if self.path and os.path.exists(p))
         return {"path": self.path or ":memory:", "size_bytes": size, "winners": nw, "candidates": nc,
-                "captures": ncap, "schema_version": int(version), "journal_mode": journal,
+                "captures": ncap, "agent_candidates": nagent, "schema_version": int(version), "journal_mode": journal,
                 "read_only": self.read_only, "note": self.note}
 
     def export(self, fp, *, cubins: bool = True) -> int:
-        """Winners then candidates as JSON lines (fp: a text file or a path); CUBINs base64, or
-        left out (only their size) with cubins=False. Returns the number of lines written."""
+        """Winners, the search's candidates, then the agentic loop's, as JSON lines (fp: a text file
+        or a path); CUBINs base64, or left out (only their size) with cubins=False. Returns the
+        number of lines written."""
         if isinstance(fp, (str, os.PathLike)):
             with open(fp, "w", encoding="utf-8") as f:
                 return self.export(f, cubins=cubins)
 
         def q(c):
-            curs = [c.execute(f"SELECT * FROM {t} ORDER BY id") for t in ("winners", "candidates")]
-            return [[dict(zip([d[0] for d in cur.description], r)) for r in cur] for cur in curs]
-        winners, cands = self._run(q, write=False)
+            tables = ("winners", "candidates") + (("agent_record",) if self._has("agent_record") else ())
+            curs = [c.execute(f"SELECT * FROM {t} ORDER BY id") for t in tables]
+            return [[dict(zip([d[0] for d in cur.description], r)) for r in cur] for cur in curs] + [[]]
+        winners, cands, agent = self._run(q, write=False)[:3]
         lines = [{"kind": "meta", "magic": MAGIC, "schema_version": SCHEMA_VERSION}]
         for w in winners:
             del w["id"]
@@ -448,6 +473,8 @@ class Cache:
             del c["id"]
             c["extra"] = json.loads(c["extra"]) if c["extra"] else {}
             lines.append({"kind": "candidate", **c})
+        for a in agent:
+            lines.append({**json.loads(a["body"]), "kind": "agent", "task": a["task"], "created": a["created"]})
         fp.writelines(json.dumps(line) + "\n" for line in lines)
         return len(lines)
 
@@ -713,8 +740,9 @@ def cli_main(argv=None) -> int:
                                                  "or ~/.cache/kbench/kbench.sqlite)")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("ls", help="the stored winners, newest first")
-    sub.add_parser("clear", help="delete every winner, the search record and the stored captures")
-    ex = sub.add_parser("export", help="winners and candidates as JSON lines")
+    sub.add_parser("clear", help="delete every winner, the search record, the agent's record and the stored "
+                                 "captures")
+    ex = sub.add_parser("export", help="winners, the search's candidates and the agent's as JSON lines")
     ex.add_argument("file")
     ex.add_argument("--no-cubins", action="store_true", help="leave the CUBIN bytes out")
     sub.add_parser("info", help="path, size, counts, schema version")
@@ -738,10 +766,10 @@ def _command(cache: Cache, args) -> int:
         n = cache.info()
         cache.clear()   # CacheError where it cannot: never reported as done
         after = cache.info()
-        if after["winners"] or after["candidates"] or after["captures"]:
+        if after["winners"] or after["candidates"] or after["captures"] or after["agent_candidates"]:
             raise CacheError(f"{cache.path} still holds entries after clearing", CANNOT)
-        print(f"cleared {n['winners']} winner(s), {n['candidates']} candidate(s) and {n['captures']} "
-              f"captured model(s) from {cache.path}")
+        print(f"cleared {n['winners']} winner(s), {n['candidates']} candidate(s), {n['agent_candidates']} "
+              f"agent candidate(s) and {n['captures']} captured model(s) from {cache.path}")
     elif args.cmd == "export":
         n = cache.export(args.file, cubins=not args.no_cubins)
         print(f"wrote {n} line(s) to {args.file}")
