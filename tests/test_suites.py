@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_package import ROOT  # noqa: E402,F401
@@ -164,3 +165,28 @@ def test_max_autotune_is_a_baseline_scored_like_the_others():
     assert "speedup_vs_compile" not in row and row["status"] == "PASS"
     fp = results.fast_p([row])
     assert fp["vs_compile-max-autotune"]["0"] == 0.0 and fp["vs_eager"]["1"] == 1.0
+
+
+def test_inputs_are_drawn_on_the_target_device():
+    """get_inputs runs with the target device as torch's default device: a KernelBench task's
+    torch.randn(...) of GBs is made on the GPU, not drawn on the host and copied ('meta' stands in
+    for the GPU here); the values are the seed's, whatever the default device was before."""
+    t = suites.load(str(KB / "19_ReLU.py"))[0]
+    local = suite_formats.local_task(t.suite_spec)
+    cfg = t.input_configs[0]
+    seen = []
+    real = local.module.get_inputs
+
+    def spy(*a, **k):
+        seen.append(torch.empty(1).device.type)
+        return real(*a, **k)
+
+    local.module.get_inputs = spy
+    try:
+        xs = local.inputs(cfg, "float32", "meta")
+        assert seen == ["meta"] and all(x.device.type == "meta" for x in xs if isinstance(x, torch.Tensor))
+        a, b = local.inputs(cfg, "float32", "cpu", seed=3), local.inputs(cfg, "float32", "cpu", seed=3)
+        assert seen[-1] == "cpu" and torch.equal(a[0], b[0])
+        assert torch.empty(1).device.type == "cpu"   # the default device is restored
+    finally:
+        local.module.get_inputs = real

@@ -244,7 +244,14 @@ class LocalSuiteTask(Task):
         return model
 
     def inputs(self, cfg: dict, dtype, device, seed: int = 0) -> list:
-        with torch.random.fork_rng(devices=[]):
+        """The task's inputs, drawn where they will be used: get_inputs runs with `device` as
+        torch's default device, so a task's torch.randn(4096, 393216) is made on the GPU (GBs
+        that the host would draw slowly and then copy), seeded there; a tensor it places
+        explicitly is moved after."""
+        device = torch.device(device)
+        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices), device:
             torch.manual_seed(seed)
             if self.spec["format"] == KERNELBENCH:
                 xs = self._with_constants(cfg, self.module.get_inputs)
