@@ -190,3 +190,16 @@ def test_inputs_are_drawn_on_the_target_device():
         assert torch.empty(1).device.type == "cpu"   # the default device is restored
     finally:
         local.module.get_inputs = real
+
+
+def test_a_worker_lets_go_of_the_previous_tasks_models():
+    """The task side of a suite keeps one task's models at a time: a level served by one worker
+    does not hold every task's parameters at once."""
+    t1, t2 = suites.load(str(KB / "40_LayerNorm.py"))[0], suites.load(str(RK / "linear_relu_small"))[0]
+    suite_formats._MODELS.clear()
+    for t in (t1, t2):
+        local = suite_formats.local_task(t.suite_spec)
+        req = {"cfg": t.input_configs[0], "init": next(iter(suite_formats.INIT_SEEDS)), "seed": 0}
+        suite_formats._model(local, req, "cpu")
+        assert {k[0] for k in suite_formats._MODELS} == {local.name}
+    suite_formats._MODELS.clear()

@@ -278,7 +278,15 @@ _MODELS: dict = {}
 
 
 def _model(task: LocalSuiteTask, req: dict, dev) -> torch.nn.Module:
+    """The task's model for a request, built once per (config group, init, seed). The models of
+    other tasks are let go first: a worker serves a whole suite level, one task after another, and
+    kept, their parameters would fill the GPU (a later task's out-of-memory)."""
     key = (task.name, task.group_key(req["cfg"]), req["init"], req["seed"])
+    stale = [k for k in _MODELS if k[0] != task.name]
+    for k in stale:
+        del _MODELS[k]
+    if stale and torch.device(dev).type == "cuda":
+        torch.cuda.empty_cache()
     if key not in _MODELS:
         _MODELS[key] = task.build(req["cfg"], "float32", dev, init=req["init"], seed=req["seed"])
     return _MODELS[key]
