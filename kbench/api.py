@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _C
+from . import distributed as kb_distributed
 from .capture import cache as capture_cache
 from .capture import guards as state_guards
 from .capture import capture_exported, relower, repin, validate
@@ -96,15 +97,19 @@ class LazyOptimized(SharesOriginal, torch.nn.Module):
     """optimize(model) without example inputs: the first call's arguments are the example. Shares
     the model's parameters and buffers like the optimized module it becomes."""
 
-    def __init__(self, model: torch.nn.Module, options: dict):
+    def __init__(self, model: torch.nn.Module, options: dict, group=None):
         super().__init__()
         self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
         self.training = model.training
-        self.__dict__.update(_kbench_orig=model, _kbench_options=options, _kbench_impl=None)
+        self.__dict__.update(_kbench_orig=model, _kbench_options=options, _kbench_impl=None, _kbench_group=group)
 
     def forward(self, *args, **kwargs):
         if self._kbench_impl is None:
-            self.__dict__["_kbench_impl"] = optimize(self._kbench_orig, args, kwargs, **self._kbench_options)
+            def run():
+                return optimize(self._kbench_orig, args, kwargs, **self._kbench_options)
+            group = self._kbench_group   # the ranks' first calls share rank 0's tuning
+            self.__dict__["_kbench_impl"] = run() if group is None else kb_distributed.optimize_once(
+                run, self._kbench_orig, args, kwargs, self._kbench_options, group)
         return self._kbench_impl(*args, **kwargs)
 
     def train(self, mode: bool = True):
@@ -145,7 +150,7 @@ class EagerModule(SharesOriginal, torch.nn.Module):
 def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
              backend: str | None = None, budget: str = "default", seed: int = 0, verbose: bool = True,
              grad_in_forward: bool = True, strict: bool = False, gate: bool = True,
-             cuda_graphs="auto") -> torch.nn.Module:
+             cuda_graphs="auto", distributed="auto") -> torch.nn.Module:
     """Return a module that computes what `model` computes, on kbench's regions.
 
     example_inputs, example_kwargs: a call's positional arguments (a tensor or a tuple) and
@@ -174,6 +179,12 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     what else is guarded), and, with the gate on, where the graphed example call is faster than
     the un-graphed one; True graphs where safe, whatever the gate, and logs once why a call runs
     without; False never. The report gives the graphed signatures and the memory they pin.
+    distributed: with torch.distributed initialized, whether the ranks share one tuning (rank 0
+    captures and tunes, the others receive its winners and the regions it left to torch, and load
+    and gate those on their own GPU; kbench/distributed.py): "auto" (the default) for a
+    DistributedDataParallel model, over its process group; True for any model, over the default
+    group (every rank must call optimize() on the same model and example shapes: ranks that
+    differ get an error naming the rank and the difference); False: each rank tunes on its own.
     The returned module shares model's parameters and buffers; model itself is not modified,
     but for a DistributedDataParallel model: its `module` is replaced by the optimized one and the
     same DDP object returned (its gradient synchronization stays as it was built)."""
@@ -184,28 +195,40 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     if budget not in BUDGET_NAMES:
         raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
     graphs.check_option(cuda_graphs)
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    group = kb_distributed.group_for(model, distributed, getattr(model, "process_group", None) if ddp else None)
+    # below this call every rank is on its own: a later recapture (new shapes at some call) is local
     options = dict(backend=backend, budget=budget, seed=seed, verbose=verbose, grad_in_forward=grad_in_forward,
-                   strict=strict, gate=gate, cuda_graphs=cuda_graphs)
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        # torch.export cannot take DDP's forward; its reducer, hooks and buckets belong to the
-        # parameters, which the optimized module shares: the wrapped module is optimized and the
-        # same DDP object returned, synchronizing gradients as before
-        model.module = optimize(model.module, example_inputs, example_kwargs, **options)
-        return model
+                   strict=strict, gate=gate, cuda_graphs=cuda_graphs, distributed=False)
     if example_inputs is None and example_kwargs is None:   # capture on the first call
-        return LazyOptimized(model, options)
+        if ddp:
+            model.module = LazyOptimized(model.module, options, group)
+            return model
+        return LazyOptimized(model, options, group)
     args = () if example_inputs is None else _as_args(example_inputs)
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise TypeError(f"example_kwargs must be a dict, got {type(example_kwargs).__name__}")
     kwargs = dict(example_kwargs or {})
-    try:
-        return _optimize(model, args, kwargs, options)
-    except CaptureError as e:
-        if strict:
-            raise
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        _log.warning("kbench: %s runs in eager PyTorch: %s", type(model).__name__, reason)
-        return EagerModule(model, reason)
+    target = model.module if ddp else model
+
+    def run():
+        try:
+            return _optimize(target, args, kwargs, options)
+        except CaptureError as e:
+            if strict:
+                raise
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            _log.warning("kbench: %s runs in eager PyTorch: %s", type(target).__name__, reason)
+            return EagerModule(target, reason)
+
+    optimized = run() if group is None else kb_distributed.optimize_once(run, target, args, kwargs, options, group)
+    if ddp:
+        # torch.export cannot take DDP's forward; its reducer, hooks and buckets belong to the
+        # parameters, which the optimized module shares: the wrapped module is optimized and the
+        # same DDP object returned, synchronizing gradients as before
+        model.module = optimized
+        return model
+    return optimized
 
 
 def _as_args(example_inputs) -> tuple:

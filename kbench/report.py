@@ -80,6 +80,8 @@ class Report:
         capture_note = module.__dict__.get("_kbench_capture_note")
         if capture_note:
             rep.notes.append(f"capture: {capture_note}")
+        if module.__dict__.get("_kbench_tuning_note"):
+            rep.notes.append(module.__dict__["_kbench_tuning_note"])
         if module.__dict__.get("_kbench_gate"):
             rep.notes.append(module.__dict__["_kbench_gate"])
         spec = module.__dict__.get("_kbench_spec")

@@ -78,10 +78,47 @@ def _worker(rank, world, port, out):
                 params = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), twin.parameters()))
                 same = all(torch.equal(p, q) for p, q in zip(ours.module.parameters(), model.parameters()))
                 results[(order, unused)] = (losses, params, same, type(ours.module).__name__)
+        results["tuning"] = _shared_tuning(rank, kbench)
         results["fsdp"] = _fsdp(rank, world, kbench)
     finally:
         dist.destroy_process_group()
     out.put((rank, results))
+
+
+def _shared_tuning(rank, kbench):
+    """One tuning for all ranks (kbench/distributed.py): each rank's report says what it did;
+    ranks that optimize different shapes, and a failure on rank 0, are errors on every rank."""
+    from kbench import api
+    got = {}
+    x = torch.randn(8, 16, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = kbench.optimize(DDP(Block()), (x,), backend="interp", verbose=False)
+        got["note"] = [n for n in m.module.kbench_report.notes if n.startswith("tuning:")]
+        try:
+            kbench.optimize(Block(), (torch.randn(8 if rank == 0 else 4, 16, 32),), backend="interp",
+                            verbose=False, distributed=True)
+            got["differ"] = "no error"
+        except RuntimeError as e:
+            got["differ"] = str(e)
+        real = api._optimize
+        if rank == 0:
+            def planted(*a, **k):
+                raise ValueError("planted on rank 0")
+            api._optimize = planted
+        try:
+            kbench.optimize(Block(), (x,), backend="interp", verbose=False, distributed=True)
+            got["failed"] = "no error"
+        except (RuntimeError, ValueError) as e:
+            got["failed"] = f"{type(e).__name__}: {e}"
+        finally:
+            api._optimize = real
+        # and each on its own: no collective at all (rank 1 alone optimizes a model of its own)
+        if rank == 1:
+            alone = kbench.optimize(Block(d=16), (torch.randn(2, 16),), backend="interp", verbose=False,
+                                    distributed=False)
+            got["alone"] = [n for n in alone.kbench_report.notes if n.startswith("tuning:")]
+    return got
 
 
 def _fsdp(rank, world, kbench):
@@ -128,6 +165,14 @@ def test_ddp_trains_like_eager_ddp():
     got = dict(out.get() for _ in range(2))
     for rank, results in got.items():
         (ours, ref), runs, reasons = results.pop("fsdp")
+        tuning = results.pop("tuning")
+        want = "rank 0 of 2 tuned" if rank == 0 else "rank 1 of 2 received rank 0's"
+        assert len(tuning["note"]) == 1 and want in tuning["note"][0], tuning["note"]
+        assert "rank 1 differs from rank 0 in the example inputs" in tuning["differ"], tuning["differ"]
+        assert tuning["failed"] == ("ValueError: planted on rank 0" if rank == 0 else
+                                    "RuntimeError: kbench.optimize failed on rank 0 (ValueError: planted on rank 0); "
+                                    "rank 1 stops too"), tuning["failed"]
+        assert tuning.get("alone", []) == []
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, ref)), (rank, ours, ref)
         assert runs >= 3 and reasons == [], (runs, reasons)    # kbench's regions ran at each step
         assert len(results) == 4

@@ -10,6 +10,7 @@ every round of optimize()'s demotion, so identical regions (a repeated block) ar
 compiled and timed once."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -37,6 +38,36 @@ BUDGET_NAMES = ("none", "fast", "default", "max")
 TORCH_ABOVE = 1.05
 # The eager time of a region that holds part of an op: none (the report says why); stored so.
 PARTIAL = "partial"
+
+
+class Shared:
+    """One optimize()'s decisions per region, shared with the other ranks of a process group
+    (kbench/distributed.py): the keys of the winners it used (a cache hit, or a search's winner
+    stored) and of the regions its search left to torch; on a receiving rank, `skip`, the keys
+    rank 0's search left to torch, which this rank leaves to torch without a search of its own."""
+
+    def __init__(self, skip=()):
+        self.used: list = []
+        self.torch: list = []
+        self.skip = {_key_tuple(k) for k in skip}
+
+
+def _key_tuple(key) -> tuple:
+    return tuple(sorted((key.as_dict() if isinstance(key, cache.CacheKey) else key).items()))
+
+
+_shared: Shared | None = None
+
+
+@contextlib.contextmanager
+def sharing(skip=()):
+    """Within: every tuner notes its decisions in the Shared it yields."""
+    global _shared
+    prev, _shared = _shared, Shared(skip)
+    try:
+        yield _shared
+    finally:
+        _shared = prev
 
 
 def eager_signature(info) -> str:
@@ -262,6 +293,8 @@ class Tuner:
         if why:
             log.warning("kbench: cached kernel for region %d fails its check (%s); tuning again", r, why)
             return None
+        if _shared is not None:
+            _shared.used.append(key)
         extra = {"search_s": 0.0, "candidates": 0, "cache": "hit"}
         if w.kernel_ms is not None and (w.eager_sig or "") == sig and (w.eager_ms is not None or sig == PARTIAL):
             # the report's eager and kernel times as measured when the kernel was tuned: a hit
@@ -278,8 +311,10 @@ class Tuner:
         a verified winner leaves the region to torch with its reason: nothing is built after it
         (after a trap or hang here, nothing is launched again: self.poisoned). points: the points()
         to check at."""
-        points, note = points if points is not None else self.points(ex, r, example_symvals)
         extra = {"cache": "miss" if self.budget != "none" else "off"}
+        if _shared is not None and self.budget != "none" and _key_tuple(key) in _shared.skip:
+            return None, (Status.EAGER, "rank 0's search found no verified kernel for it: runs in torch"), "", extra
+        points, note = points if points is not None else self.points(ex, r, example_symvals)
         if not points:
             return None, (Status.EAGER, f"not verified: {note}"), "", extra
         sizes = points[0]
@@ -306,6 +341,8 @@ class Tuner:
                 reason = f"verification failed without saved statistics: {why}"
             else:
                 reason = res.note or "no verified kernel"
+            if _shared is not None:
+                _shared.torch.append(key)
             self.record(key, res)
             return None, (Status.EAGER, reason.splitlines()[0][:240]), "", extra
         try:
@@ -336,6 +373,8 @@ class Tuner:
                                        ncandidates=len(res.candidates) if res else 0))
             if res is not None and res.candidates:
                 db.record(key, res.candidates)
+            if _shared is not None:
+                _shared.used.append(key)
         except Exception as e:  # noqa: BLE001 - the kernel is fine; only persistence failed
             log.warning("kbench: could not store region's kernel in the cache: %s", e)
 
