@@ -279,3 +279,23 @@ def test_read_only_by_chmod(tmp_path, capsys):
         assert not (tmp_path / "kbench.sqlite.lock").exists()
     finally:
         tmp_path.chmod(0o755)
+
+
+def test_a_cache_on_a_network_file_system_uses_the_rollback_journal(tmp_path, monkeypatch):
+    """WAL's index lives in shared memory that processes on other hosts do not see: on NFS (and
+    the like) the cache takes SQLite's rollback journal, which POSIX locks protect across hosts."""
+    from kbench.tune import cache as kc
+    mounts = ("proc /proc proc rw 0 0\n/dev/sda1 / ext4 rw 0 0\n"
+              "server:/export /mnt/shared\\040dir nfs4 rw 0 0\n/dev/sdb /mnt/shared\\040dir/local xfs rw 0 0\n")
+    assert kc.fs_type("/mnt/shared dir/kbench", mounts) == "nfs4"
+    assert kc.fs_type("/mnt/shared dir/local/x", mounts) == "xfs"      # the longest mount point
+    assert kc.fs_type("/mnt/shared dirt", mounts) == "ext4" and kc.fs_type("/x", "") == ""
+    monkeypatch.setattr(kc, "fs_type", lambda path, mounts=None: "nfs4")
+    c = kc.open_cache(tmp_path / "kbench.sqlite")
+    info = c.info()
+    c.close()
+    assert info["journal_mode"] == "delete" and "network file system (nfs4)" in info["note"], info
+    monkeypatch.setattr(kc, "fs_type", lambda path, mounts=None: "ext4")
+    c = kc.open_cache(tmp_path / "kbench.sqlite")
+    assert c.info()["journal_mode"] == "wal"
+    c.close()

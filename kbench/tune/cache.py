@@ -677,6 +677,36 @@ def _open_read_only(path: str, *, strict: bool) -> Cache:
     raise CacheError(f"kbench cache {path} cannot be read ({last})", CANNOT)
 
 
+# File systems shared over a network: SQLite's WAL keeps its index in shared memory (the -shm
+# file, mmapped), which processes on different hosts do not share, so a WAL cache there goes
+# inconsistent; the rollback journal relies on POSIX locks alone, which NFS (v4, or v3 with lockd)
+# honours across hosts.
+NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "lustre", "gpfs",
+                        "beegfs", "glusterfs", "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse"})
+
+
+def fs_type(path: str, mounts: str | None = None) -> str:
+    """The type of the file system holding path, from /proc/mounts (the longest mount point that
+    contains it); "" where it cannot be told."""
+    if mounts is None:
+        try:
+            with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
+                mounts = f.read()
+        except OSError:
+            return ""
+    where = os.path.realpath(path)
+    best, kind = "", ""
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = where == point or where.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, parts[2]
+    return kind
+
+
 def _open_locked(path: str) -> Cache:
     for attempt in range(2):
         inode = os.stat(path).st_ino if os.path.exists(path) else None
@@ -689,12 +719,18 @@ def _open_locked(path: str) -> Cache:
         except sqlite3.DatabaseError as e:  # not a database / malformed: never trusted
             why = f"not a usable SQLite database ({e})"
         if not why:
-            try:  # WAL: readers never block the writer. Persistent once set; fine if refused (NFS)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=NORMAL")
+            kind = fs_type(os.path.dirname(path))
+            try:  # WAL: readers never block the writer. Persistent once set; fine if refused
+                if kind in NETWORK_FS:   # (above) every host's processes lock the one file instead
+                    conn.execute("PRAGMA journal_mode=DELETE")
+                    conn.execute("PRAGMA synchronous=FULL")
+                else:
+                    conn.execute("PRAGMA journal_mode=WAL")
+                    conn.execute("PRAGMA synchronous=NORMAL")
             except sqlite3.OperationalError:
                 pass
-            return Cache(conn, path)
+            return Cache(conn, path, f"on a network file system ({kind}): rollback journal, not WAL"
+                         if kind in NETWORK_FS else "")
         conn.close()
         if attempt:
             break
