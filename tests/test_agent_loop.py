@@ -23,7 +23,8 @@ torch::Tensor forward(torch::Tensor x) { return x; }
 ```"""
 
 
-def test_the_loop_end_to_end_on_the_cpu(server, tmp_path):  # noqa: F811 - the fixture
+def test_the_loop_end_to_end_on_the_cpu(server, tmp_path, monkeypatch):  # noqa: F811 - the fixture
+    monkeypatch.setenv("KB_TEST_KEY", "sk-loop-secret")
     server.script += [(200, answer(RIGHT, WRONG, RACY), 0), (200, answer("no code today"), 0)]
     proposers = [loop.KbenchProposer(), llm.OpenAIProposer(endpoint(server))]
     lines = []
@@ -54,6 +55,13 @@ def test_the_loop_end_to_end_on_the_cpu(server, tmp_path):  # noqa: F811 - the f
     agent = [x for x in exported if x["kind"] == "agent"]
     assert sorted(x["key"] for x in agent) == sorted(x["key"] for x in record)
     assert {x["task"] for x in agent} == {"softmax"} and {x["status"] for x in agent} >= {"PASS", "SOFT"}
+    # every prompt and reply of the LLM proposer, beside the record and in the export; never the key
+    said = [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert [x["generation"] for x in said] == [0, 1] and said[0]["messages"][1]["role"] == "user"
+    assert "no code today" in said[1]["replies"][0]
+    prompts = [x for x in exported if x["kind"] == "agent_prompt"]
+    assert sorted(x["key"] for x in prompts) == sorted(x["key"] for x in said)
+    assert "sk-loop-secret" not in out.read_text() + (tmp_path / "prompts.jsonl").read_text()
 
     # a second run with kbench's proposer alone scores nothing again: both come from the record
     again = loop.run(TASKS["softmax"], [loop.KbenchProposer()], generations=2, device="cpu", out_dir=str(tmp_path),
@@ -99,3 +107,29 @@ def test_soft_audit_measures_the_verifier_against_the_harness(server, tmp_path):
     assert "missing barrier" in racy.soft and racy.status == "PASS"
     assert wrong.soft == "" and wrong.status == "FAIL"
     assert got["soft"] == {"scored": 2, "stopped_wrong": 0, "rejected_right": 1, "missed_wrong": 1}
+
+
+def test_the_llm_verifier_refuses_before_the_gpu_and_is_measured(server, tmp_path):  # noqa: F811 - the fixture
+    """With a verifier, each proposal is reviewed over the endpoint before the harness: a FAIL
+    refuses it (status SOFT, the reasons fed back), no verdict never blocks; with audit_soft both
+    are scored and the verifier measured against the harness, apart from the static checks."""
+    verdicts = [(200, answer("PASS\nlooks right"), 0), (200, answer("FAIL\nadds zero instead of a softmax"), 0)]
+    server.script += [(200, answer(RIGHT, WRONG_CLEAN), 0), *verdicts]
+    verify = lambda code, src: llm.llm_verify(endpoint(server), code, src)   # noqa: E731
+    got = loop.run(TASKS["softmax"], [llm.OpenAIProposer(endpoint(server))], generations=1, per_call=2,
+                   device="cpu", out_dir=str(tmp_path / "a"), verifier=verify)
+    right, wrong = got["candidates"]
+    assert right.status == "PASS" and right.llm == "PASS: looks right"
+    assert wrong.status == "SOFT" and "adds zero" in wrong.feedback and wrong.llm.startswith("FAIL")
+    sent = server.seen[-1]["body"]["messages"][1]["content"]     # the task's code and the proposal went
+    assert "Softmax over the last dim" in sent and "x + 0.0" in sent
+    server.script += [(200, answer(RIGHT, WRONG_CLEAN), 0), *verdicts]
+    got = loop.run(TASKS["softmax"], [llm.OpenAIProposer(endpoint(server))], generations=1, per_call=2,
+                   device="cpu", out_dir=str(tmp_path / "b"), verifier=verify, audit_soft=True)
+    assert [c.status for c in got["candidates"]] == ["PASS", "FAIL"]
+    assert got["soft"]["llm"] == {"judged": 2, "stopped_wrong": 1, "rejected_right": 0, "missed_wrong": 0}
+    server.script += [(200, answer(RIGHT), 0), (200, answer("maybe?"), 0)]
+    got = loop.run(TASKS["softmax"], [llm.OpenAIProposer(endpoint(server))], generations=1, per_call=1,
+                   device="cpu", out_dir=str(tmp_path / "c"), verifier=verify)
+    only, = got["candidates"]
+    assert only.status == "PASS" and only.llm.startswith("none: no verdict")

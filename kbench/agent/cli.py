@@ -3,6 +3,7 @@ or a public suite's (--suite), with kbench's own proposer and, given an endpoint
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from . import llm, loop
@@ -23,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", help="an OpenAI-compatible base URL, e.g. http://localhost:8000/v1")
     p.add_argument("--model", help="the endpoint's model name")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="the variable holding the API key")
+    p.add_argument("--llm-verify", action="store_true",
+                   help="ask the endpoint's model to review each proposal before the GPU (its FAIL refuses it)")
     p.add_argument("--audit-soft", action="store_true",
                    help="score what the soft verifier refuses too, and report how it did against the harness")
     return p
@@ -31,11 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     proposers = [] if args.no_kbench else [loop.KbenchProposer()]
+    verifier = None
+    if args.llm_verify and not args.endpoint:
+        print("error: --llm-verify needs --endpoint and --model", file=sys.stderr)
+        return 2
     if args.endpoint:
         if not args.model:
             print("error: --endpoint needs --model", file=sys.stderr)
             return 2
-        proposers.append(llm.OpenAIProposer(llm.Endpoint(args.endpoint, args.model, api_key_env=args.api_key_env)))
+        endpoint = llm.Endpoint(args.endpoint, args.model, api_key_env=args.api_key_env)
+        import torch
+        on = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        proposers.append(llm.OpenAIProposer(endpoint, **({"gpu": torch.cuda.get_device_name()} if on else {})))
+        if args.llm_verify:
+            verifier = functools.partial(llm.llm_verify, endpoint)
     if not proposers:
         print("error: no proposer: drop --no-kbench or give --endpoint and --model", file=sys.stderr)
         return 2
@@ -54,11 +66,16 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     got = loop.run(task, proposers, generations=args.generations, per_call=args.per_call, device=device,
                    dtype=args.dtype, out_dir=args.out, budget=args.budget, seconds=args.seconds,
-                   progress=lambda line: print(line, file=sys.stderr, flush=True), audit_soft=args.audit_soft)
+                   progress=lambda line: print(line, file=sys.stderr, flush=True), audit_soft=args.audit_soft,
+                   verifier=verifier)
     if args.audit_soft:
         r = got["soft"]
         print(f"soft verification against the harness, over {r['scored']} scored: stopped {r['stopped_wrong']} "
               f"wrong, refused {r['rejected_right']} right, let {r['missed_wrong']} wrong through")
+        if "llm" in r:
+            v = r["llm"]
+            print(f"the LLM verifier, over {v['judged']} it judged: stopped {v['stopped_wrong']} wrong, refused "
+                  f"{v['rejected_right']} right, let {v['missed_wrong']} wrong through")
     best = got["best"]
     print(f"{len(got['candidates'])} candidates; best: " +
           (f"{best.proposer} {best.spec} at {best.speedup:.2f}x eager" if best else "none passed"))

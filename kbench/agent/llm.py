@@ -167,7 +167,8 @@ class OpenAIProposer:
         return out
 
 
-VERIFY_PROMPT = """You review a CUDA kernel that must compute exactly what the PyTorch code computes.
+VERIFY_PROMPT = """You review an implementation (a CUDA kernel, or Python that builds one) that must compute
+exactly what the PyTorch code computes.
 Check that it compiles, computes the same values (indexing, reductions, edge sizes, dtypes) and
 accesses memory safely (bounds, races, barriers). Answer PASS or FAIL on the first line, then the
 reasons, one per line."""

@@ -48,6 +48,7 @@ class Candidate:
     feedback: str = ""      # the first failure, finding or error: what the next prompt hears
     source: str | None = None
     soft: str = ""          # the soft verifier's fatal findings ("" where it found none)
+    llm: str = ""           # the LLM verifier's verdict: "PASS: reasons", "FAIL: reasons", "none: why"
 
 
 def cuda_in(source: str, suffix: str) -> list[str]:
@@ -78,9 +79,12 @@ def _impl_ms(row: dict, name: str):
 
 
 def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir: str,
-             audit_soft: bool = False) -> Candidate:
+             audit_soft: bool = False, verifier=None, task_code: str = "") -> Candidate:
     """One proposal through soft verification and the harness. audit_soft: a proposal the soft
-    verifier refuses is scored anyway (its status is then the harness's), to measure the verifier."""
+    verifier refuses is scored anyway (its status is then the harness's), to measure the verifier.
+    verifier: (task_code, source) -> (True | False | None, reasons), the LLM verifier (llm_verify
+    on an endpoint): its FAIL refuses a proposal before the GPU as the static checks do; no
+    verdict (the endpoint failed, or answered neither) never blocks one."""
     from ..bench import harness, impls
     key = proposal_key(prop)
     cand = Candidate(key, prop.proposer, generation, prop.spec, "NONE", source=prop.source)
@@ -94,6 +98,13 @@ def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir:
             cand.status, cand.feedback = "SOFT", cand.soft
             if not audit_soft:
                 return cand
+        if verifier is not None:
+            ok, reasons = verifier(task_code, prop.source)
+            cand.llm = ("PASS" if ok else "FAIL" if ok is False else "none") + (f": {reasons[:300]}" if reasons else "")
+            if ok is False and not cand.soft:
+                cand.status, cand.feedback = "SOFT", f"the LLM verifier: {cand.llm}"
+                if not audit_soft:
+                    return cand
         os.makedirs(out_dir, exist_ok=True)
         cand.spec = os.path.join(out_dir, f"cand-{key[:16]}{prop.suffix}")
         with open(cand.spec, "w") as f:
@@ -109,7 +120,8 @@ def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir:
         return cand
     cand.status = row["status"]
     cand.speedup, cand.ms = row.get("speedup_vs_eager"), _impl_ms(row, name)
-    cand.feedback = cand.soft or ((row["failures"] or row["task_problems"] or row["flags"] or [""])[0])[:300]
+    refused = cand.soft or (f"the LLM verifier: {cand.llm}" if cand.llm.startswith("FAIL") else "")
+    cand.feedback = refused or ((row["failures"] or row["task_problems"] or row["flags"] or [""])[0])[:300]
     return cand
 
 
@@ -118,10 +130,17 @@ def soft_report(cands) -> dict:
     audit_soft): wrong ones it stopped before the GPU, right ones it refused, wrong ones it let
     through (the harness caught them)."""
     both = [c for c in cands if c.status in ("PASS", "FAIL")]
-    return {"scored": len(both),
-            "stopped_wrong": sum(1 for c in both if c.soft and c.status == "FAIL"),
-            "rejected_right": sum(1 for c in both if c.soft and c.status == "PASS"),
-            "missed_wrong": sum(1 for c in both if not c.soft and c.status == "FAIL")}
+    out = {"scored": len(both),
+           "stopped_wrong": sum(1 for c in both if c.soft and c.status == "FAIL"),
+           "rejected_right": sum(1 for c in both if c.soft and c.status == "PASS"),
+           "missed_wrong": sum(1 for c in both if not c.soft and c.status == "FAIL")}
+    judged = [c for c in both if (c.llm or "").startswith(("PASS", "FAIL"))]
+    if judged:   # the LLM verifier, where it gave verdicts, on the same terms
+        out["llm"] = {"judged": len(judged),
+                      "stopped_wrong": sum(1 for c in judged if c.llm.startswith("FAIL") and c.status == "FAIL"),
+                      "rejected_right": sum(1 for c in judged if c.llm.startswith("FAIL") and c.status == "PASS"),
+                      "missed_wrong": sum(1 for c in judged if c.llm.startswith("PASS") and c.status == "FAIL")}
+    return out
 
 
 def _load_record(path: str | None) -> dict:
@@ -137,14 +156,29 @@ def _load_record(path: str | None) -> dict:
     return done
 
 
+def _keep_prompts(entries, generation: int, task_name: str, said, cache) -> None:
+    """An LLM proposer's prompts and replies (its record: the key is never in it) into
+    prompts.jsonl beside the record and into kbench's cache, each once."""
+    kept = []
+    for e in entries:
+        body = dict(e, kind="agent_prompt", generation=generation)
+        body["key"] = "prompt:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+        said.write(json.dumps(body, default=str) + "\n")
+        kept.append(body)
+    said.flush()
+    cache.record_agent(task_name, kept)
+
+
 def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str = "cpu", dtype: str | None = None,
         out_dir: str = "agent-out", budget: str = "quick", record_path: str | None = None,
-        seconds: float | None = None, progress=None, audit_soft: bool = False, cache_path: str | None = None) -> dict:
+        seconds: float | None = None, progress=None, audit_soft: bool = False, cache_path: str | None = None,
+        verifier=None) -> dict:
     """Runs the loop on a bench Task. Returns {"best": the fastest PASS Candidate or None,
     "candidates": every Candidate, "soft": soft_report}; the record (JSONL) at record_path, by
     default in out_dir, and each new candidate in kbench's cache too (cache_path, default the
     user's; `python -m kbench cache export` writes it out with the search record). audit_soft:
-    score what the soft verifier refuses too (see soft_report)."""
+    score what the soft verifier refuses too (see soft_report). verifier: the LLM verifier (see
+    evaluate)."""
     from ..bench import harness
     from ..tune.cache import open_cache
     record_path = record_path or os.path.join(out_dir, "record.jsonl")
@@ -156,22 +190,26 @@ def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str
         task_code = f"# task {task.name}: {task.description}"
     dtype = dtype or task.dtypes[0]
     t0, cands, best, feedback = time.monotonic(), [], [], []
-    with harness.Env(device, budget) as env, open(record_path, "a") as rec, \
+    prompts_path = os.path.join(os.path.dirname(record_path) or ".", "prompts.jsonl")
+    with harness.Env(device, budget) as env, open(record_path, "a") as rec, open(prompts_path, "a") as said, \
             contextlib.closing(open_cache(cache_path)) as cache:
         for g in range(generations):
             proposals = []
             for p in proposers:
+                asked = len(getattr(p, "record", ()))
                 try:
                     proposals += p.propose(task_code, best=[(c.source or c.spec, c.ms or 0.0, None) for c in best],
                                            feedback=feedback, n=per_call)
                 except Exception as e:  # noqa: BLE001 - a proposer that fails: the others go on
                     proposals.append(Proposal(None, f"proposer failed: {type(e).__name__}: {e}",
                                               proposer=getattr(p, "name", "?")))
+                _keep_prompts(getattr(p, "record", [])[asked:], g, task.name, said, cache)
             feedback = []
             for prop in proposals:
                 cand = done.get(proposal_key(prop)) if prop.source is not None or prop.spec else None
                 if cand is None:
-                    cand = evaluate(task, prop, g, env, dtype=dtype, out_dir=out_dir, audit_soft=audit_soft)
+                    cand = evaluate(task, prop, g, env, dtype=dtype, out_dir=out_dir, audit_soft=audit_soft,
+                                    verifier=verifier, task_code=task_code)
                     rec.write(json.dumps(dataclasses.asdict(cand)) + "\n")
                     rec.flush()
                     cache.record_agent(task.name, [dataclasses.asdict(cand)])

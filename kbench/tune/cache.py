@@ -474,7 +474,8 @@ class Cache:
             c["extra"] = json.loads(c["extra"]) if c["extra"] else {}
             lines.append({"kind": "candidate", **c})
         for a in agent:
-            lines.append({**json.loads(a["body"]), "kind": "agent", "task": a["task"], "created": a["created"]})
+            # a candidate, or (kind agent_prompt) an LLM proposer's prompt and replies
+            lines.append({"kind": "agent", **json.loads(a["body"]), "task": a["task"], "created": a["created"]})
         fp.writelines(json.dumps(line) + "\n" for line in lines)
         return len(lines)
 
