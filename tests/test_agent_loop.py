@@ -113,23 +113,20 @@ def test_the_llm_verifier_refuses_before_the_gpu_and_is_measured(server, tmp_pat
     """With a verifier, each proposal is reviewed over the endpoint before the harness: a FAIL
     refuses it (status SOFT, the reasons fed back), no verdict never blocks; with audit_soft both
     are scored and the verifier measured against the harness, apart from the static checks."""
+    unsure = RIGHT.replace("import torch", "import torch  # the same, said otherwise")
     verdicts = [(200, answer("PASS\nlooks right"), 0), (200, answer("FAIL\nadds zero instead of a softmax"), 0)]
-    server.script += [(200, answer(RIGHT, WRONG_CLEAN), 0), *verdicts]
+    server.script += [(200, answer(RIGHT, WRONG_CLEAN, unsure), 0), *verdicts, (200, answer("maybe?"), 0)]
     verify = lambda code, src: llm.llm_verify(endpoint(server), code, src)   # noqa: E731
-    got = loop.run(TASKS["softmax"], [llm.OpenAIProposer(endpoint(server))], generations=1, per_call=2,
+    got = loop.run(TASKS["softmax"], [llm.OpenAIProposer(endpoint(server))], generations=1, per_call=3,
                    device="cpu", out_dir=str(tmp_path / "a"), verifier=verify)
-    right, wrong = got["candidates"]
+    right, wrong, no_verdict = got["candidates"]
     assert right.status == "PASS" and right.llm == "PASS: looks right"
     assert wrong.status == "SOFT" and "adds zero" in wrong.feedback and wrong.llm.startswith("FAIL")
-    sent = server.seen[-1]["body"]["messages"][1]["content"]     # the task's code and the proposal went
+    assert no_verdict.status == "PASS" and no_verdict.llm.startswith("none: no verdict")
+    sent = server.seen[2]["body"]["messages"][1]["content"]     # the task's code and the proposal went
     assert "Softmax over the last dim" in sent and "x + 0.0" in sent
     server.script += [(200, answer(RIGHT, WRONG_CLEAN), 0), *verdicts]
     got = loop.run(TASKS["softmax"], [llm.OpenAIProposer(endpoint(server))], generations=1, per_call=2,
                    device="cpu", out_dir=str(tmp_path / "b"), verifier=verify, audit_soft=True)
     assert [c.status for c in got["candidates"]] == ["PASS", "FAIL"]
     assert got["soft"]["llm"] == {"judged": 2, "stopped_wrong": 1, "rejected_right": 0, "missed_wrong": 0}
-    server.script += [(200, answer(RIGHT), 0), (200, answer("maybe?"), 0)]
-    got = loop.run(TASKS["softmax"], [llm.OpenAIProposer(endpoint(server))], generations=1, per_call=1,
-                   device="cpu", out_dir=str(tmp_path / "c"), verifier=verify)
-    only, = got["candidates"]
-    assert only.status == "PASS" and only.llm.startswith("none: no verdict")
