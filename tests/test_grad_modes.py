@@ -141,3 +141,22 @@ def test_calls_with_and_without_autocast_get_eagers_dtypes():
     assert got.dtype == want.dtype == torch.bfloat16
     assert float((got.float() - want.float()).abs().max()) <= 2e-2 * float(want.float().abs().max())
     assert any("under cpu autocast bfloat16: served by a capture of its own" in n for n in off.kbench_report.notes)
+
+
+def test_switching_the_original_model_is_served_in_its_mode_by_one_capture():
+    """model.eval() on the original rather than on the optimized module: the optimized module's
+    own flag still says train, the original's submodules say eval. The call is served in eval, as
+    eager runs it, by one capture of the state as it is, which is not sent back to train mode
+    (set so, it captured the original again, in eval again, until Python's recursion limit)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Softmax(-1))
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = kbench.optimize(model, (x,), backend="interp", verbose=False)
+        model.eval()
+        for _ in range(2):
+            torch.testing.assert_close(opt(x), model(x))
+    (_, variant), = opt._kbench_variants
+    assert not variant._kbench_modes and variant._kbench_captured_training is False
+    assert not opt._kbench_reasons and not variant._kbench_reasons

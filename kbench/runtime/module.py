@@ -58,6 +58,17 @@ class SharesOriginal:
                 or name in self.__dict__ or hasattr(type(self), name))
 
 
+def _serve(other, training: bool, args, kwargs):
+    """Call `other`, a module captured for another mode or Python state, in `training`; or in the
+    mode it was captured in, where that differs: a capture takes the original model's mode, and
+    the two differ only where the original was switched itself (model.eval() rather than
+    optimized.eval()), whose flags, its submodules' included, are then what eager runs with. Set
+    to the other mode, `other` would capture again, from the same original, for ever."""
+    captured = getattr(other, "_kbench_captured_training", None)
+    other.training = training if captured is None else captured
+    return other(*args, **kwargs)
+
+
 class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
     """The model with its regions swapped for kbench's. Shares the original's parameters and
     buffers (the very same tensors, the same state_dict keys); the original is left as it was."""
@@ -244,8 +255,7 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
             other = self._kbench_modes[mode] = other if other is not None else why
         if isinstance(other, str):
             return self._fallback(other, args, kwargs)
-        other.training = mode[0]
-        return other(*args, **kwargs)
+        return _serve(other, mode[0], args, kwargs)
 
     def _state_holds(self) -> bool:
         state = self._kbench_state
@@ -258,8 +268,7 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
         variants = self._kbench_variants
         for _, other in variants:
             if other._state_holds():
-                other.training = self.training
-                return other(*args, **kwargs)
+                return _serve(other, self.training, args, kwargs)
         mine = self._kbench_state
         for failed, why in self._kbench_uncaptured:   # a state that could not be captured: eager
             if mine.holds_at(failed):
@@ -284,8 +293,7 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
             self._kbench_uncaptured.append((mine.now(), why))
             return self._fallback(why, args, kwargs)
         variants.append((why, other))
-        other.training = self.training
-        return other(*args, **kwargs)
+        return _serve(other, self.training, args, kwargs)
 
     def _bind(self, args, sig):
         """The program bound to a new input signature's sizes, or the reason the call must go to
