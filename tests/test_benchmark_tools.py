@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 TOOLS = ["bench_ops.py", "bench_tune.py", "bench_genomes.py", "bench_models.py", "bench_guards.py", "sass_counts.py",
-         "plot_results.py"]
+         "plot_results.py", "suite_sweep.py"]
 # a plain run of each GPU tool: the arguments it needs, none of which asks for the CPU
 GPU_RUNS = {
     "bench_ops.py": ["bench_ops.py"],
@@ -112,3 +112,22 @@ def test_plot_results_refuses_other_json_in_one_line(tmp_path):
     rc, _, err = _main("plot_results.py", str(other), "--table")
     assert rc != 0 and "Traceback" not in err
     assert len(err.splitlines()) == 1
+
+
+def test_suite_sweep_shrinks_sizes_so_that_derived_ones_follow():
+    """suite_sweep.py divides a task file's module-level sizes in its source, so a shape built from
+    them (a bias of (out_channels, 1, 1)) shrinks with them; small numbers (kernel sizes) stay."""
+    spec = importlib.util.spec_from_file_location("suite_sweep", BENCH / "suite_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = "batch_size = 1024\nout_channels = 128\nkernel_size = 3\nbias_shape = (out_channels, 1, 1)\n" \
+          "def get_inputs():\n    return [4096]\n"
+    ns = {}
+    exec(compile(mod.shrink_source(src, 64), "t", "exec"), ns)
+    assert (ns["batch_size"], ns["out_channels"], ns["kernel_size"], ns["bias_shape"]) == (16, 32, 3, (32, 1, 1))
+    assert ns["get_inputs"]() == [4096]                 # only top-level assignments
+    exec(compile(mod.shrink_source(src, 16), "t", "exec"), ns)
+    assert (ns["batch_size"], ns["out_channels"]) == (64, 128)
+    assert mod.verdict({"exception": "x", "stage": "eager"}) == "setup"
+    assert mod.verdict({"exception": "x", "stage": "optimize"}) == "crash"
+    assert mod.verdict({"stage": "done", "module": "OptimizedModule", "errors": ["max error 1"]}) == "wrong"
