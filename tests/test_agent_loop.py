@@ -111,8 +111,8 @@ def test_soft_audit_measures_the_verifier_against_the_harness(server, tmp_path):
 
 def test_the_llm_verifier_refuses_before_the_gpu_and_is_measured(server, tmp_path):  # noqa: F811 - the fixture
     """With a verifier, each proposal is reviewed over the endpoint before the harness: a FAIL
-    refuses it (status SOFT, the reasons fed back), no verdict never blocks; with audit_soft both
-    are scored and the verifier measured against the harness, apart from the static checks."""
+    refuses it (status SOFT, the reasons fed back), no verdict never blocks; the verifier is
+    measured against the harness apart from the static checks."""
     unsure = RIGHT.replace("import torch", "import torch  # the same, said otherwise")
     verdicts = [(200, answer("PASS\nlooks right"), 0), (200, answer("FAIL\nadds zero instead of a softmax"), 0)]
     server.script += [(200, answer(RIGHT, WRONG_CLEAN, unsure), 0), *verdicts, (200, answer("maybe?"), 0)]
@@ -125,8 +125,12 @@ def test_the_llm_verifier_refuses_before_the_gpu_and_is_measured(server, tmp_pat
     assert no_verdict.status == "PASS" and no_verdict.llm.startswith("none: no verdict")
     sent = server.seen[2]["body"]["messages"][1]["content"]     # the task's code and the proposal went
     assert "Softmax over the last dim" in sent and "x + 0.0" in sent
-    server.script += [(200, answer(RIGHT, WRONG_CLEAN), 0), *verdicts]
-    got = loop.run(TASKS["softmax"], [llm.OpenAIProposer(endpoint(server))], generations=1, per_call=2,
-                   device="cpu", out_dir=str(tmp_path / "b"), verifier=verify, audit_soft=True)
-    assert [c.status for c in got["candidates"]] == ["PASS", "FAIL"]
-    assert got["soft"]["llm"] == {"judged": 2, "stopped_wrong": 1, "rejected_right": 0, "missed_wrong": 0}
+    # measured against the harness as the static checks are (scored anyway under audit_soft)
+    judged = [loop.Candidate("a", "openai", 0, "", "PASS", llm="PASS: fine"),
+              loop.Candidate("b", "openai", 0, "", "FAIL", llm="FAIL: wrong offset"),
+              loop.Candidate("c", "openai", 0, "", "PASS", llm="FAIL: imagined race"),
+              loop.Candidate("d", "openai", 0, "", "FAIL", llm="PASS: fine"),
+              loop.Candidate("e", "openai", 0, "", "PASS", llm="none: no verdict")]
+    assert loop.soft_report(judged)["llm"] == {"judged": 4, "stopped_wrong": 1, "rejected_right": 1,
+                                               "missed_wrong": 1}
+    assert "llm" not in loop.soft_report(judged[4:])
