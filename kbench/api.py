@@ -196,7 +196,7 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
         raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
     graphs.check_option(cuda_graphs)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    group = kb_distributed.group_for(model, distributed, getattr(model, "process_group", None) if ddp else None)
+    group = kb_distributed.group_for(distributed, getattr(model, "process_group", None) if ddp else None)
     # below this call every rank is on its own: a later recapture (new shapes at some call) is local
     options = dict(backend=backend, budget=budget, seed=seed, verbose=verbose, grad_in_forward=grad_in_forward,
                    strict=strict, gate=gate, cuda_graphs=cuda_graphs, distributed=False)

@@ -16,7 +16,7 @@ from .tune import cache, tuner
 MODES = ("auto", True, False)
 
 
-def group_for(model, distributed, group=None):
+def group_for(distributed, group=None):
     """The process group whose ranks share one tuning, or None (every rank tunes on its own).
     distributed: "auto" shares where the model is data parallel (optimize(DDP(model)): group is its
     process group), True for any model (every rank of the default group must call optimize() on

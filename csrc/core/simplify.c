@@ -239,18 +239,6 @@ cleanup:
     return st;
 }
 
-/* The axis of s where s is a differentiable sum over one axis of an operand of its own dtype (the
- * sums the rules below rewrite), with the operand's dims kept at size 1 there in kd; else -1. */
-static int one_axis_sum(const kb_graph *w, const kb_node *s, kb_dim *kd)
-{
-    if (s->op != KB_OP_SUM || s->nograd || kb_popcount32(s->axes) != 1) return -1;
-    int a = __builtin_ctz(s->axes);
-    const kb_node *x = N(w, s->inputs[0]);
-    if (s->dtype != x->dtype || a >= x->rank) return -1;
-    for (int k = 0; k < x->rank; k++) kd[k] = k == a ? (kb_dim){1, 0, {0}} : x->dims[k];
-    return a;
-}
-
 /* The axes of s where s is a differentiable sum (over one axis or several: a LayerNorm over the
  * last three dims) of an operand of its own dtype, with the operand's dims kept at size 1 there
  * in kd; else 0. */
@@ -261,6 +249,14 @@ static uint32_t sum_axes(const kb_graph *w, const kb_node *s, kb_dim *kd)
     if (s->dtype != x->dtype || s->axes >> x->rank) return 0;
     for (int k = 0; k < x->rank; k++) kd[k] = s->axes >> k & 1u ? (kb_dim){1, 0, {0}} : x->dims[k];
     return s->axes;
+}
+
+/* The axis of s where s is such a sum over one axis (the sums of one-hots below), with kd as
+ * sum_axes gives it; else -1. */
+static int one_axis_sum(const kb_graph *w, const kb_node *s, kb_dim *kd)
+{
+    uint32_t axes = sum_axes(w, s, kd);
+    return kb_popcount32(axes) == 1 ? __builtin_ctz(axes) : -1;
 }
 
 /* s: a node about to be added to w (operands already w's). *out = its replacement, or -1 when
