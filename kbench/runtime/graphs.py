@@ -207,10 +207,28 @@ def same_tensors(live, held, ptrs, indices=None) -> bool:
 
 
 def _autocast_state(cuda: bool):
-    """None where autocast is off on CUDA, else (dtype, cache enabled)."""
+    """None where autocast is off on CUDA, else (dtype,): a graph is captured with autocast's
+    weight cache off whatever the caller's setting (_without_autocast_cache), so the setting does
+    not key it."""
     if not cuda or not torch.is_autocast_enabled("cuda"):
         return None
-    return torch.get_autocast_dtype("cuda"), torch.is_autocast_cache_enabled()
+    return (torch.get_autocast_dtype("cuda"),)
+
+
+def _without_autocast_cache(fn):
+    """fn, run with autocast's weight cache off. With it on, a cast the cache already holds (made
+    by an earlier call in the caller's autocast region) is read by the graph from memory that is
+    freed when that region exits, and a cast made in the capture would enter the cache from the
+    graph's pool. Off, every cast is a kernel in the graph: a replay recasts the current weights,
+    as eager does once per autocast region."""
+    def run():
+        was = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            return fn()
+        finally:
+            torch.set_autocast_cache_enabled(was)
+    return run
 
 
 # ---------------------------------------------------------------------------- capture and outputs
@@ -401,9 +419,6 @@ class GraphRunner:
         if self.cuda and torch.cuda.is_current_stream_capturing():
             return _NO, "the call is inside a CUDA-graph capture of the caller's (captured un-graphed into it)"
         autocast = _autocast_state(self.cuda)
-        if autocast is not None and autocast[1]:
-            return _NO, ("autocast with its weight cache on (torch.autocast(..., cache_enabled=False) lets such "
-                         "a call be graphed)")
         for x in inputs:
             if not x.is_contiguous() or x.data_ptr() & 15:
                 return _NO, "an input is not contiguous or not 16-byte aligned"
@@ -465,7 +480,8 @@ class GraphRunner:
         before = self._reserved(device)
         graph = None
         try:
-            graph, out = self.capture(lambda: module._run(bound, static), self.pool, device, self.stream)
+            graph, out = self.capture(_without_autocast_cache(lambda: module._run(bound, static)), self.pool, device,
+                                      self.stream)
             outputs = Outputs(out, forbidden)
         except Unsafe as e:
             graph = None

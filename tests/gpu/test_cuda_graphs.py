@@ -86,6 +86,39 @@ def test_replays_give_the_ungraphed_bits(kind, dtype):
             assert rel_err(got, model(x)) <= TOL[dtype]
 
 
+def test_autocast_with_its_weight_cache_on_is_graphed_and_never_reads_a_stale_cast():
+    """torch.autocast's default keeps a cache of casts for the region. A graph captured after an
+    eager call in the same region must not read that call's cached cast (freed when the region
+    exits): the capture recasts, and a replay after an in-place update reads the new weights."""
+    model, new_x = mlp()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        opt = make(model, new_x())
+    r = runner_of(opt)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = new_x()
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert torch.is_autocast_cache_enabled()
+            model(x)                          # the region's cache now holds the weights' bf16 casts
+            warm(opt, x)
+            first = opt(x)                    # captured here, after the cache was filled
+            assert r.captures == 1, r.describe()
+        junk = [torch.full((512, 256), 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):   # a new region: the old casts are freed
+            again = opt(x)
+            want = model(x)
+        assert r.replays >= 1 and torch.equal(again, first)
+        assert rel_err(again, want) <= TOL[torch.bfloat16]
+    sgd.zero_grad()
+    model(new_x()).square().mean().backward()
+    sgd.step()                                # in place: the graph's casts must see the new values
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        after, want = opt(x), model(x)
+    assert not torch.equal(after, first) and rel_err(after, want) <= TOL[torch.bfloat16]
+    assert r.replays >= 2 and r.drops == 0, r.describe()
+    del junk
+
+
 def test_each_call_computes_from_its_own_inputs_and_keeps_its_outputs():
     model, new_x = mlp()
     opt = make(model, new_x())
