@@ -529,3 +529,17 @@ def test_the_model_gate_times_the_graphs_against_the_un_graphed_call(monkeypatch
         seen.__setitem__("asked", ungraphed) or gate.Verdict(True, 2.0, 1.0, False)))
     api._gated(model, opt, (x,), {}, "cuda", torch.device("cpu"), dict(gate=True, cuda_graphs=True))
     assert seen["asked"] is None and not runner.off
+
+
+@pytest.mark.parametrize("queued, waited, stay", [
+    ((1.0, 1.2), (5.0, 5.0), True),     # faster queued back to back
+    ((1.0, 1.0), (3.0, 6.0), True),     # tied queued, the waited-for call is faster: host time gone
+    ((1.0, 1.0), (5.9, 6.0), False),    # tied both ways: they pin memory for nothing
+    ((1.1, 1.0), (3.0, 6.0), False),    # slower queued (the copies in and out): off, whatever the latency
+])
+def test_the_gate_keeps_graphs_where_they_take_away_time_queued_or_waited_for(queued, waited, stay):
+    from kbench.tune import gate
+    assert gate.graphs_stay(*queued, *waited) is stay
+    v = gate.Verdict(keep=True, eager_ms=2.0, kbench_ms=1.0, backward=False, graphed_ms=queued[0],
+                     ungraphed_ms=queued[1], graphs=stay, graphed_latency_ms=waited[0], ungraphed_latency_ms=waited[1])
+    assert f"(one call waited for: {waited[0]:.4g} ms with, {waited[1]:.4g} ms without)" in v.describe()
