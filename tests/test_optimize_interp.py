@@ -174,3 +174,39 @@ def test_optimize_without_example_inputs_captures_on_first_call():
     assert rel_err(fast(x), model(x)) <= 2e-5 and rel_err(fast(y), model(y)) <= 2e-5
     assert "interp" in str(fast.kbench_report)
     assert not fast._kbench_impl._kbench_reasons
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_a_16_bit_linear_with_unaligned_rows_runs_on_padded_weights(monkeypatch, tmp_path, bias):
+    """A bf16 Linear whose out_features is not a multiple of 8 (a vocabulary of 50257) is one torch
+    call on a weight padded to the next multiple of 8, sliced back: the same values and gradients
+    as eager's, a contiguous output; below the size it pays off, and in f32, it stays linear."""
+    from kbench.capture import ops
+    monkeypatch.setenv("KBENCH_CACHE_DIR", str(tmp_path / "first"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1001, bias=bias))
+    x = torch.randn(6, 32)
+
+    def padded_steps(fast):
+        # a cache directory of its own for the next optimize: its capture is not this one, stored
+        monkeypatch.setenv("KBENCH_CACHE_DIR", str(tmp_path / str(len(list(tmp_path.iterdir())))))
+        return [len(e.steps) for e in fast._kbench_captured.externs if
+                any(fn is torch.ops.aten.constant_pad_nd.default for fn, _, _ in e.steps)]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not padded_steps(kbench.optimize(model, (x,), backend="interp"))   # too small to pay
+    monkeypatch.setattr(ops, "PAD_GEMM_MIN_MACS", 1)
+    assert not padded_steps(kbench.optimize(model, (x,), backend="interp"))       # f32: aligned anyway
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = kbench.optimize(model, (x,), backend="interp")
+        assert padded_steps(fast) == [5 if bias else 4]
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        got, want = fast(xs[0]), model(xs[1])
+    assert got.shape == want.shape == (6, 1001) and got.is_contiguous() and got.dtype == torch.bfloat16
+    assert rel_err(got, want) < 1e-2
+    up = torch.randn_like(want, dtype=torch.float32)
+    params = list(model.parameters())
+    g_got = torch.autograd.grad(got, [xs[0], *params], up.to(got.dtype))
+    g_want = torch.autograd.grad(want, [xs[1], *params], up.to(want.dtype))
+    for a, b in zip(g_got, g_want):
+        assert a.shape == b.shape and rel_err(a, b) < 2e-2

@@ -394,6 +394,14 @@ class Builder:
         self.externs.append(Extern([(fn, args, kwargs)], str(fn), len(operands), self.autocast_of(self.current)))
         return self.add("extern", operands, dtype, dims, index=idx, axis=0, name=name)
 
+    def extern_steps(self, steps, label, operands, dtype, dims, name, why):
+        """A multi-step extern made by a lowering (TensorSlot k is operands[k], StepRef j the
+        result of step j); `why` goes into the capture notes."""
+        idx = len(self.externs)
+        self.externs.append(Extern(steps, label, len(operands), self.autocast_of(self.current)))
+        self.notes.append(f"{name}: extern ({why})")
+        return self.add("extern", operands, dtype, dims, index=idx, axis=0, name=name)
+
     # ---------------------------------------------------------------- externs
 
     def extern(self, node, reason, multi=False):

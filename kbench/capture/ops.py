@@ -13,7 +13,7 @@ import torch
 
 from ..dtypes import TORCH_TO_IR
 from .builder import Builder, Multi, Sym, Unsupported, V, mono_dim
-from .types import TensorSlot
+from .types import StepRef, TensorSlot
 
 aten = torch.ops.aten
 LOWER = {}
@@ -814,6 +814,9 @@ def _linear(b, node, a):
     with what follows (an activation, a residual add, a norm). Where nothing kbench computes
     follows, the bias stays in cuBLAS's GEMM epilogue (one call, as eager's)."""
     x, w, bias = _t(a["input"]), _t(a["weight"]), a.get("bias")
+    pad = gemm_row_padding(node, w)
+    if pad:
+        return _padded_linear(b, node, x, w, bias, pad)
     if bias is None:
         raise Unsupported("linear without bias is one extern call as it is")
     if only_torch_consumes(node, b.keep):
@@ -825,6 +828,53 @@ def _linear(b, node, a):
 
 def _slot(k):
     return TensorSlot(k)
+
+
+# A 16-bit GEMM whose output rows are not a multiple of 8 elements (16 bytes) long — a vocabulary of
+# 50257 — gets cuBLAS kernels for unaligned operands, 5-7x slower than the aligned ones at
+# GPT-2's LM head (H200, its forward and both backward GEMMs). Padding the weight's rows to the
+# next multiple of 8 with zeros and slicing the output back costs two copies, worth it from about
+# this many multiply-adds (the example call's).
+PAD_GEMM_MIN_MACS = 1 << 30
+
+
+def gemm_row_padding(node, w) -> int:
+    """Zero rows to add to a linear's weight [N, K] so that N is a multiple of 8 (0: none): for a
+    16-bit result, N and K pinned, K a multiple of 8 already (padding K would copy the input too),
+    and a product of at least PAD_GEMM_MIN_MACS at the example call."""
+    if _out(node) not in ("bf16", "f16") or w.rank != 2:
+        return 0
+    n, k = w.dims
+    if not isinstance(n, int) or not isinstance(k, int) or n % 8 == 0 or k % 8:
+        return 0
+    try:
+        rows = _hint(node.meta["val"].numel()) // n
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return 0
+    return (-n) % 8 if rows * n * k >= PAD_GEMM_MIN_MACS else 0
+
+
+def _hint(v) -> int:
+    """An example size as an int (a symbolic size's hint)."""
+    node = getattr(v, "node", None)
+    return int(node.hint if node is not None and getattr(node, "hint", None) is not None else v)
+
+
+def _padded_linear(b, node, x, w, bias, pad):
+    """linear(x, w, bias) as one torch call on w (and bias) padded with `pad` zero rows, the output
+    sliced back and made contiguous (kbench's kernels read it). Its backward is torch's: the
+    padded output gradient keeps both backward GEMMs aligned."""
+    n = w.dims[0]
+    steps = [(aten.constant_pad_nd.default, (_slot(1), [0, 0, 0, pad], 0.0), {})]
+    operands = [x, w]
+    if bias is not None:
+        operands.append(_t(bias))
+        steps.append((aten.constant_pad_nd.default, (_slot(2), [0, pad], 0.0), {}))
+    steps.append((aten.linear.default, (_slot(0), StepRef(0), StepRef(1) if bias is not None else None), {}))
+    steps.append((aten.slice.Tensor, (StepRef(len(steps) - 1), -1, 0, n), {}))
+    steps.append((aten.clone.default, (StepRef(len(steps) - 1),), {"memory_format": torch.contiguous_format}))
+    return b.extern_steps(steps, str(aten.linear.default), operands, _out(node), _odims(b, node), node.name,
+                          f"linear, weight padded from {n} to {n + pad} rows (aligned GEMMs)")
 
 
 # ---------------------------------------------------------------------------- what follows a node
