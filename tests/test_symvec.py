@@ -68,6 +68,7 @@ def test_default_takes_vectors_over_a_varying_last_dim(model, shape, odd, kind):
     assert not isinstance(last, int)             # varying: no pin made it a constant
     k = _C.generate(part, r, 90, None)
     assert k.genome.vec == 4 and k.last_multiple == 4 and k.last_dim == last
+    assert "% 4 == 0: the launch checks it" in k.source   # the kernel says what it requires
     assert verify.dim_value(k.last_dim, [s[1] for s in graph.symbols]) % 4 == 0
     # an example whose last dim no vector divides: 4-byte loads, no requirement
     _, part_odd, r_odd = compute_region(model, odd)
