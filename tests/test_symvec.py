@@ -16,7 +16,7 @@ import kbench
 from kbench import _C, verify
 from kbench.runtime import cuda as cuda_rt
 from kbench.runtime import fast as fastmod
-from kbench.runtime.plan import Plan, RegionFallback
+from kbench.runtime.plan import Plan, Program, RegionFallback
 from kbench.tune import sandbox, tuner as tuner_mod
 
 
@@ -129,6 +129,11 @@ def test_python_launcher_declines_an_indivisible_last_dim(monkeypatch):
     assert verify.gate(ex, r, kernel, odd) == why and not launched
     ex.launcher(r, even)([torch.randn(8, 260)])               # past the guard: the launch
     assert len(launched) == 1 and launched[0][-1][-2:] == [8, 260]
+    # off the hot path (a gradient check at sizes no call used): eager, and nothing noted
+    notes = []
+    x = torch.randn(8, 255)
+    (y,) = Program(plan, ex, notes.append).run_region(r, odd, [x])
+    assert torch.allclose(y, torch.softmax(x, -1)) and not notes and len(launched) == 1
 
 
 def test_sweep_checks_the_kernel_where_it_runs_and_nowhere_else(monkeypatch):

@@ -193,6 +193,10 @@ class CudaExecutor(Executor):
     def can_run(self, r):
         return r in self.kernels
 
+    def refuses(self, r, symvals) -> str:
+        kernel = self.kernels.get(r)
+        return verify.refused(kernel, r, symvals) if kernel is not None else ""
+
     def scale(self, grads, grad_out) -> None:
         """Executor.scale on the device, without a host sync (kbench/kernels/scale.cu)."""
         for t in grads:
