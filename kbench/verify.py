@@ -34,12 +34,21 @@ class Verdict:
         return self.ok
 
 
-def sweep_symvals(example: list[int], pinned_limit: int = 1 << 31) -> list[list[int]]:
+# A kernel with vectors along a varying last dim runs only where that dim is a multiple of its vec
+# (KernelInfo.last_multiple, at most 8: 16 bytes of 16-bit elements); sweep points that keep it so
+# move its symbols to VEC_SWEEP and to the example + VEC_SWEEP, which keep its residue mod 8.
+VEC_SWEEP = 8
+
+
+def sweep_symvals(example: list[int], pinned_limit: int = 1 << 31, multiples=()) -> list[list[int]]:
     """Every varying size at 1, a small odd size, the example and a larger one; one symbol
-    moves at a time (the others stay at the example) so the sweep stays small."""
+    moves at a time (the others stay at the example) so the sweep stays small. multiples: the
+    symbols of a last dim a kernel may require to stay a multiple of its vec, which also move to
+    sizes that keep it one (VEC_SWEEP): the odd ones run such a kernel's region in eager."""
     points = [list(example)]
     for s, v in enumerate(example):
-        for alt in (1, 7, v + 3 if v % 2 == 0 else v + 2, 2 * v + 1):
+        extra = (VEC_SWEEP, v + VEC_SWEEP) if s in multiples else ()
+        for alt in (1, 7, v + 3 if v % 2 == 0 else v + 2, 2 * v + 1, *extra):
             if alt == v or alt < 1 or alt >= pinned_limit:
                 continue
             p = list(example)
@@ -47,6 +56,43 @@ def sweep_symvals(example: list[int], pinned_limit: int = 1 << 31) -> list[list[
             if p not in points:
                 points.append(p)
     return points
+
+
+def vec_symbols(plan, r, symvals) -> set:
+    """The symbols of region r's last dim where a kernel may require it to stay a multiple of its
+    vec (a ROW or COL region whose anchor's last dim varies and is even at symvals): those
+    sweep_symvals also moves to sizes that keep it so."""
+    part = getattr(plan, "partition", None)
+    if part is None:
+        return set()
+    region = part.region(r)
+    if region["kind"] not in ("ROW", "COL"):
+        return set()
+    dims = plan.graph.node(region["anchor"])["dims"]
+    last = dims[-1] if dims else 1
+    if isinstance(last, int) or dim_value(last, symvals) % 2:
+        return set()
+    return set(last[1])
+
+
+def dim_value(dim, symvals) -> int:
+    """A size as the C core gives it (an int, or (coef, (symbol, ...))) at these symbol values."""
+    if isinstance(dim, int):
+        return dim
+    return dim[0] * math.prod(symvals[s] for s in dim[1])
+
+
+def refused(kernel, r, symvals) -> str:
+    """Why kernel may not run region r at symvals ("" where it may): one with vectors along a
+    varying last dim runs only where that dim is a multiple of its vec (last_multiple); the
+    launchers run the region in eager elsewhere with this reason (csrc/fast/launch.cpp's too)."""
+    m = getattr(kernel, "last_multiple", 1)
+    if m <= 1:
+        return ""
+    n = dim_value(kernel.last_dim, symvals)
+    if n % m == 0:
+        return ""
+    return f"region {r}: last dim {n} is not a multiple of {m} (kernel uses vec={getattr(kernel, 'vec', m)})"
 
 
 def fill(t: torch.Tensor, dist: str, gen: torch.Generator, high: int | None = None) -> torch.Tensor:
@@ -246,7 +292,7 @@ def plan_points(ex, r, example_symvals, free: int | None = -1) -> tuple[list, st
         note = (f"the example {example} does not fit the free GPU memory (~{need:.3g} GiB, "
                 f"{free / 2 ** 30:.3g} GiB free): checked at {base} in its stead")
     points = [base]
-    for p in sweep_symvals(base)[1:]:
+    for p in sweep_symvals(base, multiples=vec_symbols(plan, r, base))[1:]:
         if not plan.admits(p) or not fits(p):
             continue
         if any(math.prod(plan.graph.sizes(v, p)) > (1 << 28) for v in plan.regions[r].inputs + plan.regions[r].outputs):
@@ -262,6 +308,9 @@ def plan_points(ex, r, example_symvals, free: int | None = -1) -> tuple[list, st
 def gate(ex, r, kernel, symvals, nostats=False) -> str:
     """One quick check against the float64 reference (NaN-poisoned outputs); '' when it passes.
     nostats: of the entry point without the saved statistics (the outputs it writes)."""
+    why = refused(kernel, r, symvals)
+    if why:   # never launched where it cannot run
+        return why
     gen = torch.Generator(device=ex.device).manual_seed(ex.seed + 17)
     inputs = ex.region_inputs(r, symvals, "normal", gen)
     outs = ex.launch(kernel, r, symvals, inputs, poison=True, nostats=nostats)
@@ -283,13 +332,24 @@ def verify_region(ex, r, kernel, example_symvals, points=None, note: str = "") -
     several value distributions at the example sizes, outputs poisoned, run twice (a race moves
     the result), inputs untouched, input dependence, and a test point that tells the kernel
     from a constant output. points, note: plan_points' (made here where not given): sizes that
-    fit the free memory, the first one standing for the example."""
+    fit the free memory, the first one standing for the example. A point where the kernel may not
+    run (refused: its last dim no multiple of its vec) is one where the region runs in eager: not
+    checked, and the note says so; the first point must not be one."""
     plan = ex.plan
     info = plan.regions[r]
     if points is None:
         points, note = plan_points(ex, r, example_symvals)
     if not points:
         return Verdict(False, note or "no sizes to check at")
+    why = refused(kernel, r, points[0])
+    if why:
+        return Verdict(False, why)
+    eager = [p for p in points if refused(kernel, r, p)]
+    if eager:
+        points = [p for p in points if p not in eager]
+        m = kernel.last_multiple
+        note = "; ".join(n for n in (note, f"{len(eager)} sizes whose last dim is no multiple of {m} run in eager")
+                         if n)
     example_symvals = points[0]
     gen = torch.Generator(device=ex.device).manual_seed(ex.seed + 1000 * r)
     verdict = Verdict(ok=True, note=note)

@@ -631,7 +631,7 @@ def launch(cuda, k, fn, finish, symvals, ins, outs):
 @pytest.mark.parametrize("name,dt", CASES)
 def test_kernels_match_interpreter(name, dt):
     from kbench.runtime import nvrtc as nv
-    from kbench.verify import poison_like
+    from kbench.verify import poison_like, refused
     cuda = _C.cuda_open()
     dev = _C.device_info(cuda, torch.cuda.current_device())
     arch = f"sm_{dev['sm']}"
@@ -647,6 +647,8 @@ def test_kernels_match_interpreter(name, dt):
             ins = [values[v].cuda() for v in rg["inputs"]]
             for genome in variants(p, r, symvals):
                 k = _C.generate(p, r, dev["sm"], genome, dev)
+                if refused(k, r, sv):   # vectors along a varying last dim it no longer divides: the
+                    continue            # runtime runs the region in eager there (the vec=1 variant runs)
                 module = _C.module_load(cuda, nv.compile(k.source, arch))
                 fn, _, _ = _C.get_function(cuda, module, k.name, k.smem)
                 finish = _C.get_function(cuda, module, k.finish_name, 0)[0] if k.finish_name else None

@@ -29,6 +29,12 @@ def test_malformed_launches_are_refused():
         fast.Launch(**{**good, "skipped": 1, "scratch": [0x7f0000000000]})
     with pytest.raises(ValueError, match="scratch buffer is not a contiguous CUDA tensor"):
         fast.Launch(**{**good, "skipped": 1, "scratch": [torch.zeros(4)]})
+    # the last dim's requirement (a kernel with vectors along a varying one): checked per call
+    # before the alignment, with the Python launcher's reason (tests/gpu/test_symvec.py)
+    with pytest.raises(ValueError, match="last_multiple must be >= 1"):
+        fast.Launch(**{**good, "last_size": 255, "last_multiple": 0})
+    with pytest.raises(ValueError, match="last_size >= 0"):
+        fast.Launch(**{**good, "last_size": -4, "last_multiple": 4})
     with pytest.raises(TypeError):
         fast.Region(object(), None, (True,), 0, [((2,), torch.float32)], lambda *a: None)
     with pytest.raises(TypeError, match="exception classes"):

@@ -92,6 +92,7 @@ typedef struct cg {
     int trailing;       /* ROW: reduced dims are the trailing ones; COL: the leading ones */
     int red_pinned;
     int vec, aligned, full_vec_ok;
+    int guard_last;     /* aligned over a varying last dim: launches check it is a multiple of vec */
     const char *base;   /* chunk's first position ("i0", "c0", "col0") */
     const char *kvar;   /* element index inside a chunk: "k", or "0" when vec == 1 */
     char full_lin[EXPR_LEN], full_lin0[EXPR_LEN], stat_lin[16];
@@ -193,6 +194,8 @@ int cg_numel_is(cg *c, int32_t v, int stat);
 /* declares a<d> for the anchor dims in mask, decomposed from the linear position src */
 void cg_decl_vars(cg *c, const char *src, uint32_t mask, int chunk_base);
 void cg_set_space_vec(cg *c);
+/* d is a multiple of vec wherever the kernel runs (pinned, or a multiple of the guarded last dim) */
+int cg_vec_multiple(const cg *c, kb_dim d);
 int cg_stat_shape(const cg *c, const kb_node *nd, int *keep);
 void cg_set_lin(idx *x, const char *e, uint32_t mask);
 /* canonical forms (the current element, row or column) to their linear spelling */

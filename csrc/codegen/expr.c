@@ -196,8 +196,7 @@ static int vector_base(cg *c, const kb_node *nd, const idx *x, char *base) {
         return 1;
     }
     if (!c->aligned || nd->rank == 0) return 0;
-    kb_dim ld = nd->dims[nd->rank - 1];
-    if (ld.nsym || ld.coef % c->vec) return 0;
+    if (!cg_vec_multiple(c, nd->dims[nd->rank - 1])) return 0;
     idx y;
     cg_to_comps(c, nd, x, &y);
     char lastvar[NAME_LEN], shifted[NAME_LEN];

@@ -264,7 +264,7 @@ static kb_status check_genome(cg *c) {
         return KB_FAIL(ctx, KB_ERR_INVALID, "genome: vec=%d (1, 2, 4, 8 or 16)", gn->vec);
     if (gn->items < 1 || gn->items > 64) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: items=%d (1..64)", gn->items);
     if (gn->vec > 1 && c->rg->kind != KB_REGION_POINTWISE && !c->aligned)
-        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: vec=%d needs the last dim pinned and a multiple of it", gn->vec);
+        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: vec=%d needs the last dim a multiple of it", gn->vec);
     if (c->rg->kind == KB_REGION_ROW) {
         if (gn->rows < 1 || gn->threads % gn->rows) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: rows=%d must divide threads", gn->rows);
         int G = gn->threads / gn->rows;
@@ -424,6 +424,8 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
         k->max_blocks_per_sm = per_sm > 1 ? per_sm : 1;
     }
     KB_TRY(cg_grid_units(&c, &k->grid_units, &k->units_per_block));
+    k->last_multiple = c.guard_last ? c.vec : 1;
+    k->last_dim = c.guard_last ? c.adims[c.last] : (kb_dim){1, 0, {0}};
     /* the block's limit covers the static arrays too (the reductions' partials, under 4 KiB) */
     KB_CHECK(ctx, dev == NULL || dev->max_smem_per_block <= 0 || k->smem_bytes + 4096 <= dev->max_smem_per_block,
              KB_ERR_INVALID, "genome: %d bytes of shared memory, the device allows %d with the static arrays",
@@ -451,6 +453,10 @@ int64_t kb_kernel_max_blocks(const kb_kernel *k, const kb_device_info *dev) {
     }
     if (per_sm < 1) per_sm = 1;
     return per_sm * dev->num_sms;
+}
+
+int kb_kernel_admits(const kb_kernel *k, const int64_t *symvals) {
+    return k->last_multiple <= 1 || kb_dim_eval(k->last_dim, symvals) % k->last_multiple == 0;
 }
 
 void kb_kernel_grid(const kb_kernel *k, const int64_t *symvals, const kb_device_info *dev, uint32_t grid[3]) {

@@ -113,9 +113,17 @@ static void anchor_lin(cg *c, int chunk_base, char *out) {
 }
 
 void cg_set_space_vec(cg *c) {
-    c->kvar = c->vec > 1 ? "k" : "0";
-    c->aligned = c->vec > 1 && c->arank > 0 && c->adims[c->last].nsym == 0 && c->adims[c->last].coef % c->vec == 0;
     kb_region_kind kind = c->rg->kind;
+    c->kvar = c->vec > 1 ? "k" : "0";
+    /* chunks of vec along the last dim start on whole vectors: a pinned last dim divisible by vec,
+       or (ROW, COL) a varying one, which the kernel then requires to be a multiple of vec at
+       every launch (guard_last: kb_kernel.last_multiple; POINTWISE handles tails instead) */
+    c->aligned = c->guard_last = 0;
+    if (c->vec > 1 && c->arank > 0) {
+        kb_dim l = c->adims[c->last];
+        if (l.nsym == 0) c->aligned = l.coef % c->vec == 0;
+        else if (kind != KB_REGION_POINTWISE) c->aligned = c->guard_last = 1;
+    }
     c->full_vec_ok = c->vec > 1 && (kind == KB_REGION_POINTWISE || c->aligned);
     c->stat_lin[0] = '\0';
     if (kind == KB_REGION_POINTWISE) {
@@ -131,6 +139,21 @@ void cg_set_space_vec(cg *c) {
     }
     if (kind == KB_REGION_ROW) snprintf(c->stat_lin, sizeof c->stat_lin, "row");
     if (kind == KB_REGION_COL) snprintf(c->stat_lin, sizeof c->stat_lin, "col");
+}
+
+/* Is dim d a multiple of vec at every size the kernel runs at? A pinned d divisible by it, or
+ * (under guard_last) a multiple of the anchor's guarded last dim: its coefficient a multiple of
+ * the last dim's and the last dim's symbols among its own. */
+int cg_vec_multiple(const cg *c, kb_dim d) {
+    if (d.nsym == 0) return d.coef % c->vec == 0;
+    if (!c->guard_last) return 0;
+    kb_dim l = c->adims[c->last];
+    if (l.coef == 0 || d.coef % l.coef != 0) return 0;
+    for (int i = 0, j = 0; i < l.nsym; i++, j++) { /* both sorted: l's symbols a sub-multiset of d's */
+        while (j < d.nsym && d.sym[j] < l.sym[i]) j++;
+        if (j == d.nsym || d.sym[j] != l.sym[i]) return 0;
+    }
+    return 1;
 }
 
 /* ---------------------------------------------------------------- indices */

@@ -230,6 +230,12 @@ void cg_emit_preamble(cg *c, kb_sb *sb, const char *kernel) {
     char gtext[256];
     kb_genome_format(&c->gn, gtext, sizeof gtext);
     kb_sb_printf(sb, "// genome: %s\n", gtext);
+    if (c->guard_last) { /* vectors along a varying last dim: the launchers check it per call */
+        char last[EXPR_LEN];
+        cg_dim_expr(c, c->adims[c->last], last);
+        kb_sb_printf(sb, "// runs only where %s (the last dim) %% %d == 0: the launch checks it, eager elsewhere\n", last,
+                     c->vec);
+    }
     for (int32_t i = 0; i < rg->ninputs; i++) {
         kb_sb_printf(sb, "// in  p%d = ", rg->inputs[i]);
         kb_node_dump(sb, c->g, rg->inputs[i], KB_NAME_COMMENT);

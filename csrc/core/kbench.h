@@ -390,6 +390,12 @@ typedef struct kb_kernel {
     kb_genome genome;
     kb_dim grid_units;      /* work items: grid.x = ceil(units / units_per_block) (or capped) */
     int64_t units_per_block;
+    /* A ROW or COL kernel with vectors along a last dim that varies runs only where that dim (at
+     * the launch's sizes: kb_kernel_admits) is a multiple of last_multiple (its vec); 1 (and
+     * last_dim 1) where it runs at every size. The launcher checks it per call and runs the region
+     * in eager where it fails, as for a misaligned pointer. */
+    int32_t last_multiple;
+    kb_dim last_dim;
 } kb_kernel;
 
 /* The suffixes of a kernel's other entry points, after its name: the finishing kernel
@@ -403,6 +409,8 @@ void kb_kernel_free(kb_ctx *ctx, kb_kernel *k);
 /* The grid's cap on the device: blocks that fit at once, for a persistent genome or a grid
    sized for its partials; 0 when the grid follows the work alone. */
 int64_t kb_kernel_max_blocks(const kb_kernel *k, const kb_device_info *dev);
+/* 1 where k may run at bound symbols symvals (its last dim a multiple of last_multiple), else 0 */
+int kb_kernel_admits(const kb_kernel *k, const int64_t *symvals);
 /* grid for bound symbols: ceil(units / units_per_block), capped as above and at 2^31 - 1 */
 void kb_kernel_grid(const kb_kernel *k, const int64_t *symvals, const kb_device_info *dev,
                     uint32_t grid[3]);
@@ -473,7 +481,7 @@ kb_status kb_cuda_copy_to_host(kb_ctx *ctx, kb_cuda *c, void *dst, uint64_t src,
  * kb_device_info):
  *   threads  32..1024, a power of two
  *   vec      1, 2, 4, 8 with vec * (narrowest full-size element) <= 16 bytes; ROW and COL also
- *            need the anchor's last dim pinned and a multiple of vec
+ *            need the anchor's last dim (at symvals, where it varies) a multiple of vec
  *   items    1, 2, 4, 8
  *   rows     ROW: a power of two <= 256 and <= threads; the threads per row (threads/rows) at
  *            most max(32, the row's vectors rounded up to a power of two); 1 elsewhere

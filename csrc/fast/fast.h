@@ -45,6 +45,10 @@ struct LaunchSpec {
     void *finish = nullptr;      /* the finishing kernel (column sums), or NULL */
     uint32_t grid[3] = {1, 1, 1};
     int block = 0, smem = 0, device = 0, region = -1, vec = 1;
+    /* the kernel runs only where last_size (its vectors' last dim at these sizes) is a multiple of
+       last_multiple (1: any size); the Python launcher's check, with the same reason */
+    int64_t last_size = 0;
+    int last_multiple = 1;
     int skipped = 0;             /* trailing outputs this entry point does not write (None) */
     std::vector<at::Tensor> scratch; /* ... or writes into these buffers, which nothing reads */
     int64_t workspace_bytes = 0;

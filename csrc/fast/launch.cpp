@@ -1,7 +1,7 @@
 /* launch.cpp — kbench._fast.Launch: one region's kernel bound to one set of sizes, run from C++.
  * Per call only what depends on the tensors is done: the device of the first checked input,
- * contiguity of the inputs not known contiguous, 16-byte alignment where the kernel uses
- * vector loads, one allocation per output from torch's caching allocator, and the launch on
+ * contiguity of the inputs not known contiguous, the last dim a multiple of vec where the kernel
+ * requires it, 16-byte alignment where the kernel uses vector loads, one allocation per output from torch's caching allocator, and the launch on
  * torch's current stream. The same code serves the Python forward and the autograd backward. */
 #include "fast/fast.h"
 
@@ -52,6 +52,12 @@ Outcome run_launch(const LaunchSpec &l, const std::vector<at::Tensor> &in, std::
             why = region_says(l, j, "is not contiguous");
             return REGION_FALLBACK;
         }
+    if (l.last_multiple > 1 && l.last_size % l.last_multiple != 0) {
+        why = "region " + std::to_string(l.region) + ": last dim " + std::to_string(l.last_size) +
+              " is not a multiple of " + std::to_string(l.last_multiple) + " (kernel uses vec=" + std::to_string(l.vec) +
+              ")";
+        return REGION_FALLBACK;
+    }
     size_t nin = in.size(), nout = l.outs.size();
     size_t nargs = nin + nout + (size_t)l.skipped + l.ints.size() + (l.workspace_bytes ? 1 : 0);
     if (nargs > MAX_ARGS) {
@@ -227,14 +233,19 @@ static int as_scratch(PyObject *seq, LaunchSpec &l) {
 
 PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static const char *kwlist[] = {"cuda", "keep", "fn", "finish", "grid", "block", "smem", "device", "region",
-                                   "vec", "check", "ints", "workspace_bytes", "outs", "skipped", "scratch", nullptr};
+                                   "vec", "check", "ints", "workspace_bytes", "outs", "skipped", "scratch",
+                                   "last_size", "last_multiple", nullptr};
     PyObject *cuda, *keep, *fn, *finish, *grid, *check, *ints, *outs, *scratch = nullptr;
-    int block, smem, device, region, vec, skipped;
-    long long workspace_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOiiiiiOOLOi|O", (char **)kwlist, &cuda, &keep, &fn, &finish,
+    int block, smem, device, region, vec, skipped, last_multiple = 1;
+    long long workspace_bytes, last_size = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOiiiiiOOLOi|OLi", (char **)kwlist, &cuda, &keep, &fn, &finish,
                                      &grid, &block, &smem, &device, &region, &vec, &check, &ints,
-                                     &workspace_bytes, &outs, &skipped, &scratch))
+                                     &workspace_bytes, &outs, &skipped, &scratch, &last_size, &last_multiple))
         return nullptr;
+    if (last_multiple < 1 || last_size < 0) {
+        PyErr_SetString(PyExc_ValueError, "Launch: last_multiple must be >= 1 and last_size >= 0");
+        return nullptr;
+    }
     if (!api) {
         PyErr_SetString(PyExc_RuntimeError, "kbench._fast.init() has not been called");
         return nullptr;
@@ -282,6 +293,7 @@ PyObject *launch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         }
     l.block = block, l.smem = smem, l.device = device, l.region = region, l.vec = vec, l.skipped = skipped;
     l.workspace_bytes = workspace_bytes;
+    l.last_size = last_size, l.last_multiple = last_multiple;
     return (PyObject *)self;
 fail:
     Py_DECREF(self);

@@ -264,17 +264,19 @@ PyType_Spec kb_genome_spec = {"kbench._C.Genome", sizeof(kb_py_genome), 0,
 
 static const char KERNEL_INFO_DOC[] =
     "KernelInfo(*, name, genome, block, grid_units, units_per_block, source='', smem=0, max_blocks=0, nkernels=1, "
-    "workspace_bytes_per_unit=0, workspace_bytes_per_block=0, nostats=False)\n"
+    "workspace_bytes_per_unit=0, workspace_bytes_per_block=0, nostats=False, last_multiple=1, last_dim=1)\n"
     "--\n\n"
     "A generated kernel, as generate() returns it, or rebuilt from stored launch data (a cached winner,\n"
     "launched from its CUBIN: source ''). Read-only. entries names every entry point: name, then\n"
     "name + '_finish' where nkernels == 2 (finish_name), then name + '_nostats' where nostats\n"
     "(nostats_name). The grid is ceil(units / units_per_block) blocks, units being grid_units at the\n"
     "sizes (an int, or (coef, (symbol, ...)): coef times those symbols), capped at max_blocks where that\n"
-    "is not 0; the workspace is workspace_bytes_per_unit x units + workspace_bytes_per_block x grid.";
+"is not 0; the workspace is workspace_bytes_per_unit x units + workspace_bytes_per_block x grid.\n"
+    "A ROW or COL kernel with vectors along a last dim that varies runs only where last_dim (an int or\n"
+    "(coef, (symbol, ...)), at the launch's sizes) is a multiple of last_multiple (its vec; 1: every size).";
 
 typedef struct {
-    int block, smem, nkernels;
+    int block, smem, nkernels, last_multiple;
     long long units_per_block, max_blocks, workspace_bytes_per_unit, workspace_bytes_per_block;
     char nostats;
 } kernel_scalars;
@@ -285,6 +287,7 @@ typedef struct {
     PyObject *source;     /* str: CUDA C ("" where launched from a stored CUBIN) */
     PyObject *genome;     /* Genome */
     PyObject *grid_units; /* int or (coef, (sym, ...)) */
+    PyObject *last_dim;   /* int or (coef, (sym, ...)): a multiple of s.last_multiple at every launch */
     PyObject *entries;    /* tuple of str: name, [name_finish], [name_nostats] */
     kernel_scalars s;
 } kernel_info;
@@ -292,7 +295,7 @@ typedef struct {
 /* A KernelInfo of these fields, its entries made from name, nkernels and nostats. Borrows the
  * objects (str, str, Genome, and an int or tuple of ints: no cycle can go through it). */
 static PyObject *kernel_info_make(PyTypeObject *tp, PyObject *name, PyObject *source, PyObject *genome,
-                                  PyObject *grid_units, const kernel_scalars *scalars) {
+                                  PyObject *grid_units, PyObject *last_dim, const kernel_scalars *scalars) {
     PyObject *finish = NULL, *nostats = NULL;
     if (scalars->nkernels > 1 && !(finish = PyUnicode_FromFormat("%U%s", name, KB_ENTRY_FINISH))) return NULL;
     if (scalars->nostats && !(nostats = PyUnicode_FromFormat("%U%s", name, KB_ENTRY_NOSTATS))) {
@@ -318,6 +321,7 @@ static PyObject *kernel_info_make(PyTypeObject *tp, PyObject *name, PyObject *so
     self->source = Py_NewRef(source);
     self->genome = Py_NewRef(genome);
     self->grid_units = Py_NewRef(grid_units);
+    self->last_dim = Py_NewRef(last_dim);
     self->entries = entries;
     self->s = *scalars;
     return (PyObject *)self;
@@ -334,15 +338,19 @@ PyObject *kb_py_kernel_info_new(kb_module_state *state, const kb_kernel *k, int6
     f.workspace_bytes_per_unit = k->workspace_bytes_per_unit;
     f.workspace_bytes_per_block = k->workspace_bytes_per_block;
     f.nostats = k->nostats != 0;
+    f.last_multiple = k->last_multiple > 1 ? k->last_multiple : 1;
     PyObject *name = PyUnicode_FromString(k->name);
     PyObject *source = name ? PyUnicode_FromString(k->source) : NULL;
     PyObject *genome = source ? kb_py_genome_new(state, &k->genome) : NULL;
     PyObject *grid_units = genome ? kb_py_dim(k->grid_units) : NULL;
-    PyObject *out = grid_units ? kernel_info_make(state->kernel_info_type, name, source, genome, grid_units, &f) : NULL;
+    PyObject *last_dim = grid_units ? kb_py_dim(f.last_multiple > 1 ? k->last_dim : (kb_dim){1, 0, {0}}) : NULL;
+    PyObject *out = last_dim ? kernel_info_make(state->kernel_info_type, name, source, genome, grid_units, last_dim, &f)
+                             : NULL;
     Py_XDECREF(name);
     Py_XDECREF(source);
     Py_XDECREF(genome);
     Py_XDECREF(grid_units);
+    Py_XDECREF(last_dim);
     return out;
 }
 
@@ -363,14 +371,29 @@ static int int_arg(PyObject *v, const char *what, long long lo, long long hi, lo
     return 0;
 }
 
+/* A size as generate() gives it: an int, or (coef, (sym, ...)), also from a list (JSON); -1 with an
+ * exception set. */
+static int dim_arg(PyObject *v, const char *what, kb_dim *out) {
+    PyObject *as_tuple = PyList_Check(v) ? PyList_AsTuple(v) : Py_NewRef(v);
+    if (!as_tuple) return -1;
+    int bad = !PyLong_Check(as_tuple) && !PyTuple_Check(as_tuple);
+    if (bad) PyErr_Format(PyExc_TypeError, "KernelInfo: %s is an int or (coef, (symbol, ...)), not %.100s", what,
+                          Py_TYPE(v)->tp_name);
+    else bad = kb_py_dim_from(as_tuple, out) < 0;
+    Py_DECREF(as_tuple);
+    return bad ? -1 : 0;
+}
+
 static PyObject *kernel_info_new(PyTypeObject *tp, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"name", "genome", "block", "grid_units", "units_per_block", "source", "smem",
                              "max_blocks", "nkernels", "workspace_bytes_per_unit", "workspace_bytes_per_block",
-                             "nostats", NULL};
+                             "nostats", "last_multiple", "last_dim", NULL};
     PyObject *name = NULL, *genome = NULL, *block = NULL, *grid_units = NULL, *upb = NULL, *source = NULL,
-             *smem = NULL, *max_blocks = NULL, *nkernels = NULL, *wsu = NULL, *wsb = NULL, *nostats = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOOOOOOOOOO:KernelInfo", kwlist, &name, &genome, &block,
-                                     &grid_units, &upb, &source, &smem, &max_blocks, &nkernels, &wsu, &wsb, &nostats))
+             *smem = NULL, *max_blocks = NULL, *nkernels = NULL, *wsu = NULL, *wsb = NULL, *nostats = NULL,
+             *lmul = NULL, *ldim = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOOOOOOOOOOOO:KernelInfo", kwlist, &name, &genome, &block,
+                                     &grid_units, &upb, &source, &smem, &max_blocks, &nkernels, &wsu, &wsb, &nostats,
+                                     &lmul, &ldim))
         return NULL;
     PyObject *required[] = {name, genome, block, grid_units, upb};
     for (int i = 0; i < 5; i++)
@@ -400,21 +423,17 @@ static PyObject *kernel_info_new(PyTypeObject *tp, PyObject *args, PyObject *kwd
     int ns = nostats ? PyObject_IsTrue(nostats) : 0;
     if (ns < 0) return NULL;
     f.nostats = (char)ns;
-    /* grid_units as generate() gives it: an int, or (coef, (sym, ...)) also from a list (JSON) */
-    kb_dim d;
-    PyObject *as_tuple = PyList_Check(grid_units) ? PyList_AsTuple(grid_units) : Py_NewRef(grid_units);
-    if (!as_tuple) return NULL;
-    int bad = !PyLong_Check(as_tuple) && !PyTuple_Check(as_tuple);
-    if (bad) PyErr_Format(PyExc_TypeError, "KernelInfo: grid_units is an int or (coef, (symbol, ...)), not %.100s",
-                          Py_TYPE(grid_units)->tp_name);
-    else bad = kb_py_dim_from(as_tuple, &d) < 0;
-    Py_DECREF(as_tuple);
-    if (bad) return NULL;
+    if (lmul && int_arg(lmul, "last_multiple", 1, 16, &v) < 0) return NULL;
+    f.last_multiple = lmul ? (int)v : 1;
+    kb_dim d, ld = {1, 0, {0}};
+    if (dim_arg(grid_units, "grid_units", &d) < 0 || (ldim && dim_arg(ldim, "last_dim", &ld) < 0)) return NULL;
     PyObject *units = kb_py_dim(d);
+    PyObject *last = units ? kb_py_dim(ld) : NULL;
     PyObject *text = source ? PyUnicode_FromObject(source) : PyUnicode_FromString("");
-    PyObject *nm = text && units ? PyUnicode_FromObject(name) : NULL;
-    PyObject *out = nm ? kernel_info_make(tp, nm, text, genome, units, &f) : NULL;
+    PyObject *nm = text && last ? PyUnicode_FromObject(name) : NULL;
+    PyObject *out = nm ? kernel_info_make(tp, nm, text, genome, units, last, &f) : NULL;
     Py_XDECREF(units);
+    Py_XDECREF(last);
     Py_XDECREF(text);
     Py_XDECREF(nm);
     return out;
@@ -427,6 +446,7 @@ static void kernel_info_dealloc(PyObject *op) {
     Py_XDECREF(self->source);
     Py_XDECREF(self->genome);
     Py_XDECREF(self->grid_units);
+    Py_XDECREF(self->last_dim);
     Py_XDECREF(self->entries);
     tp->tp_free(op);
     Py_DECREF(tp);
@@ -475,6 +495,10 @@ static PyMemberDef kernel_info_members[] = {
      "workspace bytes per block of the grid (column sums' partials)"},
     {"nostats", T_BOOL, offsetof(kernel_info, s.nostats), READONLY,
      "whether it has an entry point without the saved statistics"},
+    {"last_multiple", T_INT, offsetof(kernel_info, s.last_multiple), READONLY,
+     "the kernel runs only where last_dim is a multiple of it (its vec along a varying last dim; 1: any size)"},
+    {"last_dim", T_OBJECT_EX, offsetof(kernel_info, last_dim), READONLY,
+     "the size last_multiple divides: an int, or (coef, (symbol, ...))"},
     {NULL, 0, 0, 0, NULL},
 };
 

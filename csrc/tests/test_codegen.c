@@ -369,6 +369,44 @@ static void test_softmax_family(void) {
     }
 }
 
+/* Vectors along a row length that varies: the default takes them where the example's row is a
+ * multiple of them, and the kernel records that it runs only where the row stays one. */
+static void test_varying_last_dim_vectors(void) {
+    tg t = new_graph();
+    int32_t s;
+    kb_graph_add_symbol(t.g, "s0", 5, &s);
+    kb_graph_add_symbol(t.g, "s1", 300, &s);
+    int32_t x = tg_input(&t, "x", KB_F32, "s0,s1");
+    tg_output(&t, tg_softmax(&t, KB_F32, "s0", "s1", x));
+    CHECK_STATUS(ctx, t.st, KB_OK);
+    kb_partition *p = NULL;
+    CHECK_STATUS(ctx, kb_partition_new(t.g, &p), KB_OK);
+    if (!p) {
+        kb_graph_free(t.g);
+        return;
+    }
+    int64_t even[2] = {5, 300}, odd[2] = {5, 301};
+    kb_genome gn;
+    kb_kernel *k = NULL;
+    CHECK_STATUS(ctx, kb_genome_default(p, 0, even, kb_device_default(), &gn), KB_OK);
+    CHECK(gn.vec == 4);
+    CHECK_STATUS(ctx, kb_kernel_generate(p, 0, &gn, kb_device_default(), &k), KB_OK);
+    if (k) {
+        CHECK(k->last_multiple == 4 && k->last_dim.coef == 1 && k->last_dim.nsym == 1 && k->last_dim.sym[0] == 1);
+        CHECK(kb_kernel_admits(k, even) && !kb_kernel_admits(k, odd));
+        CHECK(strstr(k->source, "s1 (the last dim) % 4 == 0") != NULL);
+    }
+    kb_kernel_free(ctx, k);
+    k = NULL;
+    CHECK_STATUS(ctx, kb_genome_default(p, 0, odd, kb_device_default(), &gn), KB_OK);
+    CHECK(gn.vec == 1); /* 301: no vector divides it */
+    CHECK_STATUS(ctx, kb_kernel_generate(p, 0, &gn, kb_device_default(), &k), KB_OK);
+    if (k) CHECK(k->last_multiple == 1 && kb_kernel_admits(k, odd) && kb_kernel_admits(k, even));
+    kb_kernel_free(ctx, k);
+    kb_partition_free(p);
+    kb_graph_free(t.g);
+}
+
 static void test_pointwise(void) {
     for (int di = 0; di < 3; di++) {
         kb_dtype dt = DTYPES[di];
@@ -591,6 +629,7 @@ int main(void) {
     test_pointwise();
     test_norms();
     test_softmax_family();
+    test_varying_last_dim_vectors();
     test_columns();
     test_huge_rows_refused();
     test_failing_alloc();

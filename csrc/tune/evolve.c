@@ -52,7 +52,8 @@ static int legal_facts(const tune_facts *f, const kb_genome *g) {
     if ((uint32_t)g->two_pass > 1 || (uint32_t)g->fast_math > 1 || (uint32_t)g->persistent > 1) return 0;
     /* one vector access of the narrowest element is at most 16 bytes */
     if ((int64_t)g->vec * f->minsz > 16) return 0;
-    /* ROW and COL step along the last dim in whole vectors */
+    /* ROW and COL step along the last dim in whole vectors (a varying one at the example's size:
+       the kernel then runs only where it stays a multiple of vec, kb_kernel.last_multiple) */
     if (f->kind != KB_REGION_POINTWISE && g->vec > 1 && (f->last == 0 || f->last % g->vec != 0)) return 0;
     if (g->row_split < 1 || g->row_split > KB_ROW_SPLIT_MAX) return 0;
     if (g->row_split > 1) { /* a row split over blocks: each reduces a part of at least KB_ROW_PART_MIN */

@@ -61,7 +61,10 @@ kb_status tune_facts_of(const kb_partition *p, int32_t r, const int64_t *symvals
             f->kept *= s;
         }
     }
-    f->last = a->rank == 0 ? 1 : a->dims[a->rank - 1].nsym == 0 ? a->dims[a->rank - 1].coef : 0;
+    /* a varying last dim counts at the example's size: a ROW or COL kernel with vectors over it
+       requires the size to stay a multiple of vec, which the launch checks (kb_kernel.last_multiple) */
+    f->last = a->rank == 0 ? 1 : kb_dim_eval(a->dims[a->rank - 1], symvals);
+    f->last_varies = a->rank > 0 && a->dims[a->rank - 1].nsym > 0;
     kb_device_info on = kb_device_for_schedule(dev);
     f->num_sms = on.num_sms;
     f->smem_cap = on.max_smem_per_block;

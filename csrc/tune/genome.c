@@ -69,7 +69,11 @@ static int64_t pow2_floor(int64_t x) {
 
 static int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
-/* The widest vector (elements) whose accesses stay 16 bytes and divide the last dim. */
+/* The widest vector (elements) whose accesses stay 16 bytes and divide the last dim. A last dim
+ * that varies is taken at the example's size: where vec > 1 divides it, the kernel requires that
+ * it stays a multiple of vec (kb_kernel.last_multiple) and a launch at a size that breaks this
+ * runs the region in eager; a reduction read in 4-byte loads is slower by far at every size
+ * (KernelBench's tasks without parameters have every dim varying). */
 static int pick_vec(const tune_facts *f, int need_last) {
     int vec = (int)clamp64(16 / f->maxsz, 1, 8);
     if (need_last)

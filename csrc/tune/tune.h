@@ -15,7 +15,9 @@ typedef struct tune_facts {
     int64_t red;         /* reduced extent (ROW: row length, COL: column height) */
     int64_t kept;        /* rows (ROW) / columns (COL) */
     int red_pinned;      /* every reduced dim is pinned */
-    int64_t last;        /* the anchor's last dim, 0 if it may vary (1 for a scalar anchor) */
+    int64_t last;        /* the anchor's last dim at the example sizes (1 for a scalar anchor) */
+    int last_varies;     /* ... and it is a symbol's: vec > 1 on ROW / COL then makes a kernel that
+                            runs only where it stays a multiple of vec (eager elsewhere) */
     int minsz, maxsz;    /* narrowest and widest element of the bulk values (4 if none) */
     int nbulk_in;        /* bulk inputs: what a row cache holds */
     int bulk_in_bytes;   /* their element sizes summed */

@@ -24,11 +24,28 @@ class Kernel:
 
     __slots__ = ("fn", "fn_nostats", "finish_fn", "block", "smem", "grid_units", "units_per_block", "max_blocks",
                  "genome", "name", "vec", "workspace_per_unit", "workspace_per_block", "source", "module", "regs",
-                 "spills", "launches", "workspaces")
+                 "spills", "launches", "workspaces", "last_multiple", "last_dim")
 
     def __init__(self):
         self.launches = {}   # sizes -> precomputed launch parameters (see CudaExecutor.launch_params)
         self.workspaces = {}  # stream -> workspace reused by every launch on that stream (launcher)
+
+    @classmethod
+    def of(cls, info) -> "Kernel":
+        """What a launch needs of a _C.KernelInfo, before anything is loaded (its functions are
+        None until CudaExecutor.load sets them)."""
+        kernel = cls()
+        kernel.source, kernel.module, kernel.regs, kernel.spills = info.source, None, 0, 0
+        kernel.fn = kernel.finish_fn = kernel.fn_nostats = None
+        kernel.name, kernel.block, kernel.smem = info.name, info.block, info.smem
+        kernel.grid_units, kernel.units_per_block = info.grid_units, info.units_per_block
+        kernel.max_blocks, kernel.genome = info.max_blocks, info.genome
+        kernel.vec = info.genome.vec
+        # vectors along a varying last dim: launched only where it is a multiple of them (verify.refused)
+        kernel.last_multiple, kernel.last_dim = info.last_multiple, info.last_dim
+        kernel.workspace_per_unit = info.workspace_bytes_per_unit
+        kernel.workspace_per_block = info.workspace_bytes_per_block
+        return kernel
 
     def grid(self, symvals) -> int:
         units = self.grid_units if isinstance(self.grid_units, int) else \
@@ -98,27 +115,19 @@ class CudaExecutor(Executor):
         winner comes with its CUBIN. CompileError on failure."""
         if cubin is None:
             cubin = nvrtc.compile(info.source, self.arch)
-        kernel = Kernel()
-        kernel.source = info.source
+        kernel = Kernel.of(info)
         kernel.module = _C.module_load(self.cuda, cubin)
         kernel.fn, kernel.regs, kernel.spills = _C.get_function(self.cuda, kernel.module, info.name, info.smem)
-        kernel.finish_fn = kernel.fn_nostats = None
         if info.finish_name is not None:
             kernel.finish_fn, _, _ = _C.get_function(self.cuda, kernel.module, info.finish_name, 0)
         if info.nostats_name is not None:   # the same kernel without its saved statistics (no backward follows)
             kernel.fn_nostats, _, _ = _C.get_function(self.cuda, kernel.module, info.nostats_name, info.smem)
-        kernel.name, kernel.block, kernel.smem = info.name, info.block, info.smem
-        kernel.grid_units, kernel.units_per_block = info.grid_units, info.units_per_block
-        kernel.max_blocks, kernel.genome = info.max_blocks, info.genome
         if kernel.max_blocks >= 0x7FFFFFFF:   # an older cache entry's int32 grid clamp, once taken
             kernel.max_blocks = 0             # for a cap; a real cap is a few blocks per SM
         if kernel.max_blocks:   # a capped grid is one wave: no more blocks than fit at once
             fit = resident_blocks(kernel.regs, kernel.block, self.dev.get("regs_per_sm", 0))
             if fit:
                 kernel.max_blocks = min(kernel.max_blocks, fit * self.dev["num_sms"])
-        kernel.vec = info.genome.vec
-        kernel.workspace_per_unit = info.workspace_bytes_per_unit
-        kernel.workspace_per_block = info.workspace_bytes_per_block
         return kernel
 
     # ------------------------------------------------------------------ checks
@@ -159,6 +168,9 @@ class CudaExecutor(Executor):
         """nostats: through the entry point without the saved statistics (their outputs left out).
         outs: tensors to write (the region's outputs, shaped as _launch_params says) instead of
         new ones (the search times candidates on buffer layouts of its own)."""
+        why = verify.refused(kernel, r, symvals)
+        if why:   # checks and searches never launch a kernel where it cannot run
+            raise RegionFallback(why)
         shapes, grid, ints, workspace_bytes, _ = lp or self.launch_params(kernel, r, symvals)
         device = inputs[0].device if inputs else self.device
         skipped = self.plan.regions[r].saved if nostats else 0
@@ -181,6 +193,10 @@ class CudaExecutor(Executor):
     def can_run(self, r):
         return r in self.kernels
 
+    def refuses(self, r, symvals) -> str:
+        kernel = self.kernels.get(r)
+        return verify.refused(kernel, r, symvals) if kernel is not None else ""
+
     def scale(self, grads, grad_out) -> None:
         """Executor.scale on the device, without a host sync (kbench/kernels/scale.cu)."""
         for t in grads:
@@ -202,7 +218,9 @@ class CudaExecutor(Executor):
     def launcher(self, r, symvals, trusted=(), stats=True):
         """The hot path of region r at these sizes (see Executor.launcher): grid, arguments,
         output shapes and the stream lookup resolved once; per call only the contiguity checks on
-        inputs not known to be contiguous (trusted), the alignment of every input's pointer,
+        inputs not known to be contiguous (trusted), the last dim a multiple of the kernel's vec
+        where it requires that (the same at every call at these sizes, checked per call as on the
+        C++ path: RegionFallback, the region in eager), the alignment of every input's pointer,
         one allocation per output, and the launch. stats=False: the kernel's `_nostats` entry
         point (its saved statistics' stores compiled out) runs, and they come back as None."""
         kernel = self.kernels.get(r)
@@ -229,6 +247,8 @@ class CudaExecutor(Executor):
         like = [in_meta.index(m) if m in in_meta else -1 for m in shapes]
         device, align = self.device, kernel.vec > 1
         fn = kernel.fn_nostats if skipped and not scratch else kernel.fn
+        last_size = verify.dim_value(kernel.last_dim, symvals)
+        refused = verify.refused(kernel, r, symvals)
         ext = fast.module()
         if ext is not None:   # the same steps in C++ (csrc/fast/launch.cpp)
             return ext.Launch(
@@ -237,7 +257,7 @@ class CudaExecutor(Executor):
                 device=device.index if device.index is not None else torch.cuda.current_device(),
                 region=r, vec=kernel.vec, check=check, ints=ints, workspace_bytes=workspace_bytes,
                 outs=[(j, s, d) for j, (s, d) in zip(like, shapes)], skipped=skipped,
-                scratch=scratch).run
+                scratch=scratch, last_size=last_size, last_multiple=kernel.last_multiple).run
         launch, cuda, finish, block, smem = _C.launch, self.cuda, kernel.finish_fn, kernel.block, kernel.smem
         no_ptrs = list(scratch) if scratch else [None] * skipped
         no_outs = [None] * skipped
@@ -253,6 +273,8 @@ class CudaExecutor(Executor):
                                    f"(region {r}, input {j})")
                 if not inputs[j].is_contiguous():
                     raise RegionFallback(f"region {r}: input {j} is not contiguous")
+            if refused:
+                raise RegionFallback(refused)
             if align:   # every input's pointer, in integer arithmetic
                 for j, x in enumerate(inputs):
                     if x.data_ptr() & 15:

@@ -198,6 +198,12 @@ class Executor:
     def can_run(self, r: int) -> bool:
         return True
 
+    def refuses(self, r: int, symvals) -> str:
+        """Why region r's kernel does not run at these sizes at all ("" where it may): the same
+        for every call at them (a last dim no multiple of the kernel's vec), unlike a misaligned
+        input."""
+        return ""
+
     def scale(self, grads, grad_out) -> None:
         """Gradients computed with the upstream gradient taken as 1 (runtime/joint.py), times the
         real one, in place; nothing to do where it is 1 (on the CPU, asking costs nothing)."""
@@ -292,7 +298,10 @@ class Program:
         self.plan, self.executor, self.note = plan, executor, note
 
     def run_region(self, r, symvals, inputs):
-        if not self.executor.can_run(r):
+        """Region r off the hot path (checks; a call's steps are bind()'s). At sizes its kernel
+        refuses (Executor.refuses) the region runs in eager without a note: a gradient check at
+        sizes no call used is nobody's fallback."""
+        if not self.executor.can_run(r) or self.executor.refuses(r, symvals):
             return self.plan.eager_region(r, symvals, inputs)
         try:
             return self.executor.run(r, symvals, inputs)

@@ -33,6 +33,8 @@ KEY_FIELDS = ("region_sig", "dtypes", "shape_class", "gpu_name", "gpu_arch", "dr
               "torch_version", "kbench_version")
 LAUNCH_FIELDS = ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels", "workspace",
                  "workspace_per_block")
+# and, for a kernel with vectors along a varying last dim, "last_multiple" and "last_dim" (the sizes
+# it runs at: tuner.stored_launch); an entry without them runs at every size
 WINNER_FIELDS = ("genome", "source_hash", "cubin", "entries", "launch", "envelope", "best_ms", "search_s",
                  "ncandidates", "created", "eager_ms", "kernel_ms", "eager_sig")
 # Winner columns added after schema version 1 was released: a file without them gets them on open

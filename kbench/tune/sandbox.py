@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from .. import verify
 from .sandbox_worker import MAX_REPLY_BYTES, ProtocolError, decode, encode, read_frame, write_frame
 
 # The watchdog: a request may take WATCHDOG_MARGIN times what moving its bytes takes at
@@ -225,7 +226,8 @@ def _dtype_name(dtype) -> str:
 
 def describe(ex, r: int, k, kernel, sizes) -> tuple[dict, int]:
     """A "check" request for a candidate of region r (k: its _C.KernelInfo, for the entry names;
-    kernel: as the executor loaded it, for the launch geometry) at each of `sizes`: per size a group
+    kernel: as the executor loaded it, for the launch geometry) at each of `sizes` where it may run
+    (verify.refused: elsewhere the region runs in eager, and nothing launches it): per size a group
     that runs the kernel and its finishing kernel, and one for the entry point without the saved
     statistics where there is one, the arguments in the order CudaExecutor.launch passes them.
     Also returns the bytes the launches move (the watchdog's measure)."""
@@ -240,6 +242,8 @@ def describe(ex, r: int, k, kernel, sizes) -> tuple[dict, int]:
     saved = ex.plan.regions[r].saved
     groups, moved = [], 0
     for symvals in sizes:
+        if verify.refused(kernel, r, symvals):   # sizes where the region runs in eager: never launched
+            continue
         shapes, grid, ints, workspace, _ = ex.launch_params(kernel, r, symvals)
         ins = [["tensor", list(s), _dtype_name(d), role] for s, d, role in ex.input_roles(r, symvals)]
         outs = [["tensor", list(s), _dtype_name(d), "output"] for s, d in shapes]
@@ -270,6 +274,8 @@ def check(ex, r: int, k, kernel, cubin: bytes, sizes, box: Sandbox | None = None
     torch.cuda.OutOfMemoryError where the worker found no memory for the buffers (the region's
     search ends, as for one in this process); SandboxUnavailable where no worker starts."""
     header, moved = describe(ex, r, k, kernel, sizes)
+    if not header["groups"]:   # no size it may run at: nothing to launch (verification refuses it)
+        return ""
     if box is None:
         device = getattr(ex, "device", None)
         box = for_device(device.index if device is not None and device.index is not None

@@ -115,6 +115,8 @@ def stored_launch(k) -> dict:
     launch = {f: getattr(k, f) for f in ("block", "smem", "grid_units", "units_per_block", "max_blocks", "nkernels")}
     launch["workspace"] = k.workspace_bytes_per_unit
     launch["workspace_per_block"] = k.workspace_bytes_per_block
+    if k.last_multiple > 1:   # the sizes it runs at (absent: every size, as in entries stored before it)
+        launch["last_multiple"], launch["last_dim"] = k.last_multiple, k.last_dim
     return launch
 
 
@@ -127,7 +129,8 @@ def stored_kernel(w) -> _C.KernelInfo:
                       max_blocks=n["max_blocks"], nkernels=n["nkernels"],
                       workspace_bytes_per_unit=n.get("workspace", 0),
                       workspace_bytes_per_block=n.get("workspace_per_block", 0),
-                      nostats=len(w.entries) > n["nkernels"])   # the entry without the statistics comes last
+                      nostats=len(w.entries) > n["nkernels"],   # the entry without the statistics comes last
+                      last_multiple=n.get("last_multiple", 1), last_dim=n.get("last_dim", 1))
     if list(k.entries) != list(w.entries):
         raise ValueError(f"stored entry points {w.entries} are not {list(k.entries)}")
     return k
