@@ -82,14 +82,15 @@ def test_backward_check_still_fails_a_wrong_gradient(monkeypatch):
 
 
 def kink_masks(module, x):
-    """kink_inputs of the module's one compute region at x (float64, CPU)."""
+    """kink_inputs of the module's one compute region at x (float64, CPU): None is no kink."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt = kbench.optimize(module, (x,), backend="interp", verbose=False)
     plan = opt._kbench_plan
     (r,) = [r for r, i in enumerate(plan.regions) if i.kind != "EXTERN"]
-    return torch_eval.kink_inputs(
+    mask = torch_eval.kink_inputs(
         lambda xs, kinks: plan.eager_region(r, plan.example_symvals, xs, dtype=torch.float64, kinks=kinks), [x])[0]
+    return torch.zeros_like(x, dtype=torch.bool) if mask is None else mask
 
 
 class Lambda(nn.Module):
@@ -110,7 +111,10 @@ class Lambda(nn.Module):
     # (max(x, x)) is not one that moving x can break
     (lambda x: x.amax(-1, keepdim=True) * torch.maximum(x, x), [2.0, 2.0, 1.0, 0.5, 2.5, -1.0],
      [1, 1, 0, 0, 0, 0]),
-], ids=["hardswish", "relu", "hardsigmoid", "max"])
+    # an infinite bound is never reached: no kink, nothing drawn again
+    (lambda x: torch.maximum(x, torch.full_like(x, float("-inf"))), [2.0, 2.0, 0.0, -1.0, 3.0, -3.0],
+     [0, 0, 0, 0, 0, 0]),
+], ids=["hardswish", "relu", "hardsigmoid", "max", "infinite"])
 def test_kink_inputs_finds_the_values_on_a_kink(f, values, want):
     x = torch.tensor(values, dtype=torch.float32).reshape(2, 3)
     mask = kink_masks(Lambda(f), x)

@@ -148,8 +148,14 @@ def evaluate(graph, captured, inputs_by_value: dict, symvals, *, nodes=None, dty
 
 
 def _near(a, c, size):
-    """Where a is within KINK_REL * size of c (one pass more than the subtraction)."""
-    return (a - c).abs_() <= KINK_REL * size
+    """Where a is within KINK_REL * size of c (finite values only: an infinite bound is no kink)."""
+    return ((a - c).abs_() <= KINK_REL * size) & a.isfinite()
+
+
+def _top(t) -> float:
+    """The largest finite magnitude in t (0 for none)."""
+    t = t.detach().abs()
+    return float(torch.where(t.isfinite(), t, 0).max()) if t.numel() else 0.0
 
 
 def _kink(op, n, args, i):
@@ -162,24 +168,24 @@ def _kink(op, n, args, i):
         if not a.is_floating_point() or not a.requires_grad:
             return None
         at = _KINK_AT.get(op) or (n["scalars"][1] / n["scalars"][0],)
-        d, top = a.detach(), float(a.detach().abs().max()) if a.numel() else 0.0
+        d, top = a.detach(), _top(a)
         mask = functools.reduce(torch.logical_or, [_near(d, c, top + abs(c)) for c in at])
         diff = a
     elif op in _KINK_BINARY and len(args) == 2:
         if not (a.requires_grad or args[1].requires_grad):
             return None
         a, b = (x if x.is_floating_point() else x.to(torch.float64) for x in args)
-        top = (float(a.detach().abs().max()) + float(b.detach().abs().max())) if a.numel() else 0.0
-        mask, diff = _near(a.detach(), b.detach(), top), a - b
+        mask = _near(a.detach(), b.detach(), _top(a) + _top(b)) & b.detach().isfinite()
+        diff = a - b
     elif op in ("max", "min") and len(args) == 1 and a.is_floating_point() and a.requires_grad:
         axes = _axes(n["axes"], a.dim())
         ext = _REDUCE[op](a, dim=axes, keepdim=True)
-        near = _near(a.detach(), ext.detach(), 2 * float(a.detach().abs().max()) if a.numel() else 0.0)
+        near = _near(a.detach(), ext.detach(), 2 * _top(a))
         mask, diff = near & (near.sum(dim=axes, keepdim=True) >= 2), a - ext
     elif op == "cast" and not IR_TO_TORCH[n["dtype"]].is_floating_point and a.is_floating_point() \
             and a.requires_grad:
         d = a.detach()
-        mask, diff = _near(d, d.round(), 2 * float(d.abs().max()) + 1 if a.numel() else 0.0), a
+        mask, diff = _near(d, d.round(), 2 * _top(a) + 1), a
     else:
         return None
     if not diff.requires_grad or not bool(mask.any()):
@@ -202,7 +208,7 @@ def may_kink(graph, nodes=None) -> bool:
 
 def kink_inputs(compute, inputs) -> list:
     """Per input, a mask of its elements that put some value on a point where an op's derivative
-    jumps (None for a non-float input), computed in float64: compute(xs, kinks) evaluates the
+    jumps (None where none does, and for a non-float input), computed in float64: compute(xs, kinks) evaluates the
     nodes with evaluate(..., kinks=kinks)."""
     with torch.enable_grad():
         xs = [x.detach().to(torch.float64).requires_grad_() if x.is_floating_point() else x for x in inputs]
