@@ -229,7 +229,7 @@ def away_from_kinks(compute, inputs, redraw):
     """The inputs, with the elements that put a value on a point where an op's derivative jumps
     drawn again (redraw(i, x): fresh values for input i, shaped as x), for at most KINK_ROUNDS
     rounds. A gradient check needs this: there the derivative is a convention, and torch's has
-    changed between versions and devices (hardswish at +-3: 1 and 0 in torch 2.13's kernels, as
+    changed between versions and devices (hardswish at +-3: 1 and 0 in torch 2.13 on the CPU, as
     in ops.def; 1.5 and -0.5 in kernels that take x/3 + 1/2 on the closed [-3, 3]), so a correct
     backward compared with another convention fails. Nor is that rare: a bf16 value is exactly
     3.0 with probability ~7e-5 (its spacing there is 2^-6), so a hardswish over 12M activations

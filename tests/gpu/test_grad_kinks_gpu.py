@@ -46,9 +46,10 @@ class Stem(nn.Module):
 
 @pytest.mark.parametrize("reference", ["torch", "closed"])
 def test_bf16_hardswish_backward_passes_its_gradient_check(reference, monkeypatch):
-    """"torch": the installed torch's own hardswish derivative as the reference (torch 2.11's
-    CUDA kernel failed the check without the fix); "closed": the closed-interval convention
-    forced, so the test fails without the fix whatever torch is installed."""
+    """"torch": the installed torch's own hardswish derivative as the reference (under torch 2.11
+    on an H200 the check failed without the fix; the closed-interval convention reproduces those
+    failures region for region on the CPU, so that is presumably its CUDA kernel's); "closed":
+    that convention forced, so the test fails without the fix whatever torch is installed."""
     if reference == "closed":
         monkeypatch.setitem(torch_eval._UNARY, "hardswish", ClosedHardswish.apply)
     torch.manual_seed(0)
