@@ -132,3 +132,22 @@ def test_away_from_kinks_redraws_only_those():
         lambda xs, kinks: plan.eager_region(r, plan.example_symvals, xs, dtype=torch.float64, kinks=kinks), [x],
         lambda i, t: torch.full_like(t, 0.25))
     assert y.tolist() == [[0.25, 0.25, 1.0], [0.5, 0.25, -2.0]]
+
+
+class HardswishLoss(nn.Module):
+    def forward(self, x):
+        return F.hardswish(x).float().square().mean()
+
+
+def test_joint_loss_check_passes_with_another_convention_at_the_kinks(monkeypatch):
+    """A loss's gradients in its forward (runtime/joint.py) are checked the same way."""
+    monkeypatch.setitem(torch_eval._UNARY, "hardswish", ClosedHardswish.apply)
+    torch.manual_seed(0)
+    x = torch.randn(16, 4096).to(torch.bfloat16)    # ~9 values exactly +-3 per draw
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = kbench.optimize(HardswishLoss(), (x,), backend="interp", verbose=False)
+    xg = x.clone().requires_grad_()
+    opt(xg).backward()
+    report = str(opt.kbench_report)
+    assert "loss gradients in the forward (gradients wanted: x): yes" in report, report
