@@ -46,9 +46,9 @@ class Block(nn.Module):
 
 def optimize_block():
     torch.manual_seed(0)
-    # 2 x 16 x 48 x 48 bf16 values: ~10 of them exactly +-3 per draw
-    x = torch.randn(2, 16, 48, 48).to(torch.bfloat16)
-    s = torch.randn(2, 16, 1, 1).to(torch.bfloat16)
+    # 16 x 48 x 48 bf16 values: ~5 of them exactly +-3 per draw
+    x = torch.randn(1, 16, 48, 48).to(torch.bfloat16)
+    s = torch.randn(1, 16, 1, 1).to(torch.bfloat16)
     model = Block().to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
