@@ -150,8 +150,9 @@ class RegionBackward:
 
     def _check_backward(self, r, need, seed=0):
         """Before a generated backward is trusted: at the forward's sweep sizes that are no larger
-        than the example, with random inputs and a random upstream gradient, every gradient it
-        gives must match torch.autograd of the region's float64 recomputation, and the same
+        than the example, with random inputs (none on a point where an op's derivative jumps:
+        torch_eval.away_from_kinks) and a random upstream gradient, every gradient it gives must
+        match torch.autograd of the region's float64 recomputation, and the same
         inputs must get gradients (an input autograd leaves at None gets None). Returns
         (why not or "", sizes checked)."""
         plan, info = self._kbench_plan, self._kbench_plan.regions[r]
@@ -163,6 +164,12 @@ class RegionBackward:
             gen = torch.Generator().manual_seed(seed + 7919 * (r + 1) + n)
             ins = self._kbench_executor.region_inputs(r, sv, "normal", gen)
             device = ins[0].device if ins else self._kbench_device
+            if torch_eval.may_kink(plan.graph, info.nodes):
+                # nowhere an op's derivative jumps: there the gradient is a convention (torch_eval)
+                kgen = torch.Generator(device=device).manual_seed(gen.initial_seed() + 1)
+                ins = torch_eval.away_from_kinks(
+                    lambda xs, kinks: plan.eager_region(r, sv, xs, dtype=torch.float64, kinks=kinks), ins,
+                    lambda i, x: verify.fill(torch.empty_like(x), "normal", kgen))
             real = info.outputs[:len(info.outputs) - info.saved]
             metas = [(torch.Size(plan.graph.sizes(v, sv)), torch_dtype(plan.nodes[v]["dtype"])) for v in real]
             # the statistics and the outputs the backward reads as the forward (its kernel, where it

@@ -174,10 +174,10 @@ class Plan:
         out = torch_eval.evaluate(self.graph, self, values, symvals, nodes=missing, device=self.device)
         values.update({n: out[n] for n in missing if n in out})
 
-    def eager_region(self, r, symvals, inputs, dtype=None):
+    def eager_region(self, r, symvals, inputs, dtype=None, kinks=None):
         info = self.regions[r]
         out = torch_eval.evaluate(self.graph, self, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes,
-                                  dtype=dtype, device=self.device)
+                                  dtype=dtype, device=self.device, kinks=kinks)
         return [out[v] for v in info.outputs]
 
 
