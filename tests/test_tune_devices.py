@@ -69,9 +69,6 @@ def test_optimize_refuses_devices_before_capturing_on_the_cpu():
     model = torch.nn.Linear(4, 3)
     with pytest.raises(ValueError, match="devices= spreads the cuda backend's search"):
         kbench.optimize(model, (torch.randn(2, 4),), devices=[0, 1], verbose=False)
-    # None is today's call (the interp backend, nothing spread)
-    out = kbench.optimize(model, (torch.randn(2, 4),), devices=None, verbose=False)
-    assert torch.allclose(out(torch.ones(2, 4)), model(torch.ones(2, 4)), atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------- scheduling
@@ -205,3 +202,51 @@ def test_a_winner_from_another_gpu_is_kept_only_where_it_beats_the_default_here(
     assert abs(d_ms - 1.0) < 0.02 and abs(w_ms - winner_ms) < 0.02
     assert bench.loads == 2 * search.LOADS                        # each loaded as many times as a finalist
     assert rounds >= search.BUDGETS["fast"].rounds
+
+
+def _adopt_case(monkeypatch, *, gate="", keep=True, winner="threads=128", default_ok=True):
+    """Tuner.adopt on a region searched on GPU 1 for a model on GPU 0, every device step faked:
+    what it keeps, and what it ran (confirm, build)."""
+    from kbench import _C, verify
+    t = tuner.Tuner(budget="fast", verbose=False, devices=(0, 1))
+    ran, stored = [], []
+    ex = SimpleNamespace(device=torch.device("cuda", 0), plan=SimpleNamespace(partition=None), sm=90, dev={},
+                         load=lambda k: ("loaded", k.genome))
+    kernel_info = lambda g: SimpleNamespace(genome=g)   # noqa: E731
+    monkeypatch.setattr(t, "gate", lambda ex, r, kernel, sizes: gate)
+    monkeypatch.setattr(verify, "gate_nostats", lambda ex, r, kernel, sizes: "")
+    monkeypatch.setattr(t, "envelope", lambda ex, verdict: "searched envelope")
+    monkeypatch.setattr(_C, "generate", lambda *a: kernel_info("threads=256"))
+    monkeypatch.setattr(search, "kernel_key", lambda k: k.genome)
+    monkeypatch.setattr(search, "CudaRegionBench", lambda *a, **k: "bench")
+    monkeypatch.setattr(search, "confirm", lambda bench, d, w, b: ran.append(("confirm", d.genome, w.genome))
+                        or (keep, 1.0, 0.8, 20))
+    monkeypatch.setattr(t, "build", lambda ex, k, r, points, note: ran.append(("build", k.genome))
+                        or (("built", k.genome), (tuner.Status.KERNEL, ""), "default envelope"))
+    monkeypatch.setattr(t, "remember", lambda ex, key, k, kernel, envelope, res: stored.append(k.genome))
+    monkeypatch.setattr(t, "record", lambda key, res: stored.append("record"))
+    cands = [{"genome": "threads=256", "time_ms": 1.0 if default_ok else None}, {"genome": winner, "time_ms": 0.8}]
+    res = search.SearchResult(kernel_info(winner), 0.8, 1.0, cands, 2.0, best_genome=winner,
+                              default_genome="threads=256", verdict=True)
+    got = t.adopt(ex, 3, key(), (1, res), [[8]], "", {})
+    return got, ran, stored
+
+
+def test_a_winner_from_another_gpu_is_gated_and_retimed_here_before_it_is_kept(monkeypatch):
+    (kernel, status, envelope, extra), ran, stored = _adopt_case(monkeypatch)
+    assert kernel == ("loaded", "threads=128") and status[0] is tuner.Status.KERNEL
+    assert ran == [("confirm", "threads=256", "threads=128")] and stored == ["threads=128"]
+    assert extra["tuned_on"] == "cuda:1" and "on cuda:0" in extra["confirmed"] and "winner kept" in extra["confirmed"]
+    assert envelope == "searched envelope"
+    # not faster here: the default is built, sandboxed and verified here, and kept
+    (kernel, status, envelope, extra), ran, stored = _adopt_case(monkeypatch, keep=False)
+    assert kernel == ("built", "threads=256") and envelope == "default envelope" and stored == ["threads=256"]
+    assert ran[-1] == ("build", "threads=256") and "the default stays" in extra["confirmed"]
+    # the search's winner is the default, or the default never ran there: nothing to re-time
+    for case in (dict(winner="threads=256"), dict(default_ok=False)):
+        (kernel, status, _, extra), ran, _ = _adopt_case(monkeypatch, **case)
+        assert ran == [] and status[0] is tuner.Status.KERNEL and "confirmed" not in extra
+    # failing its check here: torch runs the region, and the reason names both GPUs
+    (kernel, status, _, _), ran, stored = _adopt_case(monkeypatch, gate="output 0: off by 1e3")
+    assert kernel is None and status[0] is tuner.Status.EAGER and ran == [] and stored == ["record"]
+    assert "searched on cuda:1 fails its check on cuda:0: output 0" in status[1]
