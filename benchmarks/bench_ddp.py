@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -175,6 +176,9 @@ def main(argv=None) -> int:
         return 2
     import torch
     import torch.multiprocessing as mp
+    if not torch.cuda.is_available():
+        print("bench_ddp.py: no CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 1
     if torch.cuda.device_count() < args.world:
         print(f"bench_ddp.py: needs {args.world} CUDA GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
         return 1
@@ -186,7 +190,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     procs = mp.start_processes(_rank, args=(args.world, _free_port(), args, out), nprocs=args.world, join=False,
                                start_method="spawn")
-    ranks = out.get(timeout=3600)
+    while True:
+        try:
+            ranks = out.get(timeout=5)
+            break
+        except queue.Empty:
+            procs.join(timeout=0)   # a rank that died: its traceback, raised here
     procs.join(timeout=120)
     summary = {}
     for impl in args.impls:
