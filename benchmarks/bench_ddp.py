@@ -92,7 +92,8 @@ def _rank(rank, world, port, args, out):
                 cell.update(build_s=built, first_step_s=time.perf_counter() - t0)
                 if impl == "kbench":
                     rep = m.module.kbench_report
-                    cell["notes"] = [n for n in rep.notes if n.startswith(("tuning:", "fallback", "capture", "model gate"))]
+                    wanted = ("tuning:", "fallback", "capture", "model gate")
+                    cell["notes"] = [n for n in rep.notes if n.startswith(wanted)]
                     cell["kernels"], cell["regions"] = rep.kernels, len(rep.rows)
                 impls[impl] = (m, opt)
             except Exception as e:  # noqa: BLE001 - recorded; the other ranks must fail alike (a collective)
