@@ -250,3 +250,25 @@ def test_a_winner_from_another_gpu_is_gated_and_retimed_here_before_it_is_kept(m
     (kernel, status, _, _), ran, stored = _adopt_case(monkeypatch, gate="output 0: off by 1e3")
     assert kernel is None and status[0] is tuner.Status.EAGER and ran == [] and stored == ["record"]
     assert "searched on cuda:1 fails its check on cuda:0: output 0" in status[1]
+
+
+def test_a_gpu_whose_search_trapped_is_not_searched_on_again(monkeypatch):
+    t = tuner.Tuner(budget="fast", verbose=False, devices=(0, 1))
+    sigs = iter("abcdefgh")
+    monkeypatch.setattr(t, "cache_key", lambda ex, r: key(region_sig=next(sigs)))
+    monkeypatch.setattr(t, "points", lambda ex, r, s: ([[8]], ""))
+    monkeypatch.setattr(t, "store", lambda: SimpleNamespace(lookup=lambda k: None))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    used = []
+
+    def fake_search(ex, r, symvals, **kw):
+        used.append(ex)
+        time.sleep(0.05)    # long enough for both GPUs' threads to take a region
+        return SimpleNamespace(poisoned=ex == 1)
+    monkeypatch.setattr(search, "search_region", fake_search)
+    ex = SimpleNamespace(plan=SimpleNamespace(example_symvals=[8]), sibling=lambda device: device.index)
+    t.search_spread(ex, [SimpleNamespace(index=r) for r in range(2)])
+    assert t.lost == {1}
+    used.clear()
+    t.search_spread(ex, [SimpleNamespace(index=r) for r in range(2, 6)])    # a backward's regions, later
+    assert used == [0, 0, 0, 0]

@@ -147,6 +147,7 @@ class Tuner:
         self.budget, self.seed, self.verbose, self.verify_kernels = budget, seed, verbose, verify_kernels
         self.devices = tuple(devices) if devices is not None else None
         self.found: dict = {}       # cache key -> (GPU index, SearchResult): searched on another GPU, not adopted yet
+        self.lost: set = set()      # GPUs whose search trapped or hung in this process: searched on no more
         self.by_source: dict = {}   # cache key -> prepared kernel: identical regions tuned once
         self.times: dict = {}       # (cache key, eager signature) -> (eager ms, kernel ms)
         self.demote = True          # verdicts may send a working kernel's region back to torch
@@ -387,7 +388,8 @@ class Tuner:
             if points:
                 seen.add(k)
                 jobs.append((key, r, points, note))
-        if not jobs:
+        devices = [d for d in self.devices if d not in self.lost]
+        if not jobs or not devices:
             return
         siblings = {}
 
@@ -402,9 +404,11 @@ class Tuner:
                                             verifier=functools.partial(verify.verify_region, points=points, note=note),
                                             sizes=points)
 
-        for (key, *_), got in zip(jobs, spread.spread(jobs, self.devices, work, stop=lambda res: res.poisoned)):
+        for (key, *_), got in zip(jobs, spread.spread(jobs, devices, work, stop=lambda res: res.poisoned)):
             if got is not None:
                 self.found[key] = got
+                if got[1].poisoned:
+                    self.lost.add(got[0])
 
     def adopt(self, ex, r, key, found, points, note, extra):
         """tune()'s answer for a region searched on another GPU (search_spread): its winner loaded
