@@ -5,7 +5,12 @@
 process, which must load every kernel from the cache. Prints per-region searched vs default
 times and writes benchmarks/results/tune-<gpu>-<date>-<commit>.json.
 
+--devices 0,1 (or all) spreads the searches over those GPUs (optimize(devices=)); with
+--vs-one-gpu a cold run on the model's GPU alone comes first, in a cache of its own, and the two
+optimize times are compared (what item 4 of issue 35 measures: --budget default).
+
     python benchmarks/bench_tune.py [--blocks 12] [--batch 8] [--ctx 256] [--out DIR]
+    python benchmarks/bench_tune.py --budget default --devices 0,1 --vs-one-gpu
 """
 from __future__ import annotations
 
@@ -89,7 +94,7 @@ def one_run(args) -> dict:
     profiler = _Profile(args.profile)
     t0 = time.perf_counter()
     with profiler.section("optimize()"):
-        fast = kbench.optimize(model, (x,), budget=args.budget, verbose=False)
+        fast = kbench.optimize(model, (x,), budget=args.budget, verbose=False, devices=_devices(args.devices))
     t1 = time.perf_counter()
     xg = x.clone().requires_grad_(True)
     with profiler.section("first forward+backward"):
@@ -108,7 +113,8 @@ def one_run(args) -> dict:
         regions.append({"region": info.index, "kind": info.kind, "status": info.status, "genome": info.genome,
                         "cache": x_.get("cache"), "candidates": x_.get("candidates"),
                         "search_s": x_.get("search_s"), "default_ms": x_.get("default_ms"),
-                        "best_ms": x_.get("best_ms")})
+                        "best_ms": x_.get("best_ms"), "tuned_on": x_.get("tuned_on"),
+                        "confirmed": x_.get("confirmed")})
     backward = []
     for prog in fast._kbench_backward.values():
         if prog is None:
@@ -125,12 +131,22 @@ def one_run(args) -> dict:
             "regions": regions, "backward_regions": backward}
 
 
+def _devices(text):
+    """--devices: "" (None: the model's GPU), "all", or GPU indices "0,1"."""
+    if not text:
+        return None
+    return text if text == "all" else [int(d) for d in text.split(",")]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=12)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--budget", default="fast")
+    p.add_argument("--devices", default="", help="GPUs the searches spread over: 'all' or '0,1' (default: "
+                                                 "the model's GPU alone)")
+    p.add_argument("--vs-one-gpu", action="store_true", help="also a cold run on one GPU (its own cache), compared")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--profile-warm", default=None, metavar="FILE",
                    help="profile the warm process's optimize() (cProfile, top entries written to FILE)")
@@ -155,9 +171,16 @@ def main(argv=None) -> int:
     child = [sys.executable, __file__, "--child", "--blocks", str(args.blocks), "--batch", str(args.batch),
              "--ctx", str(args.ctx), "--budget", args.budget]
     runs = []
-    for label in ("cold", "warm"):
+    labels = (["cold-1gpu"] if args.vs_one_gpu and args.devices else []) + ["cold", "warm"]
+    for label in labels:
         extra = ["--profile", args.profile_warm] if label == "warm" and args.profile_warm else []
-        proc = subprocess.run(child + extra, env=env, capture_output=True, text=True, timeout=1200)
+        run_env = env
+        if label == "cold-1gpu":   # a cold cache of its own: the next run must search everything again
+            one = tempfile.mkdtemp(prefix="kbench-tune-1gpu-")
+            run_env = dict(env, KBENCH_CACHE_DIR=one)
+        else:
+            extra += ["--devices", args.devices] if args.devices else []
+        proc = subprocess.run(child + extra, env=run_env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)
             return 1
@@ -166,7 +189,15 @@ def main(argv=None) -> int:
         runs.append(run)
         print(f"{label}: optimize {run['optimize_s']:.1f} s, first forward+backward {run['forward_backward_s']:.1f} s, "
               f"max rel err {run['max_rel_err']:.1e}", flush=True)
-    cold, warm = runs
+    if args.vs_one_gpu and args.devices:
+        one, many = runs[0], runs[1]
+        where = sorted({r["tuned_on"] for r in many["regions"] if r.get("tuned_on")})
+        same = sum(1 for a, b in zip(one["regions"], many["regions"]) if a["genome"] == b["genome"])
+        print(f"\noptimize, budget {args.budget}: {one['optimize_s']:.1f} s on one GPU, {many['optimize_s']:.1f} s "
+              f"with devices={args.devices} ({one['optimize_s'] / many['optimize_s']:.2f}×; searched on "
+              f"{', '.join(where) or 'none'}); the same genome in {same}/{len(one['regions'])} forward regions; "
+              f"max rel err {one['max_rel_err']:.1e} / {many['max_rel_err']:.1e}")
+    cold, warm = runs[-2:]
     searched = [r for r in cold["regions"] + cold["backward_regions"] if r.get("candidates")]
     print(f"\n{len(cold['regions'])} forward regions, {len(cold['backward_regions'])} backward regions; "
           f"searched {len(searched)} distinct ones (the others are the same kernel)")

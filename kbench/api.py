@@ -25,7 +25,7 @@ from .runtime.cuda import CudaExecutor
 from .runtime.interp import InterpExecutor
 from .runtime.module import OptimizedModule, SharesOriginal
 from .runtime.plan import SAVE_STATS_MIN_ROW_BYTES, Status
-from .tune import gate
+from .tune import gate, spread
 from .tune.tuner import BUDGET_NAMES, Tuner, time_eager_regions
 
 _log = logging.getLogger("kbench")
@@ -150,7 +150,7 @@ class EagerModule(SharesOriginal, torch.nn.Module):
 def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
              backend: str | None = None, budget: str = "default", seed: int = 0, verbose: bool = True,
              grad_in_forward: bool = True, strict: bool = False, gate: bool = True,
-             cuda_graphs="auto", distributed="auto") -> torch.nn.Module:
+             cuda_graphs="auto", distributed="auto", devices=None) -> torch.nn.Module:
     """Return a module that computes what `model` computes, on kbench's regions.
 
     example_inputs, example_kwargs: a call's positional arguments (a tensor or a tuple) and
@@ -185,6 +185,11 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     DistributedDataParallel model, over its process group; True for any model, over the default
     group (every rank must call optimize() on the same model and example shapes: ranks that
     differ get an error naming the rank and the difference); False: each rank tunes on its own.
+    devices: None (the default) searches on the GPU the model runs on; a list of GPU indices of
+    this host ([0, 1], or "cuda:1"), or "all" (every visible GPU), spreads the regions' searches
+    over them, a thread per GPU (kbench/tune/spread.py); each winner is then gated and re-timed
+    against the default genome on the model's GPU before it is kept, and the report says where
+    each region was searched. Every GPU named must be the model of the one the model runs on.
     The returned module shares model's parameters and buffers; model itself is not modified,
     but for a DistributedDataParallel model: its `module` is replaced by the optimized one and the
     same DDP object returned (its gradient synchronization stays as it was built)."""
@@ -199,7 +204,7 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     group = kb_distributed.group_for(distributed, getattr(model, "process_group", None) if ddp else None)
     # below this call every rank is on its own: a later recapture (new shapes at some call) is local
     options = dict(backend=backend, budget=budget, seed=seed, verbose=verbose, grad_in_forward=grad_in_forward,
-                   strict=strict, gate=gate, cuda_graphs=cuda_graphs, distributed=False)
+                   strict=strict, gate=gate, cuda_graphs=cuda_graphs, distributed=False, devices=devices)
     if example_inputs is None and example_kwargs is None:   # capture on the first call
         if ddp:
             model.module = LazyOptimized(model.module, options, group)
@@ -280,10 +285,12 @@ def _optimize(model, args, kwargs, options):
         raise ValueError(f"backend 'interp' runs on the CPU; example_inputs are on {device}")
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(f"backend 'cuda' needs example_inputs on a CUDA device, got {device}")
+    devices = spread.resolve(options.get("devices"), device)   # GPUs the searches spread over (None: device's)
     validate(target, tensors)   # the same errors whether or not the capture is cached
     budget = options["budget"]
     # one tuner for every round of _demote: a region tuned in one is not tuned again
-    tuner = Tuner(budget=budget, seed=options["seed"], verbose=options["verbose"]) if backend == "cuda" else None
+    tuner = Tuner(budget=budget, seed=options["seed"], verbose=options["verbose"],
+                  devices=devices) if backend == "cuda" else None
 
     def executor():
         if backend == "interp":

@@ -114,9 +114,11 @@ class Report:
         for info in plan.regions:
             x = info.extra
             if x.get("candidates"):
-                rep.notes.append(f"region {info.index} search: {x['candidates']} candidates in {x['search_s']}s, "
-                                 f"default {_ms(x.get('default_ms'))} → best {_ms(x.get('best_ms'))}"
-                                 + (f" ({x['search_note']})" if x.get("search_note") else ""))
+                rep.notes.append(f"region {info.index} search: {x['candidates']} candidates in {x['search_s']}s"
+                                 + (f" on {x['tuned_on']}" if x.get("tuned_on") else "")
+                                 + f", default {_ms(x.get('default_ms'))} → best {_ms(x.get('best_ms'))}"
+                                 + (f" ({x['search_note']})" if x.get("search_note") else "")
+                                 + (f"; re-timed {x['confirmed']}" if x.get("confirmed") else ""))
             if info.backward:
                 rep.notes.append(f"region {info.index} backward: {info.backward}")
         if any(r.eager_ms is not None for r in rep.rows) and any(info.eager is not None for info in plan.regions):

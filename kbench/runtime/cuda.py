@@ -88,16 +88,29 @@ class CudaExecutor(Executor):
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'cuda' needs a CUDA GPU; torch.cuda.is_available() is False "
                                "(use backend='interp' on the CPU)")
-        self.device = device
         with torch.cuda.device(device):
-            torch.cuda.current_stream().synchronize()  # torch creates the primary context first
-            self.cuda = _C.cuda_open()
-            self.dev = _C.device_info(self.cuda, device.index or 0)
-            self.sm = self.dev["sm"]
-            self.arch = f"sm_{self.sm}"
+            self._open(device)
             path, version = nvrtc.info()  # FileNotFoundError here names every place looked
             plan.nvrtc = f"{path} ({version // 1000}.{version % 1000 // 10})"
             self.tuner.prepare(self)
+
+    def _open(self, device) -> None:
+        """The driver handle and the facts of `device` (its context current on this thread)."""
+        self.device = device
+        torch.cuda.current_stream().synchronize()  # torch creates the primary context first
+        self.cuda = _C.cuda_open()
+        self.dev = _C.device_info(self.cuda, device.index or 0)
+        self.sm = self.dev["sm"]
+        self.arch = f"sm_{self.sm}"
+
+    def sibling(self, device):
+        """An executor of the same plan on another GPU of this host, for the tuner's searches there
+        (optimize(devices=)): its own driver handle and loaded kernels, nothing tuned when made.
+        Called with `device` current on the calling thread."""
+        ex = CudaExecutor(self.tuner)
+        ex.plan = self.plan   # not prepare(): the plan's device stays the one the model runs on
+        ex._open(torch.device(device))
+        return ex
 
     def helper(self, file: str, entry: str):
         """A function of a hand-written helper kernel (kbench/kernels/<file>), compiled and loaded

@@ -779,3 +779,44 @@ def search_region(executor, r: int, example_symvals, *, budget="default", seed: 
         log.debug("kbench: region %d searched %d candidates in %.1f s: %s (%.4g ms; default %.4g ms)", r,
                   len(res.candidates), res.seconds, res.best_genome, res.best_ms or 0, res.default_ms or 0)
     return res
+
+
+def confirm(bench, default_k, winner_k, budget="default") -> tuple[bool, float, float, int]:
+    """A winner a search found on another GPU (optimize(devices=)), re-timed here against the
+    default genome before it is kept: does it beat the default by more than KEEP_DEFAULT on this
+    GPU too? default_k, winner_k: their _C.KernelInfo, each loaded LOADS times (instances differ
+    by a few percent) and timed in interleaved rounds, each round on its own layout, as the
+    search's finalists are; the decision on the paired interval of default / winner, with more
+    rounds while it is unclear (up to MAX_ROUNDS_FACTOR x the budget's rounds and RETIME_EXTRA_S),
+    and the default kept where it stays unclear (the search's own rule). Returns (the winner
+    kept, the default's median ms, the winner's, rounds)."""
+    b = BUDGETS.get(budget) if isinstance(budget, str) else budget
+    loads = []
+    for k in (default_k, winner_k):
+        mine = [bench.load(k)]
+        for _ in range(LOADS - 1):
+            try:
+                mine.append(bench.load(k))
+            except Exception as e:
+                if is_fatal(e) or is_oom(e):
+                    raise
+                break
+        for kernel in mine:
+            bench.time(kernel, 0)   # warm-up (a lazily loaded module loads at its first launch)
+        loads.append(mine)
+    samples: tuple[dict, dict] = ({}, {})
+    limit, cap, n, deadline = 1 / (1 - KEEP_DEFAULT), MAX_ROUNDS_FACTOR * b.rounds, 0, None
+    while True:
+        for _ in range(min(b.rounds, cap - n)):
+            got = bench.time_each([mine[n % len(mine)] for mine in loads], n)
+            samples[0][n], samples[1][n] = got
+            n += 1
+        lo, hi = _ratio_interval(samples[0], samples[1])
+        if lo > limit or hi <= limit or n >= cap:
+            keep = lo > limit
+            break
+        deadline = deadline or time.perf_counter() + RETIME_EXTRA_S
+        if time.perf_counter() >= deadline:
+            keep = False
+            break
+    return keep, statistics.median(samples[0].values()), statistics.median(samples[1].values()), n

@@ -11,6 +11,7 @@ compiled and timed once."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -23,7 +24,7 @@ from .. import _C, verify
 from ..runtime import nvrtc, torch_eval
 from ..runtime.cuda import event_ms
 from ..runtime.plan import Status
-from . import cache, sandbox, search, timing
+from . import cache, sandbox, search, spread, timing
 
 log = logging.getLogger("kbench")
 
@@ -138,12 +139,18 @@ def stored_kernel(w) -> _C.KernelInfo:
 
 class Tuner:
     """budget: "none" (default genomes, no search, no cache) or a search budget (search.BUDGETS);
-    seed makes the search repeatable; verify_kernels=False trusts kernels unverified (tests)."""
+    seed makes the search repeatable; verify_kernels=False trusts kernels unverified (tests);
+    devices: GPU indices (spread.resolve) the searches are spread over, None: all on the
+    executor's own GPU."""
 
-    def __init__(self, *, budget: str = "default", seed: int = 0, verbose: bool = True, verify_kernels: bool = True):
+    def __init__(self, *, budget: str = "default", seed: int = 0, verbose: bool = True, verify_kernels: bool = True,
+                 devices=None):
         if budget not in BUDGET_NAMES:
             raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
         self.budget, self.seed, self.verbose, self.verify_kernels = budget, seed, verbose, verify_kernels
+        self.devices = tuple(devices) if devices is not None else None
+        self.found: dict = {}       # cache key -> (GPU index, SearchResult): searched on another GPU, not adopted yet
+        self.lost: set = set()      # GPUs whose search trapped or hung in this process: searched on no more
         self.by_source: dict = {}   # cache key -> prepared kernel: identical regions tuned once
         self.times: dict = {}       # (cache key, eager signature) -> (eager ms, kernel ms)
         self.demote = True          # verdicts may send a working kernel's region back to torch
@@ -154,6 +161,8 @@ class Tuner:
     def prepare(self, ex) -> None:
         """Every compute region of the executor's plan (the executor's device context is current)."""
         compute = [info for info in ex.plan.regions if info.kind != "EXTERN"]
+        if self.devices is not None and self.budget != "none" and not self.poisoned:
+            self.search_spread(ex, compute)
         for n, info in enumerate(compute):
             if self.verbose:
                 log.info("kbench: region %d/%d %s: %s", n + 1, len(compute), info.kind, info.ops)
@@ -321,6 +330,9 @@ class Tuner:
         if not points:
             return None, (Status.EAGER, f"not verified: {note}"), "", extra
         sizes = points[0]
+        found = self.found.pop(key, None) if self.budget != "none" else None
+        if found is not None:
+            return self.adopt(ex, r, key, found, points, note, extra)
         if self.budget != "none":
             progress = self.progress(info)
             try:
@@ -354,6 +366,99 @@ class Tuner:
             return None, (Status.EAGER, f"no kernel: {str(e).splitlines()[0]}"), "", extra
         kernel, status, envelope = self.build(ex, k, r, points, note)
         return kernel, status, envelope, extra
+
+    def search_spread(self, ex, compute) -> None:
+        """The searches this executor's regions need (no winner in the cache, not tuned before, not
+        left to torch by rank 0), spread over self.devices (spread.spread): each run on an executor
+        of that GPU's own (CudaExecutor.sibling), its result kept in self.found for tune() to adopt
+        on the executor's GPU (adopt), region by region in order. A GPU whose search trapped or hung
+        takes no more; a region no GPU searched is searched on the executor's GPU, as without
+        devices."""
+        jobs, seen = [], set()
+        for info in compute:
+            r = info.index
+            key = self.cache_key(ex, r)
+            k = _key_tuple(key)
+            if key in self.by_source or key in self.found or k in seen or (_shared is not None and k in _shared.skip):
+                continue
+            try:
+                w = self.store().lookup(key)
+            except Exception:  # noqa: BLE001 - cached() logs it when it looks again
+                w = None
+            if w is not None and w.cubin:
+                continue   # a stored winner: loaded and gated on the executor's GPU, as ever
+            points, note = self.points(ex, r, ex.plan.example_symvals)
+            if points:
+                seen.add(k)
+                jobs.append((key, r, points, note))
+        devices = [d for d in self.devices if d not in self.lost]
+        if not jobs or not devices:
+            return
+        siblings = {}
+
+        def work(d, job):
+            key, r, points, note = job
+            with torch.cuda.device(d):
+                if d not in siblings:
+                    siblings[d] = ex.sibling(torch.device("cuda", d))
+                if self.verbose:
+                    log.info("kbench: region %d searched on cuda:%d", r, d)
+                return search.search_region(siblings[d], r, points[0], budget=self.budget, seed=self.seed,
+                                            verifier=functools.partial(verify.verify_region, points=points, note=note),
+                                            sizes=points)
+
+        for (key, *_), got in zip(jobs, spread.spread(jobs, devices, work, stop=lambda res: res.poisoned)):
+            if got is not None:
+                self.found[key] = got
+                if got[1].poisoned:
+                    self.lost.add(got[0])
+
+    def adopt(self, ex, r, key, found, points, note, extra):
+        """tune()'s answer for a region searched on another GPU (search_spread): its winner loaded
+        here from the same CUBIN and gated, as a cached winner is (it was verified in full there, on
+        a GPU of this model: spread.resolve), then re-timed against the default genome here
+        (search.confirm); where it does not beat the default here, the default is built, run in the
+        sandbox and verified here instead."""
+        d, res = found
+        here = f"cuda:{ex.device.index if ex.device.index is not None else torch.cuda.current_device()}"
+        extra.update(search_s=round(res.seconds, 2), candidates=len(res.candidates), default_ms=res.default_ms,
+                     best_ms=res.best_ms, search_note=res.note, tuned_on=f"cuda:{d}")
+        if res.poisoned and f"cuda:{d}" == here:
+            self.poisoned = f"region {r}'s search: {res.note}"
+        sizes = points[0]
+        why = ""
+        if res.best_k is not None and res.verdict:
+            winner = ex.load(res.best_k)
+            why = self.gate(ex, r, winner, sizes) or verify.gate_nostats(ex, r, winner, sizes)
+            if why:
+                why = f"the winner searched on cuda:{d} fails its check on {here}: {why}"
+        else:
+            why = res.note or "no verified kernel"
+        if why:
+            if _shared is not None:
+                _shared.torch.append(key)
+            self.record(key, res)
+            return None, (Status.EAGER, why.splitlines()[0][:240]), "", extra
+        chosen_k, kernel, envelope = res.best_k, winner, self.envelope(ex, res.verdict)
+        default = next((c for c in res.candidates if c["genome"] == res.default_genome), {})
+        default_k = _C.generate(ex.plan.partition, r, ex.sm, None, ex.dev) if default.get("time_ms") is not None \
+            else None   # a default that did not pass the sandbox and the gate there: nothing to re-time against
+        if default_k is not None and search.kernel_key(default_k) != search.kernel_key(res.best_k):
+            bench = search.CudaRegionBench(ex, r, sizes, sizes=points)
+            keep, d_ms, w_ms, rounds = search.confirm(bench, default_k, res.best_k, self.budget)
+            extra["confirmed"] = (f"on {here}: default {d_ms:.4f} ms, winner {w_ms:.4f} ms over {rounds} rounds: "
+                                  + ("the winner kept" if keep else "the default stays"))
+            del bench
+            if not keep:
+                built, status, built_envelope = self.build(ex, default_k, r, points, note)
+                if built is not None:
+                    chosen_k, kernel, envelope = default_k, built, built_envelope
+                    res = dataclasses.replace(res, best_ms=d_ms, best_genome=res.default_genome)
+                    extra["best_ms"] = d_ms
+                else:   # the default fails here where the winner passed: the winner stays
+                    extra["confirmed"] += f", but the default was refused here ({status[1]}): the winner kept"
+        self.remember(ex, key, chosen_k, kernel, envelope, res)
+        return kernel, (Status.KERNEL, ""), envelope, extra
 
     def record(self, key, res) -> None:
         """The search's record of candidates (each one's fate), kept where no winner is stored."""
