@@ -56,8 +56,11 @@ def test_cuda_matches_eager(entry, dtype):
             else:
                 assert torch.equal(g, w.to(g.dtype))
     plan = fast._kbench_plan
-    if plan.static_reason is None and plan.graph.num_symbols > 0:  # sizes vary: the other shape ran on kernels
-        assert not fast._kbench_reasons, fast._kbench_reasons
+    if plan.static_reason is None and plan.graph.num_symbols > 0:  # sizes vary: the other shape ran on kernels,
+        # but for a kernel with vectors over a varying last dim the other shape's does not divide
+        # (that call runs the region in torch, and says so)
+        refused = [why for why in fast._kbench_reasons if re.search(r"last dim \d+ is not a multiple of \d+", why)]
+        assert set(fast._kbench_reasons) == set(refused), fast._kbench_reasons
 
 
 def test_report_and_kernel_count():
