@@ -1,9 +1,9 @@
 """Gradient checks away from the points where an op's derivative jumps (torch_eval.away_from_kinks).
-There the derivative is a convention, and torch's has changed between versions and devices:
-hardswish at +-3 is 1 and 0 in torch 2.13 (and ops.def), x/3 + 1/2 (1.5 and -0.5) in kernels
-that take the closed [-3, 3]. A bf16 value lands exactly on 3.0 about once in 14,000 draws, so
-the check of a large bf16 hardswish region compared a correct backward with the other
-convention and failed (MobileNetV3 on a GPU, issue 29). Here the older convention stands in the
+There the derivative is a convention: hardswish at +-3 is 1 and 0 in torch (and ops.def),
+x/3 + 1/2 (1.5 and -0.5) in code that takes the closed [-3, 3]; and a value within rounding of a
+kink lands on different sides in a float32 kernel and a float64 reference. A bf16 value lands
+exactly on 3.0 about once in 14,000 draws, so the check of a large bf16 hardswish region could
+fail a correct backward (MobileNetV3 on a GPU, issue 29). Here the closed convention stands in the
 float64 reference, on the CPU (interp backend)."""
 import warnings
 

@@ -228,13 +228,13 @@ def kink_inputs(compute, inputs) -> list:
 def away_from_kinks(compute, inputs, redraw):
     """The inputs, with the elements that put a value on a point where an op's derivative jumps
     drawn again (redraw(i, x): fresh values for input i, shaped as x), for at most KINK_ROUNDS
-    rounds. A gradient check needs this: there the derivative is a convention, and torch's has
-    changed between versions and devices (hardswish at +-3: 1 and 0 in torch 2.13 on the CPU, as
-    in ops.def; 1.5 and -0.5 in kernels that take x/3 + 1/2 on the closed [-3, 3]), so a correct
-    backward compared with another convention fails. Nor is that rare: a bf16 value is exactly
-    3.0 with probability ~7e-5 (its spacing there is 2^-6), so a hardswish over 12M activations
-    meets ~1700 of them, and the max-norm comparison fails on the worst (MobileNetV3's bf16
-    hardswish backwards on an H200, torch 2.11). Away from the kinks the gradient is unique and
+    rounds. A gradient check needs this: there the derivative is a convention (hardswish at +-3: 1
+    and 0 in torch and ops.def; 1.5 and -0.5 in code that takes x/3 + 1/2 on the closed [-3, 3]),
+    and a value within rounding of a kink lands on different sides in a float32 kernel and the
+    float64 reference. Either way one such element fails the max-norm comparison by the jump's
+    size, and they are not rare: a bf16 value is exactly 3.0 with probability ~7e-5, so a
+    hardswish over 12M activations meets ~1700 (MobileNetV3's bf16 hardswish backwards failed
+    their checks on an H200, torch 2.11). Away from the kinks the gradient is unique and
     any correct backward matches it; what a backward gives at a kink is left unchecked."""
     inputs = list(inputs)
     for _ in range(KINK_ROUNDS):
