@@ -2,9 +2,12 @@
 LLM proposer against a local chat-completions test double (tests/test_llm_endpoint.py's),
 through soft verification and the robust harness. A right proposal passes and is the best; a
 wrong one fails the harness; one with a shared-memory race is refused before anything runs;
-the next generation's prompt carries the best source and the failures; a second run resumes
-from the record without scoring anything again."""
+the next generation's prompt carries the best source with its roofline fraction, each passing
+candidate's speedup and profile, and the failures; a second run resumes from the record without
+scoring anything again."""
 import json
+
+import torch
 
 from kbench.agent import llm, loop
 from kbench.bench.tasks import TASKS
@@ -25,6 +28,11 @@ torch::Tensor forward(torch::Tensor x) { return x; }
 
 def test_the_loop_end_to_end_on_the_cpu(server, tmp_path, monkeypatch):  # noqa: F811 - the fixture
     monkeypatch.setenv("KB_TEST_KEY", "sk-loop-secret")
+
+    class Broken:   # the profiler of this process fails: kbench's built-in runs here, files do not
+        def __init__(self, *a, **k):
+            raise RuntimeError("no profiler today")
+    monkeypatch.setattr(torch.autograd.profiler, "profile", Broken)
     server.script += [(200, answer(RIGHT, WRONG, RACY), 0), (200, answer("no code today"), 0)]
     proposers = [loop.KbenchProposer(), llm.OpenAIProposer(endpoint(server))]
     lines = []
@@ -39,13 +47,28 @@ def test_the_loop_end_to_end_on_the_cpu(server, tmp_path, monkeypatch):  # noqa:
     assert "missing barrier" in by[("openai", "SOFT")][0].feedback
     assert [c.spec for c in by[("kbench", "PASS")]] == ["kbench:fast", "kbench:default"]
     best = got["best"]
-    assert best is not None and best.status == "PASS" and best.speedup > 0
-    # the second generation's prompt: the best so far and what the first generation met
+    assert best is not None and best.status == "PASS" and best.speedup > 0 and best.roofline > 0
+    # a passing file's profile, taken in its worker: the ops by self time, each op call a launch
+    right = by[("openai", "PASS")][0]
+    prof = right.profile
+    assert prof["device"] == "cpu" and prof["config"] == "n16_h64" and prof["host_ms"] > 0, prof
+    assert any("softmax" in t["name"] for t in prof["top"]) and prof["device_ms"] > 0
+    assert prof["launches"] >= sum(t["count"] for t in prof["top"]) >= 1
+    # the profiler that raised (this process's) cost the built-in its profile, not its pass
+    assert all(c.profile.startswith("profile unavailable: RuntimeError: no profiler today")
+               for c in by[("kbench", "PASS")])
+    # the second generation's prompt: the best so far with its roofline fraction, how each
+    # passing candidate ran, and what the others met
     prompt = server.seen[1]["body"]["messages"][1]["content"]
     assert "torch.softmax(x, dim=-1)" in prompt or "kbench:" in prompt
+    assert "% of the roofline):" in prompt
+    assert f"- a openai candidate: PASS, {right.speedup:.2f}x eager, {right.roofline:.0%} of the roofline" in prompt
+    assert "profile at n16_h64: " in prompt and "top ops by self time: aten::" in prompt
+    assert "- a kbench candidate: PASS" in prompt and "profile unavailable: RuntimeError" in prompt
     assert "FAIL" in prompt and "missing barrier" in prompt
     record = [json.loads(x) for x in (tmp_path / "record.jsonl").read_text().splitlines()]
     assert len(record) == len(got["candidates"]) and len(lines) == len(record)
+    assert [r["profile"] for r in record if r["key"] == right.key] == [prof]
 
     # the cache holds the same record, and its export writes it out with the search's (the data set)
     from kbench.tune.cache import cli_main
@@ -55,6 +78,7 @@ def test_the_loop_end_to_end_on_the_cpu(server, tmp_path, monkeypatch):  # noqa:
     agent = [x for x in exported if x["kind"] == "agent"]
     assert sorted(x["key"] for x in agent) == sorted(x["key"] for x in record)
     assert {x["task"] for x in agent} == {"softmax"} and {x["status"] for x in agent} >= {"PASS", "SOFT"}
+    assert [x["profile"] for x in agent if x["key"] == right.key] == [prof]
     # every prompt and reply of the LLM proposer, beside the record and in the export; never the key
     said = [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     assert [x["generation"] for x in said] == [0, 1] and said[0]["messages"][1]["role"] == "user"

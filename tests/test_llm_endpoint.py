@@ -70,7 +70,7 @@ def test_proposals_from_several_choices_and_the_key_stays_out_of_the_record(serv
     assert sent["path"] == "/v1/chat/completions" and sent["auth"] == "Bearer sk-secret-123"
     assert sent["body"]["model"] == "test-model" and sent["body"]["n"] == 3
     user = sent["body"]["messages"][1]["content"]
-    assert "return x.relu()" in user and "0.5 ms, 80% of the memory roofline" in user and "identifier undefined" in user
+    assert "return x.relu()" in user and "0.5 ms, 80% of the roofline" in user and "identifier undefined" in user
     assert "3 different approaches" in user
     assert "sk-secret-123" not in json.dumps(record) and len(record[0]["replies"]) == 3
 

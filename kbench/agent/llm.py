@@ -126,7 +126,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m). It must compute exactly what the PyTor
 
 class OpenAIProposer:
     """Proposals from a chat endpoint: the task's torch code, the best kernels so far with their
-    times, and the last round's feedback (compiler errors, verdicts, profiler summary); each call
+    times and roofline fractions, and the last round's feedback (each passing kernel's speedup,
+    roofline fraction and profiler summary; compiler errors, verdicts); each call
     asks for n answers with a diversity instruction. Every prompt and reply goes to `record`
     (a list of dicts) without the key."""
     name = "openai"
@@ -139,10 +140,11 @@ class OpenAIProposer:
                  n: int) -> list[dict]:
         parts = [f"The PyTorch code:\n```python\n{task_code.strip()}\n```"]
         for i, (src, ms, roof) in enumerate(best[:3]):
-            frac = f", {roof:.0%} of the memory roofline" if roof is not None else ""
+            frac = f", {roof:.0%} of the roofline" if roof is not None else ""
             parts.append(f"A verified kernel so far ({ms:.4g} ms{frac}):\n```cuda\n{src.strip()}\n```")
         if feedback:
-            parts.append("What the last round's kernels met:\n" + "\n".join(f"- {f}" for f in feedback[:20]))
+            parts.append("The last round's kernels (how the passing ones ran, what the others met):\n"
+                         + "\n".join(f"- {f}" for f in feedback[:20]))
         if n > 1:
             parts.append(f"Give one of {n} different approaches (memory layout, parallel decomposition, "
                          "vector width, fusion): do not repeat the kernels above.")

@@ -1,7 +1,8 @@
 """The agentic loop: generations of proposals -> soft verification -> the robust harness
 (hardware verification and timing; files run in its worker processes) -> selection. The best
-verified implementations and the last generation's feedback (failures, soft findings) go into
-the next generation's prompts. Every candidate is one line of a JSONL record, which also makes a
+verified implementations (with their roofline fractions) and the last generation's feedback
+(each passing candidate's speedup, roofline fraction and profile; failures, soft findings) go
+into the next generation's prompts. Every candidate is one line of a JSONL record, which also makes a
 run resumable: a candidate already in the record is not scored again."""
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class Candidate:
     source: str | None = None
     soft: str = ""          # the soft verifier's fatal findings ("" where it found none)
     llm: str = ""           # the LLM verifier's verdict: "PASS: reasons", "FAIL: reasons", "none: why"
+    roofline: float | None = None    # the fraction of the roofline reached at the first timed config
+    profile: dict | str | None = None   # harness row's "profile": a summary or "profile unavailable: why"
 
 
 def cuda_in(source: str, suffix: str) -> list[str]:
@@ -76,6 +79,43 @@ def _impl_ms(row: dict, name: str):
         if e.get("median_ms") is not None:
             return e["median_ms"]
     return None
+
+
+def _impl_roofline(row: dict, name: str):
+    for t in row.get("timings", []):
+        frac = ((t.get("impls", {}).get(name) or {}).get("roofline") or {}).get("fraction")
+        if frac is not None:
+            return frac
+    return None
+
+
+PROFILE_TEXT_CHARS = 400
+
+
+def profile_text(p) -> str:
+    """A profile summary (harness.profile_row) as a few lines for a prompt, at most
+    PROFILE_TEXT_CHARS characters; "" where there is none."""
+    if not p:
+        return ""
+    if isinstance(p, str):
+        return p[:PROFILE_TEXT_CHARS]
+    what = "kernels" if p.get("device") == "cuda" else "ops"
+    head = (f"profile at {p.get('config', '?')}: {p.get('launches', 0)} "
+            f"{'launches' if what == 'kernels' else 'op calls'}, {p.get('device_ms', 0.0):.4g} ms "
+            f"{'on the device' if what == 'kernels' else 'in ops'}, {p.get('host_ms', 0.0):.4g} ms host time")
+    top = "; ".join(f"{t['name'][:60]} {t['self_ms']:.4g} ms x{t['count']}" for t in p.get("top", []))
+    return (head + (f"\n  top {what} by self time: {top}" if top else ""))[:PROFILE_TEXT_CHARS]
+
+
+def passing_feedback(c: Candidate) -> str:
+    """What the next prompt hears of a passing candidate: speedup, roofline fraction, profile."""
+    parts = [f"a {c.proposer} candidate: PASS"]
+    if c.speedup is not None:
+        parts.append(f"{c.speedup:.2f}x eager")
+    if c.roofline is not None:
+        parts.append(f"{c.roofline:.0%} of the roofline")
+    prof = profile_text(c.profile)
+    return ", ".join(parts) + (f"\n  {prof}" if prof else "")
 
 
 def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir: str,
@@ -114,12 +154,14 @@ def evaluate(task, prop: Proposal, generation: int, env, *, dtype: str, out_dir:
         builtin, _, budget = prop.spec.partition(":")
         name, factory = impls.resolve(builtin, budget=budget or None)
     try:
-        row = harness.score(task, name, factory, dtype=dtype, backward=False, env=env, baselines=("eager",))
+        row = harness.score(task, name, factory, dtype=dtype, backward=False, env=env, baselines=("eager",),
+                            profile=True)
     except Exception as e:  # noqa: BLE001 - a harness error is this candidate's, the loop goes on
         cand.status, cand.feedback = "ERROR", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         return cand
     cand.status = row["status"]
     cand.speedup, cand.ms = row.get("speedup_vs_eager"), _impl_ms(row, name)
+    cand.roofline, cand.profile = _impl_roofline(row, name), row.get("profile")
     refused = cand.soft or (f"the LLM verifier: {cand.llm}" if cand.llm.startswith("FAIL") else "")
     cand.feedback = refused or ((row["failures"] or row["task_problems"] or row["flags"] or [""])[0])[:300]
     return cand
@@ -198,13 +240,13 @@ def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str
             for p in proposers:
                 asked = len(getattr(p, "record", ()))
                 try:
-                    proposals += p.propose(task_code, best=[(c.source or c.spec, c.ms or 0.0, None) for c in best],
+                    proposals += p.propose(task_code, best=[(c.source or c.spec, c.ms or 0.0, c.roofline) for c in best],
                                            feedback=feedback, n=per_call)
                 except Exception as e:  # noqa: BLE001 - a proposer that fails: the others go on
                     proposals.append(Proposal(None, f"proposer failed: {type(e).__name__}: {e}",
                                               proposer=getattr(p, "name", "?")))
                 _keep_prompts(getattr(p, "record", [])[asked:], g, task.name, said, cache)
-            feedback = []
+            feedback, failed = [], []
             for prop in proposals:
                 cand = done.get(proposal_key(prop)) if prop.source is not None or prop.spec else None
                 if cand is None:
@@ -215,11 +257,14 @@ def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str
                     cache.record_agent(task.name, [dataclasses.asdict(cand)])
                     done[cand.key] = cand
                 cands.append(cand)
-                if cand.status != "PASS" and cand.feedback:
-                    feedback.append(f"a {cand.proposer} candidate: {cand.status}: {cand.feedback}")
+                if cand.status == "PASS":
+                    feedback.append(passing_feedback(cand))
+                elif cand.feedback:
+                    failed.append(f"a {cand.proposer} candidate: {cand.status}: {cand.feedback}")
                 if progress:
                     progress(f"generation {g}: {cand.proposer} {cand.status} "
                              f"{'' if cand.speedup is None else f'{cand.speedup:.2f}x eager'}")
+            feedback += failed   # the passing first: the prompt keeps the first twenty
             passed = {c.key: c for c in cands if c.status == "PASS" and c.speedup is not None}
             best = sorted(passed.values(), key=lambda c: -c.speedup)[:3]
             if seconds is not None and time.monotonic() - t0 > seconds:

@@ -43,7 +43,7 @@ from ..tune import timing
 from . import compare
 from . import impls as impl_mod
 from .compare import flatten, to_f64
-from .runner import LocalRunner, WorkerError, WorkerRunner
+from .runner import LocalRunner, Tampered, WorkerError, WorkerRunner
 from .tasks import Task, dtype_name, parse_dtype
 from .worker import CaseFailure, poison, run_call  # noqa: F401 - poison, CaseFailure: public here
 
@@ -446,11 +446,13 @@ def timed_configs(task: Task, env: Env, only: Optional[List[str]] = None) -> Lis
 
 def score(task: Task, impl_name: str, factory: Union[Callable, str], *, dtype, backward: bool,
           env: Env, baselines=("eager", "compile"), seed: int = 0,
-          configs: Optional[List[str]] = None) -> dict:
+          configs: Optional[List[str]] = None, profile: bool = False) -> dict:
     """One row: `impl_name` on `task` in `dtype`, forward (or forward+backward), every config
     (or those named in `configs`) and init config checked, the timed configs timed against the
     baselines. `factory` is a callable (run in this process) or a spec, an implementation file
-    or a built-in's name (run in env's worker process)."""
+    or a built-in's name (run in env's worker process). profile: an implementation that passed
+    its checks gets one more call, at the first config, under the profiler, where it runs:
+    row["profile"] (see profile_row); feedback, not part of the verdict."""
     dtype = dtype_name(parse_dtype(dtype))
     device = env.device
     all_cfgs = task.configs(perf=False) + _perf_cfgs(task, env)
@@ -480,6 +482,8 @@ def score(task: Task, impl_name: str, factory: Union[Callable, str], *, dtype, b
         try:
             _score_group(task, row, run, key, model, group, to_time, dtype, env, backward,
                          baselines, impl_name, seed, inits)
+            if profile and gi == 0 and not row["failures"] and not row["task_problems"]:
+                profile_row(task, row, run, key, model, group[0], dtype, env, backward, seed)
         finally:
             try:
                 run.drop(key)
@@ -487,6 +491,26 @@ def score(task: Task, impl_name: str, factory: Union[Callable, str], *, dtype, b
                 pass
     _summarize(row, impl_name, baselines)
     return row
+
+
+def profile_row(task, row, run, key, model, cfg, dtype, env, backward, seed) -> None:
+    """row["profile"]: one call of the implementation built under `key` on cfg's inputs under
+    the profiler, in the implementation's process (worker.profile_call), as plain data with the
+    config's name; or "profile unavailable: <reason>" where the profiler, the call or the worker
+    failed (the candidate's verdict stays as it is). The worker wrote the summary: it is advice
+    for the next proposal, never a time the harness reports. The one exception is a worker that
+    replaced the harness's code meanwhile: that fails the row as it would anywhere."""
+    xs = task.inputs(cfg, dtype, env.device, seed=seed)
+    gouts = _grad_outputs(model, xs, seed + 1, env.device) if backward else None
+    try:
+        p = run.profile(key, xs, gouts, backward)
+    except Tampered as e:
+        row["failures"].append(f"while profiling: {e}")
+        return
+    except Exception as e:  # noqa: BLE001 - a profile is advisory: its failure is only noted
+        p = {"unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    row["profile"] = (f"profile unavailable: {p['unavailable']}" if "unavailable" in p
+                      else dict(p, config=cfg["name"]))
 
 
 def _score_group(task, row, run, key, model, group, to_time, dtype, env, backward, baselines,

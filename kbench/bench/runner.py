@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import glob
 import json
+import math
 import multiprocessing
 import os
 import runpy
@@ -26,12 +27,17 @@ MAX_REPLY_BYTES = 16 << 20
 # Seconds a worker may take to answer, by request: loading a .cu file compiles it; building
 # kbench's implementation searches kernels; one call should be quick; timing runs many.
 TIMEOUTS = {"load": 1200.0, "build": 3600.0, "call": 600.0, "time": 1200.0, "state": 300.0,
-            "set_state": 300.0, "drop": 60.0, "arena": 60.0}
+            "set_state": 300.0, "drop": 60.0, "arena": 60.0, "profile": 120.0}
 ARENA_MIN_BYTES = 1 << 20
 
 
 class WorkerError(Exception):
     """The worker died, hung, or answered outside the protocol. The message says which."""
+
+
+class Tampered(WorkerError):
+    """The implementation replaced the harness's code in the worker: nothing it reports can be
+    trusted, whatever the request was."""
 
 
 def _nbytes(ts) -> int:
@@ -103,6 +109,9 @@ class LocalRunner:
                               mark=marks, **opts)
         r["marks"] = marks.loops
         return r
+
+    def profile(self, key, xs, gouts, backward) -> dict:
+        return clean_profile(self.session.profile(key, worker.clone_args(xs), gouts, backward))
 
     def close(self) -> None:
         self.session = worker.Session(self.device)
@@ -191,8 +200,11 @@ class Worker:
                           f"request")
             if msg.get("tampered"):
                 names = ", ".join(str(n)[:80] for n in list(msg["tampered"])[:6])
-                self.fail(f"the implementation replaced the harness's code in the worker "
-                          f"({names}): nothing it reports can be trusted (worker stopped)")
+                why = (f"the implementation replaced the harness's code in the worker "
+                       f"({names}): nothing it reports can be trusted (worker stopped)")
+                self.dead = why
+                self.close()
+                raise Tampered(why)
             if "error" in msg:
                 raise WorkerError(str(msg["error"])[:2000])
             return msg
@@ -371,6 +383,38 @@ class WorkerRunner:
                        if isinstance(v, (int, float, str, bool, list, type(None)))}
         return {"timing": timing_dict, "samples": out, "marks": marks.loops,
                 "problems": [str(p)[:300] for p in r.get("problems", [])][:50]}
+
+    def profile(self, key, xs, gouts, backward) -> dict:
+        """One profiled call in the worker (worker.profile_call), its summary cleaned."""
+        k = self._key(key)
+        (in_d, g_d), start = self.w.put_all([list(xs), list(gouts or [])], 0)
+        r = self.w.request({"op": "profile", "key": k, "inputs": in_d, "out_start": start,
+                            "gouts": g_d if gouts is not None else None, "backward": backward})
+        return clean_profile(r.get("profile"))
+
+
+def _line(x, n: int) -> str:
+    """x as printable one-line text of at most n characters."""
+    return "".join(c if c.isprintable() else " " for c in str(x))[:n]
+
+
+def _num(x) -> float:
+    return float(x) if type(x) in (int, float) and math.isfinite(x) and x >= 0 else 0.0
+
+
+def clean_profile(p) -> dict:
+    """A profile summary (worker.profile_call) reduced to its fields, types and bounds: the
+    worker's process wrote it, so it is advisory text and numbers, never a score."""
+    if not isinstance(p, dict):
+        return {"unavailable": "malformed profile"}
+    if "unavailable" in p:
+        return {"unavailable": _line(p["unavailable"], 300)}
+    top = p.get("top") if isinstance(p.get("top"), list) else []
+    return {"device": _line(p.get("device", "?"), 8), "device_ms": _num(p.get("device_ms")),
+            "launches": int(_num(p.get("launches"))), "host_ms": _num(p.get("host_ms")),
+            "top": [{"name": _line(t.get("name", "?"), 160), "self_ms": _num(t.get("self_ms")),
+                     "count": int(_num(t.get("count")))}
+                    for t in top[:worker.PROFILE_TOP] if isinstance(t, dict)]}
 
 
 def _clean_fact(f) -> dict:

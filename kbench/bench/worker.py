@@ -307,6 +307,67 @@ class Session:
         return {"timing": dict(t.as_dict(), first_call_s=first_call_s),
                 "samples": sampler.samples(), "problems": problems}
 
+    def profile(self, key: str, xs: list, gouts: Optional[list], backward: bool) -> dict:
+        """One profiled call on xs (profile_call): feedback for whoever writes the next
+        implementation, never part of a verdict."""
+        model, impl = self._get(key)
+        return profile_call(impl, xs, list(model.parameters()), gouts, backward, self.device)
+
+
+# ------------------------------------------------------------------------- profiling
+
+PROFILE_TOP = 5
+
+
+def _summarize_profile(events, cuda: bool, host_ms: float) -> dict:
+    """Plain data from one profiled call's events: the time on the device (on the CPU: the time
+    in ops), the launches (device kernels and copies; on the CPU every op call counts as one),
+    the PROFILE_TOP kernels (on the CPU, ops) by self time with their counts, and the call's host
+    time. Advisory: the harness never scores or verifies with it."""
+    from torch.autograd import DeviceType
+    per: dict = {}
+    if cuda:   # the device's own events: their time is their span on the device
+        evs = [e for e in events if e.device_type == DeviceType.CUDA]
+        spans = [(e.name, e.time_range.elapsed_us()) for e in evs]
+    else:
+        evs = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+        spans = [(e.name, e.self_cpu_time_total) for e in evs]
+    for name, us in spans:
+        t = per.setdefault(name, [0.0, 0])
+        t[0] += us
+        t[1] += 1
+    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:PROFILE_TOP]
+    return {"device": "cuda" if cuda else "cpu", "device_ms": sum(us for _, us in spans) / 1e3,
+            "launches": len(spans), "host_ms": host_ms,
+            "top": [{"name": n, "self_ms": us / 1e3, "count": c} for n, (us, c) in top]}
+
+
+def profile_call(impl: Callable, xs: list, params: list, gouts: Optional[list], backward: bool,
+                 device) -> dict:
+    """One call of the implementation under the profiler (CUDA activity on a GPU, CPU activity
+    otherwise), summarized (_summarize_profile); {"unavailable": why} where the profiler or the
+    call failed: a profile is feedback, and its absence never fails a candidate.
+    torch.autograd.profiler.profile is what torch.profiler.profile drives; used directly because
+    the latter imports torch._inductor when it starts (seconds, in a fresh worker)."""
+    from torch.autograd import profiler as autograd_profiler
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if backward:
+        for x in xs:
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                x.requires_grad_()
+    fn = timed_fn(impl, params, gouts, backward)
+    try:
+        timing.sync(dev)
+        with autograd_profiler.profile(use_cpu=True, use_device="cuda" if cuda else None) as prof:
+            t0 = time.perf_counter()
+            fn(*xs)
+            host_ms = (time.perf_counter() - t0) * 1e3
+            timing.sync(dev)
+        return _summarize_profile(prof.function_events, cuda, host_ms)
+    except Exception as e:  # noqa: BLE001 - any failure here only loses the profile
+        return {"unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+
 
 # ------------------------------------------------------------------------- the exchange file
 
@@ -472,6 +533,9 @@ def serve(conn, arena_path: str, arena_bytes: int, device: str, threads: int) ->
                     "outs": [w.put(t) for t in r["outs"]],
                     "grads": [w.put(t) for t in r["grads"]],
                     "inputs_after": [w.put(t) for t in r["inputs_after"]], "full": w.full}
+        if op == "profile":
+            return {"profile": session.profile(req["key"], tensors_in(req["inputs"]), gouts,
+                                               req["backward"])}
         if op == "time":
             sets = [tensors_in(s) for s in req["sets"]]
             r = session.time(req["key"], sets, gouts, req["backward"], reps=req["reps"],
