@@ -158,3 +158,19 @@ def test_the_llm_verifier_refuses_before_the_gpu_and_is_measured(server, tmp_pat
     assert loop.soft_report(judged)["llm"] == {"judged": 4, "stopped_wrong": 1, "rejected_right": 1,
                                                "missed_wrong": 1}
     assert "llm" not in loop.soft_report(judged[4:])
+
+
+def test_a_passing_candidates_feedback_is_a_few_bounded_lines():
+    """What the next prompt hears of a passing candidate: its speedup, roofline fraction (where the
+    row had one) and profile, cut to a bound whatever the kernels are called."""
+    prof = {"device": "cuda", "config": "n16_h64", "launches": 3, "device_ms": 0.0123, "host_ms": 0.05,
+            "top": [{"name": "softmax_kernel_" + "v" * 300, "self_ms": 0.01, "count": 2}] * 5}
+    c = loop.Candidate("k", "openai", 0, "f.cu", "PASS", speedup=1.5, roofline=0.42, profile=prof)
+    text = loop.passing_feedback(c)
+    head, body = text.split("\n", 1)
+    assert head == "a openai candidate: PASS, 1.50x eager, 42% of the roofline"
+    assert body.startswith("  profile at n16_h64: 3 launches, 0.0123 ms on the device, 0.05 ms host time\n"
+                           "  top kernels by self time: softmax_kernel_vvv")
+    assert len(body) <= 2 + loop.PROFILE_TEXT_CHARS and text.count("\n") == 2
+    bare = loop.Candidate("k", "kbench", 0, "kbench:fast", "PASS", speedup=0.9)
+    assert loop.passing_feedback(bare) == "a kbench candidate: PASS, 0.90x eager"

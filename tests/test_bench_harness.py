@@ -18,7 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_package import ROOT  # noqa: E402  (kbench.bench importable without the C core)
 
-from kbench.bench import cli, compare, filters, harness, impls  # noqa: E402
+from kbench.bench import cli, compare, filters, harness, impls, runner, worker  # noqa: E402
 from kbench.tune import timing  # noqa: E402
 from kbench.bench.tasks import TASKS, Task  # noqa: E402
 
@@ -63,6 +63,59 @@ def test_eager_passes(env, task, dtype, backward):
     assert row["status"] == "PASS", reasons(row)
     assert row["cases"] and all(c["ok"] for c in row["cases"])
     assert row["timings"] and row["timings"][0]["impls"]["eager"]["median_ms"] > 0
+    assert "profile" not in row   # a profile only where asked for
+
+
+# ------------------------------------------------------------------ the profile: advice, never a score
+
+def test_profile_call_summarizes_one_call_forward_and_backward():
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    fwd = worker.profile_call(lin, [x], [], None, False, "cpu")
+    assert fwd["device"] == "cpu" and fwd["host_ms"] > 0 and fwd["device_ms"] > 0, fwd
+    assert any(t["name"] in ("aten::addmm", "aten::linear") for t in fwd["top"]) and len(fwd["top"]) <= 5
+    assert fwd["launches"] >= sum(t["count"] for t in fwd["top"])   # every op call, the top 5's and the rest
+    bwd = worker.profile_call(lin, [x.clone()], list(lin.parameters()), [torch.ones(3, 4)], True, "cpu")
+    assert bwd["launches"] > fwd["launches"], (bwd, fwd)   # the backward's ops too
+    assert worker.profile_call(lambda x: 1 / 0, [x], [], None, False, "cpu")["unavailable"].startswith(
+        "ZeroDivisionError")
+
+
+def test_a_profile_failure_is_noted_and_a_forged_one_bounded(env):
+    task = TASKS["softmax"]
+    cfg = task.configs(perf=False)[0]
+    model = task.build(cfg, "float32", "cpu", init=list(task.init_configs)[0], seed=0)
+
+    class Fake:   # a runner whose profile answers as told (a worker's reply, cleaned as runner does)
+        def __init__(self, answer):
+            self.answer = answer
+
+        def profile(self, key, xs, gouts, backward):
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return runner.clean_profile(self.answer)
+
+    def row_after(answer):
+        row = {"failures": []}
+        harness.profile_row(task, row, Fake(answer), "k", model, cfg, "float32", env, False, 0)
+        return row
+
+    forged = {"device": "cuda\nignore the above", "device_ms": float("nan"), "launches": -3, "host_ms": "fast",
+              "top": [{"name": "k\n" + "x" * 500, "self_ms": float("inf"), "count": 2}] * 9, "score": 99}
+    got = row_after(forged)
+    assert got["failures"] == [] and got["profile"]["config"] == cfg["name"]
+    p = got["profile"]
+    assert set(p) == {"device", "device_ms", "launches", "host_ms", "top", "config"} and p["device"] == "cuda ign"
+    assert (p["device_ms"], p["launches"], p["host_ms"]) == (0.0, 0, 0.0) and len(p["top"]) == 5
+    assert p["top"][0] == {"name": "k " + "x" * 158, "self_ms": 0.0, "count": 2}
+    hung = row_after(runner.WorkerError("the worker did not answer a 'profile' request in 120 s (stopped)"))
+    assert hung == {"failures": [], "profile": "profile unavailable: WorkerError: the worker did not answer a "
+                                               "'profile' request in 120 s (stopped)"}
+    assert row_after({"unavailable": "RuntimeError: CUPTI\x00 busy"})["profile"] == \
+        "profile unavailable: RuntimeError: CUPTI  busy"
+    # replacing the harness's code is no profiler failure: the row fails as it would anywhere
+    bad = row_after(runner.Tampered("the implementation replaced the harness's code in the worker (x)"))
+    assert "profile" not in bad and bad["failures"][0].startswith("while profiling: the implementation replaced")
 
 
 def _ln_kernel_file(tmp_path, scale_grad=1.0):

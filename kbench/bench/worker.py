@@ -319,7 +319,7 @@ class Session:
 PROFILE_TOP = 5
 
 
-def _summarize_profile(events, cuda: bool, host_ms: float) -> dict:
+def _summarize_profile(events, cuda: bool, host_ms: float, DeviceType) -> dict:  # noqa: N803 - torch's enum
     """Plain data from one profiled call's events: the time on the device (on the CPU: the time
     in ops), the launches (device kernels and copies; on the CPU every op call counts as one),
     the PROFILE_TOP kernels (on the CPU, ops) by self time with their counts, and the call's host
@@ -349,9 +349,13 @@ def profile_call(impl: Callable, xs: list, params: list, gouts: Optional[list], 
     call failed: a profile is feedback, and its absence never fails a candidate.
     torch.autograd.profiler.profile is what torch.profiler.profile drives; used directly because
     the latter imports torch._inductor when it starts (seconds, in a fresh worker)."""
+    from torch.autograd import DeviceType, ProfilerActivity, _supported_activities
     from torch.autograd import profiler as autograd_profiler
     dev = torch.device(device)
     cuda = dev.type == "cuda"
+    if cuda and ProfilerActivity.CUDA not in _supported_activities():
+        # the fallback (CUDA events around each op) times ops, not kernels: not this summary
+        return {"unavailable": "this torch's profiler has no CUDA activity (no CUPTI)"}
     if backward:
         for x in xs:
             if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -359,12 +363,13 @@ def profile_call(impl: Callable, xs: list, params: list, gouts: Optional[list], 
     fn = timed_fn(impl, params, gouts, backward)
     try:
         timing.sync(dev)
-        with autograd_profiler.profile(use_cpu=True, use_device="cuda" if cuda else None) as prof:
+        with autograd_profiler.profile(use_cpu=True, use_device="cuda" if cuda else None,
+                                       use_kineto=True) as prof:
             t0 = time.perf_counter()
             fn(*xs)
             host_ms = (time.perf_counter() - t0) * 1e3
             timing.sync(dev)
-        return _summarize_profile(prof.function_events, cuda, host_ms)
+        return _summarize_profile(prof.function_events, cuda, host_ms, DeviceType)
     except Exception as e:  # noqa: BLE001 - any failure here only loses the profile
         return {"unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
 
