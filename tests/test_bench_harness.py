@@ -79,6 +79,18 @@ def test_profile_call_summarizes_one_call_forward_and_backward():
     assert bwd["launches"] > fwd["launches"], (bwd, fwd)   # the backward's ops too
     assert worker.profile_call(lambda x: 1 / 0, [x], [], None, False, "cpu")["unavailable"].startswith(
         "ZeroDivisionError")
+    # on CUDA the device's own events, launched work only: kernels and copies, not CUPTI's overhead
+    from torch.autograd import DeviceType
+
+    def ev(name, us, kind):
+        return types.SimpleNamespace(name=name, device_type=DeviceType.CUDA, activity_type=kind,
+                                     time_range=types.SimpleNamespace(elapsed_us=lambda: us))
+    evs = [ev("k1", 3.0, "kernel"), ev("k2", 5.0, "kernel"), ev("k1", 4.0, "kernel"),
+           ev("Memset (Device)", 1.0, "gpu_memset"), ev("Activity Buffer Request", 900.0, "overhead")]
+    cu = worker._summarize_profile(evs, True, 0.25)
+    assert cu == {"device": "cuda", "device_ms": 0.013, "launches": 4, "host_ms": 0.25,
+                  "top": [{"name": "k1", "self_ms": 0.007, "count": 2}, {"name": "k2", "self_ms": 0.005, "count": 1},
+                          {"name": "Memset (Device)", "self_ms": 0.001, "count": 1}]}
 
 
 def test_a_profile_failure_is_noted_and_a_forged_one_bounded(env):

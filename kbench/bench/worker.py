@@ -319,7 +319,17 @@ class Session:
 PROFILE_TOP = 5
 
 
-def _summarize_profile(events, cuda: bool, host_ms: float, DeviceType) -> dict:  # noqa: N803 - torch's enum
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")   # Kineto's kinds of launched device work
+
+
+def _launched(e) -> bool:
+    """A device event that some launch asked for: not the profiler's own (CUPTI's buffer
+    requests and other overhead are device events too). Kineto's kind where torch records it."""
+    kind = getattr(e, "activity_type", None)
+    return kind in DEVICE_WORK if kind else e.name != "Activity Buffer Request"
+
+
+def _summarize_profile(events, cuda: bool, host_ms: float) -> dict:
     """Plain data from one profiled call's events: the time on the device (on the CPU: the time
     in ops), the launches (device kernels and copies; on the CPU every op call counts as one),
     the PROFILE_TOP kernels (on the CPU, ops) by self time with their counts, and the call's host
@@ -327,7 +337,7 @@ def _summarize_profile(events, cuda: bool, host_ms: float, DeviceType) -> dict: 
     from torch.autograd import DeviceType
     per: dict = {}
     if cuda:   # the device's own events: their time is their span on the device
-        evs = [e for e in events if e.device_type == DeviceType.CUDA]
+        evs = [e for e in events if e.device_type == DeviceType.CUDA and _launched(e)]
         spans = [(e.name, e.time_range.elapsed_us()) for e in evs]
     else:
         evs = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
@@ -349,7 +359,7 @@ def profile_call(impl: Callable, xs: list, params: list, gouts: Optional[list], 
     call failed: a profile is feedback, and its absence never fails a candidate.
     torch.autograd.profiler.profile is what torch.profiler.profile drives; used directly because
     the latter imports torch._inductor when it starts (seconds, in a fresh worker)."""
-    from torch.autograd import DeviceType, ProfilerActivity, _supported_activities
+    from torch.autograd import ProfilerActivity, _supported_activities
     from torch.autograd import profiler as autograd_profiler
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -369,7 +379,7 @@ def profile_call(impl: Callable, xs: list, params: list, gouts: Optional[list], 
             fn(*xs)
             host_ms = (time.perf_counter() - t0) * 1e3
             timing.sync(dev)
-        return _summarize_profile(prof.function_events, cuda, host_ms, DeviceType)
+        return _summarize_profile(prof.function_events, cuda, host_ms)
     except Exception as e:  # noqa: BLE001 - any failure here only loses the profile
         return {"unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
 
