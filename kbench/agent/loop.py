@@ -240,8 +240,8 @@ def run(task, proposers, *, generations: int = 3, per_call: int = 4, device: str
             for p in proposers:
                 asked = len(getattr(p, "record", ()))
                 try:
-                    proposals += p.propose(task_code, best=[(c.source or c.spec, c.ms or 0.0, c.roofline) for c in best],
-                                           feedback=feedback, n=per_call)
+                    shown = [(c.source or c.spec, c.ms or 0.0, c.roofline) for c in best]
+                    proposals += p.propose(task_code, best=shown, feedback=feedback, n=per_call)
                 except Exception as e:  # noqa: BLE001 - a proposer that fails: the others go on
                     proposals.append(Proposal(None, f"proposer failed: {type(e).__name__}: {e}",
                                               proposer=getattr(p, "name", "?")))
