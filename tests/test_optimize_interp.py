@@ -210,3 +210,48 @@ def test_a_16_bit_linear_with_unaligned_rows_runs_on_padded_weights(monkeypatch,
     g_want = torch.autograd.grad(want, [xs[1], *params], up.to(want.dtype))
     for a, b in zip(g_got, g_want):
         assert a.shape == b.shape and rel_err(a, b) < 2e-2
+
+
+class _WindowMerge(torch.nn.Module):
+    """Swin's window merge: windows permuted back, made contiguous, viewed as the image, then a
+    residual add and a LayerNorm in the same region (its eager program ran the view on the
+    permuted tensor: the contiguous() is an identity in the IR)."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(c)
+
+    def forward(self, windows, shortcut):
+        b, nh, nw, w, _, c = windows.shape
+        x = windows.permute(0, 1, 3, 2, 4, 5).contiguous().view(b, nh * w * nw * w, c)
+        return self.norm(shortcut + x)
+
+
+class _RotaryPassThrough(torch.nn.Module):
+    """Phi-3's partial rotary with the rotary part the whole head: the pass-through slice is empty
+    (a size fixed at 0), and the cat joins it back."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        rot, rest = h[..., :16], h[..., 16:]
+        return torch.cat([rot.sin() * 2, rest], dim=-1) + 1
+
+
+@pytest.mark.parametrize("name", ["window_merge", "empty_slice"])
+def test_real_model_patterns_optimize_and_match_eager(name):
+    torch.manual_seed(0)
+    if name == "window_merge":
+        model, inputs = _WindowMerge(), (torch.randn(2, 2, 2, 4, 4, 8), torch.randn(2, 64, 8))
+    else:
+        model, inputs = _RotaryPassThrough(), (torch.randn(4, 16),)
+    fast = kbench.optimize(model, inputs, backend="interp", verbose=False)
+    assert type(fast).__name__ == "OptimizedModule" and fast.kbench_report.kernels > 0, fast.kbench_report
+    xs = [x.clone().requires_grad_() for x in inputs]
+    got, want = fast(*xs), model(*inputs)
+    assert rel_err(got, want) < 1e-5
+    got.square().sum().backward()
+    assert all(x.grad is not None for x in xs)

@@ -519,7 +519,9 @@ class Builder:
         flat = [a for a in flat_nodes((node.args, node.kwargs))]
         torch_side = any(isinstance(self.env.get(a), TorchSide) for a in flat)
         if isinstance(val, torch.Tensor):
-            if self.rep_dims(val) is None:       # the IR cannot carry the result: stay lazy
+            # the IR cannot carry the result, or it is empty (a slice past the end: Phi-3's
+            # rotary pass-through of width 0): stay lazy, its readers are torch's calls
+            if self.rep_dims(val) is None or _empty(val):
                 self.env[node] = TorchSide(node)
                 return
         if torch_side:
@@ -647,3 +649,8 @@ def flat_nodes(x):
     elif isinstance(x, dict):
         for y in x.values():
             yield from flat_nodes(y)
+
+
+def _empty(val) -> bool:
+    """A tensor with a size fixed at 0."""
+    return any(isinstance(d, int) and d == 0 for d in val.shape)

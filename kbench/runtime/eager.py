@@ -43,7 +43,7 @@ class EagerProgram:
     (call, operand) for an operand the graph dropped) in, every call's results out."""
 
     def __init__(self, calls):
-        self.calls = list(calls)
+        self.calls = [_reshaping(c) for c in calls]
         made, self.inputs, self.keys = set(), [], []
         seen = set()
         for i, c in enumerate(self.calls):
@@ -95,6 +95,22 @@ class EagerProgram:
             for axis, v in c.results:
                 env[v] = y if axis is None else y[axis]
         return env
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _reshaping(call):
+    """call, with a view run as a reshape. A node lowered as an identity (clone, contiguous) made
+    no value of its own, so no region's program holds its call: a view the model made after
+    `.contiguous()` would meet the strided tensor before it (Swin's window merge). The reshape
+    copies there, as the missing clone did."""
+    steps = call.call.steps
+    if not any(fn in _VIEWS for fn, _, _ in steps):
+        return call
+    new = type(call.call)([(torch.ops.aten.reshape.default if fn in _VIEWS else fn, a, k) for fn, a, k in steps],
+                          call.call.name, call.call.noperands, call.call.autocast)
+    return dataclasses.replace(call, call=new)
 
 
 def analyze(nodes, regions, origin: dict, calls: dict) -> list:
