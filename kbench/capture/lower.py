@@ -127,7 +127,11 @@ def _lower(ep, inputs, static_reason, model, pin=(), keep=()):
             elif isinstance(v, Sym):
                 leaves.append(("sym", SymExpr(v.expr, sym_of)))
             elif isinstance(v, (TorchSide, Multi)) or isinstance(v, torch.Tensor):
-                what = getattr(getattr(arg, "meta", {}).get("val"), "dtype", type(v).__name__)
+                val = getattr(arg, "meta", {}).get("val")
+                if isinstance(val, torch.Tensor) and 0 in val.shape:
+                    raise CaptureError(f"output {arg.name} has a size-0 dim (sizes {list(val.shape)}): empty "
+                                       "tensors run in eager PyTorch")
+                what = getattr(val, "dtype", type(v).__name__)
                 raise CaptureError(f"output {getattr(arg, 'name', arg)} is a {what} value, which "
                                    "kbench cannot return")
             else:
