@@ -89,3 +89,26 @@ def test_autocast_bf16_training_step_matches_eager(name):
     scale = max(float(g.abs().max()) for g in want_grads.values())
     for n in grads:
         assert rel(grads[n], want_grads[n], floor=1e-3 * scale) <= BF16_TOL, n
+
+
+def test_an_encoder_decoder_returning_its_cache_is_captured():
+    """Hugging Face BART in evaluation with use_cache=True returns an EncoderDecoderCache, which
+    torch.export cannot flatten until it is registered: kbench registers it, and the call returns
+    the same logits and a cache holding the same keys as eager's."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                  decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                  vocab_size=64, max_position_embeddings=32)
+    model = transformers.BartForConditionalGeneration(cfg).eval()
+    ids, kwargs = torch.randint(0, 64, (2, 8)), {"decoder_input_ids": torch.randint(0, 64, (2, 4)), "use_cache": True}
+    opt = optimize(model, (ids,), kwargs)
+    assert type(opt).__name__ == "OptimizedModule" and opt.kbench_report.kernels > 0, opt.kbench_report
+    with torch.no_grad():
+        got, want = opt(ids, **kwargs), model(ids, **kwargs)
+    assert rel(got.logits, want.logits) <= F32_TOL
+    assert type(got.past_key_values) is type(want.past_key_values)
+    for part in ("self_attention_cache", "cross_attention_cache"):
+        k_got = getattr(got.past_key_values, part).layers[0].keys
+        k_want = getattr(want.past_key_values, part).layers[0].keys
+        assert rel(k_got, k_want) <= F32_TOL, part

@@ -189,8 +189,30 @@ def _register_output_types(model) -> None:
     try:
         from transformers.integrations.executorch import register_dynamic_cache_export_support
         register_dynamic_cache_export_support()
+        _register_encoder_decoder_cache()
     except Exception as e:  # noqa: BLE001 - an older transformers: export says what it cannot flatten
         _log.debug("kbench: transformers' cache types not registered for export: %s", e)
+
+
+def _register_encoder_decoder_cache() -> None:
+    """An encoder-decoder's cache (T5, BART with use_cache=True): its two DynamicCaches, which
+    transformers registers, as children. The is_updated flags start afresh when rebuilt, as they
+    do in the cache a new forward makes."""
+    import torch.fx._pytree as fx_pytree
+    import torch.utils._pytree as pytree
+    from transformers.cache_utils import EncoderDecoderCache
+    if EncoderDecoderCache in pytree.SUPPORTED_NODES:
+        return
+
+    def flatten(cache):
+        return [cache.self_attention_cache, cache.cross_attention_cache], None
+
+    pytree.register_pytree_node(
+        EncoderDecoderCache, flatten, lambda children, _: EncoderDecoderCache(*children),
+        serialized_type_name=f"{EncoderDecoderCache.__module__}.{EncoderDecoderCache.__name__}",
+        flatten_with_keys_fn=lambda cache: ([(pytree.GetAttrKey(k), getattr(cache, k))
+                                             for k in ("self_attention_cache", "cross_attention_cache")], None))
+    fx_pytree.register_pytree_flatten_spec(EncoderDecoderCache, lambda cache, spec: flatten(cache)[0])
 
 
 def _export_once(model, inputs, shapes):
