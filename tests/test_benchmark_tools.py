@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 TOOLS = ["bench_ops.py", "bench_tune.py", "bench_genomes.py", "bench_models.py", "bench_guards.py", "sass_counts.py",
-         "plot_results.py", "suite_sweep.py", "bench_ddp.py"]
+         "plot_results.py", "suite_sweep.py", "bench_ddp.py", "arch_sweep.py"]
 # a plain run of each GPU tool: the arguments it needs, none of which asks for the CPU
 GPU_RUNS = {
     "bench_ops.py": ["bench_ops.py"],
