@@ -390,16 +390,15 @@ class Builder:
 
     def extern_call(self, fn, operands, args, kwargs, dtype, dims, name):
         """A one-step extern made by a lowering (linear without its bias, ...)."""
-        idx = len(self.externs)
-        self.externs.append(Extern([(fn, args, kwargs)], str(fn), len(operands), self.autocast_of(self.current)))
-        return self.add("extern", operands, dtype, dims, index=idx, axis=0, name=name)
+        return self.extern_steps([(fn, args, kwargs)], str(fn), operands, dtype, dims, name)
 
-    def extern_steps(self, steps, label, operands, dtype, dims, name, why):
-        """A multi-step extern made by a lowering (TensorSlot k is operands[k], StepRef j the
-        result of step j); `why` goes into the capture notes."""
+    def extern_steps(self, steps, label, operands, dtype, dims, name, why=""):
+        """An extern made by a lowering, of one or more steps (TensorSlot k is operands[k], StepRef
+        j the result of step j); `why`, where given, goes into the capture notes."""
         idx = len(self.externs)
         self.externs.append(Extern(steps, label, len(operands), self.autocast_of(self.current)))
-        self.notes.append(f"{name}: extern ({why})")
+        if why:
+            self.notes.append(f"{name}: extern ({why})")
         return self.add("extern", operands, dtype, dims, index=idx, axis=0, name=name)
 
     # ---------------------------------------------------------------- externs

@@ -48,8 +48,7 @@ class Kernel:
         return kernel
 
     def grid(self, symvals) -> int:
-        units = self.grid_units if isinstance(self.grid_units, int) else \
-            self.grid_units[0] * math.prod(symvals[s] for s in self.grid_units[1])
+        units = verify.dim_value(self.grid_units, symvals)
         g = min(max(1, -(-units // self.units_per_block)), 0x7FFFFFFF)   # every kernel loops over its work
         return min(g, self.max_blocks) if self.max_blocks else g
 
@@ -165,8 +164,7 @@ class CudaExecutor(Executor):
             plan = self.plan
             shapes = [(torch.Size(plan.graph.sizes(v, key)), torch_dtype(plan.nodes[v]["dtype"]))
                       for v in plan.regions[r].outputs]
-            units = kernel.grid_units if isinstance(kernel.grid_units, int) else \
-                kernel.grid_units[0] * math.prod(key[s] for s in kernel.grid_units[1])
+            units = verify.dim_value(kernel.grid_units, key)
             numel = max([math.prod(plan.graph.sizes(v, key)) for v in plan.regions[r].inputs + plan.regions[r].outputs]
                         or [0])
             grid = kernel.grid(key)

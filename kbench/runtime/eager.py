@@ -12,7 +12,6 @@ holding part of any other node's values has no eager call of its own to time (`n
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -82,7 +81,7 @@ class EagerProgram:
         for key, dtype, dims in self.inputs:
             t = given.get(key) if not isinstance(key, tuple) else None
             if t is None:
-                shape = [d if isinstance(d, int) else d[0] * math.prod(symvals[s] for s in d[1]) for d in dims]
+                shape = [verify.dim_value(d, symvals) for d in dims]
                 t = verify.fill(torch.empty(shape, dtype=torch_dtype(dtype), device=device), "normal", gen)
             out.append(t)
         return out

@@ -139,7 +139,7 @@ def evaluate(graph, captured, inputs_by_value: dict, symvals, *, nodes=None, dty
             y = y.to(want)
         if n.get("nograd"):   # a stability shift (softmax's max): no gradient flows through it
             y = y.detach()
-        elif kinks is not None and args:
+        elif kinks is not None and args and _jumps(n):
             on = _kink(op, n, args, i)
             if on is not None:
                 kinks.append(on)
@@ -195,15 +195,16 @@ def _kink(op, n, args, i):
     return (torch.where(mask, diff.to(torch.float64), 0.0) * weight).sum()
 
 
+def _jumps(n) -> bool:
+    """Has node n's op a point where its derivative jumps (the ops _kink looks at)?"""
+    op = n["op"]
+    return op in _KINK_AT or op in _KINK_BINARY or op == "softplus" or \
+        (op == "cast" and not IR_TO_TORCH[n["dtype"]].is_floating_point)
+
+
 def may_kink(graph, nodes=None) -> bool:
     """Does any of these nodes (all the graph's: None) have a point where its derivative jumps?"""
-    for i in range(graph.num_nodes) if nodes is None else nodes:
-        n = graph.node(i)
-        op = n["op"]
-        if op in _KINK_AT or op in _KINK_BINARY or op == "softplus" or \
-                (op == "cast" and not IR_TO_TORCH[n["dtype"]].is_floating_point):
-            return True
-    return False
+    return any(_jumps(graph.node(i)) for i in (range(graph.num_nodes) if nodes is None else nodes))
 
 
 def kink_inputs(compute, inputs) -> list:

@@ -612,18 +612,8 @@ class _Search:
         return samples
 
     def instances(self, g) -> list:
-        """Finalist g's kernel and LOADS - 1 more loads of it (see the module's docstring); where a
-        load fails short of a dead context, the rounds rotate through those made."""
-        out = [self.kernels[g]]
-        for _ in range(LOADS - 1):
-            try:
-                out.append(self.bench.load(self.ks[g]))
-            except Exception as e:
-                if is_fatal(e) or is_oom(e):
-                    raise
-                log.debug("kbench: another load of %s failed: %s", g, _first_lines(e, 1))
-                break
-        return out
+        """Finalist g's kernel and LOADS - 1 more loads of it (see the module's docstring)."""
+        return _instances(self.bench, self.ks[g], self.kernels[g])
 
     def standings(self, names, samples) -> tuple[dict[str, str], set[str]]:
         """Each finalist's standing, from the paired intervals of its time over the others':
@@ -781,6 +771,21 @@ def search_region(executor, r: int, example_symvals, *, budget="default", seed: 
     return res
 
 
+def _instances(bench, k, first=None) -> list:
+    """LOADS loaded instances of kernel k (`first`, already loaded, among them); where a load fails
+    short of a dead context, the rounds rotate through those made."""
+    out = [first if first is not None else bench.load(k)]
+    for _ in range(LOADS - 1):
+        try:
+            out.append(bench.load(k))
+        except Exception as e:
+            if is_fatal(e) or is_oom(e):
+                raise
+            log.debug("kbench: another load of %s failed: %s", getattr(k, "name", k), _first_lines(e, 1))
+            break
+    return out
+
+
 def confirm(bench, default_k, winner_k, budget="default") -> tuple[bool, float, float, int]:
     """A winner a search found on another GPU (optimize(devices=)), re-timed here against the
     default genome before it is kept: does it beat the default by more than KEEP_DEFAULT on this
@@ -791,19 +796,9 @@ def confirm(bench, default_k, winner_k, budget="default") -> tuple[bool, float, 
     and the default kept where it stays unclear (the search's own rule). Returns (the winner
     kept, the default's median ms, the winner's, rounds)."""
     b = BUDGETS.get(budget) if isinstance(budget, str) else budget
-    loads = []
-    for k in (default_k, winner_k):
-        mine = [bench.load(k)]
-        for _ in range(LOADS - 1):
-            try:
-                mine.append(bench.load(k))
-            except Exception as e:
-                if is_fatal(e) or is_oom(e):
-                    raise
-                break
-        for kernel in mine:
-            bench.time(kernel, 0)   # warm-up (a lazily loaded module loads at its first launch)
-        loads.append(mine)
+    loads = [_instances(bench, k) for k in (default_k, winner_k)]
+    for kernel in loads[0] + loads[1]:
+        bench.time(kernel, 0)   # warm-up (a lazily loaded module loads at its first launch)
     samples: tuple[dict, dict] = ({}, {})
     limit, cap, n, deadline = 1 / (1 - KEEP_DEFAULT), MAX_ROUNDS_FACTOR * b.rounds, 0, None
     while True:
