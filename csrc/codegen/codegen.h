@@ -7,7 +7,7 @@
  * where emit writes text, index rewrites indices through views, expression makes a value at an
  * index into a C variable (loads, arithmetic, integer indices and guards), chunk is the element
  * loop of one chunk with its per-row statistics and the row cache plan, kernel the skeleton of a
- * POINTWISE / ROW / COL kernel, and source assembles the file (preamble, parameters, entry
+ * POINTWISE / ROW / COL kernel (or a tensor-core GEMM, gemm.c), and source assembles the file (preamble, parameters, entry
  * points). */
 #ifndef KBENCH_CODEGEN_H
 #define KBENCH_CODEGEN_H
@@ -243,7 +243,10 @@ void cg_colsum_decl(cg *c);
 void cg_colsum_store(cg *c);
 void cg_colsum_finish(cg *c);
 
-/* ================================ layer 4: kernel (kernel.c, split.c) */
+/* ================================ layer 4: kernel (kernel.c, split.c, gemm.c) */
+
+/* gemm.c: the tensor-core GEMM kernels (kb_gemm_generate, core/internal.h); its epilogue is a hook
+ * the source layer fills for a GEMM region */
 
 /* dp[v] and the passes of a ROW / COL region (and its online normalizers) */
 void cg_plan_passes(cg *c);

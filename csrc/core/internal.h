@@ -164,4 +164,99 @@ typedef struct kb_monomial {
 void kb_monomial_of(const kb_dim *dims, int rank, uint32_t mask, kb_monomial *m);
 int kb_monomial_equal(const kb_monomial *a, const kb_monomial *b);
 
+/* ---------------------------------------------------------------- GEMM kernels (codegen/gemm.c)
+ * out[b] = epilogue(A[b] @ B[b]) on tensor cores (mma.sync m16n8k16, f32 accumulation), sm_80+.
+ * A [batch, M, K] row-major (row stride lda); B [batch, K, N] row-major or, b_transposed, [batch,
+ * N, K] (a Linear's weight), row stride ldb; out [batch, M, N] contiguous. M, N, K, lda, ldb and
+ * the batch strides are kernel arguments (long long), so one kernel serves every size. */
+
+/* Where one output element's epilogue runs: the names of the kernel's variables it may read. All
+ * are in range (row < M, col < N). The kernel's own names (A, B, out, M, N, K, lda, ldb,
+ * stride_a, stride_b, and everything starting with kb_ or a capital letter) are taken: an
+ * epilogue's parameters and locals use names of their own. */
+typedef struct kb_gemm_site {
+    const char *acc;        /* a float lvalue: the accumulator on entry, the value stored on exit */
+    const char *batch;      /* long long: the batch index */
+    const char *row, *col;  /* long long: the element's row (< M) and column (< N) */
+    int indent;             /* the statements' indentation, in levels of 4 spaces */
+} kb_gemm_site;
+
+/* The epilogue hook: the region codegen (or kb_gemm_builtin) fills it. params appends the kernel
+ * parameters it reads, each written ",\n    <declaration>" (NULL: none); element appends the
+ * statements of one output element at site (they may also store to outputs of their own). what
+ * is one line for the kernel's header comment. Each returns KB_OK or records its error. */
+typedef struct kb_gemm_epilogue {
+    void *ud;
+    const char *what;
+    kb_status (*params)(kb_ctx *ctx, void *ud, kb_sb *sb);
+    kb_status (*element)(kb_ctx *ctx, void *ud, kb_sb *sb, const kb_gemm_site *site);
+} kb_gemm_epilogue;
+
+typedef struct kb_gemm_spec {
+    kb_dtype ab;                 /* A and B: KB_BF16 or KB_F16 */
+    kb_dtype out;                /* KB_BF16, KB_F16 or KB_F32 */
+    int32_t b_transposed;        /* 0: B is [batch, K, N]; 1: [batch, N, K] */
+    int32_t a_broadcast;         /* 1: one A for every batch (batch stride 0: no stride_a argument) */
+    int32_t b_broadcast;         /* 1: one B for every batch (a weight) */
+    const kb_gemm_epilogue *epilogue; /* NULL: out = acc */
+} kb_gemm_spec;
+
+/* One GEMM kernel's schedule: a block computes a tile_m x tile_n tile of out, stepping K by
+ * tile_k through a ring of `stages` shared-memory buffers filled by cp.async; warps_m x warps_n
+ * warps split the tile, each a (tile_m / warps_m) x (tile_n / warps_n) warp tile of m16n8 mmas. */
+typedef struct kb_gemm_genome {
+    int32_t tile_m, tile_n, tile_k;
+    int32_t warps_m, warps_n;
+    int32_t stages;
+} kb_gemm_genome;
+
+/* What a launch needs: grid = (ceil(M / tile_m) * ceil(N / tile_n), 1, batch) (kb_gemm_grid),
+ * block threads, dynamic shared memory (above KB_SMEM_PORTABLE: kb_cuda_function opts in). */
+typedef struct kb_gemm_launch {
+    char name[64];
+    int32_t block;
+    int32_t smem_bytes;
+    int32_t tile_m, tile_n;
+} kb_gemm_launch;
+
+/* The built-in epilogue vocabulary, applied in this order:
+ *   acc = alpha * acc + bias_n[col] + bias_m[row];  acc = act(acc);  acc += residual[b, row, col]
+ * A dtype of -1 leaves that term out; alpha (a float kernel parameter) only where has_alpha; act
+ * is any unary op of ops.def with its "cuda" template (scalars act_p0, act_p1), -1 for none. */
+typedef struct kb_gemm_builtin {
+    int32_t has_alpha;
+    int32_t bias_n;      /* kb_dtype of a [N] vector, or -1 */
+    int32_t bias_m;      /* kb_dtype of a [M] vector, or -1 */
+    int32_t residual;    /* kb_dtype of a [batch, M, N] contiguous tensor, or -1 */
+    int32_t act;         /* kb_op, or -1 */
+    double act_p0, act_p1;
+    char what[160];      /* filled by kb_gemm_builtin_epilogue */
+} kb_gemm_builtin;
+
+/* The hook for b (borrowed: b outlives the hook). KB_ERR_UNSUPPORTED names a term it cannot do. */
+kb_status kb_gemm_builtin_epilogue(kb_ctx *ctx, kb_gemm_builtin *b, kb_gemm_epilogue *out);
+/* KB_OK, or KB_ERR_UNSUPPORTED saying why spec cannot be generated (dtypes, sm < 80). */
+kb_status kb_gemm_spec_check(kb_ctx *ctx, const kb_gemm_spec *spec, int sm);
+/* KB_OK when g is legal on dev (NULL: the default device, kb_device_default): tiles multiples
+ * of the mma shape per warp, at most 8 warps, tile_k 16/32/64, 2..8 stages, shared memory within
+ * the device's opt-in limit, registers plausible; else KB_ERR_INVALID naming the first rule broken. */
+kb_status kb_gemm_genome_check(kb_ctx *ctx, const kb_gemm_genome *g, const kb_device_info *dev);
+/* The default for an M x N x K problem of `batch` products on dev (NULL: kb_device_default):
+ * 128x128x32 on 2x4 warps, 4 stages, where that grid fills the SMs; smaller tiles where it would not. */
+void kb_gemm_genome_default(int64_t M, int64_t N, int64_t K, int64_t batch, const kb_device_info *dev,
+                            kb_gemm_genome *out);
+/* Candidates a caller can time, the default first, all legal on dev, none twice; returns how many
+ * were written (at most max). */
+int kb_gemm_genome_candidates(int64_t M, int64_t N, int64_t K, int64_t batch, const kb_device_info *dev,
+                              kb_gemm_genome *out, int max);
+/* Appends the kernel's CUDA source to sb and fills *launch. Deterministic: the same spec (and
+ * epilogue text), genome and sm give the same bytes. The kernel requires (the launcher checks; a
+ * call that breaks it goes to cuBLAS): K, lda, ldb and the batch strides multiples of 8 elements,
+ * N too where B is not transposed, A, B and out 16-byte aligned, ceil(M / tile_m) *
+ * ceil(N / tile_n) < 2^31 and batch < 65536. */
+kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_genome *g, int sm, kb_sb *sb,
+                           kb_gemm_launch *launch);
+/* The grid of launch at these sizes. */
+void kb_gemm_grid(const kb_gemm_launch *launch, int64_t M, int64_t N, int64_t batch, uint32_t grid[3]);
+
 #endif /* KBENCH_INTERNAL_H */

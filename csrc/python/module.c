@@ -3,7 +3,7 @@
  * context and the argument converters the binding's files share, and the interpreter and code
  * generation entry points. The Graph and Partition types are module_graph.c's, Genome and
  * KernelInfo module_types.c's, the CUDA runtime's functions module_cuda.c's, the search's
- * module_evolve.c's; all are added to the module at exec time. */
+ * module_evolve.c's, the GEMM generator's module_gemm.c's; all are added to the module at exec time. */
 #include "python/module.h"
 
 #include <pthread.h>
@@ -12,6 +12,7 @@
 #include "core/internal.h"
 #include "python/module_cuda.h"
 #include "python/module_evolve.h"
+#include "python/module_gemm.h"
 
 kb_module_state *kb_py_state(PyObject *module) { return (kb_module_state *)PyModule_GetState(module); }
 
@@ -356,6 +357,7 @@ static int module_exec(PyObject *module) {
     if (!state->cuda_error || PyModule_AddObjectRef(module, "CudaError", state->cuda_error) < 0) return -1;
     if (PyModule_AddFunctions(module, kb_cuda_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, kb_evolve_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, kb_gemm_methods) < 0) return -1;
     if (PyModule_AddStringConstant(module, "CORE_VERSION", KB_VERSION) < 0) return -1;
     if (PyModule_AddIntConstant(module, "MAX_RANK", KB_MAX_RANK) < 0) return -1;
     return PyModule_AddIntConstant(module, "MAX_SYMS", KB_MAX_SYMS);
