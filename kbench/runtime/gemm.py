@@ -4,6 +4,7 @@ current stream. What the kernel cannot take (dtypes, strides, alignment) is refu
 reason (`refusal`, GemmRefused): the caller then runs torch (cuBLAS)."""
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 import torch
@@ -144,11 +145,61 @@ def kernel(spec: dict, genome, device: torch.device):
     return k
 
 
+def precompile(spec: dict, genome_list, device, threads: int = 8) -> None:
+    """Compiles the kernels of spec for each genome into NVRTC's disk cache, several at once
+    (nvrtc_compile releases the GIL), so timing candidates one after the other loads them at once."""
+    d = _device(torch.device(device).index or 0)
+    sources = [_C.gemm_generate(spec, tuple(g), d.dev["sm"], d.dev)[0] for g in genome_list]
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(sources)))) as pool:
+        list(pool.map(lambda src: nvrtc.compile(src, d.arch), sources))
+
+
 def genomes(M: int, N: int, K: int, batch: int = 1, device=None) -> list[tuple]:
     """Candidate genomes (tile_m, tile_n, tile_k, warps_m, warps_n, stages), the default first,
     legal on device (None: the default device's figures)."""
     dev = _device(torch.device(device).index or 0).dev if device is not None else None
     return _C.gemm_genomes(M, N, K, batch, dev)
+
+
+def launcher(a, b, *, b_transposed=False, bias=None, bias_m=None, act=None, act_scalars=(), residual=None,
+             alpha=None, out_dtype=None, genome=None):
+    """gemm() of these tensors with every check, the kernel and the arguments resolved once: the
+    result, fn(out=None), launches on torch's current stream and returns out (a new tensor where
+    None; else checked: contiguous, its shape and dtype, 16-byte aligned). For a caller that runs
+    the same product again on the same tensors (a benchmark's timed loop, a bound step)."""
+    ops = operands(a, b, b_transposed=b_transposed, bias=bias, bias_m=bias_m, residual=residual, act=act,
+                   act_scalars=act_scalars, alpha=alpha, out_dtype=out_dtype)
+    if not a.is_cuda:
+        raise GemmRefused("a and b must be CUDA tensors")
+    dev = _device(a.device.index)
+    genome = tuple(genome) if genome is not None else _C.gemm_genomes(ops.M, ops.N, ops.K, ops.batch, dev.dev)[0]
+    fn, block, smem, tm, tn = kernel(ops.spec, genome, a.device)
+    odt, shape, device = out_dtype or a.dtype, ops.out_shape, a.device
+    tiles = -(-ops.M // tm) * -(-ops.N // tn)
+    if tiles > 0x7FFFFFFF:
+        raise GemmRefused(f"{tiles} tiles exceed the grid's 2^31 - 1")
+    grid = (tiles, 1, ops.batch)
+    tail = [a, b, ops.M, ops.N, ops.K, ops.lda, ops.ldb]
+    if ops.stride_a is not None:
+        tail.append(ops.stride_a)
+    if ops.stride_b is not None:
+        tail.append(ops.stride_b)
+    if alpha is not None:
+        tail.append(float(alpha))
+    tail += [t for t in (bias, bias_m, residual) if t is not None]
+    cuda = dev.cuda
+
+    def run(out=None):
+        if out is None:
+            out = torch.empty(shape, dtype=odt, device=device)
+        elif tuple(out.shape) != tuple(shape) or out.dtype != odt or not out.is_contiguous():
+            raise GemmRefused(f"out must be a contiguous {odt} tensor of shape {shape}")
+        elif out.data_ptr() % 16:
+            raise GemmRefused("out's data pointer is not 16-byte aligned")
+        if out.numel():
+            _C.launch(cuda, fn, grid, block, smem, None, [out, *tail])
+        return out
+    return run
 
 
 def gemm(a, b, *, b_transposed=False, bias=None, bias_m=None, act=None, act_scalars=(), residual=None,
@@ -157,34 +208,8 @@ def gemm(a, b, *, b_transposed=False, bias=None, bias_m=None, act=None, act_scal
     out = act(alpha * acc + bias[col] + bias_m[row]) + residual, with f32 accumulation. a: [M, K] or
     [batch, M, K]; b: [K, N] / [N, K] or batched (a 2-D or stride-0 batch operand is broadcast);
     bf16 or f16; act: a unary op of ops.def by name ("gelu_tanh", "relu", "silu", ...). The result
-    is out_dtype (default a's), [batch, M, N] ([M, N] for two 2-D operands). genome: a tuple from
-    genomes() (None: the default for these sizes). GemmRefused says why a call cannot run."""
-    ops = operands(a, b, b_transposed=b_transposed, bias=bias, bias_m=bias_m, residual=residual, act=act,
-                   act_scalars=act_scalars, alpha=alpha, out_dtype=out_dtype)
-    if not a.is_cuda:
-        raise GemmRefused("a and b must be CUDA tensors")
-    dev = _device(a.device.index)
-    genome = tuple(genome) if genome is not None else _C.gemm_genomes(ops.M, ops.N, ops.K, ops.batch, dev.dev)[0]
-    fn, block, smem, tm, tn = kernel(ops.spec, genome, a.device)
-    odt = out_dtype or a.dtype
-    if out is None:
-        out = torch.empty(ops.out_shape, dtype=odt, device=a.device)
-    elif tuple(out.shape) != tuple(ops.out_shape) or out.dtype != odt or not out.is_contiguous():
-        raise GemmRefused(f"out must be a contiguous {odt} tensor of shape {ops.out_shape}")
-    if out.data_ptr() % 16:
-        raise GemmRefused("out's data pointer is not 16-byte aligned")
-    if out.numel() == 0:
-        return out
-    tiles = -(-ops.M // tm) * -(-ops.N // tn)
-    if tiles > 0x7FFFFFFF:
-        raise GemmRefused(f"{tiles} tiles exceed the grid's 2^31 - 1")
-    args = [out, a, b, ops.M, ops.N, ops.K, ops.lda, ops.ldb]
-    if ops.stride_a is not None:
-        args.append(ops.stride_a)
-    if ops.stride_b is not None:
-        args.append(ops.stride_b)
-    if alpha is not None:
-        args.append(float(alpha))
-    args += [t for t in (bias, bias_m, residual) if t is not None]
-    _C.launch(dev.cuda, fn, (tiles, 1, ops.batch), block, smem, None, args)
-    return out
+    is out_dtype (default a's), [batch, M, N] ([M, N] for two 2-D operands), written into out where
+    given. genome: a tuple from genomes() (None: the default for these sizes). GemmRefused says why
+    a call cannot run."""
+    return launcher(a, b, b_transposed=b_transposed, bias=bias, bias_m=bias_m, act=act, act_scalars=act_scalars,
+                    residual=residual, alpha=alpha, out_dtype=out_dtype, genome=genome)(out)
