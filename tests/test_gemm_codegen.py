@@ -5,6 +5,7 @@ legality and the candidates, and the launcher's refusals (kbench/runtime/gemm.py
 import os
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,3 +140,118 @@ def test_gemm_launcher_refusals():
         assert (why in got and got) if why else got == "", (why, got)
     with pytest.raises(gemm.GemmRefused, match="CUDA"):
         gemm.gemm(_t(8, 16), _t(16, 8))
+
+
+# ---------------------------------------------------------------- the fragment mapping, emulated
+
+def _swizzle(cpr, r, c):
+    """kb_swizzle<CPR>(r, c) of the generated source (its text is checked below)."""
+    q = r * cpr + c
+    return (q ^ ((r & 7) if cpr >= 8 else ((q >> 3) & 7))) * 16
+
+
+def _expr(text):
+    """An index expression of the source as a Python function of its variables (C's / on ints)."""
+    code = compile(text.replace("/", "//"), "<gemm index>", "eval")
+    return lambda **v: eval(code, {}, v)
+
+
+def _args(call):
+    """The two top-level arguments of kb_swizzle<...>(x, y) in call."""
+    inner = call[call.index("(") + 1:call.rindex(")")]
+    depth = 0
+    for i, ch in enumerate(inner):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            return inner[:i].strip(), inner[i + 1:].strip()
+    raise AssertionError(call)
+
+
+def _emulate(src, BM, BN, BK, WM, WN, bt):
+    """Runs the source's shared layout, ldmatrix addresses and epilogue coordinates through an
+    emulation of ldmatrix.x4 (.trans) and mma.m16n8k16 as the PTX ISA defines their fragments, on
+    integer tiles; returns (the block tile it computes, A @ B)."""
+    import re
+    flat = re.sub(r"\s+", " ", src)
+    assert "const int key = CPR >= 8 ? (r & 7) : ((q >> 3) & 7); return (unsigned)(q ^ key) * 16u;" in flat
+    a_call = re.search(r"kb_ldmatrix_x4\(a\[i\], sa \+ (kb_swizzle<\d+>\(.*?\))\);", flat).group(1)
+    b_call = re.search(r"kb_ldmatrix_x4(_trans)?\(r, sb \+ (kb_swizzle<\d+>\(.*?\))\);", flat)
+    trans, b_call = b_call.group(1) is not None, b_call.group(2)
+    assert trans == (not bt)
+    row_e = _expr(re.search(r"const long long row = m0 \+ (.*?);", flat).group(1))
+    col_e = _expr(re.search(r"const long long col = n0 \+ (.*?);", flat).group(1))
+    ar, ac = map(_expr, _args(a_call))
+    br, bc = map(_expr, _args(b_call))
+    WTM, WTN, MI, NI = BM // WM, BN // WN, BM // WM // 16, BN // WN // 8
+    consts = dict(WTM=WTM, WTN=WTN)
+    rng = np.random.default_rng(0)
+    A = rng.integers(-4, 5, (BM, BK)).astype(np.float64)
+    B = rng.integers(-4, 5, (BK, BN)).astype(np.float64)
+
+    def smem(T):   # a tile in its swizzled shared layout (halves)
+        cpr = T.shape[1] // 8
+        s = np.full(T.size, np.nan)
+        for r in range(T.shape[0]):
+            for c in range(cpr):
+                o = _swizzle(cpr, r, c) // 2
+                assert np.isnan(s[o:o + 8]).all()
+                s[o:o + 8] = T[r, c * 8:c * 8 + 8]
+        return s, cpr
+    sa, acpr = smem(A)
+    sb, bcpr = smem(B.T.copy() if bt else B)
+    assert f"kb_swizzle<{acpr}>" in a_call and f"kb_swizzle<{bcpr}>" in b_call
+
+    def ldmatrix(s, cpr, rows, cols, t):
+        addrs = [_swizzle(cpr, rows[l], cols[l]) for l in range(32)]
+        regs = np.empty((32, 4, 2))
+        for q in range(4):
+            assert len({a // 16 % 8 for a in addrs[8 * q:8 * q + 8]}) == 8, "shared memory bank conflict"
+            m = np.array([s[a // 2:a // 2 + 8] for a in addrs[8 * q:8 * q + 8]])
+            for l in range(32):
+                regs[l, q] = m[2 * (l % 4):2 * (l % 4) + 2, l // 4] if t else m[l // 4, 2 * (l % 4):2 * (l % 4) + 2]
+        return regs
+
+    out = np.full((BM, BN), np.nan)
+    lanes = range(32)
+    for warp in range(WM * WN):
+        v = dict(consts, warp_m=warp % WM, warp_n=warp // WM)
+        acc = np.zeros((MI, NI, 32, 4))
+        for kk in range(BK // 16):
+            a = [ldmatrix(sa, acpr, [ar(**v, i=i, kk=kk, lane=l) for l in lanes],
+                          [ac(**v, i=i, kk=kk, lane=l) for l in lanes], False) for i in range(MI)]
+            b = [None] * NI
+            for j in range(0, NI, 2):
+                r = ldmatrix(sb, bcpr, [br(**v, j=j, kk=kk, lane=l) for l in lanes],
+                             [bc(**v, j=j, kk=kk, lane=l) for l in lanes], trans)
+                b[j], b[j + 1] = r[:, 0:2], r[:, 2:4]
+            for i in range(MI):
+                for j in range(NI):   # mma.m16n8k16: lane (g, t)'s registers, PTX ISA's fragment tables
+                    Af, Bf = np.zeros((16, 16)), np.zeros((16, 8))
+                    for l in lanes:
+                        g, t = l // 4, l % 4
+                        Af[g, 2 * t:2 * t + 2], Af[g + 8, 2 * t:2 * t + 2] = a[i][l, 0], a[i][l, 1]
+                        Af[g, 2 * t + 8:2 * t + 10], Af[g + 8, 2 * t + 8:2 * t + 10] = a[i][l, 2], a[i][l, 3]
+                        Bf[2 * t:2 * t + 2, g], Bf[2 * t + 8:2 * t + 10, g] = b[j][l, 0], b[j][l, 1]
+                    D = Af @ Bf
+                    for l in lanes:
+                        g, t = l // 4, l % 4
+                        acc[i, j, l] += (D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1])
+        for i in range(MI):
+            for h in range(2):
+                for j in range(NI):
+                    for l in lanes:
+                        row, col = row_e(**v, i=i, h=h, lane=l), col_e(**v, j=j, lane=l)
+                        out[row, col], out[row, col + 1] = acc[i, j, l, 2 * h], acc[i, j, l, 2 * h + 1]
+    return out, A @ B
+
+
+@pytest.mark.parametrize("genome", [DEFAULT, (64, 32, 16, 2, 1, 2), (32, 256, 64, 1, 4, 2)])
+@pytest.mark.parametrize("bt", [True, False], ids=["b_transposed", "b_row_major"])
+def test_gemm_fragment_mapping_emulated(genome, bt):
+    """The generated source's ldmatrix addresses, swizzle and epilogue coordinates, read from its
+    text and run through ldmatrix / mma.m16n8k16 as the PTX ISA defines their fragments, compute
+    exactly A @ B for the block tile, every element once, with no bank conflict in any ldmatrix."""
+    src = _C.gemm_generate(spec("bf16", bt=bt), genome, 90, H100)[0]
+    out, ref = _emulate(src, *genome[:5], bt)
+    assert not np.isnan(out).any()
+    assert np.array_equal(out, ref)
