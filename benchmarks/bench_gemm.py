@@ -117,7 +117,7 @@ def table(rows) -> str:
         out.append([r["case"], results.fmt(r.get("torch_ms"), ".3f"), results.fmt(r.get("best_ms"), ".3f"),
                     results.fmt(r.get("tflops_torch"), ".0f"), results.fmt(r.get("tflops_kbench"), ".0f"),
                     results.fmt(r.get("kbench_over_torch"), ".2f") + "×",
-                    "x".join(map(str, g[:3])) + f" w{g[3]}x{g[4]} s{g[5]}" if g else "—",
+                    "x".join(map(str, g[:3])) + f" w{g[3]}x{g[4]} s{g[5]} b{g[6]}" if g else "—",
                     results.fmt(r.get("best_rel_err"), ".1e")])
     return results.markdown_table(["case", "torch ms", "kbench ms", "torch TFLOP/s", "kbench TFLOP/s",
                                    "kbench / torch speed", "best genome", "rel err"], out)

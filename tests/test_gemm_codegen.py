@@ -14,7 +14,7 @@ from kbench.agent import cubin
 from kbench.runtime import gemm
 
 GOLDEN = pathlib.Path(__file__).parent / "golden_cuda"
-DEFAULT = (128, 128, 32, 2, 4, 4)
+DEFAULT = (128, 128, 32, 2, 4, 4, 2)
 H100 = {"sm": 90, "num_sms": 132, "max_smem_per_block": 232448, "regs_per_sm": 65536}
 
 
@@ -28,11 +28,11 @@ FULL = dict(alpha=True, bias_n="bf16", act="gelu_tanh", residual="bf16")
 # batched operands
 CASES = [
     (spec("bf16", bt=True, b_broadcast=True, **FULL), DEFAULT, "sm_90"),
-    (spec("f16", "f32", bias_m="f32", act="relu", a_broadcast=True), (64, 64, 64, 2, 2, 3), "sm_80"),
-    (spec("bf16", "f32", act="silu"), (64, 128, 32, 2, 2, 4), "sm_90"),
-    (spec("f16", bt=True, residual="f16", bias_n="f32"), (16, 64, 64, 1, 2, 4), "sm_80"),
-    (spec("bf16", bt=True, act="leaky_relu", act_scalars=(0.1,)), (64, 32, 16, 2, 1, 2), "sm_80"),
-    (spec("f16", "bf16", alpha=True, act="gelu"), (128, 64, 64, 2, 2, 3), "sm_90"),
+    (spec("f16", "f32", bias_m="f32", act="relu", a_broadcast=True), (64, 64, 64, 2, 2, 3, 2), "sm_80"),
+    (spec("bf16", "f32", act="silu"), (64, 128, 32, 2, 2, 4, 2), "sm_90"),
+    (spec("f16", bt=True, residual="f16", bias_n="f32"), (16, 64, 64, 1, 2, 4, 2), "sm_80"),
+    (spec("bf16", bt=True, act="leaky_relu", act_scalars=(0.1,)), (64, 32, 16, 2, 1, 2, 1), "sm_80"),
+    (spec("f16", "bf16", alpha=True, act="gelu"), (128, 64, 64, 2, 2, 3, 1), "sm_90"),
 ]
 
 
@@ -56,7 +56,8 @@ def test_gemm_source_deterministic_and_golden():
     one = _C.gemm_generate(CASES[0][0], DEFAULT, 90, H100)
     assert one == _C.gemm_generate(dict(CASES[0][0]), DEFAULT, 90, H100)
     src, name, block, smem, tm, tn = one
-    assert (name, block, smem, tm, tn) == ("kb_gemm_bf16_nt_128x128x32_w2x4_s4", 256, 65536, 128, 128)
+    assert (name, block, smem, tm, tn) == ("kb_gemm_bf16_nt_128x128x32_w2x4_s4_b2", 256, 65536, 128, 128)
+    assert "__launch_bounds__(256, 2)" in src
     path = GOLDEN / "gemm_bf16_nt_bias_gelu_tanh.cu"
     if os.environ.get("KBENCH_UPDATE_GOLDEN"):
         path.write_text(src)
@@ -72,10 +73,11 @@ def test_gemm_source_deterministic_and_golden():
 def test_gemm_genome_legality():
     check = _C.gemm_genome_check
     check(DEFAULT, H100)
-    for bad, why in [((128, 128, 64, 2, 4, 8), "shared memory"), ((128, 128, 32, 3, 4, 4), "powers of two"),
-                     ((128, 120, 32, 2, 4, 4), "tile_n"), ((128, 128, 24, 2, 4, 4), "tile_k"),
-                     ((128, 128, 32, 2, 4, 1), "stages"), ((256, 256, 32, 2, 4, 2), "registers"),
-                     ((16, 64, 64, 2, 1, 2), "tile_m")]:
+    for bad, why in [((128, 128, 64, 2, 4, 8, 1), "shared memory"), ((128, 128, 32, 3, 4, 4, 1), "powers of two"),
+                     ((128, 120, 32, 2, 4, 4, 1), "tile_n"), ((128, 128, 24, 2, 4, 4, 1), "tile_k"),
+                     ((128, 128, 32, 2, 4, 1, 1), "stages"), ((256, 256, 32, 2, 4, 2, 1), "registers"),
+                     ((16, 64, 64, 2, 1, 2, 1), "tile_m"), ((128, 128, 32, 2, 4, 4, 3), "min_blocks"),
+                     ((128, 128, 64, 2, 4, 4, 2), "2 x 131072 bytes"), ((256, 128, 32, 4, 2, 3, 2), "2 blocks an SM")]:
         with pytest.raises(ValueError, match=why):
             check(bad, H100)
     small = dict(H100, max_smem_per_block=48 * 1024)   # a device without the opt-in
@@ -107,6 +109,8 @@ def test_gemm_generate_refusals():
         _C.gemm_generate(spec(act="add"), DEFAULT, 90)
     with pytest.raises(ValueError, match="unknown op"):
         _C.gemm_generate(spec(act="no_such_op"), DEFAULT, 90)
+    with pytest.raises(ValueError, match="expected 7 values"):
+        _C.gemm_generate(spec(), DEFAULT[:6], 90)
     with pytest.raises(TypeError, match="unknown key"):
         _C.gemm_generate({"ab": "bf16", "bias": "bf16"}, DEFAULT, 90)
     with pytest.raises(NotImplementedError, match="dtype"):
@@ -245,7 +249,7 @@ def _emulate(src, BM, BN, BK, WM, WN, bt):
     return out, A @ B
 
 
-@pytest.mark.parametrize("genome", [DEFAULT, (64, 32, 16, 2, 1, 2), (32, 256, 64, 1, 4, 2)])
+@pytest.mark.parametrize("genome", [DEFAULT, (64, 32, 16, 2, 1, 2, 1), (32, 256, 64, 1, 4, 2, 1)])
 @pytest.mark.parametrize("bt", [True, False], ids=["b_transposed", "b_row_major"])
 def test_gemm_fragment_mapping_emulated(genome, bt):
     """The generated source's ldmatrix addresses, swizzle and epilogue coordinates, read from its

@@ -194,21 +194,24 @@ kb_status kb_gemm_genome_check(kb_ctx *ctx, const kb_gemm_genome *g, const kb_de
         return KB_FAIL(ctx, KB_ERR_INVALID, "gemm genome: tile_k %d must be 16, 32 or 64", (int)g->tile_k);
     if (g->stages < 2 || g->stages > 8)
         return KB_FAIL(ctx, KB_ERR_INVALID, "gemm genome: stages %d must be 2..8", (int)g->stages);
-    if (smem_bytes(g) > smem_max)
-        return KB_FAIL(ctx, KB_ERR_INVALID, "gemm genome: %lld bytes of shared memory exceed the device's %d",
-                       (long long)smem_bytes(g), (int)smem_max);
+    if (g->min_blocks != 1 && g->min_blocks != 2)
+        return KB_FAIL(ctx, KB_ERR_INVALID, "gemm genome: min_blocks %d must be 1 or 2", (int)g->min_blocks);
+    if (smem_bytes(g) * g->min_blocks > smem_max)
+        return KB_FAIL(ctx, KB_ERR_INVALID, "gemm genome: %d x %lld bytes of shared memory exceed the device's %d",
+                       (int)g->min_blocks, (long long)smem_bytes(g), (int)smem_max);
     int64_t regs = regs_estimate(g), threads = 32LL * g->warps_m * g->warps_n;
-    if (regs > 255 || regs * threads > regs_sm)
-        return KB_FAIL(ctx, KB_ERR_INVALID, "gemm genome: about %lld registers a thread (%lld threads) do not fit",
-                       (long long)regs, (long long)threads);
+    if (regs > 255 || regs * threads * g->min_blocks > regs_sm)
+        return KB_FAIL(ctx, KB_ERR_INVALID,
+                       "gemm genome: about %lld registers a thread (%lld threads, %d blocks an SM) do not fit",
+                       (long long)regs, (long long)threads, (int)g->min_blocks);
     return KB_OK;
 }
 
 /* Largest first: the default takes the first whose grid fills the device, the candidates are all. */
 static const kb_gemm_genome GENOMES[] = {
-    {128, 128, 32, 2, 4, 4}, {128, 256, 32, 2, 4, 3}, {256, 128, 32, 4, 2, 3}, {128, 128, 64, 2, 4, 3},
-    {128, 64, 32, 2, 2, 4},  {64, 128, 32, 2, 2, 4},  {64, 64, 32, 2, 2, 4},   {64, 64, 64, 2, 2, 3},
-    {32, 64, 64, 1, 2, 4},   {16, 64, 64, 1, 2, 4},
+    {128, 128, 32, 2, 4, 4, 2}, {128, 128, 32, 2, 4, 4, 1}, {128, 256, 32, 2, 4, 3, 1}, {256, 128, 32, 4, 2, 3, 1},
+    {128, 128, 64, 2, 4, 3, 1}, {128, 64, 32, 2, 2, 4, 2},  {64, 128, 32, 2, 2, 4, 2},  {64, 64, 32, 2, 2, 4, 2},
+    {64, 64, 64, 2, 2, 3, 2},   {32, 64, 64, 1, 2, 4, 2},   {16, 64, 64, 1, 2, 4, 2},
 };
 #define NGENOMES ((int)(sizeof GENOMES / sizeof *GENOMES))
 
@@ -222,8 +225,8 @@ void kb_gemm_genome_default(int64_t M, int64_t N, int64_t K, int64_t batch, cons
     int32_t sms = dev && dev->num_sms > 0 ? dev->num_sms : kb_device_default()->num_sms;
     /* 128x128 where it gives a full wave; else the largest of the square-ish tiles that gives
      * about one block per SM (an SM holds several small blocks), down to 16x64 */
-    static const int order[] = {0, 4, 5, 6, 8, 9};
-    const kb_gemm_genome *pick = &GENOMES[9];
+    static const int order[] = {0, 5, 6, 7, 9, 10};
+    const kb_gemm_genome *pick = &GENOMES[10];
     for (size_t i = 0; i < sizeof order / sizeof *order; i++) {
         const kb_gemm_genome *g = &GENOMES[order[i]];
         if (kb_gemm_genome_check(NULL, g, dev) == KB_OK && blocks_of(g, M, N, batch) >= sms) {
@@ -366,7 +369,8 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
     const char *lay = bt ? "nt" : "nn";
 
     kb_gemm_launch L = {{0}, threads, (int32_t)smem_bytes(g), BM, BN};
-    snprintf(L.name, sizeof L.name, "kb_gemm_%s_%s_%dx%dx%d_w%dx%d_s%d", mma_type, lay, BM, BN, BK, WM, WN, S);
+    snprintf(L.name, sizeof L.name, "kb_gemm_%s_%s_%dx%dx%d_w%dx%d_s%d_b%d", mma_type, lay, BM, BN, BK, WM, WN, S,
+             (int)g->min_blocks);
 
     size_t start = sb->len;
     gw w = {sb, 0};
@@ -382,9 +386,11 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
        WM * WN, WM, WN, WTM, WTN);
     gl(&w, "// %dx%d mma.sync m16n8k16. A %d-stage cp.async ring (%d bytes of shared memory) keeps %d k-tiles in", MI, NI,
        S, (int)L.smem_bytes, S - 1);
-    gl(&w, "// flight while the warps multiply the oldest; fragments come from XOR-swizzled shared memory by");
-    gl(&w, "// ldmatrix%s. Blocks run in groups of 8 tile rows (grid.x), so a wave's tiles share A and B in L2.",
+    gl(&w, "// flight while the warps multiply the oldest, %d block%s an SM at once; fragments come from", (int)g->min_blocks,
+       g->min_blocks > 1 ? "s" : "");
+    gl(&w, "// XOR-swizzled shared memory by ldmatrix%s. Blocks run in groups of 8 tile rows (grid.x), so a",
        bt ? "" : " (.trans for B, whose rows run along N)");
+    gl(&w, "// wave's tiles share A and B in L2.");
     gl(&w, "// Requires (the launcher checks): K, lda, ldb%s and the batch strides multiples of 8 elements,",
        bt ? "" : ", N");
     gl(&w, "// A, B and out 16-byte aligned. Edges: zero-filled loads, predicated stores (pairs where N is even).");
@@ -396,7 +402,7 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
     gl(&w, "%s", "");
 
     /* ---- the signature */
-    kb_sb_printf(sb, "extern \"C\" __global__ void __launch_bounds__(%d) %s(\n", threads, L.name);
+    kb_sb_printf(sb, "extern \"C\" __global__ void __launch_bounds__(%d, %d) %s(\n", threads, (int)g->min_blocks, L.name);
     kb_sb_printf(sb, "    %s *__restrict__ out,\n    const %s *__restrict__ A,\n    const %s *__restrict__ B,\n", TO, T, T);
     kb_sb_puts(sb, "    const long long M, const long long N, const long long K,\n");
     kb_sb_puts(sb, "    const long long lda, const long long ldb");

@@ -203,11 +203,15 @@ typedef struct kb_gemm_spec {
 
 /* One GEMM kernel's schedule: a block computes a tile_m x tile_n tile of out, stepping K by
  * tile_k through a ring of `stages` shared-memory buffers filled by cp.async; warps_m x warps_n
- * warps split the tile, each a (tile_m / warps_m) x (tile_n / warps_n) warp tile of m16n8 mmas. */
+ * warps split the tile, each a (tile_m / warps_m) x (tile_n / warps_n) warp tile of m16n8 mmas.
+ * min_blocks (1 or 2): blocks an SM must hold at once (__launch_bounds__' second argument: ptxas
+ * keeps registers within 64K / (2 * threads) a thread), so one block's epilogue and pipeline
+ * fill overlap another's main loop. */
 typedef struct kb_gemm_genome {
     int32_t tile_m, tile_n, tile_k;
     int32_t warps_m, warps_n;
     int32_t stages;
+    int32_t min_blocks;
 } kb_gemm_genome;
 
 /* What a launch needs: grid = (ceil(M / tile_m) * ceil(N / tile_n), 1, batch) (kb_gemm_grid),
@@ -239,10 +243,12 @@ kb_status kb_gemm_builtin_epilogue(kb_ctx *ctx, kb_gemm_builtin *b, kb_gemm_epil
 kb_status kb_gemm_spec_check(kb_ctx *ctx, const kb_gemm_spec *spec, int sm);
 /* KB_OK when g is legal on dev (NULL: the default device, kb_device_default): tiles multiples
  * of the mma shape per warp, at most 8 warps, tile_k 16/32/64, 2..8 stages, shared memory within
- * the device's opt-in limit, registers plausible; else KB_ERR_INVALID naming the first rule broken. */
+ * the device's opt-in limit (min_blocks times over), registers plausible (for min_blocks blocks
+ * an SM); else KB_ERR_INVALID naming the first rule broken. */
 kb_status kb_gemm_genome_check(kb_ctx *ctx, const kb_gemm_genome *g, const kb_device_info *dev);
 /* The default for an M x N x K problem of `batch` products on dev (NULL: kb_device_default):
- * 128x128x32 on 2x4 warps, 4 stages, where that grid fills the SMs; smaller tiles where it would not. */
+ * 128x128x32 on 2x4 warps, 4 stages, 2 blocks an SM, where that grid fills the SMs; smaller tiles
+ * where it would not. */
 void kb_gemm_genome_default(int64_t M, int64_t N, int64_t K, int64_t batch, const kb_device_info *dev,
                             kb_gemm_genome *out);
 /* Candidates a caller can time, the default first, all legal on dev, none twice; returns how many

@@ -1,5 +1,5 @@
 /* module_gemm.c — kbench._C's tensor-core GEMM generator (codegen/gemm.c): a spec (a dict of
- * typed fields), a genome (a 6-tuple of ints: tile_m, tile_n, tile_k, warps_m, warps_n, stages)
+ * typed fields), a genome (7 ints: tile_m, tile_n, tile_k, warps_m, warps_n, stages, min_blocks)
  * and an architecture in, the source and its launch geometry out; the genome's legality, default
  * and candidates. METH_FASTCALL; kbench/runtime/gemm.py compiles and launches. */
 #include "python/module.h"
@@ -9,13 +9,14 @@
 #include "core/internal.h"
 #include "python/module_gemm.h"
 
-static const char *const GENES[6] = {"tile_m", "tile_n", "tile_k", "warps_m", "warps_n", "stages"};
+static const char *const GENES[7] = {"tile_m", "tile_n", "tile_k", "warps_m", "warps_n", "stages", "min_blocks"};
 
 static int genome_from(PyObject *o, kb_gemm_genome *g) {
-    int32_t *f[6] = {&g->tile_m, &g->tile_n, &g->tile_k, &g->warps_m, &g->warps_n, &g->stages};
-    int64_t v[6];
-    if (kb_py_int64s(o, v, 6, "gemm genome (tile_m, tile_n, tile_k, warps_m, warps_n, stages)") < 0) return -1;
-    for (int i = 0; i < 6; i++) {
+    int32_t *f[7] = {&g->tile_m, &g->tile_n, &g->tile_k, &g->warps_m, &g->warps_n, &g->stages, &g->min_blocks};
+    int64_t v[7];
+    if (kb_py_int64s(o, v, 7, "gemm genome (tile_m, tile_n, tile_k, warps_m, warps_n, stages, min_blocks)") < 0)
+        return -1;
+    for (int i = 0; i < 7; i++) {
         if (v[i] < 1 || v[i] > 4096) {
             PyErr_Format(PyExc_ValueError, "gemm genome: %s = %lld is out of range", GENES[i], (long long)v[i]);
             return -1;
@@ -26,7 +27,8 @@ static int genome_from(PyObject *o, kb_gemm_genome *g) {
 }
 
 static PyObject *genome_to(const kb_gemm_genome *g) {
-    return Py_BuildValue("(iiiiii)", g->tile_m, g->tile_n, g->tile_k, g->warps_m, g->warps_n, g->stages);
+    return Py_BuildValue("(iiiiiii)", g->tile_m, g->tile_n, g->tile_k, g->warps_m, g->warps_n, g->stages,
+                         g->min_blocks);
 }
 
 /* spec[key]: missing -> *present = 0; else a new reference */
@@ -218,7 +220,7 @@ PyMethodDef kb_gemm_methods[] = {
      "gemm_generate(spec, genome, sm, dev=None) -> (source, name, block, smem_bytes, tile_m, tile_n): a tensor-core "
      "GEMM kernel (grid: (ceil(M / tile_m) * ceil(N / tile_n), 1, batch)). spec: a dict of ab, out (dtype names), "
      "b_transposed, a_broadcast, b_broadcast, alpha (bools), bias_n, bias_m, residual (dtype names or None), act "
-     "(a unary op's name or None), act_scalars; genome: (tile_m, tile_n, tile_k, warps_m, warps_n, stages). "
+     "(a unary op's name or None), act_scalars; genome: (tile_m, tile_n, tile_k, warps_m, warps_n, stages, min_blocks). "
      "NotImplementedError for what the generator cannot do, ValueError for an illegal genome"},
     {"gemm_genome_check", (PyCFunction)(void (*)(void))py_gemm_genome_check, METH_FASTCALL,
      "gemm_genome_check(genome, dev=None): ValueError naming the rule an illegal genome breaks on dev"},

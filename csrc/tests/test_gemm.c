@@ -42,13 +42,14 @@ static void test_generate(void) {
     kb_gemm_spec spec = {KB_BF16, KB_BF16, 1, 0, 1, &epi};
     kb_gemm_genome g;
     kb_gemm_genome_default(4096, 4096, 4096, 1, NULL, &g);
-    CHECK(g.tile_m == 128 && g.tile_n == 128 && g.tile_k == 32 && g.warps_m == 2 && g.warps_n == 4 && g.stages == 4);
+    CHECK(g.tile_m == 128 && g.tile_n == 128 && g.tile_k == 32 && g.warps_m == 2 && g.warps_n == 4 && g.stages == 4 &&
+          g.min_blocks == 2);
     char *s1 = NULL, *s2 = NULL;
     kb_gemm_launch L1, L2;
     CHECK_STATUS(ctx, gen(ctx, &spec, &g, 90, &s1, &L1), KB_OK);
     CHECK_STATUS(ctx, gen(ctx, &spec, &g, 90, &s2, &L2), KB_OK);
     CHECK(s1 && s2 && strcmp(s1, s2) == 0);
-    CHECK(L1.block == 256 && L1.smem_bytes == 65536 && strcmp(L1.name, "kb_gemm_bf16_nt_128x128x32_w2x4_s4") == 0);
+    CHECK(L1.block == 256 && L1.smem_bytes == 65536 && strcmp(L1.name, "kb_gemm_bf16_nt_128x128x32_w2x4_s4_b2") == 0);
     CHECK(s1 && strstr(s1, "bias_m[row]") && strstr(s1, "residual[(bz * M + row) * N + col]"));
     uint32_t grid[3];
     kb_gemm_grid(&L1, 300, 17, 3, grid);
@@ -79,13 +80,13 @@ static void test_generate(void) {
 static void test_refusals_and_hook(void) {
     kb_ctx *ctx = NULL;
     CHECK(kb_ctx_new(NULL, NULL, &ctx) == KB_OK);
-    kb_gemm_genome g = {128, 128, 32, 2, 4, 4};
+    kb_gemm_genome g = {128, 128, 32, 2, 4, 4, 1};
     kb_gemm_spec f32 = {KB_F32, KB_F32, 0, 0, 0, NULL}, ok = {KB_F16, KB_F32, 0, 0, 0, NULL};
     char *src = NULL;
     kb_gemm_launch L;
     CHECK_STATUS(ctx, gen(ctx, &f32, &g, 90, &src, &L), KB_ERR_UNSUPPORTED);
     CHECK_STATUS(ctx, gen(ctx, &ok, &g, 75, &src, &L), KB_ERR_UNSUPPORTED);
-    kb_gemm_genome bad = {128, 128, 32, 2, 4, 1};
+    kb_gemm_genome bad = {128, 128, 32, 2, 4, 1, 1};
     CHECK_STATUS(ctx, gen(ctx, &ok, &bad, 90, &src, &L), KB_ERR_INVALID);
     CHECK(strstr(kb_ctx_error(ctx), "stages") != NULL);
     kb_gemm_builtin b = {0, -1, -1, -1, KB_OP_ADD, 0, 0, ""};
@@ -113,7 +114,7 @@ static void test_refusals_and_hook(void) {
 }
 
 static void test_oom(void) {
-    kb_gemm_genome g = {64, 64, 32, 2, 2, 4};
+    kb_gemm_genome g = {64, 64, 32, 2, 2, 4, 2};
     for (long fail = 1; fail < 200; fail++) {
         books bk = {0, fail, 0, 0, 0};
         kb_ctx *ctx = NULL;

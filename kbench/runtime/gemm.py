@@ -155,7 +155,7 @@ def precompile(spec: dict, genome_list, device, threads: int = 8) -> None:
 
 
 def genomes(M: int, N: int, K: int, batch: int = 1, device=None) -> list[tuple]:
-    """Candidate genomes (tile_m, tile_n, tile_k, warps_m, warps_n, stages), the default first,
+    """Candidate genomes (tile_m, tile_n, tile_k, warps_m, warps_n, stages, min_blocks), the default first,
     legal on device (None: the default device's figures)."""
     dev = _device(torch.device(device).index or 0).dev if device is not None else None
     return _C.gemm_genomes(M, N, K, batch, dev)

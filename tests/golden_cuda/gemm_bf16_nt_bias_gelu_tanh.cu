@@ -1,12 +1,13 @@
-// kb_gemm_bf16_nt_128x128x32_w2x4_s4: out[b] = epilogue(A[b] @ B^T[b]) on tensor cores (kbench codegen/gemm.c, sm_90).
+// kb_gemm_bf16_nt_128x128x32_w2x4_s4_b2: out[b] = epilogue(A[b] @ B^T[b]) on tensor cores (kbench codegen/gemm.c, sm_90).
 //   A   [batch, M, K] bf16, row stride lda
 //   B   [batch, N, K] (a Linear's weight) bf16, row stride ldb, one for every batch
 //   out [batch, M, N] bf16, contiguous; f32 accumulation
 //   epilogue: acc * alpha + bias_n[col] (bf16) -> gelu_tanh -> + residual[b, row, col] (bf16)
 // Block tile 128x128, K in steps of 32; 8 warps as 2 (M) x 4 (N), each a 64x32 warp tile of
 // 4x4 mma.sync m16n8k16. A 4-stage cp.async ring (65536 bytes of shared memory) keeps 3 k-tiles in
-// flight while the warps multiply the oldest; fragments come from XOR-swizzled shared memory by
-// ldmatrix. Blocks run in groups of 8 tile rows (grid.x), so a wave's tiles share A and B in L2.
+// flight while the warps multiply the oldest, 2 blocks an SM at once; fragments come from
+// XOR-swizzled shared memory by ldmatrix. Blocks run in groups of 8 tile rows (grid.x), so a
+// wave's tiles share A and B in L2.
 // Requires (the launcher checks): K, lda, ldb and the batch strides multiples of 8 elements,
 // A, B and out 16-byte aligned. Edges: zero-filled loads, predicated stores (pairs where N is even).
 #include <cuda_bf16.h>
@@ -58,7 +59,7 @@ template <int CPR> __device__ __forceinline__ unsigned kb_swizzle(int r, int c) 
     return (unsigned)(q ^ key) * 16u;
 }
 
-extern "C" __global__ void __launch_bounds__(256) kb_gemm_bf16_nt_128x128x32_w2x4_s4(
+extern "C" __global__ void __launch_bounds__(256, 2) kb_gemm_bf16_nt_128x128x32_w2x4_s4_b2(
     __nv_bfloat16 *__restrict__ out,
     const __nv_bfloat16 *__restrict__ A,
     const __nv_bfloat16 *__restrict__ B,

@@ -16,7 +16,7 @@ from kbench.runtime import gemm as kg
 pytestmark = pytest.mark.gpu
 
 DT = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
-DEFAULT = (128, 128, 32, 2, 4, 4)
+DEFAULT = (128, 128, 32, 2, 4, 4, 2)
 ACTS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu, "silu": F.silu,
         "leaky_relu": lambda x: F.leaky_relu(x, 0.1), None: lambda x: x}
 
@@ -129,11 +129,11 @@ def test_gemm_epilogues():
 
 def test_gemm_genomes():
     """Several schedules on one awkward size (M 300, N 296, K 4096): tile_k 16/32/64, 1 to 8 warps,
-    2 to 4 stages, and the first candidates the sizes' list offers; B's layout alternates (one
+    2 to 4 stages, 1 or 2 blocks an SM, and the first candidates the sizes' list offers; B's layout alternates (one
     compile per genome)."""
     a, b = operands(300, 296, 4096, "f16", False, seed=3)
     bt = b.transpose(0, 1).contiguous()
-    genomes = [(64, 32, 16, 2, 1, 2), (16, 64, 64, 1, 2, 4), (256, 128, 32, 4, 2, 3)]
+    genomes = [(64, 32, 16, 2, 1, 2, 1), (16, 64, 64, 1, 2, 4, 2), (256, 128, 32, 4, 2, 3, 1)]
     genomes += [g for g in kg.genomes(300, 296, 4096, 1, "cuda")[:3] if g not in genomes]
     for i, genome in enumerate(genomes):
         if i % 2:
