@@ -139,8 +139,10 @@ def kernel(spec: dict, genome, device: torch.device):
     k = d.kernels.get(key)
     if k is None:
         source, name, block, smem, tm, tn = _C.gemm_generate(spec, tuple(genome), d.dev["sm"], d.dev)
-        module = _C.module_load(d.cuda, nvrtc.compile(source, d.arch))
-        fn = _C.get_function(d.cuda, module, name, smem)[0]
+        cubin = nvrtc.compile(source, d.arch)
+        with torch.cuda.device(device):   # loaded into this device's (primary) context
+            module = _C.module_load(d.cuda, cubin)
+            fn = _C.get_function(d.cuda, module, name, smem)[0]
         k = d.kernels[key] = (fn, block, smem, tm, tn)
     return k
 
