@@ -215,8 +215,14 @@ static const kb_gemm_genome GENOMES[] = {
 };
 #define NGENOMES ((int)(sizeof GENOMES / sizeof *GENOMES))
 
+/* ceil(x / d) for x >= 0 (negative: 0), without overflow */
+static int64_t ceil_div(int64_t x, int64_t d) { return x <= 0 ? 0 : x / d + (x % d != 0); }
+
+/* a * b, saturated at INT64_MAX (a, b >= 0) */
+static int64_t mul_sat(int64_t a, int64_t b) { return a && b > INT64_MAX / a ? INT64_MAX : a * b; }
+
 static int64_t blocks_of(const kb_gemm_genome *g, int64_t M, int64_t N, int64_t batch) {
-    return ((M + g->tile_m - 1) / g->tile_m) * ((N + g->tile_n - 1) / g->tile_n) * (batch > 0 ? batch : 1);
+    return mul_sat(mul_sat(ceil_div(M, g->tile_m), ceil_div(N, g->tile_n)), batch > 0 ? batch : 1);
 }
 
 void kb_gemm_genome_default(int64_t M, int64_t N, int64_t K, int64_t batch, const kb_device_info *dev,
@@ -246,14 +252,14 @@ int kb_gemm_genome_candidates(int64_t M, int64_t N, int64_t K, int64_t batch, co
         const kb_gemm_genome *g = &GENOMES[i];
         if (memcmp(g, &out[0], sizeof *g) == 0 || kb_gemm_genome_check(NULL, g, dev) != KB_OK) continue;
         /* a tile more than twice the problem along M or N only multiplies idle lanes */
-        if ((int64_t)g->tile_m > 2 * M + 16 || (int64_t)g->tile_n > 2 * N + 16) continue;
+        if ((g->tile_m - 16) / 2 > M || (g->tile_n - 16) / 2 > N) continue;
         out[n++] = *g;
     }
     return n;
 }
 
 void kb_gemm_grid(const kb_gemm_launch *launch, int64_t M, int64_t N, int64_t batch, uint32_t grid[3]) {
-    int64_t tiles = ((M + launch->tile_m - 1) / launch->tile_m) * ((N + launch->tile_n - 1) / launch->tile_n);
+    int64_t tiles = mul_sat(ceil_div(M, launch->tile_m), ceil_div(N, launch->tile_n));
     grid[0] = (uint32_t)(tiles < 1 ? 1 : tiles > 0x7FFFFFFF ? 0x7FFFFFFF : tiles);
     grid[1] = 1;
     grid[2] = (uint32_t)(batch < 1 ? 1 : batch > 65535 ? 65535 : batch);

@@ -40,7 +40,8 @@ class Fuzz:
         self.C, self.rnd = C, rnd
         self.ops = sorted(C.ops().items())
         self.stats = {"graphs": 0, "nodes": 0, "refused": 0, "interp_ok": 0, "interp_refused": 0,
-                      "regions": 0, "kernels": 0, "split_kernels": 0, "grads": 0, "runtime_refused": 0}
+                      "regions": 0, "kernels": 0, "split_kernels": 0, "grads": 0, "runtime_refused": 0,
+                      "gemm_kernels": 0, "gemm_refused": 0}
 
     # ------------------------------------------------------------------ building
 
@@ -283,10 +284,46 @@ class Fuzz:
             return
         raise AssertionError(f"{fn.__name__} took junk arguments")
 
+    def gemm_calls(self):
+        """The GEMM generator (gemm_generate, gemm_genome_check, gemm_genomes) on specs and genomes
+        mostly plausible, now and then absurd: a source or a refusal, nothing else."""
+        rnd, C = self.rnd, self.C
+        pick = rnd.choice
+        spec = {"ab": pick(["bf16", "f16", "bf16", "f16", "f32", "i64"]), "out": pick(["bf16", "f16", "f32", "bool"]),
+                "b_transposed": pick([0, 1]), "a_broadcast": pick([0, 1]), "b_broadcast": pick([0, 1]),
+                "alpha": pick([False, True]), "bias_n": pick([None, "bf16", "f32", "i32"]),
+                "bias_m": pick([None, "f16"]), "residual": pick([None, "bf16"]),
+                "act": pick([None, "gelu_tanh", "relu", "leaky_relu", "add", "softplus", "nope"]),
+                "act_scalars": pick([(), (0.1,), (1.0, 20.0), (float("nan"),), (1e300, -1e300)])}
+        for key in rnd.sample(sorted(spec), rnd.randint(0, 3)):
+            spec[key] = self.odd(spec[key])
+        if rnd.random() < 0.05:
+            spec[pick(["bias", 3, None])] = 1
+        genome = [pick([16, 32, 64, 128, 256]), pick([16, 32, 64, 128, 256]), pick([16, 32, 64]),
+                  pick([1, 2, 4]), pick([1, 2, 4]), pick([2, 3, 4]), pick([1, 2])]
+        genome = [self.odd(x) for x in genome]
+        if rnd.random() < 0.5:
+            genome = pick([[128, 128, 32, 2, 4, 4, 2], [64, 32, 16, 2, 1, 2, 1], [16, 64, 64, 1, 2, 4, 2]])
+        if rnd.random() < 0.05:
+            genome = self.odd(genome[:rnd.randint(0, 8)])
+        calls = [lambda: C.gemm_generate(self.odd(spec), genome, self.odd(pick([80, 90, 75])), self.device()),
+                 lambda: C.gemm_genome_check(genome, self.device()),
+                 lambda: C.gemm_genomes(*[self.odd(pick([0, 1, 17, 4096])) for _ in range(4)], self.device())]
+        try:
+            out = pick(calls)()
+        except REFUSALS:
+            self.stats["gemm_refused"] += 1
+            return
+        if isinstance(out, tuple) and len(out) == 6:
+            assert isinstance(out[0], str) and out[1] in out[0], out[1]
+            self.stats["gemm_kernels"] += 1
+
     def exercise(self, g):
         rnd, C = self.rnd, self.C
         if rnd.random() < 0.3:
             self.runtime_calls()
+        if rnd.random() < 0.3:
+            self.gemm_calls()
         str(g)
         sv = self.symvals(g)
         try:   # sizes the graph takes, small enough to compute every value at
