@@ -365,7 +365,10 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
                            kb_gemm_launch *launch) {
     kb_status st = kb_gemm_spec_check(ctx, spec, sm);
     if (st != KB_OK) return st;
-    if ((st = kb_gemm_genome_check(ctx, g, NULL)) != KB_OK) return st;
+    /* the genome's shape rules; whether its shared memory fits is the caller's device's question
+       (kb_gemm_genome_check with that device), not the default device's */
+    const kb_device_info any_smem = {sm, 0, 1 << 30, 0, 0};
+    if ((st = kb_gemm_genome_check(ctx, g, &any_smem)) != KB_OK) return st;
     const int BM = g->tile_m, BN = g->tile_n, BK = g->tile_k, S = g->stages, WM = g->warps_m, WN = g->warps_n;
     const int threads = 32 * WM * WN, WTM = BM / WM, WTN = BN / WN, MI = WTM / 16, NI = WTN / 8;
     const int a_cpr = BK / 8, bt = spec->b_transposed, b_cpr = bt ? BK / 8 : BN / 8;

@@ -256,7 +256,8 @@ void kb_gemm_genome_default(int64_t M, int64_t N, int64_t K, int64_t batch, cons
 int kb_gemm_genome_candidates(int64_t M, int64_t N, int64_t K, int64_t batch, const kb_device_info *dev,
                               kb_gemm_genome *out, int max);
 /* Appends the kernel's CUDA source to sb and fills *launch. Deterministic: the same spec (and
- * epilogue text), genome and sm give the same bytes. The kernel requires (the launcher checks; a
+ * epilogue text), genome and sm give the same bytes. g must pass kb_gemm_genome_check's shape
+ * rules; its shared memory is checked against the caller's device there, not here. The kernel requires (the launcher checks; a
  * call that breaks it goes to cuBLAS): K, lda, ldb and the batch strides multiples of 8 elements,
  * N too where B is not transposed, A, B and out 16-byte aligned, ceil(M / tile_m) *
  * ceil(N / tile_n) < 2^31 and batch < 65536. */
