@@ -475,6 +475,59 @@ void kb_cuda_mem_free(kb_cuda *c, uint64_t dptr);
 kb_status kb_cuda_copy_to_device(kb_ctx *ctx, kb_cuda *c, uint64_t dst, const void *src, size_t bytes);
 kb_status kb_cuda_copy_to_host(kb_ctx *ctx, kb_cuda *c, void *dst, uint64_t src, size_t bytes);
 
+/* cuBLASLt (cuda/cublaslt.c), dlopen'ed (never linked): the first of names[0..n) that opens
+ * (n == 0: "libcublasLt.so.13", then ".so.12"); the caller passes the copy torch loaded.
+ * KB_ERR_NOT_FOUND names every attempt, or the entry point a library lacks. Owned by the
+ * caller: kb_lt_close (which destroys its per-device handles; the library stays loaded). */
+typedef struct kb_lt kb_lt;
+kb_status kb_lt_open(kb_ctx *ctx, const char *const *names, int n, kb_lt **out);
+void kb_lt_close(kb_lt *lt);
+const char *kb_lt_path(const kb_lt *lt);   /* the name that opened */
+size_t kb_lt_version(const kb_lt *lt);     /* cublasLtGetVersion: 130100 = 13.1.0 */
+
+/* What follows the product, in kbench's row-major terms (D[m,n] = A[m,k] B[k,n]):
+ * bias is [n] (BIAS..GELU_AUX_BIAS read it); GELU_AUX_BIAS writes the pre-activation to aux;
+ * DGELU reads aux (h) and writes D = (A B) * gelu'(h); DGELU_BGRAD also writes the column sums
+ * of that D to bgrad [n]; BGRADB writes the row sums of A (sum over k) to bgrad [m], the bias
+ * gradient of a weight-gradient GEMM dW = dYᵀ X with A = dYᵀ. cuBLASLt's GELU is the tanh
+ * approximation (torch's gelu(approximate='tanh')). */
+typedef enum kb_lt_epilogue {
+    KB_LT_NONE = 0, KB_LT_BIAS, KB_LT_RELU_BIAS, KB_LT_GELU_BIAS, KB_LT_GELU_AUX_BIAS, KB_LT_DGELU,
+    KB_LT_DGELU_BGRAD, KB_LT_BGRADB, KB_LT_EPILOGUE_COUNT
+} kb_lt_epilogue;
+const char *kb_lt_epilogue_name(kb_lt_epilogue e);   /* "none", "bias", ..., "bgradb"; NULL if bad */
+
+/* One matrix operand: element [i, j] of batch b at ptr + (b*batch_stride + i*row_stride +
+ * j*col_stride) elements; row_stride or col_stride must be 1 (a row-major matrix or a transposed
+ * view of one). A size-1 dimension's stride is ignored. batch_stride 0: one matrix for all. */
+typedef struct kb_lt_matrix {
+    void *ptr;
+    int64_t rows, cols, row_stride, col_stride, batch_stride;
+} kb_lt_matrix;
+
+typedef struct kb_lt_args {
+    int device;          /* the caller makes it current; one handle and algorithm cache each */
+    void *stream;        /* a cudaStream_t (NULL: the legacy default stream) */
+    kb_dtype dtype;      /* of a, b, d, bias, aux and bgrad: KB_BF16, KB_F16 (f32 compute) or KB_F32 */
+    int tf32;            /* f32 only: compute in TF32 (CUBLAS_COMPUTE_32F_FAST_TF32) */
+    int64_t batch;       /* >= 1 */
+    kb_lt_matrix a, b, d;  /* [m, k], [k, n], [m, n]; d must be row-major (col_stride 1) */
+    kb_lt_epilogue epilogue;
+    void *bias;          /* [n], read: BIAS, RELU_BIAS, GELU_BIAS, GELU_AUX_BIAS (one for all batches) */
+    void *bgrad;         /* written: [n] for DGELU_BGRAD, [m] for BGRADB (batch 1 only) */
+    void *aux;           /* [m, n] rows aux_ld elements apart, batches aux_batch_stride apart */
+    int64_t aux_ld, aux_batch_stride;
+    void *workspace;     /* device memory for cuBLASLt; 32 MiB lets it pick any algorithm */
+    size_t workspace_bytes;
+} kb_lt_args;
+
+/* The checks kb_lt_matmul makes before it calls anything: sizes, strides, which operands the
+ * epilogue needs and forbids, aux's leading dimension (cuBLASLt: a multiple of 8, >= n). */
+kb_status kb_lt_check(kb_ctx *ctx, const kb_lt_args *args);
+/* D = epilogue(A B (+ bias)) on args->stream, cuBLASLt's algorithm from its heuristic, kept per
+ * (shapes, strides, dtypes, epilogue, alignments, workspace, device). Thread-safe. */
+kb_status kb_lt_matmul(kb_ctx *ctx, kb_lt *lt, const kb_lt_args *args);
+
 /* ---------------------------------------------------------------- search (tune/evolve.c) */
 
 /* Legal for region r at the example sizes symvals on dev (NULL: KB_SMEM_PORTABLE, see
