@@ -256,12 +256,12 @@ kb_status kb_lt_check(kb_ctx *ctx, const kb_lt_args *a) {
     KB_CHECK(ctx, a->batch == 1 || a->d.batch_stride >= m * ld, KB_ERR_INVALID,
              "d: batch stride %lld under its matrix's %lld elements", (long long)a->d.batch_stride, (long long)(m * ld));
     const char *ep = epilogues[a->epilogue].name;
-    KB_CHECK(ctx, !epilogues[a->epilogue].bias == !a->bias, KB_ERR_INVALID, "epilogue %s %s a bias", ep,
-             epilogues[a->epilogue].bias ? "needs" : "takes no");
-    KB_CHECK(ctx, !epilogues[a->epilogue].aux == !a->aux, KB_ERR_INVALID, "epilogue %s %s an aux matrix", ep,
-             epilogues[a->epilogue].aux ? "needs" : "takes no");
-    KB_CHECK(ctx, !epilogues[a->epilogue].bgrad == !a->bgrad, KB_ERR_INVALID, "epilogue %s %s a bias gradient", ep,
-             epilogues[a->epilogue].bgrad ? "needs" : "takes no");
+    KB_CHECK(ctx, !epilogues[a->epilogue].bias == !a->bias, KB_ERR_INVALID, "epilogue %s %s bias", ep,
+             epilogues[a->epilogue].bias ? "needs a" : "takes no");
+    KB_CHECK(ctx, !epilogues[a->epilogue].aux == !a->aux, KB_ERR_INVALID, "epilogue %s %s aux matrix", ep,
+             epilogues[a->epilogue].aux ? "needs an" : "takes no");
+    KB_CHECK(ctx, !epilogues[a->epilogue].bgrad == !a->bgrad, KB_ERR_INVALID, "epilogue %s %s bias gradient", ep,
+             epilogues[a->epilogue].bgrad ? "needs a" : "takes no");
     KB_CHECK(ctx, !a->bgrad || a->batch == 1, KB_ERR_INVALID, "epilogue %s: no batch (one bias gradient)", ep);
     if (a->aux) {
         /* cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: for GELU_AUX_BIAS and DGELU(_BGRAD)
