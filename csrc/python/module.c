@@ -355,6 +355,7 @@ static int module_exec(PyObject *module) {
                                                   PyExc_RuntimeError, NULL);
     if (!state->cuda_error || PyModule_AddObjectRef(module, "CudaError", state->cuda_error) < 0) return -1;
     if (PyModule_AddFunctions(module, kb_cuda_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, kb_cublaslt_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, kb_evolve_methods) < 0) return -1;
     if (PyModule_AddStringConstant(module, "CORE_VERSION", KB_VERSION) < 0) return -1;
     if (PyModule_AddIntConstant(module, "MAX_RANK", KB_MAX_RANK) < 0) return -1;

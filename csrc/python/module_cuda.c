@@ -336,15 +336,7 @@ static PyObject *py_get_function(PyObject *self, PyObject *const *args, Py_ssize
  * property can hand over another value; tensors must be exactly torch.Tensor or Parameter
  * (a subclass's __torch_function__ could answer data_ptr itself). torch is imported on the
  * first call: the rest of kbench._C does not need it. */
-enum {
-    T_TENSOR, T_PARAMETER,                 /* the tensor types taken */
-    T_DATA_PTR, T_IS_CUDA, T_GET_DEVICE,   /* TensorBase's descriptors */
-    T_STREAM, T_CUDA_STREAM, T_DEVICE_INDEX, /* torch._C._CudaStreamBase and its descriptors */
-    T_CURRENT_STREAM,                      /* torch._C._cuda_getCurrentRawStream */
-    T_COUNT
-};
-
-static PyObject *const *torch_objects(PyObject *module) {
+PyObject *const *kb_py_torch_objects(PyObject *module) {
     kb_module_state *state = kb_py_state(module);
     if (state->torch_objects) return &PyTuple_GET_ITEM(state->torch_objects, 0);
     PyObject *torch = PyImport_ImportModule("torch");
@@ -365,11 +357,16 @@ static PyObject *const *torch_objects(PyObject *module) {
             PyObject_GetAttrString(base, "get_device"), Py_NewRef(stream),
             PyObject_GetAttrString(stream, "cuda_stream"), PyObject_GetAttrString(stream, "device_index"),
             PyObject_GetAttrString(tc, "_cuda_getCurrentRawStream"),
+            PyObject_GetAttrString(base, "size"), PyObject_GetAttrString(base, "stride"),
+            PyObject_GetAttrString(base, "dtype"), PyObject_GetAttrString(torch, "float16"),
+            PyObject_GetAttrString(torch, "bfloat16"), PyObject_GetAttrString(torch, "float32"),
+            PyObject_GetAttrString(torch, "uint8"),
         };
         for (int i = 0; i < T_COUNT; i++) PyTuple_SET_ITEM(objs, i, items[i]);
         int ok = !PyErr_Occurred() && PyType_Check(items[T_TENSOR]) && PyType_Check(items[T_PARAMETER]) &&
                  PyType_Check(stream) && Py_TYPE(items[T_IS_CUDA])->tp_descr_get &&
-                 Py_TYPE(items[T_CUDA_STREAM])->tp_descr_get && Py_TYPE(items[T_DEVICE_INDEX])->tp_descr_get;
+                 Py_TYPE(items[T_CUDA_STREAM])->tp_descr_get && Py_TYPE(items[T_DEVICE_INDEX])->tp_descr_get &&
+                 Py_TYPE(items[T_DTYPE])->tp_descr_get;
         if (ok)
             state->torch_objects = Py_NewRef(objs);
         else if (!PyErr_Occurred())
@@ -397,13 +394,11 @@ static int long_of(PyObject *descr, PyObject *o, long long *out) {
     return *out == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* The data pointer of args[i], a CUDA tensor on *device (or, where *device < 0, the first one
- * seen, which then sets it). -1 with TypeError / ValueError naming the argument. */
-static int tensor_pointer(PyObject *const *T, PyObject *o, Py_ssize_t i, int *device, uint64_t *out) {
+int kb_py_tensor_pointer(PyObject *const *T, PyObject *o, const char *what, int *device, uint64_t *out) {
     long long is_cuda, dev;
     if (long_of(T[T_IS_CUDA], o, &is_cuda) < 0) return -1;
     if (!is_cuda) {
-        PyErr_Format(PyExc_ValueError, "launch: args[%zd] is not a CUDA tensor", i);
+        PyErr_Format(PyExc_ValueError, "%s is not a CUDA tensor", what);
         return -1;
     }
     PyObject *v = PyObject_CallOneArg(T[T_GET_DEVICE], o);
@@ -412,7 +407,7 @@ static int tensor_pointer(PyObject *const *T, PyObject *o, Py_ssize_t i, int *de
     if (dev == -1 && PyErr_Occurred()) return -1;
     if (*device < 0) *device = (int)dev;
     if (dev != *device) {
-        PyErr_Format(PyExc_ValueError, "launch: args[%zd] is on cuda:%lld, the launch on cuda:%d", i, dev, *device);
+        PyErr_Format(PyExc_ValueError, "%s is on cuda:%lld, the call on cuda:%d", what, dev, *device);
         return -1;
     }
     v = PyObject_CallOneArg(T[T_DATA_PTR], o);
@@ -423,9 +418,7 @@ static int tensor_pointer(PyObject *const *T, PyObject *o, Py_ssize_t i, int *de
     return 0;
 }
 
-/* The driver's handle of stream, a torch CUDA stream, or of torch's current stream on device
- * for None; -1 with an exception set. */
-static int stream_handle(PyObject *const *T, PyObject *stream, int device, void **out) {
+int kb_py_stream_handle(PyObject *const *T, PyObject *stream, int device, void **out) {
     long long h;
     if (stream == Py_None) {
         if (device < 0) {
@@ -503,7 +496,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_Format(PyExc_ValueError, "launch: bad block %ld or smem %ld", block, smem);
         return NULL;
     }
-    PyObject *const *T = torch_objects(self);
+    PyObject *const *T = kb_py_torch_objects(self);
     if (!T) return NULL;
     /* a tuple of the arguments: reading a tensor's pointer runs torch's code, which must not
      * see a list shrink under this loop */
@@ -530,7 +523,9 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         argp[j] = &vals[j];
         if (o == Py_None) continue;   /* a NULL pointer: an output the entry point does not write */
         if (Py_IS_TYPE(o, (PyTypeObject *)T[T_TENSOR]) || Py_IS_TYPE(o, (PyTypeObject *)T[T_PARAMETER])) {
-            if (tensor_pointer(T, o, j, &device, &vals[j].u) < 0) goto fail;
+            char what[48];
+            snprintf(what, sizeof what, "launch: args[%zd]", j);
+            if (kb_py_tensor_pointer(T, o, what, &device, &vals[j].u) < 0) goto fail;
         } else if (PyLong_CheckExact(o)) {
             vals[j].i = PyLong_AsLongLong(o);
             if (vals[j].i == -1 && PyErr_Occurred()) goto fail;
@@ -543,7 +538,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         }
     }
     argp[n] = NULL;
-    if (stream_handle(T, args[5], device, &stream) < 0) goto fail;
+    if (kb_py_stream_handle(T, args[5], device, &stream) < 0) goto fail;
     Py_DECREF(items);
     kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) return NULL;
@@ -567,8 +562,8 @@ static PyObject *py_synchronize(PyObject *self, PyObject *const *args, Py_ssize_
     if (!h) return NULL;
     void *stream = NULL;   /* NULL: the whole context */
     if (nargs == 2 && args[1] != Py_None) {
-        PyObject *const *T = torch_objects(self);
-        if (!T || stream_handle(T, args[1], -1, &stream) < 0) return NULL;
+        PyObject *const *T = kb_py_torch_objects(self);
+        if (!T || kb_py_stream_handle(T, args[1], -1, &stream) < 0) return NULL;
     }
     kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) return NULL;
