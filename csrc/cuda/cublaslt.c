@@ -156,7 +156,8 @@ kb_status kb_lt_open(kb_ctx *ctx, const char *const *names, int n, kb_lt **out) 
             KB_CHECK(ctx, lt->path, KB_ERR_OOM, "out of memory");
         } else {
             const char *e = dlerror();
-            int w = snprintf(tried + used, sizeof tried - used, "\n  %s: %s", names[i], e ? e : "dlopen failed");
+            int w = e ? snprintf(tried + used, sizeof tried - used, "\n  %s", e)
+                      : snprintf(tried + used, sizeof tried - used, "\n  %s: dlopen failed", names[i]);
             if (w > 0) used = (size_t)w < sizeof tried - used ? used + (size_t)w : sizeof tried - 1;
         }
     }

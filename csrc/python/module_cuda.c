@@ -336,48 +336,65 @@ static PyObject *py_get_function(PyObject *self, PyObject *const *args, Py_ssize
  * property can hand over another value; tensors must be exactly torch.Tensor or Parameter
  * (a subclass's __torch_function__ could answer data_ptr itself). torch is imported on the
  * first call: the rest of kbench._C does not need it. */
+/* Where each of torch's objects is found: an attribute of torch, torch.nn, torch._C,
+ * torch._C.TensorBase or torch._C._CudaStreamBase. A CPU-only torch lacks the CUDA ones: they
+ * are None there, and kb_py_stream_handle says so (lt_check still reads CPU tensors). */
+enum { O_TORCH, O_NN, O_C, O_BASE, O_STREAM };
+static const struct { int owner; const char *name; int cuda; } torch_names[T_COUNT] = {
+    [T_TENSOR] = {O_TORCH, "Tensor", 0},         [T_PARAMETER] = {O_NN, "Parameter", 0},
+    [T_DATA_PTR] = {O_BASE, "data_ptr", 0},      [T_IS_CUDA] = {O_BASE, "is_cuda", 0},
+    [T_GET_DEVICE] = {O_BASE, "get_device", 0},  [T_STREAM] = {O_C, "_CudaStreamBase", 1},
+    [T_CUDA_STREAM] = {O_STREAM, "cuda_stream", 1}, [T_DEVICE_INDEX] = {O_STREAM, "device_index", 1},
+    [T_CURRENT_STREAM] = {O_C, "_cuda_getCurrentRawStream", 1},
+    [T_SIZE] = {O_BASE, "size", 0},              [T_STRIDE] = {O_BASE, "stride", 0},
+    [T_DTYPE] = {O_BASE, "dtype", 0},            [T_F16] = {O_TORCH, "float16", 0},
+    [T_BF16] = {O_TORCH, "bfloat16", 0},         [T_F32] = {O_TORCH, "float32", 0},
+    [T_U8] = {O_TORCH, "uint8", 0},
+};
+
 PyObject *const *kb_py_torch_objects(PyObject *module) {
     kb_module_state *state = kb_py_state(module);
     if (state->torch_objects) return &PyTuple_GET_ITEM(state->torch_objects, 0);
-    PyObject *torch = PyImport_ImportModule("torch");
-    if (!torch) return NULL;
-    PyObject *tc = PyObject_GetAttrString(torch, "_C");
-    PyObject *nn = tc ? PyImport_ImportModule("torch.nn") : NULL;
-    PyObject *objs = nn ? PyTuple_New(T_COUNT) : NULL;
-    PyObject *base = objs ? PyObject_GetAttrString(tc, "TensorBase") : NULL;
-    PyObject *stream = base ? PyObject_GetAttrString(tc, "_CudaStreamBase") : NULL;
-    if (!stream && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyObject *owners[5] = {PyImport_ImportModule("torch"), NULL, NULL, NULL, NULL};
+    PyObject *objs = owners[O_TORCH] ? PyTuple_New(T_COUNT) : NULL;
+    int ok = objs != NULL;
+    if (ok) ok = (owners[O_NN] = PyImport_ImportModule("torch.nn")) && (owners[O_C] = PyObject_GetAttrString(owners[O_TORCH], "_C")) &&
+                 (owners[O_BASE] = PyObject_GetAttrString(owners[O_C], "TensorBase"));
+    if (ok && !(owners[O_STREAM] = PyObject_GetAttrString(owners[O_C], "_CudaStreamBase"))) {
+        ok = PyErr_ExceptionMatches(PyExc_AttributeError);
         PyErr_Clear();
-        PyErr_SetString(PyExc_RuntimeError, "kbench: this torch has no CUDA (torch._C._CudaStreamBase is missing)");
     }
-    if (stream) {
-        PyObject *items[T_COUNT] = {
-            PyObject_GetAttrString(torch, "Tensor"), PyObject_GetAttrString(nn, "Parameter"),
-            PyObject_GetAttrString(base, "data_ptr"), PyObject_GetAttrString(base, "is_cuda"),
-            PyObject_GetAttrString(base, "get_device"), Py_NewRef(stream),
-            PyObject_GetAttrString(stream, "cuda_stream"), PyObject_GetAttrString(stream, "device_index"),
-            PyObject_GetAttrString(tc, "_cuda_getCurrentRawStream"),
-            PyObject_GetAttrString(base, "size"), PyObject_GetAttrString(base, "stride"),
-            PyObject_GetAttrString(base, "dtype"), PyObject_GetAttrString(torch, "float16"),
-            PyObject_GetAttrString(torch, "bfloat16"), PyObject_GetAttrString(torch, "float32"),
-            PyObject_GetAttrString(torch, "uint8"),
-        };
-        for (int i = 0; i < T_COUNT; i++) PyTuple_SET_ITEM(objs, i, items[i]);
-        int ok = !PyErr_Occurred() && PyType_Check(items[T_TENSOR]) && PyType_Check(items[T_PARAMETER]) &&
-                 PyType_Check(stream) && Py_TYPE(items[T_IS_CUDA])->tp_descr_get &&
-                 Py_TYPE(items[T_CUDA_STREAM])->tp_descr_get && Py_TYPE(items[T_DEVICE_INDEX])->tp_descr_get &&
-                 Py_TYPE(items[T_DTYPE])->tp_descr_get;
-        if (ok)
-            state->torch_objects = Py_NewRef(objs);
-        else if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "kbench: torch's tensor and stream types are not as expected");
+    /* one lookup at a time, none with an exception pending */
+    for (int i = 0; ok && i < T_COUNT; i++) {
+        PyObject *owner = owners[torch_names[i].owner];
+        PyObject *v = owner ? PyObject_GetAttrString(owner, torch_names[i].name) : NULL;
+        if (!v && torch_names[i].cuda && (!owner || PyErr_ExceptionMatches(PyExc_AttributeError))) {
+            PyErr_Clear();
+            v = Py_NewRef(Py_None);
+        }
+        if (v) PyTuple_SET_ITEM(objs, i, v);
+        else ok = 0;
     }
-    Py_XDECREF(stream);
-    Py_XDECREF(base);
+    PyObject *const *T = ok ? &PyTuple_GET_ITEM(objs, 0) : NULL;
+    int cuda = T && T[T_STREAM] != Py_None && T[T_CUDA_STREAM] != Py_None && T[T_DEVICE_INDEX] != Py_None &&
+               T[T_CURRENT_STREAM] != Py_None;
+    if (ok && !(PyType_Check(T[T_TENSOR]) && PyType_Check(T[T_PARAMETER]) && Py_TYPE(T[T_IS_CUDA])->tp_descr_get &&
+                Py_TYPE(T[T_DTYPE])->tp_descr_get &&
+                (!cuda || (PyType_Check(T[T_STREAM]) && Py_TYPE(T[T_CUDA_STREAM])->tp_descr_get &&
+                           Py_TYPE(T[T_DEVICE_INDEX])->tp_descr_get)))) {
+        PyErr_SetString(PyExc_RuntimeError, "kbench: torch's tensor and stream types are not as expected");
+        ok = 0;
+    }
+    if (ok && !cuda)   /* all CUDA objects or none */
+        for (int i = 0; i < T_COUNT; i++)
+            if (torch_names[i].cuda) {
+                PyObject *old = PyTuple_GET_ITEM(objs, i);
+                PyTuple_SET_ITEM(objs, i, Py_NewRef(Py_None));
+                Py_DECREF(old);
+            }
+    if (ok) state->torch_objects = Py_NewRef(objs);
     Py_XDECREF(objs);
-    Py_XDECREF(nn);
-    Py_XDECREF(tc);
-    Py_DECREF(torch);
+    for (int i = 0; i < 5; i++) Py_XDECREF(owners[i]);
     return state->torch_objects ? &PyTuple_GET_ITEM(state->torch_objects, 0) : NULL;
 }
 
@@ -420,6 +437,10 @@ int kb_py_tensor_pointer(PyObject *const *T, PyObject *o, const char *what, int 
 
 int kb_py_stream_handle(PyObject *const *T, PyObject *stream, int device, void **out) {
     long long h;
+    if (T[T_STREAM] == Py_None) {
+        PyErr_SetString(PyExc_RuntimeError, "kbench: this torch has no CUDA (torch._C._CudaStreamBase is missing)");
+        return -1;
+    }
     if (stream == Py_None) {
         if (device < 0) {
             PyErr_SetString(PyExc_TypeError, "launch: stream=None needs a tensor argument to name the device");
