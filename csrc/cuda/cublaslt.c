@@ -326,12 +326,12 @@ static kb_status lt_fail(kb_ctx *ctx, const kb_lt *lt, lt_status r, const char *
                    desc ? desc : "no description");
 }
 
-/* Calls a cuBLASLt function; on failure records "<call> failed: CUBLAS_STATUS_X (n: text)". */
-#define LT_TRY(call)                                                               \
+/* Calls lt->name(...); on failure records "cublasLt<name> failed: CUBLAS_STATUS_X (n: text)". */
+#define LT_TRY(name, ...)                                                          \
     do {                                                                           \
-        lt_status r_ = (call);                                                     \
+        lt_status r_ = lt->name(__VA_ARGS__);                                      \
         if (r_ != LT_STATUS_SUCCESS) {                                             \
-            st = lt_fail(ctx, lt, r_, #call, __FILE__, __LINE__);                  \
+            st = lt_fail(ctx, lt, r_, "cublasLt" #name, __FILE__, __LINE__);       \
             goto cleanup;                                                          \
         }                                                                          \
     } while (0)
@@ -348,18 +348,18 @@ static kb_status layout_new(kb_ctx *ctx, kb_lt *lt, int type, int64_t rows, int6
                             int64_t batch_stride, lt_layout *out) {
     kb_status st = KB_OK;
     int32_t count = (int32_t)batch;
-    LT_TRY(lt->MatrixLayoutCreate(out, type, (uint64_t)rows, (uint64_t)cols, ld));
+    LT_TRY(MatrixLayoutCreate, out, type, (uint64_t)rows, (uint64_t)cols, ld);
     if (batch > 1) {
-        LT_TRY(lt->MatrixLayoutSetAttribute(*out, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count));
-        LT_TRY(lt->MatrixLayoutSetAttribute(*out, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &batch_stride,
-                                            sizeof batch_stride));
+        LT_TRY(MatrixLayoutSetAttribute, *out, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count);
+        LT_TRY(MatrixLayoutSetAttribute, *out, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &batch_stride,
+                                            sizeof batch_stride);
     }
 cleanup:
     return st;
 }
 
 /* Sets a descriptor attribute from the variable holding its value (of the attribute's type). */
-#define DESC_SET(attr, var) LT_TRY(lt->MatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_##attr, &(var), sizeof(var)))
+#define DESC_SET(attr, var) LT_TRY(MatmulDescSetAttribute, desc, CUBLASLT_MATMUL_DESC_##attr, &(var), sizeof(var))
 
 kb_status kb_lt_matmul(kb_ctx *ctx, kb_lt *lt, const kb_lt_args *a) {
     kb_status st = KB_OK;
@@ -397,7 +397,7 @@ kb_status kb_lt_matmul(kb_ctx *ctx, kb_lt *lt, const kb_lt_args *a) {
     const uint32_t epilogue = epilogues[a->epilogue].value;
     const int64_t no_stride = 0;   /* one bias for every batch */
     void *vec_ptr = (void *)vec, *aux_ptr = a->aux;
-    LT_TRY(lt->MatmulDescCreate(&desc, compute, CUDA_R_32F));
+    LT_TRY(MatmulDescCreate, &desc, compute, CUDA_R_32F);
     DESC_SET(TRANSA, op_a);
     DESC_SET(TRANSB, op_b);
     DESC_SET(EPILOGUE, epilogue);
@@ -416,7 +416,7 @@ kb_status kb_lt_matmul(kb_ctx *ctx, kb_lt *lt, const kb_lt_args *a) {
 
     KB_CHECK(ctx, pthread_mutex_lock(&lt->lock) == 0, KB_ERR_INVALID, "kb_lt_matmul: lock failed");
     locked = 1;
-    if (!lt->handles[a->device]) LT_TRY(lt->Create(&lt->handles[a->device]));
+    if (!lt->handles[a->device]) LT_TRY(Create, &lt->handles[a->device]);
     handle = lt->handles[a->device];
     if (lt->cap) {
         lt_entry *e = cache_slot(lt, key);
@@ -426,12 +426,12 @@ kb_status kb_lt_matmul(kb_ctx *ctx, kb_lt *lt, const kb_lt_args *a) {
         lt_heuristic h;
         int count = 0;
         uint64_t ws = a->workspace_bytes;
-        LT_TRY(lt->MatmulPreferenceCreate(&pref));
-        LT_TRY(lt->MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-        LT_TRY(lt->MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_b, sizeof align_b));
-        LT_TRY(lt->MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_a, sizeof align_a));
-        LT_TRY(lt->MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d));
-        LT_TRY(lt->MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d));
+        LT_TRY(MatmulPreferenceCreate, &pref);
+        LT_TRY(MatmulPreferenceSetAttribute, pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+        LT_TRY(MatmulPreferenceSetAttribute, pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_b, sizeof align_b);
+        LT_TRY(MatmulPreferenceSetAttribute, pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_a, sizeof align_a);
+        LT_TRY(MatmulPreferenceSetAttribute, pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d);
+        LT_TRY(MatmulPreferenceSetAttribute, pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d);
         lt_status r = lt->MatmulAlgoGetHeuristic(handle, desc, la, lb, ld_, ld_, pref, 1, &h, &count);
         KB_CHECK(ctx, r == LT_STATUS_SUCCESS || r == LT_STATUS_NOT_SUPPORTED, KB_ERR_CUDA,
                  "cublasLtMatmulAlgoGetHeuristic failed: %s (%d)", lt->GetStatusName(r), r);
@@ -447,8 +447,8 @@ kb_status kb_lt_matmul(kb_ctx *ctx, kb_lt *lt, const kb_lt_args *a) {
     locked = 0;
     {
         const float one = 1.0f, zero = 0.0f;   /* scale type f32: host scalars */
-        LT_TRY(lt->Matmul(handle, desc, &one, a->b.ptr, la, a->a.ptr, lb, &zero, a->d.ptr, ld_, a->d.ptr, ld_, &algo,
-                          a->workspace, a->workspace_bytes, a->stream));
+        LT_TRY(Matmul, handle, desc, &one, a->b.ptr, la, a->a.ptr, lb, &zero, a->d.ptr, ld_, a->d.ptr, ld_, &algo,
+                          a->workspace, a->workspace_bytes, a->stream);
     }
 cleanup:
     if (locked) pthread_mutex_unlock(&lt->lock);
