@@ -120,9 +120,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, b_transposed: bool, bias: torch.
         aux = new(*lead, m, (n + 7) // 8 * 8)[..., :n]
     if epilogue in _BGRAD and bgrad is None:
         bgrad = new(m if epilogue == "bgradb" else n)
-    # every check before the library is needed: a bad call says what is wrong, on any machine
-    _C.lt_check(a, b, b_transposed, d, epilogue, bias, aux, bgrad, tf32)
-    h = handle()
+    try:
+        h = handle()
+    except RuntimeError:
+        # a bad call says what is wrong before it hears that cuBLASLt is missing, on any machine
+        _C.lt_check(a, b, b_transposed, d, epilogue, bias, aux, bgrad, tf32)
+        raise
     if a.device.type != "cuda":
         raise ValueError(f"cuBLASLt runs on CUDA tensors; a is on {a.device}")
     with torch.cuda.device(a.device):
