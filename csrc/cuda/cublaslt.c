@@ -213,7 +213,8 @@ static int layout_of(const kb_lt_matrix *x, int64_t *ld) {
     return -1;
 }
 
-/* sizes and strides stay below 2^40, so products of two never overflow int64 */
+/* sizes and strides stay below 2^40: a stride times an element size never overflows, and the
+ * batch strides are compared by division, not against a product of two */
 #define LT_LIMIT ((int64_t)1 << 40)
 
 static kb_status check_matrix(kb_ctx *ctx, const kb_lt_matrix *x, const char *what, int64_t rows, int64_t cols) {
@@ -240,7 +241,7 @@ kb_status kb_lt_check(kb_ctx *ctx, const kb_lt_args *a) {
     int64_t m, n, k, ld;
     KB_CHECK(ctx, a, KB_ERR_INVALID, "kb_lt_check: NULL argument");
     KB_CHECK(ctx, a->dtype == KB_BF16 || a->dtype == KB_F16 || a->dtype == KB_F32, KB_ERR_INVALID,
-             "cuBLASLt matmul takes bf16, f16 or f32 operands, not %s", kb_dtype_name(a->dtype) ? kb_dtype_name(a->dtype) : "?");
+             "cuBLASLt matmul takes bf16, f16 or f32 operands, not %s", kb_dtype_name(a->dtype));
     KB_CHECK(ctx, !a->tf32 || a->dtype == KB_F32, KB_ERR_INVALID, "tf32 is for f32 operands only");
     KB_CHECK(ctx, (unsigned)a->epilogue < KB_LT_EPILOGUE_COUNT, KB_ERR_INVALID, "unknown epilogue %d", (int)a->epilogue);
     KB_CHECK(ctx, a->batch >= 1 && a->batch <= INT32_MAX, KB_ERR_INVALID, "batch %lld out of range (1 to 2^31-1)",
@@ -254,8 +255,9 @@ kb_status kb_lt_check(kb_ctx *ctx, const kb_lt_args *a) {
              "d: strides (%lld, %lld): the output must be row-major (its rows contiguous)", (long long)a->d.row_stride,
              (long long)a->d.col_stride);
     /* batches of d are written: they must not overlap (a and b may repeat one matrix: stride 0) */
-    KB_CHECK(ctx, a->batch == 1 || a->d.batch_stride >= m * ld, KB_ERR_INVALID,
-             "d: batch stride %lld under its matrix's %lld elements", (long long)a->d.batch_stride, (long long)(m * ld));
+    KB_CHECK(ctx, a->batch == 1 || a->d.batch_stride / ld >= m, KB_ERR_INVALID,
+             "d: batch stride %lld under its matrix's %lld rows of %lld elements", (long long)a->d.batch_stride,
+             (long long)m, (long long)ld);
     const char *ep = epilogues[a->epilogue].name;
     KB_CHECK(ctx, !epilogues[a->epilogue].bias == !a->bias, KB_ERR_INVALID, "epilogue %s %s bias", ep,
              epilogues[a->epilogue].bias ? "needs a" : "takes no");
@@ -271,10 +273,10 @@ kb_status kb_lt_check(kb_ctx *ctx, const kb_lt_args *a) {
         KB_CHECK(ctx, a->aux_ld >= n && a->aux_ld % 8 == 0 && a->aux_ld < LT_LIMIT, KB_ERR_INVALID,
                  "aux: leading dimension %lld: cuBLASLt needs a multiple of 8 of at least n = %lld",
                  (long long)a->aux_ld, (long long)n);
-        KB_CHECK(ctx, a->batch == 1 || (a->aux_batch_stride % 8 == 0 && a->aux_batch_stride >= m * a->aux_ld &&
+        KB_CHECK(ctx, a->batch == 1 || (a->aux_batch_stride % 8 == 0 && a->aux_batch_stride / a->aux_ld >= m &&
                                         a->aux_batch_stride < LT_LIMIT),
-                 KB_ERR_INVALID, "aux: batch stride %lld: cuBLASLt needs a multiple of 8, at least m * ld = %lld",
-                 (long long)a->aux_batch_stride, (long long)(m * a->aux_ld));
+                 KB_ERR_INVALID, "aux: batch stride %lld: cuBLASLt needs a multiple of 8, at least m = %lld rows of %lld",
+                 (long long)a->aux_batch_stride, (long long)m, (long long)a->aux_ld);
     }
     KB_CHECK(ctx, a->workspace || !a->workspace_bytes, KB_ERR_INVALID, "workspace: %zu bytes at NULL",
              a->workspace_bytes);

@@ -105,7 +105,7 @@ static void test_check(kb_ctx *ctx) {
     a = plain(), a.batch = 4, a.a.batch_stride = 15, a.d.batch_stride = 35;
     CHECK_STATUS(ctx, kb_lt_check(ctx, &a), KB_OK);
     a.d.batch_stride = 34;
-    REFUSED(ctx, a, "d: batch stride 34 under its matrix's 35 elements");
+    REFUSED(ctx, a, "d: batch stride 34 under its matrix's 5 rows of 7 elements");
 
     /* each epilogue's operands, present where needed and absent elsewhere */
     a = plain(), a.epilogue = KB_LT_BIAS;
@@ -126,6 +126,11 @@ static void test_check(kb_ctx *ctx) {
     CHECK_STATUS(ctx, kb_lt_check(ctx, &a), KB_OK);
     a.aux_batch_stride = 84;
     REFUSED(ctx, a, "aux: batch stride 84");
+    a.aux_batch_stride = 72;   /* a multiple of 8, but under 5 rows of 16 */
+    REFUSED(ctx, a, "at least m = 5 rows of 16");
+    /* strides near the limit: the overlap check must not overflow */
+    a.aux_batch_stride = 80, a.d.batch_stride = ((int64_t)1 << 40) - 1, a.d.row_stride = ((int64_t)1 << 40) - 1;
+    CHECK_STATUS(ctx, kb_lt_check(ctx, &a), KB_ERR_INVALID);
     a = plain(), a.epilogue = KB_LT_DGELU, a.aux = buf[3], a.aux_ld = 8;
     CHECK_STATUS(ctx, kb_lt_check(ctx, &a), KB_OK);
     a.bgrad = buf[3];
