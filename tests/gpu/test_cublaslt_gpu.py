@@ -75,7 +75,8 @@ def test_gelu_aux_bias_writes_the_pre_activation(shape):
     buf = torch.full((m, n + 8 + (-n) % 8), 7.0, device=DEV, dtype=BF)
     d2, aux2 = cublaslt.matmul(x, w, b_transposed=True, bias=b, epilogue="gelu_aux_bias", aux=buf[:, :n])
     assert aux2.data_ptr() == buf.data_ptr()
-    torch.testing.assert_close(aux2, aux, rtol=0, atol=0)
+    close(aux2, h, BF, "caller's aux")   # another leading dimension may be another algorithm
+    close(d2, gelu_tanh(h), BF, "gelu, caller's aux")
     assert (buf[:, n:] == 7).all()   # the padding is not written
 
 
