@@ -521,10 +521,10 @@ int fuse_cheap_prologue(const kb_graph *g, int32_t v) {
     return 0;
 }
 
-/* The pre-pass behind float_prologue and the GEMM gate in assign: which values a MATMUL reads as
+/* The pre-pass behind float_prologue and the GEMM gates in assign: which values a MATMUL reads as
  * an operand, directly or through views (GR_SOME), and of those, which nothing else reads and no
- * graph output is (GR_ONLY). Readers have larger ids, so one backward sweep settles each value
- * after all of its readers. */
+ * graph output is (GR_ONLY); the views on the way are marked too. Readers have larger ids, so one
+ * backward sweep settles each value after all of its readers. */
 static kb_status mark_gemm_reads(fuse_build *b) {
     size_t n1 = (size_t)(b->n ? b->n : 1);
     uint8_t *other = kb_calloc(b->ctx, n1, 1);
@@ -747,6 +747,12 @@ static kb_status assign(fuse_build *b, int32_t v) {
 
     if (cls == C_RESHAPE || cls == C_EXPAND || cls == C_VIEW) {
         int32_t u = nd->inputs[0];
+        /* an index map only products read is their operand's addressing (a Linear's flattening
+           of its input), not a value of the region it reads */
+        if (b->gemm_read[v] == GR_ONLY) {
+            make_floating(b, v);
+            return KB_OK;
+        }
         if (!b->floating[u] && b->reg[u] >= 0 && b->regs[b->reg[u]].kind != KB_REGION_EXTERN &&
             find_rule(b, v, b->reg[u], &lv) >= 0) {
             place(b, v, b->reg[u], lv);
