@@ -144,7 +144,56 @@ def test_cuda_backend_leaves_gemm_regions_to_torch():
         _C.genome_default(part, r, [2, 3])
     with pytest.raises(Exception, match="GEMM region"):
         _C.generate(part, r, 90, None)
+    with pytest.raises(Exception, match="GEMM region"):
+        _C.evolve_new(part, r, [2, 3], None, 7, 8)
     opt = _optimize(model, (x,), gemm=True)
     info = next(i for i in opt._kbench_plan.regions if i.kind == "GEMM")
     info.set_status(Status.EAGER, GEMM_IN_TORCH)
     assert lost_nodes(opt._kbench_plan, {}) == {}
+
+
+class Products(torch.nn.Module):
+    """Every product the capture lowers besides linear and bmm: addmm (alpha, beta), mm, a 3-D by
+    2-D matmul and baddbmm of a transposed operand."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b, self.c = (torch.nn.Parameter(torch.randn(*s)) for s in ((8, 6), (6,), (6, 5)))
+
+    def forward(self, x, y):
+        a = torch.addmm(self.b, x.reshape(-1, 8), self.w, beta=0.5, alpha=2.0)
+        t = torch.matmul(x * 0.5, self.w)
+        return torch.mm(a, self.c).sum() + torch.baddbmm(y, t, t.transpose(1, 2)).tanh().sum()
+
+
+def test_every_product_lowers_and_matches_eager():
+    torch.manual_seed(3)
+    model = Products()
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(2, 3, 8), torch.randn(2, 3, 3)
+    opt = _optimize(model, (x, y), gemm=True)
+    graph = opt._kbench_plan.graph
+    assert [graph.node(i)["op"] for i in range(graph.num_nodes)].count("matmul") == 4
+    assert "EXTERN" not in _kinds(opt)
+    got, want = opt(x, y), twin(x, y)
+    assert rel(got, want) <= F32_TOL
+    got.backward()
+    want.backward()
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert rel(p.grad, q.grad) <= F32_TOL, n
+
+
+def test_tolerance_grows_with_the_reduction_length():
+    """A GEMM region is checked at TOLERANCE * sqrt(K / 256) past K = 256 (verify.gemm_scale),
+    its gradients at the longest of M, N and K; a region without a product as before."""
+    from kbench import verify
+    assert verify.gemm_scale(0) == verify.gemm_scale(256) == 1.0 and verify.gemm_scale(4096) == 4.0
+    ref = torch.ones(4, dtype=torch.float64)
+    off = ref.float() * (1 + 3 * verify.TOLERANCE[torch.float32])
+    assert not verify.compare(off, ref)[0] and verify.compare(off, ref, reduction=4096)[0]
+    model, x = MLP(), torch.randn(2, 3, 8)
+    plan = _optimize(model, (x,), gemm=True)._kbench_plan
+    gemm, row = (next(r.index for r in plan.regions if r.kind == k) for k in ("GEMM", "ROW"))
+    assert plan.reduction(gemm, [5, 7]) == 8                       # fc1: K = 8
+    assert plan.reduction(gemm, [5, 7], backward=True) == 35       # M = 5 * 7 rows
+    assert plan.reduction(row, [5, 7]) == 0
