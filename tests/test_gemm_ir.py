@@ -236,3 +236,16 @@ def test_mlp_backward_gemm_regions_and_saved_product():
     gemms = [r for r in _regions(fp) if r["kind"] == "GEMM"]
     assert len(gemms) == 5, str(fp)      # the forward's first product, recomputed, dH, dW2, dX, dW1
     assert any({"erf", "exp"} <= {full.node(v)["op"] for v in r["nodes"]} for r in gemms), str(fp)
+
+
+def test_activation_before_a_cast_is_no_prologue():
+    """tanh(x) cast to bf16 for a product: the cast alone would be a cheap prologue, but not the
+    tanh under it (which would float on its own as work on one input): one region computes both."""
+    gb = GB()
+    x = gb.input("x", [S0, 4], "f32")
+    w = gb.input("w", [4, 6], "bf16", "param")
+    h = gb.op("cast", gb.op("tanh", x), dtype="bf16")
+    gb.out(gb.op("matmul", h, w, dims=[S0, 6], dtype="bf16"))
+    p = gb.g.partition()
+    assert [r["kind"] for r in _regions(p)] == ["POINTWISE", "GEMM"], str(p)
+    assert f"a=%{h}:row b=%{w}:row" in str(p)

@@ -492,15 +492,25 @@ static int float_input_work(const fuse_build *b, int32_t v) {
     return 1;
 }
 
+/* Cheap prologue work (fuse_cheap_prologue) on inputs, constants and other such floating work
+ * alone, through views: an activation before the cast keeps the chain a region of its own. */
+static int prologue_chain(const fuse_build *b, int32_t v, int depth) {
+    if (depth > 8 || !fuse_cheap_prologue(b->g, v)) return 0;
+    const kb_node *nd = N(b, v);
+    for (int i = 0; i < nd->ninputs; i++) {
+        int32_t u = nd->inputs[i];
+        while (b->floating[u] && kb_op_get(N(b, u)->op)->kind == KB_KIND_VIEW) u = N(b, u)->inputs[0];
+        kb_op op = N(b, u)->op;
+        if (op != KB_OP_INPUT && op != KB_OP_CONST && !(b->floating[u] && prologue_chain(b, u, depth + 1))) return 0;
+    }
+    return 1;
+}
+
 /* A cheap prologue read only by matrix products (through views): a cast or a scale by a constant
- * of an input or of floating work, applied as the GEMM loads its operand (autocast's x.to(bf16)),
+ * of an input (prologue_chain), applied as the GEMM loads its operand (autocast's x.to(bf16)),
  * instead of a kernel that writes the cast copy for the GEMM to read back. */
 static int float_prologue(const fuse_build *b, int32_t v) {
-    if (b->gemm_read[v] != GR_ONLY || !fuse_cheap_prologue(b->g, v)) return 0;
-    const kb_node *nd = N(b, v);
-    for (int i = 0; i < nd->ninputs; i++)
-        if (N(b, nd->inputs[i])->op != KB_OP_INPUT && !b->floating[nd->inputs[i]]) return 0;
-    return 1;
+    return b->gemm_read[v] == GR_ONLY && prologue_chain(b, v, 0);
 }
 
 static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_per_row, float_index_read,
