@@ -302,7 +302,7 @@ static PyObject *py_generate(PyObject *module, PyObject *args) {
 }
 
 static PyObject *py_ops(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
-    static const char *const kinds[] = {"leaf", "unary", "binary", "ternary", "reduce", "view", "gather", "extern"};
+    static const char *const kinds[] = {"leaf", "unary", "binary", "ternary", "reduce", "view", "gather", "extern", "matmul"};
     PyObject *d = PyDict_New();
     for (int op = 0; d && op < KB_OP_COUNT; op++) {
         const kb_op_info *info = kb_op_get((kb_op)op);

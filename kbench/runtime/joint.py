@@ -283,7 +283,8 @@ def check(plan, program, need, executor, seed=0):
         why, point_unused = verify.compare_grads(outs[1:], ref, sv, program.plan.precision())
         if why:   # no worse than torch's own ops on these inputs (verify.BASELINE_FACTOR)
             own = [g for g, wanted in zip(eager_grads(plan, sv, inputs, need, grad_out)[1], need) if wanted]
-            why, point_unused = verify.compare_grads(outs[1:], ref, sv, program.plan.precision(), own)
+            why, point_unused = verify.compare_grads(outs[1:], ref, sv, program.plan.precision(),
+                                                      baseline=own)
         if why:
             return why, None
         unused = point_unused if unused is None else unused & point_unused
