@@ -150,7 +150,7 @@ class EagerModule(SharesOriginal, torch.nn.Module):
 def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
              backend: str | None = None, budget: str = "default", seed: int = 0, verbose: bool = True,
              grad_in_forward: bool = True, strict: bool = False, gate: bool = True,
-             cuda_graphs="auto", distributed="auto", devices=None) -> torch.nn.Module:
+             cuda_graphs="auto", distributed="auto", devices=None, gemm: bool = False) -> torch.nn.Module:
     """Return a module that computes what `model` computes, on kbench's regions.
 
     example_inputs, example_kwargs: a call's positional arguments (a tensor or a tuple) and
@@ -190,6 +190,11 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     over them, a thread per GPU (kbench/tune/spread.py); each winner is then gated and re-timed
     against the default genome on the model's GPU before it is kept, and the report says where
     each region was searched. Every GPU named must be the model of the one the model runs on.
+    gemm: lower matrix products (Linear, mm, bmm, addmm, matmul, baddbmm) into the IR as MATMUL
+    nodes, so that fusion builds GEMM regions (a product and its pointwise epilogue) and autodiff
+    differentiates them; False (the default for now) leaves every product a torch call. The
+    interp backend runs GEMM regions in the C interpreter; the cuda backend runs them in torch
+    until a generated GEMM kernel is glued in (the report says so per region).
     The returned module shares model's parameters and buffers; model itself is not modified,
     but for a DistributedDataParallel model: its `module` is replaced by the optimized one and the
     same DDP object returned (its gradient synchronization stays as it was built)."""
@@ -205,6 +210,8 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     # below this call every rank is on its own: a later recapture (new shapes at some call) is local
     options = dict(backend=backend, budget=budget, seed=seed, verbose=verbose, grad_in_forward=grad_in_forward,
                    strict=strict, gate=gate, cuda_graphs=cuda_graphs, distributed=False, devices=devices)
+    if gemm:   # only where asked: a module made without it pickles the options it had
+        options["gemm"] = True
     if example_inputs is None and example_kwargs is None:   # capture on the first call
         if ddp:
             model.module = LazyOptimized(model.module, options, group)
@@ -308,10 +315,12 @@ def _optimize(model, args, kwargs, options):
             time_eager_regions(optimized._kbench_executor, seed=options["seed"])
         return optimized
 
-    lowering = Lowering(target, tensors, backend)
+    gemm = bool(options.get("gemm"))
+    lowering = Lowering(target, tensors, backend, gemm)
 
     # budget "none" keeps nothing between processes: neither kernels nor the capture
-    key, captured = (capture_cache.lookup(model, tensors, backend, call_key="" if spec.plain else spec.key())
+    key, captured = (capture_cache.lookup(model, tensors, backend, call_key="" if spec.plain else spec.key(),
+                                          gemm=gemm)
                      if budget != "none" else (None, None))
     if captured is not None:
         try:
@@ -345,10 +354,10 @@ def _optimize(model, args, kwargs, options):
         # every call stays stale, and its module runs the model (OptimizedModule says why)
         if key is not None:   # the key of the state as it is now
             try:
-                key = capture_cache.fingerprint(model, tensors, backend, "" if spec.plain else spec.key())
+                key = capture_cache.fingerprint(model, tensors, backend, "" if spec.plain else spec.key(), gemm=gemm)
             except Exception:  # noqa: BLE001 - as lookup(): a key that cannot be made only costs the cache
                 key = None
-        lowering = Lowering(target, tensors, backend)
+        lowering = Lowering(target, tensors, backend, gemm)
         captured = lowering.capture()
     optimized = _demote(build(captured), lowering, build, tuner)
     del lowering   # torch's ExportedProgram (fake tensors, shape environment): not kept
@@ -365,10 +374,12 @@ DEMOTE_ROUNDS = 2   # lowerings with more ops kept in torch, at most: each can c
 
 def lost_nodes(plan, kept) -> dict:
     """FX node name -> why, for the ops of every compute region that runs in torch (status eager:
-    its kernel did not beat eager's, did not compile or did not verify) and are not kept yet."""
+    its kernel did not beat eager's, did not compile or did not verify) and are not kept yet. A
+    GEMM region in torch lost nothing: it waits for its generated kernel (GEMM_IN_TORCH), and
+    its product and epilogue stay a GEMM region."""
     lost = {}
     for info in plan.regions:
-        if info.kind != "EXTERN" and info.status is Status.EAGER:
+        if info.kind not in ("EXTERN", "GEMM") and info.status is Status.EAGER:
             for name in info.fx_nodes:
                 if name not in kept:
                     lost.setdefault(name, info.reason)
@@ -430,14 +441,14 @@ class Lowering:
     with ops kept in torch (_demote): torch.export runs once (the first capture() exports; the
     cuda backend's row-length pins are laid on that export, and on every lowering after)."""
 
-    def __init__(self, model, args, backend):
-        self.model, self.args, self.backend = model, args, backend
+    def __init__(self, model, args, backend, gemm=False):
+        self.model, self.args, self.backend, self.gemm = model, args, backend, gemm
         self.exported, self.pin, self.reason = None, (), ""
 
     def capture(self, keep=None):
         """The capture; keep (FX node name -> why): those nodes as torch calls (lower's keep)."""
         if self.exported is None:
-            captured, self.exported = capture_exported(self.model, self.args)
+            captured, self.exported = capture_exported(self.model, self.args, gemm=self.gemm)
             if self.backend == "cuda":   # the row lengths pinned on the same export
                 self.pin, self.reason = row_length_pins(captured, self.args)
                 if self.pin:

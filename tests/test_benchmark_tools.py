@@ -20,7 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 TOOLS = ["bench_ops.py", "bench_tune.py", "bench_genomes.py", "bench_models.py", "bench_guards.py", "sass_counts.py",
-         "plot_results.py", "suite_sweep.py", "bench_ddp.py", "arch_sweep.py"]
+         "plot_results.py", "suite_sweep.py", "bench_ddp.py", "arch_sweep.py", "profile_model.py",
+         "bench_cublaslt.py"]
 # a plain run of each GPU tool: the arguments it needs, none of which asks for the CPU
 GPU_RUNS = {
     "bench_ops.py": ["bench_ops.py"],
@@ -29,6 +30,8 @@ GPU_RUNS = {
     "bench_genomes.py": ["bench_genomes.py", "softmax"],
     "bench_models.py": ["bench_models.py"],
     "bench_ddp.py": ["bench_ddp.py"],
+    "profile_model.py": ["profile_model.py", "--model", "gpt2"],
+    "bench_cublaslt.py": ["bench_cublaslt.py"],
 }
 no_gpu_here = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
 
@@ -132,3 +135,22 @@ def test_suite_sweep_shrinks_sizes_so_that_derived_ones_follow():
     assert mod.verdict({"exception": "x", "stage": "eager"}) == "setup"
     assert mod.verdict({"exception": "x", "stage": "optimize"}) == "crash"
     assert mod.verdict({"stage": "done", "module": "OptimizedModule", "errors": ["max error 1"]}) == "wrong"
+
+
+def test_profile_model_sorts_kernels_into_kinds_and_merges_overlaps():
+    spec = importlib.util.spec_from_file_location("profile_model", BENCH / "profile_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.kind_of("kb_r12_row") == "kbench"
+    assert mod.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert mod.kind_of("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
+    assert mod.kind_of("Memcpy DtoD (Device -> Device)") == "copy"
+    assert mod.kind_of("pytorch_flash::flash_fwd_kernel") == "attention"
+    # two steps: kernels of 10 + 20 µs overlapping by 5, one copy of 10 µs; wall 0.1 ms a step
+    events = [("kb_r0_row", 0.0, 10.0), ("ampere_bf16_gemm", 5.0, 20.0), ("Memcpy DtoD", 100.0, 10.0)]
+    got = mod.summarize(events, steps=2, wall_ms=0.1, top=2)
+    assert got["gpu_busy_ms"] == pytest.approx((25 + 10) / 1e3 / 2)
+    assert got["gpu_idle_ms"] == pytest.approx(0.1 - 0.0175)
+    assert got["by_kind_ms"] == pytest.approx({"gemm": 0.01, "kbench": 0.005, "copy": 0.005})
+    assert [t["name"] for t in got["top"]] == ["ampere_bf16_gemm", "kb_r0_row"]
+    assert "| GPU busy ms | 0.02 |" in mod.table("m", "train", "bf16", {"eager": got})

@@ -332,6 +332,9 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     memset(&c, 0, sizeof c);
     KB_CHECK(ctx, r >= 0 && r < p->nregions, KB_ERR_INVALID, "codegen: region %d of %d", (int)r, (int)p->nregions);
     KB_CHECK(ctx, p->regions[r].kind != KB_REGION_EXTERN, KB_ERR_INVALID, "codegen: region %d is EXTERN", (int)r);
+    /* a GEMM region's kernel is the GEMM generator's (its epilogue hook), not this one's */
+    KB_CHECK(ctx, p->regions[r].kind != KB_REGION_GEMM, KB_ERR_UNSUPPORTED,
+             "codegen: region %d is a GEMM region: no generated kernel yet", (int)r);
     KB_TRY(cg_init(&c, p, r, gn, dev, &CUDA_RENDERER));
     cg_plan_passes(&c);
     KB_TRY(check_genome(&c));

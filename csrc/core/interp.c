@@ -462,6 +462,44 @@ cleanup:
     return st;
 }
 
+/* MATMUL: out[b,m,n] = sum_k a[b,m,k] * b[b,k,n] over dense operands, summed in double in k order
+ * and rounded once to the node's dtype, as torch rounds a bf16 (or f32) product once at its
+ * output. */
+static kb_status eval_matmul(interp *it, int32_t v, const kb_node *nd, double *out, const int64_t *osz, int64_t on)
+{
+    kb_status st = KB_OK;
+    int32_t ua = nd->inputs[0], ub = nd->inputs[1];
+    int64_t asz[KB_MAX_RANK], bsz[KB_MAX_RANK], an, bn;
+    KB_TRY(shape_of(it, ua, asz, &an));
+    KB_TRY(shape_of(it, ub, bsz, &bn));
+    int r = nd->rank;
+    KB_CHECK(it->ctx, r >= 2 && kb_graph_node(it->g, ua)->rank == r && kb_graph_node(it->g, ub)->rank == r,
+             KB_ERR_INVALID, "interp: matmul node %d: ranks differ or are below 2", (int)v);
+    int64_t M = osz[r - 2], N = osz[r - 1], K = asz[r - 1], batch = 1;
+    for (int d = 0; d < r - 2; d++) {
+        KB_CHECK(it->ctx, asz[d] == osz[d] && bsz[d] == osz[d], KB_ERR_INVALID,
+                 "interp: matmul node %d: batch dim %d differs", (int)v, d);
+        batch *= osz[d];
+    }
+    KB_CHECK(it->ctx, asz[r - 2] == M && bsz[r - 2] == K && bsz[r - 1] == N, KB_ERR_INVALID,
+             "interp: matmul node %d: [%lld,%lld] . [%lld,%lld] -> [%lld,%lld]", (int)v, (long long)asz[r - 2],
+             (long long)K, (long long)bsz[r - 2], (long long)bsz[r - 1], (long long)M, (long long)N);
+    const double *A = it->buf[ua], *B = it->buf[ub];
+    for (int64_t i = 0; i < on; i++) out[i] = 0.0;
+    for (int64_t q = 0; q < batch; q++) {
+        const double *a = A + q * M * K, *b = B + q * K * N;
+        double *o = out + q * M * N;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) {
+                double x = a[m * K + k];
+                for (int64_t j = 0; j < N; j++) o[m * N + j] += x * b[k * N + j];
+            }
+    }
+    for (int64_t i = 0; i < on; i++) out[i] = round_to(nd->dtype, out[i]);
+cleanup:
+    return st;
+}
+
 static kb_status eval_node(interp *it, int32_t v)
 {
     kb_status st = KB_OK;
@@ -509,6 +547,7 @@ static kb_status eval_node(interp *it, int32_t v)
     case KB_KIND_REDUCE: KB_TRY(eval_reduce(it, v, nd, out, on)); break;
     case KB_KIND_VIEW: KB_TRY(eval_view(it, v, nd, out, osz, on)); break;
     case KB_KIND_GATHER: KB_TRY(eval_gather(it, v, nd, out, osz, on)); break;
+    case KB_KIND_MATMUL: KB_TRY(eval_matmul(it, v, nd, out, osz, on)); break;
     default: NODE_FAIL(KB_ERR_INVALID, "interp: node %d has kind %d", (int)v, (int)info->kind);
     }
 cleanup:

@@ -453,6 +453,33 @@ static const char *check_slice(const kb_graph *g, const kb_node *t, const kb_nod
     return NULL;
 }
 
+/* MATMUL: a [*batch, M, K] . b [*batch, K, N] -> [*batch, M, N]; batch dims equal (a broadcast is
+ * an explicit EXPAND), float operands of one dtype, a float output. */
+static const char *check_matmul(const kb_graph *g, const kb_node *t, char *msg, size_t n) {
+    const kb_node *a = &g->nodes[t->inputs[0]], *b = &g->nodes[t->inputs[1]];
+    int r = t->rank;
+    if (r < 2 || a->rank != r || b->rank != r) {
+        snprintf(msg, n, "matmul: operands and output need one rank >= 2 (got %d, %d -> %d)", (int)a->rank,
+                 (int)b->rank, r);
+        return msg;
+    }
+    if (!kb_dtype_is_float(a->dtype) || !kb_dtype_is_float(t->dtype)) return "matmul: float operands and output only";
+    if (a->dtype != b->dtype) {
+        snprintf(msg, n, "matmul: operands of one dtype (got %s and %s)", kb_dtype_name(a->dtype),
+                 kb_dtype_name(b->dtype));
+        return msg;
+    }
+    for (int d = 0; d < r - 2; d++)
+        if (!kb_dim_equal(a->dims[d], b->dims[d]) || !kb_dim_equal(a->dims[d], t->dims[d])) {
+            snprintf(msg, n, "matmul: batch dim %d differs (broadcast with expand first)", d);
+            return msg;
+        }
+    if (!kb_dim_equal(a->dims[r - 1], b->dims[r - 2])) return "matmul: a's last dim (K) must be b's second-to-last";
+    if (!kb_dim_equal(t->dims[r - 2], a->dims[r - 2]) || !kb_dim_equal(t->dims[r - 1], b->dims[r - 1]))
+        return "matmul: the output must be [*batch, M, N] (a's M, b's N)";
+    return NULL;
+}
+
 /* Checks a node template against its operands; returns a message or NULL when it is fine. */
 static const char *check_node(const kb_graph *g, const kb_node *t, char *msg, size_t n) {
     const kb_op_info *info = kb_op_get(t->op);
@@ -491,6 +518,8 @@ static const char *check_node(const kb_graph *g, const kb_node *t, char *msg, si
         return NULL;
     case KB_KIND_EXTERN:
         return NULL;
+    case KB_KIND_MATMUL:
+        return check_matmul(g, t, msg, n);
     case KB_KIND_UNARY:
     case KB_KIND_BINARY:
     case KB_KIND_TERNARY:
@@ -592,6 +621,19 @@ kb_status kb_graph_add(kb_graph *g, const kb_node *tmpl, int32_t *id) {
     }
     *id = g->nnodes++;
     return KB_OK;
+}
+
+kb_status kb_graph_add_matmul(kb_graph *g, int32_t a, int32_t b, kb_dtype dt, int32_t *id) {
+    if (a < 0 || a >= g->nnodes || b < 0 || b >= g->nnodes)
+        return KB_FAIL(g->ctx, KB_ERR_INVALID, "matmul: operand %%%d or %%%d does not exist", (int)a, (int)b);
+    const kb_node *na = &g->nodes[a], *nb = &g->nodes[b];
+    if (na->rank < 2 || nb->rank < 2) return KB_FAIL(g->ctx, KB_ERR_INVALID, "matmul: operands need rank >= 2");
+    kb_node t = kb_node_template(KB_OP_MATMUL, dt, na->rank, na->dims);
+    t.dims[na->rank - 1] = nb->dims[nb->rank - 1];
+    t.ninputs = 2;
+    t.inputs[0] = a;
+    t.inputs[1] = b;
+    return kb_graph_add(g, &t, id);
 }
 
 kb_status kb_graph_add_output(kb_graph *g, int32_t v) {

@@ -81,7 +81,7 @@ int kb_dim_equal(kb_dim a, kb_dim b);
 
 typedef enum kb_op_kind {
     KB_KIND_LEAF, KB_KIND_UNARY, KB_KIND_BINARY, KB_KIND_TERNARY,
-    KB_KIND_REDUCE, KB_KIND_VIEW, KB_KIND_GATHER, KB_KIND_EXTERN
+    KB_KIND_REDUCE, KB_KIND_VIEW, KB_KIND_GATHER, KB_KIND_EXTERN, KB_KIND_MATMUL
 } kb_op_kind;
 
 typedef enum kb_op {
@@ -113,6 +113,8 @@ typedef enum kb_input_kind { KB_INPUT_USER = 0, KB_INPUT_PARAM, KB_INPUT_BUFFER 
  *   SLICE               axis, start, step (the length is the output's size on axis)
  *   GATHER              axis
  *   RESHAPE EXPAND      nothing: the output's dims say it all
+ *   MATMUL              nothing: a [*b,M,K] . b [*b,K,N] -> [*b,M,N]; a transposed operand is a
+ *                       PERMUTE feeding it, a broadcast batch an EXPAND
  *   INPUT               input_kind, index (position among the graph's inputs), name
  *   EXTERN              index (the Python-side callable), axis (which of its outputs) */
 typedef struct kb_node {
@@ -155,6 +157,9 @@ int64_t kb_graph_symbol_example(const kb_graph *g, int32_t sym);
  * arity, operand ids, shapes and attributes, and returns the new value's id. */
 kb_status kb_graph_add(kb_graph *g, const kb_node *tmpl, int32_t *id);
 kb_status kb_graph_add_output(kb_graph *g, int32_t value);
+/* a [*batch, M, K] . b [*batch, K, N] as a MATMUL node of dtype dt (shape [*batch, M, N] from
+ * the operands'): kb_graph_add's checks, named here for the one op whose shape is derived. */
+kb_status kb_graph_add_matmul(kb_graph *g, int32_t a, int32_t b, kb_dtype dt, int32_t *id);
 
 int32_t kb_graph_nnodes(const kb_graph *g);
 const kb_node *kb_graph_node(const kb_graph *g, int32_t id);      /* owned by g */
@@ -180,7 +185,7 @@ void kb_string_free(kb_ctx *ctx, char *s);
 /* ---------------------------------------------------------------- regions (fuse/) */
 
 typedef enum kb_region_kind {
-    KB_REGION_POINTWISE = 0, KB_REGION_ROW, KB_REGION_COL, KB_REGION_EXTERN
+    KB_REGION_POINTWISE = 0, KB_REGION_ROW, KB_REGION_COL, KB_REGION_EXTERN, KB_REGION_GEMM
 } kb_region_kind;
 
 const char *kb_region_kind_name(kb_region_kind k);
@@ -189,6 +194,28 @@ const char *kb_region_kind_name(kb_region_kind k);
  * Iteration space: the anchor value's shape. POINTWISE: one element of the anchor per work
  * item. ROW: the anchor's reduce_axes are its trailing dims (the row); one row per work item.
  * COL: the anchor's reduce_axes are its leading dims; one column per work item. */
+/* How a GEMM region's operand reaches its MATMUL from the region input it reads (through
+ * floating PERMUTE / EXPAND / RESHAPE index maps): ROW, the operand's last dim is the input's
+ * contiguous last dim (A [M,K] as stored; B [K,N]); TRANS, its second-to-last dim is (A stored
+ * [K,M]; B stored [N,K], a Linear's weight); STRIDED, neither (a kernel would gather it). */
+typedef enum kb_gemm_layout { KB_GEMM_ROW = 0, KB_GEMM_TRANS, KB_GEMM_STRIDED } kb_gemm_layout;
+
+/* The facts of a GEMM region (kind KB_REGION_GEMM; zero elsewhere): its one MATMUL (the anchor),
+ * each operand's source (the region input or computed value it is read from), layout and batch
+ * broadcast (bit d: operand dim d < rank-2 is an EXPAND of size 1), whether the operand carries
+ * pointwise prologue work (a cast), and its epilogue: the region's nodes over the product's
+ * iteration space that read it, directly or through each other (bias add, activation, residual
+ * add, scale, clamp, casts), in node order. */
+typedef struct kb_gemm_info {
+    int32_t matmul;
+    int32_t source[2];
+    kb_gemm_layout layout[2];
+    uint32_t bcast[2];
+    uint8_t prologue[2];
+    int32_t nepilogue;
+    int32_t *epilogue;      /* owned by the partition */
+} kb_gemm_info;
+
 typedef struct kb_region {
     kb_region_kind kind;
     int32_t nnodes;   int32_t *nodes;     /* in topological order */
@@ -198,6 +225,7 @@ typedef struct kb_region {
     uint32_t reduce_axes;
     int32_t nsaved;   /* the last nsaved outputs are row statistics kept for the backward only */
     uint32_t saved_outputs; /* bit k: the backward reads output k (kb_graph_grad_saved's reuse) */
+    kb_gemm_info gemm;      /* GEMM regions only */
 } kb_region;
 
 typedef struct kb_partition {
@@ -474,6 +502,59 @@ kb_status kb_cuda_mem_alloc(kb_ctx *ctx, kb_cuda *c, size_t bytes, uint64_t *dpt
 void kb_cuda_mem_free(kb_cuda *c, uint64_t dptr);
 kb_status kb_cuda_copy_to_device(kb_ctx *ctx, kb_cuda *c, uint64_t dst, const void *src, size_t bytes);
 kb_status kb_cuda_copy_to_host(kb_ctx *ctx, kb_cuda *c, void *dst, uint64_t src, size_t bytes);
+
+/* cuBLASLt (cuda/cublaslt.c), dlopen'ed (never linked): the first of names[0..n) that opens
+ * (n == 0: "libcublasLt.so.13", then ".so.12"); the caller passes the copy torch loaded.
+ * KB_ERR_NOT_FOUND names every attempt, or the entry point a library lacks. Owned by the
+ * caller: kb_lt_close (which destroys its per-device handles; the library stays loaded). */
+typedef struct kb_lt kb_lt;
+kb_status kb_lt_open(kb_ctx *ctx, const char *const *names, int n, kb_lt **out);
+void kb_lt_close(kb_lt *lt);
+const char *kb_lt_path(const kb_lt *lt);   /* the name that opened */
+size_t kb_lt_version(const kb_lt *lt);     /* cublasLtGetVersion: 130100 = 13.1.0 */
+
+/* What follows the product, in kbench's row-major terms (D[m,n] = A[m,k] B[k,n]):
+ * bias is [n] (BIAS..GELU_AUX_BIAS read it); GELU_AUX_BIAS writes the pre-activation to aux;
+ * DGELU reads aux (h) and writes D = (A B) * gelu'(h); DGELU_BGRAD also writes the column sums
+ * of that D to bgrad [n]; BGRADB writes the row sums of A (sum over k) to bgrad [m], the bias
+ * gradient of a weight-gradient GEMM dW = dYᵀ X with A = dYᵀ. cuBLASLt's GELU is the tanh
+ * approximation (torch's gelu(approximate='tanh')). */
+typedef enum kb_lt_epilogue {
+    KB_LT_NONE = 0, KB_LT_BIAS, KB_LT_RELU_BIAS, KB_LT_GELU_BIAS, KB_LT_GELU_AUX_BIAS, KB_LT_DGELU,
+    KB_LT_DGELU_BGRAD, KB_LT_BGRADB, KB_LT_EPILOGUE_COUNT
+} kb_lt_epilogue;
+const char *kb_lt_epilogue_name(kb_lt_epilogue e);   /* "none", "bias", ..., "bgradb"; NULL if bad */
+
+/* One matrix operand: element [i, j] of batch b at ptr + (b*batch_stride + i*row_stride +
+ * j*col_stride) elements; row_stride or col_stride must be 1 (a row-major matrix or a transposed
+ * view of one). A size-1 dimension's stride is ignored. batch_stride 0: one matrix for all. */
+typedef struct kb_lt_matrix {
+    void *ptr;
+    int64_t rows, cols, row_stride, col_stride, batch_stride;
+} kb_lt_matrix;
+
+typedef struct kb_lt_args {
+    int device;          /* the caller makes it current; one handle and algorithm cache each */
+    void *stream;        /* a cudaStream_t (NULL: the legacy default stream) */
+    kb_dtype dtype;      /* of a, b, d, bias, aux and bgrad: KB_BF16, KB_F16 (f32 compute) or KB_F32 */
+    int tf32;            /* f32 only: compute in TF32 (CUBLAS_COMPUTE_32F_FAST_TF32) */
+    int64_t batch;       /* >= 1 */
+    kb_lt_matrix a, b, d;  /* [m, k], [k, n], [m, n]; d must be row-major (col_stride 1) */
+    kb_lt_epilogue epilogue;
+    void *bias;          /* [n], read: BIAS, RELU_BIAS, GELU_BIAS, GELU_AUX_BIAS (one for all batches) */
+    void *bgrad;         /* written: [n] for DGELU_BGRAD, [m] for BGRADB (batch 1 only) */
+    void *aux;           /* [m, n] rows aux_ld elements apart, batches aux_batch_stride apart */
+    int64_t aux_ld, aux_batch_stride;
+    void *workspace;     /* device memory for cuBLASLt; 32 MiB lets it pick any algorithm */
+    size_t workspace_bytes;
+} kb_lt_args;
+
+/* The checks kb_lt_matmul makes before it calls anything: sizes, strides, which operands the
+ * epilogue needs and forbids, aux's leading dimension (cuBLASLt: a multiple of 8, >= n). */
+kb_status kb_lt_check(kb_ctx *ctx, const kb_lt_args *args);
+/* D = epilogue(A B (+ bias)) on args->stream, cuBLASLt's algorithm from its heuristic, kept per
+ * (shapes, strides, dtypes, epilogue, alignments, workspace, device). Thread-safe. */
+kb_status kb_lt_matmul(kb_ctx *ctx, kb_lt *lt, const kb_lt_args *args);
 
 /* ---------------------------------------------------------------- search (tune/evolve.c) */
 

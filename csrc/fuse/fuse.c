@@ -1,6 +1,6 @@
 /* fuse.c — the partitioner: one greedy pass over the topological node list groups nodes into
  * regions (one kernel each): POINTWISE, ROW (reduce dims including the last one), COL (reduce
- * dims that leave the last one) and EXTERN. Whether a node may join a region is a table of
+ * dims that leave the last one), GEMM (one MATMUL and its pointwise epilogue) and EXTERN. Whether a node may join a region is a table of
  * (node class, region kind, predicate) rules (docs/DESIGN.md, "Regions and genomes"), not a
  * nest of ifs.
  *
@@ -27,7 +27,7 @@ enum { FL_PARAMS = 1, FL_SMALL = 2, FL_PER_ROW = 4 };
  * partials while the rows stream by; their registers bound the row length. */
 #define COLSUM_MAX_ROW 16384
 
-enum node_class { C_POINTWISE, C_RESHAPE, C_EXPAND, C_VIEW, C_REDUCE, C_GATHER, C_EXTERN, C_LEAF };
+enum node_class { C_POINTWISE, C_RESHAPE, C_EXPAND, C_VIEW, C_REDUCE, C_GATHER, C_EXTERN, C_LEAF, C_MATMUL };
 
 #define ANY_KIND (-1)
 
@@ -259,6 +259,24 @@ static int gather_row(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     return 1;
 }
 
+/* A GEMM region's epilogue: pointwise work over the product's iteration space that reads the
+ * product or earlier epilogue work (bias add, activation, residual add, scale, clamp, casts); its
+ * other operands are inputs or floating values (a bias through an EXPAND), read at the element's
+ * index. No horizontal join: work that reads nothing of the region is no epilogue. Reductions
+ * have no GEMM rule: a norm after the product is a ROW region of its own. */
+static int gemm_epilogue(const fuse_build *b, int32_t v, int32_t r, int *lv) {
+    const kb_node *nd = N(b, v);
+    int reads = 0;
+    for (int i = 0; i < nd->ninputs; i++) {
+        int l = level_in(b, nd->inputs[i], r);
+        if (l != LV_NONE && l != LV_FULL) return 0;
+        reads |= l == LV_FULL;
+    }
+    if (!reads || !numel_matches(b, v, r, LV_FULL)) return 0;
+    *lv = LV_FULL;
+    return 1;
+}
+
 /* EXTERN nodes of one torch call (same callable, several outputs) share a region. */
 static int extern_join(const fuse_build *b, int32_t v, int32_t r, int *lv) {
     if (b->regs[r].extern_index != N(b, v)->index) return 0;
@@ -289,6 +307,8 @@ static const struct join_rule {
     {C_GATHER, KB_REGION_POINTWISE, gather_pw, 0},
     {C_GATHER, KB_REGION_ROW, gather_row, 0},
     {C_EXTERN, KB_REGION_EXTERN, extern_join, 0},
+    {C_POINTWISE, KB_REGION_GEMM, gemm_epilogue, 0},
+    {C_RESHAPE, KB_REGION_GEMM, reshape_join, 0},
 };
 
 static enum node_class classify(const kb_node *nd) {
@@ -300,6 +320,7 @@ static enum node_class classify(const kb_node *nd) {
     case KB_KIND_REDUCE: return C_REDUCE;
     case KB_KIND_GATHER: return C_GATHER;
     case KB_KIND_EXTERN: return C_EXTERN;
+    case KB_KIND_MATMUL: return C_MATMUL;
     case KB_KIND_VIEW:
         return nd->op == KB_OP_RESHAPE ? C_RESHAPE : nd->op == KB_OP_EXPAND ? C_EXPAND : C_VIEW;
     }
@@ -471,8 +492,73 @@ static int float_input_work(const fuse_build *b, int32_t v) {
     return 1;
 }
 
+/* Cheap prologue work (fuse_cheap_prologue) on inputs, constants and other such floating work
+ * alone, through views: an activation before the cast keeps the chain a region of its own. */
+static int prologue_chain(const fuse_build *b, int32_t v, int depth) {
+    if (depth > 8 || !fuse_cheap_prologue(b->g, v)) return 0;
+    const kb_node *nd = N(b, v);
+    for (int i = 0; i < nd->ninputs; i++) {
+        int32_t u = nd->inputs[i];
+        while (b->floating[u] && kb_op_get(N(b, u)->op)->kind == KB_KIND_VIEW) u = N(b, u)->inputs[0];
+        kb_op op = N(b, u)->op;
+        if (op != KB_OP_INPUT && op != KB_OP_CONST && !(b->floating[u] && prologue_chain(b, u, depth + 1))) return 0;
+    }
+    return 1;
+}
+
+/* A cheap prologue read only by matrix products (through views): a cast or a scale by a constant
+ * of an input (prologue_chain), applied as the GEMM loads its operand (autocast's x.to(bf16)),
+ * instead of a kernel that writes the cast copy for the GEMM to read back. */
+static int float_prologue(const fuse_build *b, int32_t v) {
+    return b->gemm_read[v] == GR_ONLY && prologue_chain(b, v, 0);
+}
+
 static const float_fn FLOAT_RULES[] = {float_params, float_broadcast, float_per_row, float_index_read,
-                                       float_lone_read, float_input_work};
+                                       float_lone_read, float_input_work, float_prologue};
+
+/* Is v pointwise work a GEMM may apply as it loads an operand: a cast, a negation, or a product or
+ * quotient by a constant? Anything more (an activation, a sum of two tensors) is a kernel of its
+ * own whose result the GEMM reads. */
+int fuse_cheap_prologue(const kb_graph *g, int32_t v) {
+    const kb_node *nd = kb_graph_node(g, v);
+    if (nd->op == KB_OP_CAST || nd->op == KB_OP_NEG) return 1;
+    if (nd->op != KB_OP_MUL && nd->op != KB_OP_DIV) return 0;
+    for (int i = 0; i < 2; i++) {
+        int32_t u = nd->inputs[i];
+        while (kb_op_get(kb_graph_node(g, u)->op)->kind == KB_KIND_VIEW) u = kb_graph_node(g, u)->inputs[0];
+        if (kb_graph_node(g, u)->op == KB_OP_CONST && (i == 1 || nd->op == KB_OP_MUL)) return 1;
+    }
+    return 0;
+}
+
+/* The pre-pass behind float_prologue and the GEMM gates in assign: which values a MATMUL reads as
+ * an operand, directly or through views (GR_SOME), and of those, which nothing else reads and no
+ * graph output is (GR_ONLY); the views on the way are marked too. Readers have larger ids, so one
+ * backward sweep settles each value after all of its readers. */
+static kb_status mark_gemm_reads(fuse_build *b) {
+    size_t n1 = (size_t)(b->n ? b->n : 1);
+    uint8_t *other = kb_calloc(b->ctx, n1, 1);
+    if (!other) return KB_ERR_OOM;
+    for (int32_t i = 0; i < kb_graph_noutputs(b->g); i++) other[kb_graph_output(b->g, i)] = 1;
+    for (int32_t v = b->n - 1; v >= 0; v--) {
+        const kb_node *nd = N(b, v);
+        if (b->gemm_read[v] && other[v]) b->gemm_read[v] = GR_SOME;
+        int view = kb_op_get(nd->op)->kind == KB_KIND_VIEW;
+        for (int i = 0; i < nd->ninputs; i++) {
+            int32_t u = nd->inputs[i];
+            if (nd->op == KB_OP_MATMUL || (view && b->gemm_read[v])) {
+                if (!b->gemm_read[u]) b->gemm_read[u] = GR_ONLY;
+                if (view && b->gemm_read[v] == GR_SOME) other[u] = 1;
+            } else {
+                other[u] = 1;
+            }
+        }
+    }
+    for (int32_t v = 0; v < b->n; v++)
+        if (b->gemm_read[v] && other[v]) b->gemm_read[v] = GR_SOME;
+    kb_free(b->ctx, other, n1);
+    return KB_OK;
+}
 
 /* The pre-pass behind float_input_work: pointwise work whose every operand is, through pointwise
  * work and views, a graph input, a constant or an iota, reading at most two full-size user
@@ -647,7 +733,9 @@ static kb_status assign(fuse_build *b, int32_t v) {
         return KB_OK;
     }
     int cut = b->cut && b->cut[v]; /* a region of its own: no float, no join */
-    if (cls == C_POINTWISE && !cut)
+    /* what a GEMM reads as an operand floats into it only as a cheap prologue (a cast, a scale) */
+    int gemm_blocked = b->gemm_read[v] != GR_NONE && !fuse_cheap_prologue(b->g, v);
+    if (cls == C_POINTWISE && !cut && !gemm_blocked)
         for (size_t i = 0; i < sizeof FLOAT_RULES / sizeof FLOAT_RULES[0]; i++)
             if (FLOAT_RULES[i](b, v)) {
                 make_floating(b, v);
@@ -669,6 +757,12 @@ static kb_status assign(fuse_build *b, int32_t v) {
 
     if (cls == C_RESHAPE || cls == C_EXPAND || cls == C_VIEW) {
         int32_t u = nd->inputs[0];
+        /* an index map only products read is their operand's addressing (a Linear's flattening
+           of its input), not a value of the region it reads */
+        if (b->gemm_read[v] == GR_ONLY) {
+            make_floating(b, v);
+            return KB_OK;
+        }
         if (!b->floating[u] && b->reg[u] >= 0 && b->regs[b->reg[u]].kind != KB_REGION_EXTERN &&
             find_rule(b, v, b->reg[u], &lv) >= 0) {
             place(b, v, b->reg[u], lv);
@@ -711,7 +805,10 @@ static kb_status assign(fuse_build *b, int32_t v) {
     /* a new region */
     kb_status st;
     int32_t q;
-    if (cls == C_EXTERN) {
+    if (cls == C_MATMUL) { /* each product starts a GEMM region, its epilogue joins it */
+        st = new_region(b, KB_REGION_GEMM, v, 0, &q);
+        lv = LV_FULL;
+    } else if (cls == C_EXTERN) {
         st = new_region(b, KB_REGION_EXTERN, v, 0, &q);
         if (st == KB_OK) b->regs[q].extern_index = nd->index;
         lv = LV_NONE;
@@ -741,6 +838,7 @@ void fuse_build_free(fuse_build *b) {
     kb_free(ctx, b->index_read, n1);
     kb_free(ctx, b->lone_read, n1);
     kb_free(ctx, b->input_work, n1);
+    kb_free(ctx, b->gemm_read, n1);
     kb_free(ctx, b->regs, sizeof(fuse_region) * (size_t)b->capreg);
     memset(b, 0, sizeof *b);
 }
@@ -762,13 +860,16 @@ kb_status fuse_assign(const kb_graph *g, const uint8_t *cut, fuse_build *b) {
     b->index_read = kb_calloc(ctx, n1, 1);
     b->lone_read = kb_calloc(ctx, n1, 1);
     b->input_work = kb_calloc(ctx, n1, 1);
-    KB_CHECK(ctx, b->reg && b->dep && b->lvl && b->floating && b->fl && b->index_read && b->lone_read && b->input_work, KB_ERR_OOM,
+    b->gemm_read = kb_calloc(ctx, n1, 1);
+    KB_CHECK(ctx, b->reg && b->dep && b->lvl && b->floating && b->fl && b->index_read && b->lone_read && b->input_work &&
+             b->gemm_read, KB_ERR_OOM,
              "out of memory");
     for (int32_t v = 0; v < b->n; v++) b->reg[v] = b->dep[v] = -1;
 
     KB_TRY(mark_index_reads(b));
     KB_TRY(mark_lone_reads(b));
     KB_TRY(mark_input_work(b));
+    KB_TRY(mark_gemm_reads(b));
     for (int32_t v = 0; v < b->n; v++) KB_TRY(assign(b, v));
     for (int32_t r = 0; r < b->nreg; r++)
         if (colsum_ok(b, r)) make_row_colsum(b, r);

@@ -6,6 +6,12 @@
 
 #include "core/internal.h"
 
+enum { GR_NONE = 0, GR_SOME, GR_ONLY };
+
+/* Pointwise work a GEMM applies as it loads an operand (a cast, a negation, a scale by a
+ * constant): what may float into a GEMM region as its prologue (fuse.c, partition.c). */
+int fuse_cheap_prologue(const kb_graph *g, int32_t v);
+
 /* A value's level in its region (see fuse.c): none, one per element of the anchor, one per row
  * or column (a reduction's kept dims), or a ROW region's column sum. */
 enum { LV_NONE = 0, LV_FULL, LV_STAT, LV_COLSUM };
@@ -31,6 +37,7 @@ typedef struct fuse_build {
     uint8_t *index_read; /* read only through static index maps (mark_index_reads) */
     uint8_t *lone_read;  /* from graph inputs alone, with one reader (mark_lone_reads) */
     uint8_t *input_work; /* pointwise work on at most two full-size graph inputs (mark_input_work) */
+    uint8_t *gemm_read;  /* GR_*: read as a MATMUL's operand (through views), only so (mark_gemm_reads) */
     const uint8_t *cut;  /* NULL, or per node: 1 starts a region of its own (neither floats nor
                           * joins one): how partition.c splits a region past KB_MAX_PARAM_BYTES */
     fuse_region *regs;

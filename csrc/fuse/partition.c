@@ -35,10 +35,76 @@ void kb_partition_free(kb_partition *p) {
         kb_free(ctx, rg->nodes, sizeof(int32_t) * (size_t)(rg->nnodes ? rg->nnodes : 1));
         kb_free(ctx, rg->inputs, sizeof(int32_t) * (size_t)(rg->ninputs ? rg->ninputs : 1));
         kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)(rg->noutputs ? rg->noutputs : 1));
+        kb_free(ctx, rg->gemm.epilogue, sizeof(int32_t) * (size_t)(rg->gemm.nepilogue ? rg->gemm.nepilogue : 1));
     }
     kb_free(ctx, p->regions, sizeof(kb_region) * (size_t)(p->nregions ? p->nregions : 1));
     kb_free(ctx, p->region_of, sizeof(int32_t) * (size_t)(p->nnodes ? p->nnodes : 1));
     kb_free(ctx, p, sizeof *p);
+}
+
+/* How MATMUL operand k reaches it from its source: back through the floating index maps (PERMUTE,
+ * EXPAND, RESHAPE that keeps the trailing dims) and cheap prologue work, tracking where the
+ * operand's dims sit in each value (-1: merged away by a reshape), to the first value computed in
+ * some region or read from outside. Its layout is where the operand's last two dims sit in the
+ * source; its broadcast, the batch dims an EXPAND grew. */
+static void gemm_operand(const fuse_build *b, int32_t mm, int k, kb_gemm_info *gi) {
+    const kb_graph *g = b->g;
+    int32_t u = kb_graph_node(g, mm)->inputs[k];
+    int rank = kb_graph_node(g, mm)->rank;
+    int pos[KB_MAX_RANK]; /* operand dim d is dim pos[d] of u */
+    for (int d = 0; d < rank; d++) pos[d] = d;
+    gi->bcast[k] = 0;
+    gi->prologue[k] = 0;
+    while (b->floating[u] && kb_graph_node(g, u)->op != KB_OP_INPUT) {
+        const kb_node *nd = kb_graph_node(g, u);
+        const kb_node *a = nd->ninputs > 0 ? kb_graph_node(g, nd->inputs[0]) : NULL;
+        if (nd->op == KB_OP_PERMUTE) {
+            for (int d = 0; d < rank; d++)
+                if (pos[d] >= 0) pos[d] = nd->perm[pos[d]];
+        } else if (nd->op == KB_OP_EXPAND) {
+            for (int d = 0; d < rank - 2; d++)
+                if (pos[d] >= 0 && !kb_dim_equal(a->dims[pos[d]], nd->dims[pos[d]])) gi->bcast[k] |= 1u << d;
+        } else if (nd->op == KB_OP_RESHAPE) {
+            /* dims counted from the end keep their place while both shapes agree there */
+            int keep = 0;
+            while (keep < nd->rank && keep < a->rank &&
+                   kb_dim_equal(nd->dims[nd->rank - 1 - keep], a->dims[a->rank - 1 - keep]))
+                keep++;
+            for (int d = 0; d < rank; d++)
+                if (pos[d] >= 0) pos[d] = pos[d] >= nd->rank - keep ? pos[d] - nd->rank + a->rank : -1;
+        } else if (kb_op_get(nd->op)->kind != KB_KIND_VIEW && fuse_cheap_prologue(g, u)) {
+            gi->prologue[k] = 1; /* follow the tensor operand, not the constant */
+            int32_t t = nd->inputs[0], w = t;
+            while (kb_op_get(kb_graph_node(g, w)->op)->kind == KB_KIND_VIEW) w = kb_graph_node(g, w)->inputs[0];
+            if (nd->ninputs > 1 && kb_graph_node(g, w)->op == KB_OP_CONST) t = nd->inputs[1];
+            u = t;
+            continue;
+        } else {
+            break;
+        }
+        u = nd->inputs[0];
+    }
+    int last = kb_graph_node(g, u)->rank - 1;
+    gi->source[k] = u;
+    gi->layout[k] = pos[rank - 1] == last ? KB_GEMM_ROW : pos[rank - 2] == last ? KB_GEMM_TRANS : KB_GEMM_STRIDED;
+}
+
+/* A GEMM region's facts (kb_gemm_info): operands and the epilogue, the region's own nodes after
+ * its MATMUL in node order. */
+static kb_status gemm_facts(const fuse_build *b, int32_t r, kb_region *rg) {
+    kb_gemm_info *gi = &rg->gemm;
+    gi->matmul = b->regs[r].anchor;
+    gemm_operand(b, gi->matmul, 0, gi);
+    gemm_operand(b, gi->matmul, 1, gi);
+    int32_t n = 0;
+    for (int32_t v = gi->matmul + 1; v < b->n; v++) n += !b->floating[v] && b->reg[v] == r;
+    gi->epilogue = kb_malloc(b->ctx, sizeof(int32_t) * (size_t)(n ? n : 1));
+    if (!gi->epilogue) return KB_ERR_OOM;
+    gi->nepilogue = n;
+    n = 0;
+    for (int32_t v = gi->matmul + 1; v < b->n; v++)
+        if (!b->floating[v] && b->reg[v] == r) gi->epilogue[n++] = v;
+    return KB_OK;
 }
 
 /* The greedy pass (with the nodes flagged in cut starting regions) assembled into a partition. */
@@ -78,6 +144,7 @@ static kb_status assemble(const kb_graph *g, const uint8_t *cut, kb_partition **
         rg->kind = b.regs[r].kind;
         rg->anchor = b.regs[r].anchor;
         rg->reduce_axes = b.regs[r].red;
+        if (rg->kind == KB_REGION_GEMM) KB_TRY(gemm_facts(&b, r, rg));
         memset(mark, 0, n1);
         for (int32_t v = 0; v < b.n; v++)
             if (b.reg[v] == r) {
@@ -202,8 +269,8 @@ cleanup:
 /* ---------------------------------------------------------------- text */
 
 const char *kb_region_kind_name(kb_region_kind k) {
-    static const char *const names[] = {"POINTWISE", "ROW", "COL", "EXTERN"};
-    return (unsigned)k < 4 ? names[k] : "?";
+    static const char *const names[] = {"POINTWISE", "ROW", "COL", "EXTERN", "GEMM"};
+    return (unsigned)k < 5 ? names[k] : "?";
 }
 
 static void id_list(kb_sb *sb, const int32_t *ids, int32_t n) {
@@ -226,6 +293,17 @@ kb_status kb_partition_dump(const kb_partition *p, char **out) {
                     first = 0;
                 }
             kb_sb_puts(&sb, "]");
+        }
+        if (rg->kind == KB_REGION_GEMM) {
+            static const char *const layouts[] = {"row", "trans", "strided"};
+            const kb_gemm_info *gi = &rg->gemm;
+            for (int k = 0; k < 2; k++) {
+                kb_sb_printf(&sb, " %s=%%%d:%s", k ? "b" : "a", gi->source[k], layouts[gi->layout[k]]);
+                if (gi->bcast[k]) kb_sb_printf(&sb, ":bcast=0x%x", (unsigned)gi->bcast[k]);
+                if (gi->prologue[k]) kb_sb_puts(&sb, ":prologue");
+            }
+            kb_sb_puts(&sb, " epilogue=");
+            id_list(&sb, gi->epilogue, gi->nepilogue);
         }
         kb_sb_puts(&sb, " in=");
         id_list(&sb, rg->inputs, rg->ninputs);

@@ -293,12 +293,70 @@ static kb_status rule_pad_slice(gradctx *gc, int32_t v, const kb_node *nd, const
     return KB_OK;
 }
 
+/* x with its last two dims swapped: a transposed operand is a PERMUTE view, as in the forward. */
+static kb_status transpose_last(gb_builder *b, int32_t x, int32_t *out)
+{
+    const kb_node *nx = gb_node(b, x);
+    int r = nx->rank;
+    int8_t perm[KB_MAX_RANK];
+    kb_dim dims[KB_MAX_RANK];
+    for (int d = 0; d < r; d++) perm[d] = (int8_t)d, dims[d] = nx->dims[d];
+    perm[r - 2] = (int8_t)(r - 1), perm[r - 1] = (int8_t)(r - 2);
+    dims[r - 2] = nx->dims[r - 1], dims[r - 1] = nx->dims[r - 2];
+    return gb_shaped(b, KB_OP_PERMUTE, x, r, dims, 0, perm, out);
+}
+
+/* x . y as a MATMUL of dtype dt, x cast to y's dtype first (the upstream gradient of a product
+ * whose output dtype is not its operands'). */
+static kb_status emit_matmul(gb_builder *b, int32_t x, int32_t y, kb_dtype dt, int32_t *out)
+{
+    kb_status st = KB_OK;
+    int32_t xc;
+    KB_TRY(gb_cast(b, x, gb_node(b, y)->dtype, &xc));
+    const kb_node *nx = gb_node(b, xc), *ny = gb_node(b, y);
+    kb_node t = gb_tmpl(KB_OP_MATMUL, dt, nx->rank, nx->dims);
+    t.dims[nx->rank - 1] = ny->dims[ny->rank - 1];
+    t.inputs[0] = xc;
+    t.inputs[1] = y;
+    t.ninputs = 2;
+    KB_TRY(gb_emit(b, &t, out));
+cleanup:
+    return st;
+}
+
+/* MATMUL, y = a . b: dA = g . b^T and dB = a^T . g, each in its operand's dtype (rounded once, as
+ * torch's backward GEMMs are). A batch dim an operand was broadcast along is an EXPAND before the
+ * MATMUL, whose own rule (sum_to) sums it back. */
+static kb_status rule_matmul_da(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
+{
+    kb_status st = KB_OK;
+    int32_t bt;
+    (void)v;
+    KB_TRY(transpose_last(&gc->b, gc->map[nd->inputs[1]], &bt));
+    KB_TRY(emit_matmul(&gc->b, gadj, bt, a->dtype, out));
+cleanup:
+    return st;
+}
+
+static kb_status rule_matmul_db(gradctx *gc, int32_t v, const kb_node *nd, const kb_node *a, int32_t gadj, int32_t *out)
+{
+    kb_status st = KB_OK;
+    int32_t at, gc_;
+    (void)v;
+    KB_TRY(transpose_last(&gc->b, gc->map[nd->inputs[0]], &at));
+    KB_TRY(gb_cast(&gc->b, gadj, gb_node(&gc->b, at)->dtype, &gc_));
+    KB_TRY(emit_matmul(&gc->b, at, gc_, a->dtype, out));
+cleanup:
+    return st;
+}
+
 /* The non-pointwise rule names of ops.def, each with its builder. */
 static const struct { const char *name; struct_rule fn; } struct_rules[] = {
     {"expand(g)", rule_expand},           {"expand_mean(g)", rule_expand_mean},
     {"expand_argext(g)", rule_expand_argext}, {"reshape(g)", rule_reshape},
     {"permute_inv(g)", rule_permute_inv}, {"sum_to(g)", rule_sum_to},
     {"pad_slice(g)", rule_pad_slice},     {"scatter_add(g)", rule_scatter_add},
+    {"matmul_da(g)", rule_matmul_da},     {"matmul_db(g)", rule_matmul_db},
 };
 
 /* The contribution of node v's adjoint to its operand slot k, in the operand's dtype. */

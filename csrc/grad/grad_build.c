@@ -146,11 +146,69 @@ kb_status gb_cast(gb_builder *b, int32_t x, kb_dtype dt, int32_t *id)
     return gb_emit(b, &n, id);
 }
 
+/* Does perm swap the last two of rank dims and keep the others? */
+static int swaps_last_two(const int8_t *perm, int32_t rank)
+{
+    if (rank < 2 || perm[rank - 2] != rank - 1 || perm[rank - 1] != rank - 2) return 0;
+    for (int d = 0; d < rank - 2; d++)
+        if (perm[d] != d) return 0;
+    return 1;
+}
+
+/* A permute of x, where x is itself a permute (the two compose into one, the identity into none)
+ * or a MATMUL whose last two dims it swaps ((a . b)^T = b^T . a^T: a weight's gradient, dW^T,
+ * computed as a product of transposed operands instead of a product copied into a transpose). */
+static kb_status permute_of(gb_builder *b, int32_t x, int32_t rank, const kb_dim *dims, const int8_t *perm,
+                            int32_t *id)
+{
+    const kb_node *nx = gb_node(b, x);
+    if (nx->op == KB_OP_PERMUTE) {
+        int8_t both[KB_MAX_RANK];
+        int ident = 1;
+        for (int d = 0; d < rank; d++) {
+            both[d] = nx->perm[perm[d]];
+            ident &= both[d] == d;
+        }
+        int32_t src = nx->inputs[0];
+        if (ident) {
+            *id = src;
+            return KB_OK;
+        }
+        return gb_shaped(b, KB_OP_PERMUTE, src, rank, dims, 0, both, id);
+    }
+    if (nx->op == KB_OP_MATMUL && swaps_last_two(perm, rank)) {
+        kb_status st = KB_OK;
+        int32_t xa = nx->inputs[0], xb = nx->inputs[1], at, bt;
+        kb_dtype dt = nx->dtype;
+        const kb_node *na = gb_node(b, xa), *nb = gb_node(b, xb);
+        kb_dim ad[KB_MAX_RANK], bd[KB_MAX_RANK];
+        memcpy(ad, na->dims, sizeof ad);
+        memcpy(bd, nb->dims, sizeof bd);
+        ad[rank - 2] = na->dims[rank - 1], ad[rank - 1] = na->dims[rank - 2];
+        bd[rank - 2] = nb->dims[rank - 1], bd[rank - 1] = nb->dims[rank - 2];
+        KB_TRY(gb_shaped(b, KB_OP_PERMUTE, xb, rank, bd, 0, perm, &bt));
+        KB_TRY(gb_shaped(b, KB_OP_PERMUTE, xa, rank, ad, 0, perm, &at));
+        kb_node t = gb_tmpl(KB_OP_MATMUL, dt, rank, dims);
+        t.inputs[0] = bt;
+        t.inputs[1] = at;
+        t.ninputs = 2;
+        KB_TRY(gb_emit(b, &t, id));
+    cleanup:
+        return st;
+    }
+    kb_node n = gb_tmpl(KB_OP_PERMUTE, nx->dtype, rank, dims);
+    n.inputs[0] = x;
+    n.ninputs = 1;
+    memcpy(n.perm, perm, (size_t)rank);
+    return gb_emit(b, &n, id);
+}
+
 /* An index map or reduction of x to the given shape; dims equal to x's make it a no-op. */
 kb_status gb_shaped(gb_builder *b, kb_op op, int32_t x, int32_t rank, const kb_dim *dims, uint32_t axes,
                     const int8_t *perm, int32_t *id)
 {
     const kb_node *nx = gb_node(b, x);
+    if (op == KB_OP_PERMUTE && perm) return permute_of(b, x, rank, dims, perm, id);
     if ((op == KB_OP_RESHAPE || op == KB_OP_EXPAND) && nx->rank == rank) {
         int same = 1;
         for (int d = 0; d < rank; d++) same &= kb_dim_equal(nx->dims[d], dims[d]);

@@ -111,6 +111,72 @@ cleanup:
     return st;
 }
 
+/* MATMUL nodes of region r's backward (its graph's float inputs differentiated), or -1 where it
+ * cannot be built. */
+static kb_status backward_products(kb_partition *p, int32_t r, int32_t *count)
+{
+    kb_ctx *ctx = kb_graph_ctx(p->graph);
+    kb_status st = KB_OK;
+    const kb_region *rg = &p->regions[r];
+    kb_graph *fg = NULL, *bwd = NULL;
+    uint8_t *wrt = kb_calloc(ctx, (size_t)(rg->ninputs ? rg->ninputs : 1), 1);
+    KB_CHECK(ctx, wrt != NULL, KB_ERR_OOM, "save_stats: out of memory");
+    for (int32_t i = 0; i < rg->ninputs; i++) wrt[i] = (uint8_t)kb_dtype_is_float(kb_graph_node(p->graph, rg->inputs[i])->dtype);
+    *count = -1;
+    KB_TRY(kb_region_graph(p, r, &fg));
+    st = kb_graph_grad_saved(fg, wrt, rg->nsaved, 0, &bwd);
+    if (st != KB_OK) {
+        st = st == KB_ERR_OOM ? st : KB_OK;
+        goto cleanup;
+    }
+    *count = 0;
+    for (int32_t v = 0; v < kb_graph_nnodes(bwd); v++) *count += kb_graph_node(bwd, v)->op == KB_OP_MATMUL;
+cleanup:
+    kb_free(ctx, wrt, (size_t)(rg->ninputs ? rg->ninputs : 1));
+    kb_graph_free(fg);
+    kb_graph_free(bwd);
+    return st;
+}
+
+/* A GEMM region whose backward needs its product (a GELU epilogue's derivative reads the
+ * pre-activation) would recompute the whole product from the operands: the product is saved
+ * instead (one extra output, counted by nsaved), where the backward then has fewer MATMULs. A
+ * bias or residual epilogue needs no saved product, and a product that is an output already is
+ * read as one. */
+static kb_status save_gemm_product(kb_partition *p, int32_t r)
+{
+    kb_ctx *ctx = kb_graph_ctx(p->graph);
+    kb_status st = KB_OK;
+    kb_region *rg = &p->regions[r];
+    int32_t mm = rg->gemm.matmul, before, after;
+    for (int32_t j = 0; j < rg->noutputs; j++)
+        if (rg->outputs[j] == mm) return KB_OK;
+    if (rg->gemm.nepilogue == 0 || kb_region_param_bytes(p, r) + 8 > KB_MAX_PARAM_BYTES) return KB_OK;
+    KB_TRY(backward_products(p, r, &before));
+    if (before < 0) return KB_OK;
+    int32_t *outs = kb_malloc(ctx, sizeof(int32_t) * (size_t)(rg->noutputs + 1));
+    KB_CHECK(ctx, outs != NULL, KB_ERR_OOM, "save_stats: out of memory");
+    if (rg->noutputs) memcpy(outs, rg->outputs, sizeof(int32_t) * (size_t)rg->noutputs);
+    outs[rg->noutputs] = mm;
+    kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)(rg->noutputs ? rg->noutputs : 1));
+    rg->outputs = outs;
+    rg->noutputs++;
+    rg->nsaved = 1;
+    KB_TRY(backward_products(p, r, &after));
+    if (after < 0 || after >= before) { /* no product recomputed: keep the region's own outputs */
+        int32_t nown = rg->noutputs - 1;
+        int32_t *own = kb_malloc(ctx, sizeof(int32_t) * (size_t)(nown ? nown : 1));
+        KB_CHECK(ctx, own != NULL, KB_ERR_OOM, "save_stats: out of memory");
+        if (nown) memcpy(own, rg->outputs, sizeof(int32_t) * (size_t)nown);
+        kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)rg->noutputs);
+        rg->outputs = own;
+        rg->noutputs = nown;
+        rg->nsaved = 0;
+    }
+cleanup:
+    return st;
+}
+
 kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
 {
     if (!p || !p->graph) return KB_ERR_INVALID;
@@ -118,6 +184,7 @@ kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
     kb_status st = KB_OK;
     for (int32_t r = 0; r < p->nregions; r++) {
         kb_region *rg = &p->regions[r];
+        if (rg->kind == KB_REGION_GEMM && rg->nsaved == 0) KB_TRY(save_gemm_product(p, r));
         if (rg->kind != KB_REGION_ROW || rg->nsaved > 0) continue;
         int32_t stats[KB_MAX_SAVED], ns = 0;
         for (int32_t k = 0; k < rg->nnodes && ns < KB_MAX_SAVED; k++) {

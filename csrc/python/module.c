@@ -303,7 +303,7 @@ static PyObject *py_generate(PyObject *module, PyObject *args) {
 }
 
 static PyObject *py_ops(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
-    static const char *const kinds[] = {"leaf", "unary", "binary", "ternary", "reduce", "view", "gather", "extern"};
+    static const char *const kinds[] = {"leaf", "unary", "binary", "ternary", "reduce", "view", "gather", "extern", "matmul"};
     PyObject *d = PyDict_New();
     for (int op = 0; d && op < KB_OP_COUNT; op++) {
         const kb_op_info *info = kb_op_get((kb_op)op);
@@ -356,6 +356,7 @@ static int module_exec(PyObject *module) {
                                                   PyExc_RuntimeError, NULL);
     if (!state->cuda_error || PyModule_AddObjectRef(module, "CudaError", state->cuda_error) < 0) return -1;
     if (PyModule_AddFunctions(module, kb_cuda_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, kb_cublaslt_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, kb_evolve_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, kb_gemm_methods) < 0) return -1;
     if (PyModule_AddStringConstant(module, "CORE_VERSION", KB_VERSION) < 0) return -1;

@@ -336,51 +336,65 @@ static PyObject *py_get_function(PyObject *self, PyObject *const *args, Py_ssize
  * property can hand over another value; tensors must be exactly torch.Tensor or Parameter
  * (a subclass's __torch_function__ could answer data_ptr itself). torch is imported on the
  * first call: the rest of kbench._C does not need it. */
-enum {
-    T_TENSOR, T_PARAMETER,                 /* the tensor types taken */
-    T_DATA_PTR, T_IS_CUDA, T_GET_DEVICE,   /* TensorBase's descriptors */
-    T_STREAM, T_CUDA_STREAM, T_DEVICE_INDEX, /* torch._C._CudaStreamBase and its descriptors */
-    T_CURRENT_STREAM,                      /* torch._C._cuda_getCurrentRawStream */
-    T_COUNT
+/* Where each of torch's objects is found: an attribute of torch, torch.nn, torch._C,
+ * torch._C.TensorBase or torch._C._CudaStreamBase. A CPU-only torch lacks the CUDA ones: they
+ * are None there, and kb_py_stream_handle says so (lt_check still reads CPU tensors). */
+enum { O_TORCH, O_NN, O_C, O_BASE, O_STREAM };
+static const struct { int owner; const char *name; int cuda; } torch_names[T_COUNT] = {
+    [T_TENSOR] = {O_TORCH, "Tensor", 0},         [T_PARAMETER] = {O_NN, "Parameter", 0},
+    [T_DATA_PTR] = {O_BASE, "data_ptr", 0},      [T_IS_CUDA] = {O_BASE, "is_cuda", 0},
+    [T_GET_DEVICE] = {O_BASE, "get_device", 0},  [T_STREAM] = {O_C, "_CudaStreamBase", 1},
+    [T_CUDA_STREAM] = {O_STREAM, "cuda_stream", 1}, [T_DEVICE_INDEX] = {O_STREAM, "device_index", 1},
+    [T_CURRENT_STREAM] = {O_C, "_cuda_getCurrentRawStream", 1},
+    [T_SIZE] = {O_BASE, "size", 0},              [T_STRIDE] = {O_BASE, "stride", 0},
+    [T_DTYPE] = {O_BASE, "dtype", 0},            [T_F16] = {O_TORCH, "float16", 0},
+    [T_BF16] = {O_TORCH, "bfloat16", 0},         [T_F32] = {O_TORCH, "float32", 0},
+    [T_U8] = {O_TORCH, "uint8", 0},
 };
 
-static PyObject *const *torch_objects(PyObject *module) {
+PyObject *const *kb_py_torch_objects(PyObject *module) {
     kb_module_state *state = kb_py_state(module);
     if (state->torch_objects) return &PyTuple_GET_ITEM(state->torch_objects, 0);
-    PyObject *torch = PyImport_ImportModule("torch");
-    if (!torch) return NULL;
-    PyObject *tc = PyObject_GetAttrString(torch, "_C");
-    PyObject *nn = tc ? PyImport_ImportModule("torch.nn") : NULL;
-    PyObject *objs = nn ? PyTuple_New(T_COUNT) : NULL;
-    PyObject *base = objs ? PyObject_GetAttrString(tc, "TensorBase") : NULL;
-    PyObject *stream = base ? PyObject_GetAttrString(tc, "_CudaStreamBase") : NULL;
-    if (!stream && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyObject *owners[5] = {PyImport_ImportModule("torch"), NULL, NULL, NULL, NULL};
+    PyObject *objs = owners[O_TORCH] ? PyTuple_New(T_COUNT) : NULL;
+    int ok = objs != NULL;
+    if (ok) ok = (owners[O_NN] = PyImport_ImportModule("torch.nn")) && (owners[O_C] = PyObject_GetAttrString(owners[O_TORCH], "_C")) &&
+                 (owners[O_BASE] = PyObject_GetAttrString(owners[O_C], "TensorBase"));
+    if (ok && !(owners[O_STREAM] = PyObject_GetAttrString(owners[O_C], "_CudaStreamBase"))) {
+        ok = PyErr_ExceptionMatches(PyExc_AttributeError);
         PyErr_Clear();
-        PyErr_SetString(PyExc_RuntimeError, "kbench: this torch has no CUDA (torch._C._CudaStreamBase is missing)");
     }
-    if (stream) {
-        PyObject *items[T_COUNT] = {
-            PyObject_GetAttrString(torch, "Tensor"), PyObject_GetAttrString(nn, "Parameter"),
-            PyObject_GetAttrString(base, "data_ptr"), PyObject_GetAttrString(base, "is_cuda"),
-            PyObject_GetAttrString(base, "get_device"), Py_NewRef(stream),
-            PyObject_GetAttrString(stream, "cuda_stream"), PyObject_GetAttrString(stream, "device_index"),
-            PyObject_GetAttrString(tc, "_cuda_getCurrentRawStream"),
-        };
-        for (int i = 0; i < T_COUNT; i++) PyTuple_SET_ITEM(objs, i, items[i]);
-        int ok = !PyErr_Occurred() && PyType_Check(items[T_TENSOR]) && PyType_Check(items[T_PARAMETER]) &&
-                 PyType_Check(stream) && Py_TYPE(items[T_IS_CUDA])->tp_descr_get &&
-                 Py_TYPE(items[T_CUDA_STREAM])->tp_descr_get && Py_TYPE(items[T_DEVICE_INDEX])->tp_descr_get;
-        if (ok)
-            state->torch_objects = Py_NewRef(objs);
-        else if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "kbench: torch's tensor and stream types are not as expected");
+    /* one lookup at a time, none with an exception pending */
+    for (int i = 0; ok && i < T_COUNT; i++) {
+        PyObject *owner = owners[torch_names[i].owner];
+        PyObject *v = owner ? PyObject_GetAttrString(owner, torch_names[i].name) : NULL;
+        if (!v && torch_names[i].cuda && (!owner || PyErr_ExceptionMatches(PyExc_AttributeError))) {
+            PyErr_Clear();
+            v = Py_NewRef(Py_None);
+        }
+        if (v) PyTuple_SET_ITEM(objs, i, v);
+        else ok = 0;
     }
-    Py_XDECREF(stream);
-    Py_XDECREF(base);
+    PyObject *const *T = ok ? &PyTuple_GET_ITEM(objs, 0) : NULL;
+    int cuda = T && T[T_STREAM] != Py_None && T[T_CUDA_STREAM] != Py_None && T[T_DEVICE_INDEX] != Py_None &&
+               T[T_CURRENT_STREAM] != Py_None;
+    if (ok && !(PyType_Check(T[T_TENSOR]) && PyType_Check(T[T_PARAMETER]) && Py_TYPE(T[T_IS_CUDA])->tp_descr_get &&
+                Py_TYPE(T[T_DTYPE])->tp_descr_get &&
+                (!cuda || (PyType_Check(T[T_STREAM]) && Py_TYPE(T[T_CUDA_STREAM])->tp_descr_get &&
+                           Py_TYPE(T[T_DEVICE_INDEX])->tp_descr_get)))) {
+        PyErr_SetString(PyExc_RuntimeError, "kbench: torch's tensor and stream types are not as expected");
+        ok = 0;
+    }
+    if (ok && !cuda)   /* all CUDA objects or none */
+        for (int i = 0; i < T_COUNT; i++)
+            if (torch_names[i].cuda) {
+                PyObject *old = PyTuple_GET_ITEM(objs, i);
+                PyTuple_SET_ITEM(objs, i, Py_NewRef(Py_None));
+                Py_DECREF(old);
+            }
+    if (ok) state->torch_objects = Py_NewRef(objs);
     Py_XDECREF(objs);
-    Py_XDECREF(nn);
-    Py_XDECREF(tc);
-    Py_DECREF(torch);
+    for (int i = 0; i < 5; i++) Py_XDECREF(owners[i]);
     return state->torch_objects ? &PyTuple_GET_ITEM(state->torch_objects, 0) : NULL;
 }
 
@@ -397,13 +411,11 @@ static int long_of(PyObject *descr, PyObject *o, long long *out) {
     return *out == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* The data pointer of args[i], a CUDA tensor on *device (or, where *device < 0, the first one
- * seen, which then sets it). -1 with TypeError / ValueError naming the argument. */
-static int tensor_pointer(PyObject *const *T, PyObject *o, Py_ssize_t i, int *device, uint64_t *out) {
+int kb_py_tensor_pointer(PyObject *const *T, PyObject *o, const char *what, int *device, uint64_t *out) {
     long long is_cuda, dev;
     if (long_of(T[T_IS_CUDA], o, &is_cuda) < 0) return -1;
     if (!is_cuda) {
-        PyErr_Format(PyExc_ValueError, "launch: args[%zd] is not a CUDA tensor", i);
+        PyErr_Format(PyExc_ValueError, "%s is not a CUDA tensor", what);
         return -1;
     }
     PyObject *v = PyObject_CallOneArg(T[T_GET_DEVICE], o);
@@ -412,7 +424,7 @@ static int tensor_pointer(PyObject *const *T, PyObject *o, Py_ssize_t i, int *de
     if (dev == -1 && PyErr_Occurred()) return -1;
     if (*device < 0) *device = (int)dev;
     if (dev != *device) {
-        PyErr_Format(PyExc_ValueError, "launch: args[%zd] is on cuda:%lld, the launch on cuda:%d", i, dev, *device);
+        PyErr_Format(PyExc_ValueError, "%s is on cuda:%lld, the call on cuda:%d", what, dev, *device);
         return -1;
     }
     v = PyObject_CallOneArg(T[T_DATA_PTR], o);
@@ -423,10 +435,12 @@ static int tensor_pointer(PyObject *const *T, PyObject *o, Py_ssize_t i, int *de
     return 0;
 }
 
-/* The driver's handle of stream, a torch CUDA stream, or of torch's current stream on device
- * for None; -1 with an exception set. */
-static int stream_handle(PyObject *const *T, PyObject *stream, int device, void **out) {
+int kb_py_stream_handle(PyObject *const *T, PyObject *stream, int device, void **out) {
     long long h;
+    if (T[T_STREAM] == Py_None) {
+        PyErr_SetString(PyExc_RuntimeError, "kbench: this torch has no CUDA (torch._C._CudaStreamBase is missing)");
+        return -1;
+    }
     if (stream == Py_None) {
         if (device < 0) {
             PyErr_SetString(PyExc_TypeError, "launch: stream=None needs a tensor argument to name the device");
@@ -503,7 +517,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_Format(PyExc_ValueError, "launch: bad block %ld or smem %ld", block, smem);
         return NULL;
     }
-    PyObject *const *T = torch_objects(self);
+    PyObject *const *T = kb_py_torch_objects(self);
     if (!T) return NULL;
     /* a tuple of the arguments: reading a tensor's pointer runs torch's code, which must not
      * see a list shrink under this loop */
@@ -530,7 +544,9 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         argp[j] = &vals[j];
         if (o == Py_None) continue;   /* a NULL pointer: an output the entry point does not write */
         if (Py_IS_TYPE(o, (PyTypeObject *)T[T_TENSOR]) || Py_IS_TYPE(o, (PyTypeObject *)T[T_PARAMETER])) {
-            if (tensor_pointer(T, o, j, &device, &vals[j].u) < 0) goto fail;
+            char what[48];
+            snprintf(what, sizeof what, "launch: args[%zd]", j);
+            if (kb_py_tensor_pointer(T, o, what, &device, &vals[j].u) < 0) goto fail;
         } else if (PyLong_CheckExact(o)) {
             vals[j].i = PyLong_AsLongLong(o);
             if (vals[j].i == -1 && PyErr_Occurred()) goto fail;
@@ -543,7 +559,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         }
     }
     argp[n] = NULL;
-    if (stream_handle(T, args[5], device, &stream) < 0) goto fail;
+    if (kb_py_stream_handle(T, args[5], device, &stream) < 0) goto fail;
     Py_DECREF(items);
     kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) return NULL;
@@ -567,8 +583,8 @@ static PyObject *py_synchronize(PyObject *self, PyObject *const *args, Py_ssize_
     if (!h) return NULL;
     void *stream = NULL;   /* NULL: the whole context */
     if (nargs == 2 && args[1] != Py_None) {
-        PyObject *const *T = torch_objects(self);
-        if (!T || stream_handle(T, args[1], -1, &stream) < 0) return NULL;
+        PyObject *const *T = kb_py_torch_objects(self);
+        if (!T || kb_py_stream_handle(T, args[1], -1, &stream) < 0) return NULL;
     }
     kb_ctx *ctx = kb_py_thread_ctx();
     if (!ctx) return NULL;

@@ -275,7 +275,8 @@ class Fuzz:
         junk = [None, 0, 2**64 - 1, -1, 0xdeadbeef, 1.5, "x", b"\x7fELF", (), [0] * 9, object(), bytearray(8)]
         pick = lambda: rnd.choice(junk)   # noqa: E731
         calls = [(C.launch, 7), (C.synchronize, rnd.choice([1, 2])), (C.get_function, 4), (C.module_load, 2),
-                 (C.nvrtc_compile, rnd.choice([4, 5])), (C.device_info, 2), (C.nvrtc_info, 1)]
+                 (C.nvrtc_compile, rnd.choice([4, 5])), (C.device_info, 2), (C.nvrtc_info, 1),
+                 (C.lt_matmul, 12), (C.lt_info, 1)]
         fn, n = rnd.choice(calls)
         try:
             fn(*[pick() for _ in range(n)])

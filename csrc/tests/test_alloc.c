@@ -56,7 +56,7 @@ static kb_status one_run(books *b, int *finished)
         int32_t nodes[64], n = 0;
         for (int32_t v = ln + 1; v <= sm; v++) nodes[n++] = v;
         int32_t rin[1] = {ln}, rout[1] = {sm}, region_of[64];
-        kb_region reg = {KB_REGION_ROW, n, nodes, 1, rin, 1, rout, sm, 2, 0, 0};
+        kb_region reg = {KB_REGION_ROW, n, nodes, 1, rin, 1, rout, sm, 2, 0, 0, {0, {0, 0}, {KB_GEMM_ROW, KB_GEMM_ROW}, {0, 0}, {0, 0}, 0, NULL}};
         kb_partition part = {t.g, 1, &reg, region_of, 0};
         float p2[48];
         st = kb_interp_region(ctx, &part, 0, &sv, (const void *[]){y}, (void *[]){p2});

@@ -32,7 +32,7 @@ static kb_status fx_region(fixture *f, kb_region_kind kind, int32_t anchor, uint
     }
     for (int32_t i = 0; i < kb_graph_ninputs(g); i++) f->ins[i] = kb_graph_input(g, i);
     for (int32_t j = 0; j < kb_graph_noutputs(g); j++) f->outs[j] = kb_graph_output(g, j);
-    f->reg = (kb_region){kind, n, f->nodes, kb_graph_ninputs(g), f->ins, kb_graph_noutputs(g), f->outs, anchor, red, 0, 0};
+    f->reg = (kb_region){kind, n, f->nodes, kb_graph_ninputs(g), f->ins, kb_graph_noutputs(g), f->outs, anchor, red, 0, 0, {0, {0, 0}, {KB_GEMM_ROW, KB_GEMM_ROW}, {0, 0}, {0, 0}, 0, NULL}};
     f->part = (kb_partition){g, 1, &f->reg, f->region_of, 0};
     return KB_OK;
 }

@@ -827,8 +827,8 @@ static void test_region_graph(void)
     int32_t nodes_b[3] = {s, s + 1, y}, ins_b[1] = {e}, outs_b[1] = {y};
     int32_t region_of[16];
     for (int i = 0; i < 16; i++) region_of[i] = -1;
-    kb_region regs[2] = {{KB_REGION_ROW, 4, nodes_a, 1, ins_a, 1, outs_a, e, 2, 0, 0},
-                         {KB_REGION_ROW, 3, nodes_b, 1, ins_b, 1, outs_b, y, 2, 0, 0}};
+    kb_region regs[2] = {{KB_REGION_ROW, 4, nodes_a, 1, ins_a, 1, outs_a, e, 2, 0, 0, {0, {0, 0}, {KB_GEMM_ROW, KB_GEMM_ROW}, {0, 0}, {0, 0}, 0, NULL}},
+                         {KB_REGION_ROW, 3, nodes_b, 1, ins_b, 1, outs_b, y, 2, 0, 0, {0, {0, 0}, {KB_GEMM_ROW, KB_GEMM_ROW}, {0, 0}, {0, 0}, 0, NULL}}};
     kb_partition p = {t.g, 2, regs, region_of, 0};
     kb_graph *ra = NULL, *rb = NULL;
     CHECK_STATUS(ctx, kb_region_graph(&p, 0, &ra), KB_OK);
@@ -861,7 +861,7 @@ static void test_region_graph(void)
 
     /* a region reading a value that is neither inside it nor listed as an input */
     int32_t bad_ins[1] = {x};
-    kb_region bad = {KB_REGION_ROW, 3, nodes_b, 1, bad_ins, 1, outs_b, y, 2, 0, 0};
+    kb_region bad = {KB_REGION_ROW, 3, nodes_b, 1, bad_ins, 1, outs_b, y, 2, 0, 0, {0, {0, 0}, {KB_GEMM_ROW, KB_GEMM_ROW}, {0, 0}, {0, 0}, 0, NULL}};
     kb_partition pb = {t.g, 1, &bad, region_of, 0};
     kb_graph *rg = (kb_graph *)&bad;
     CHECK_STATUS(ctx, kb_region_graph(&pb, 0, &rg), KB_ERR_INVALID);

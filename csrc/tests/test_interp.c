@@ -361,7 +361,7 @@ static void test_regions(void)
     for (int32_t v = 0; v < kb_graph_nnodes(t.g); v++)
         if (kb_graph_node(t.g, v)->op != KB_OP_INPUT) nodes[n++] = v;
     int32_t region_of[32];
-    kb_region reg = {KB_REGION_ROW, n, nodes, 3, ins, 1, outs, y, 2, 0, 0};
+    kb_region reg = {KB_REGION_ROW, n, nodes, 3, ins, 1, outs, y, 2, 0, 0, {0, {0, 0}, {KB_GEMM_ROW, KB_GEMM_ROW}, {0, 0}, {0, 0}, 0, NULL}};
     kb_partition p = {t.g, 1, &reg, region_of, 0};
     CHECK_STATUS(ctx, kb_interp_region(ctx, &p, 0, NULL, (const void *[]){x, w, b}, (void *[]){got}), KB_OK);
     for (int i = 0; i < 8; i++) CHECK(got[i] == want[i]);
@@ -374,8 +374,8 @@ static void test_regions(void)
     while (nodes[na] != xc) na++;
     na++;
     int32_t ins_b[3] = {xc, wi, bi}, outs_a[1] = {xc};
-    kb_region two[2] = {{KB_REGION_ROW, na, nodes, 1, ins, 1, outs_a, xc, 2, 0, 0},
-                        {KB_REGION_ROW, n - na, nodes + na, 3, ins_b, 1, outs, y, 2, 0, 0}};
+    kb_region two[2] = {{KB_REGION_ROW, na, nodes, 1, ins, 1, outs_a, xc, 2, 0, 0, {0, {0, 0}, {KB_GEMM_ROW, KB_GEMM_ROW}, {0, 0}, {0, 0}, 0, NULL}},
+                        {KB_REGION_ROW, n - na, nodes + na, 3, ins_b, 1, outs, y, 2, 0, 0, {0, {0, 0}, {KB_GEMM_ROW, KB_GEMM_ROW}, {0, 0}, {0, 0}, 0, NULL}}};
     kb_partition p2 = {t.g, 2, two, region_of, 0};
     double mid[8];
     CHECK_STATUS(ctx, kb_interp_region(ctx, &p2, 0, NULL, (const void *[]){x}, (void *[]){mid}), KB_OK);

@@ -250,7 +250,7 @@ static void test_tables(void)
             CHECK_MSG(info->cuda[0] != '\0', "op %s has no CUDA form", info->name);
     }
     CHECK(named == KB_OP_COUNT - 2);
-    CHECK(kb_op_get(KB_OP_COUNT) == NULL && kb_op_from_name("matmul") == -1);
+    CHECK(kb_op_get(KB_OP_COUNT) == NULL && kb_op_from_name("conv2d") == -1 && kb_op_from_name("matmul") == KB_OP_MATMUL);
     CHECK(kb_op_get(KB_OP_WHERE)->arity == 3 && kb_op_get(KB_OP_EXTERN)->arity == -1);
     CHECK(strcmp(kb_status_name(KB_OK), "ok") == 0 && strcmp(kb_status_name(KB_ERR_OOM), "out of memory") == 0);
 }

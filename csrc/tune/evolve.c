@@ -111,6 +111,8 @@ static kb_status check_region(const kb_partition *p, int32_t r) {
     if (r < 0 || r >= p->nregions) return KB_FAIL(ctx, KB_ERR_INVALID, "evolve: region %d of %d", (int)r, (int)p->nregions);
     if (p->regions[r].kind == KB_REGION_EXTERN)
         return KB_FAIL(ctx, KB_ERR_INVALID, "evolve: region %d is EXTERN: torch runs it, it has no schedule", (int)r);
+    if (p->regions[r].kind == KB_REGION_GEMM)
+        return KB_FAIL(ctx, KB_ERR_UNSUPPORTED, "evolve: region %d is a GEMM region: no generated kernel yet, no genes", (int)r);
     return KB_OK;
 }
 

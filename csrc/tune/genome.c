@@ -88,6 +88,8 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
     const kb_region *rg = &p->regions[r];
     if (rg->kind == KB_REGION_EXTERN)
         return KB_FAIL(ctx, KB_ERR_INVALID, "region %d is EXTERN: torch runs it, it has no schedule", (int)r);
+    if (rg->kind == KB_REGION_GEMM)
+        return KB_FAIL(ctx, KB_ERR_UNSUPPORTED, "region %d is a GEMM region: no generated kernel yet, no genome", (int)r);
     tune_facts f;
     kb_status st = tune_facts_of(p, r, symvals, dev, &f);
     if (st != KB_OK) return st;

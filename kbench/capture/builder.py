@@ -151,8 +151,9 @@ def mono_dim(dims):
 
 
 class Builder:
-    def __init__(self, table, sym_of, subst, example, keep=None):
+    def __init__(self, table, sym_of, subst, example, keep=None, gemm=False):
         self.table = table            # ATen op -> lowering(builder, node, bound args) (ops.LOWER)
+        self.gemm = gemm              # matrix products as MATMUL nodes (optimize(gemm=True)), else torch calls
         self.sym_of = sym_of          # sympy.Symbol -> symbol id
         self.subst = subst            # sympy.Symbol -> sympy.Symbol (unified sizes)
         self.example = example        # symbol values in the example
@@ -267,6 +268,11 @@ class Builder:
             for d, (i, a) in enumerate(zip(dims, inputs[0].dims)):
                 if d != attrs.get("axis") and i != a and not _no_larger(i, a):
                     raise Unsupported(f"gather: the index may be larger than the operand on dim {d}")
+        elif op == "matmul":
+            a, b = inputs[0].dims, inputs[1].dims
+            if len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2] or \
+                    dims != a[:-1] + b[-1:] or inputs[0].dtype != inputs[1].dtype:
+                raise Unsupported(f"matmul {a} . {b} -> {dims}")
         elif op == "extern" and len(inputs) > 16:
             raise Unsupported("more than 16 tensor operands")
 

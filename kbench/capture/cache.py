@@ -62,14 +62,17 @@ def _lowering_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint(model: torch.nn.Module, args: tuple, backend: str, call_key: str = "") -> str:
+def fingerprint(model: torch.nn.Module, args: tuple, backend: str, call_key: str = "", gemm: bool = False) -> str:
     """The capture's cache key (a sha256 hex digest); Uncacheable when forward hooks or the like
     make the module tree an incomplete description of what forward does. args: the call's
     tensors; call_key: the rest of the call (signature.CallSpec.key), "" for tensors passed
-    positionally."""
+    positionally; gemm: matrix products lowered to MATMUL (a capture of its own, keyed only when on,
+    so the keys of captures without it stay as they were)."""
     h = _Hasher()
     h.add("kbench-capture", FORMAT, __version__, _lowering_digest(), torch.__version__, sys.version_info[:2], backend,
           torch.is_grad_enabled(), autocast_mode(), call_key)
+    if gemm:
+        h.add("gemm")
     classes: dict = {}   # the module classes of the tree, in order
     for a in args:
         h.add("input", a.dtype, tuple(a.shape), a.stride(), a.device.type, a.requires_grad)
@@ -240,11 +243,11 @@ def loads(blob: bytes):
 
 # ------------------------------------------------------------------------------------- store
 
-def lookup(model, args, backend, call_key: str = ""):
+def lookup(model, args, backend, call_key: str = "", gemm: bool = False):
     """(key, Captured or None). key is None when this model's capture is not kept (the reason
     goes to the debug log); a stored entry that cannot be rebuilt is dropped with a warning."""
     try:
-        key = fingerprint(model, args, backend, call_key)
+        key = fingerprint(model, args, backend, call_key, gemm)
     except Uncacheable as e:
         log.debug("kbench: capture not cached: %s", e)
         return None, None

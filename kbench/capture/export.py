@@ -422,13 +422,16 @@ def _make_functional(ep):
 # ---------------------------------------------------------------------------- capture
 
 
-def capture(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = "", keep=()) -> Captured:
+def capture(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = "", keep=(),
+            gemm: bool = False) -> Captured:
     """Captures model's forward on example_inputs as a kbench IR graph. Sizes of the user inputs
     may vary at run time (dynamic=True) unless the graph needs them fixed (static_reason says
     why) or `pin` lists them ((input, dim) pairs kept at their example size, for pin_reason).
     Unsupported ops become EXTERN nodes, as do the FX nodes named in `keep` (lower.lower);
-    a model torch.export cannot capture raises CaptureError. The model is not modified."""
-    return capture_exported(model, example_inputs, dynamic=dynamic, pin=pin, pin_reason=pin_reason, keep=keep)[0]
+    gemm=True lowers matrix products to MATMUL nodes (GEMM regions) instead of torch calls.
+    A model torch.export cannot capture raises CaptureError. The model is not modified."""
+    return capture_exported(model, example_inputs, dynamic=dynamic, pin=pin, pin_reason=pin_reason, keep=keep,
+                            gemm=gemm)[0]
 
 
 @dataclasses.dataclass
@@ -447,21 +450,23 @@ class Exported:
     pinned: frozenset = frozenset()
     static_reason: Optional[str] = None   # what the capture lowered from it says of its sizes
     python_state: tuple = ()              # what the exported forward read (capture/guards.py)
+    gemm: bool = False                    # matrix products lowered to MATMUL (capture(gemm=True))
 
 
-def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = "", keep=()):
+def capture_exported(model, example_inputs, *, dynamic: bool = True, pin=(), pin_reason: str = "", keep=(),
+                     gemm: bool = False):
     """capture(), returning (Captured, Exported): the export it lowered, for repin. The Exported
     holds torch's whole ExportedProgram (fake tensors, shape environment): drop it when done.
     Both carry the Python state the forward read while exported (python_state), which the
     runtime guards."""
     inputs = validate(model, example_inputs)
     with state_guards.recording(model) as recorder:
-        captured, exported = _capture_exported(model, inputs, dynamic, pin, pin_reason, keep)
+        captured, exported = _capture_exported(model, inputs, dynamic, pin, pin_reason, keep, gemm)
     exported.python_state = captured.python_state = recorder.descriptions()
     return captured, exported
 
 
-def _capture_exported(model, inputs, dynamic, pin, pin_reason, keep):
+def _capture_exported(model, inputs, dynamic, pin, pin_reason, keep, gemm=False):
     name = type(model).__name__
     with _model_untouched(model), _gc_paused():
         # A size the IR cannot write (x[:, 1:] gives s1 - 1, pooling s2 // 2) fixes the input
@@ -475,9 +480,10 @@ def _capture_exported(model, inputs, dynamic, pin, pin_reason, keep):
             if reason is None and fixed:
                 text = (f"input dims {sorted(fixed)} fixed at their example sizes ({why}); "
                         "the others may vary")
-            exported = Exported(ep, model, inputs, frozenset(fixed), why, reason is None, frozenset(pinned), text)
+            exported = Exported(ep, model, inputs, frozenset(fixed), why, reason is None, frozenset(pinned), text,
+                                gemm=gemm)
             try:
-                return lowering.lower(ep, inputs, text, model, pin=sorted(pinned), keep=keep), exported
+                return lowering.lower(ep, inputs, text, model, pin=sorted(pinned), keep=keep, gemm=gemm), exported
             except lowering.NeedStatic as e:
                 if reason is not None and not fixed:    # already static: a genuine limitation
                     raise CaptureError(f"cannot capture {name}: {e}") from None
@@ -492,8 +498,8 @@ def _capture_exported(model, inputs, dynamic, pin, pin_reason, keep):
                     pinned = set()
         ep = _export_checked(model, inputs, False, ())[0]
         try:
-            return (lowering.lower(ep, inputs, why, model, keep=keep),
-                    Exported(ep, model, inputs, frozenset(), why, False, static_reason=why))
+            return (lowering.lower(ep, inputs, why, model, keep=keep, gemm=gemm),
+                    Exported(ep, model, inputs, frozenset(), why, False, static_reason=why, gemm=gemm))
         except lowering.NeedStatic as e:
             raise CaptureError(f"cannot capture {name}: {e}") from None
 
@@ -514,12 +520,13 @@ def repin(exported: Exported, pin, pin_reason: str = "", keep=()) -> Captured:
         reason = f"input dims {sorted(fixed)} fixed at their example sizes ({why}); the others may vary"
         try:
             captured = lowering.lower(exported.ep, exported.inputs, reason, exported.model,
-                                      pin=sorted(pin | exported.pinned), keep=keep)
+                                      pin=sorted(pin | exported.pinned), keep=keep, gemm=exported.gemm)
             captured.python_state = exported.python_state
             return captured
         except lowering.NeedStatic:
             pass
-    return capture(exported.model, exported.inputs, pin=sorted(pin), pin_reason=pin_reason, keep=keep)
+    return capture(exported.model, exported.inputs, pin=sorted(pin), pin_reason=pin_reason, keep=keep,
+                   gemm=exported.gemm)
 
 
 def relower(exported: Exported, keep, pin=(), pin_reason: str = "") -> Captured:
@@ -529,7 +536,7 @@ def relower(exported: Exported, keep, pin=(), pin_reason: str = "") -> Captured:
     if pin:
         return repin(exported, pin, pin_reason, keep=keep)
     captured = lowering.lower(exported.ep, exported.inputs, exported.static_reason, exported.model,
-                              pin=sorted(exported.pinned), keep=keep)
+                              pin=sorted(exported.pinned), keep=keep, gemm=exported.gemm)
     captured.python_state = exported.python_state
     return captured
 

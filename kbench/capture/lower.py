@@ -24,14 +24,15 @@ _INPUT_KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
                InputKind.CONSTANT_TENSOR: "const"}
 
 
-def lower(ep, inputs, static_reason, model=None, pin=(), keep=()):
+def lower(ep, inputs, static_reason, model=None, pin=(), keep=(), gemm=False):
     """The ExportedProgram as a Captured graph; NeedStatic (with .dims set) when some size
     cannot be written. pin: user-input dims (input, dim) to hold at their example sizes, as if
     the export had made them static (the same program lowered again, without re-exporting).
     keep: FX node names (a dict: name -> why) to run as one EXTERN call each, as eager runs
-    them, instead of their IR decomposition (a region whose kernel lost to eager's op)."""
+    them, instead of their IR decomposition (a region whose kernel lost to eager's op).
+    gemm: matrix products (mm, bmm, addmm, matmul, linear, baddbmm) as MATMUL nodes, not torch calls."""
     try:
-        return _lower(ep, inputs, static_reason, model, pin, keep)
+        return _lower(ep, inputs, static_reason, model, pin, keep, gemm)
     except NeedStatic as e:
         for i, n in enumerate(n for n in ep.graph.nodes if n.op == "placeholder"
                               and n.name in {s.arg.name for s in ep.graph_signature.input_specs
@@ -42,7 +43,7 @@ def lower(ep, inputs, static_reason, model=None, pin=(), keep=()):
         raise
 
 
-def _lower(ep, inputs, static_reason, model, pin=(), keep=()):
+def _lower(ep, inputs, static_reason, model, pin=(), keep=(), gemm=False):
     sig = ep.graph_signature
     ph = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     user_specs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
@@ -79,7 +80,7 @@ def _lower(ep, inputs, static_reason, model, pin=(), keep=()):
         raise NeedStatic(f"{len(sym_of)} varying sizes (the IR has 16 symbols)")
 
     keep = dict(keep) if isinstance(keep, dict) else dict.fromkeys(keep, "")
-    b = Builder(LOWER, sym_of, subst, examples, keep)
+    b = Builder(LOWER, sym_of, subst, examples, keep, gemm)
     _check_sizes(b, ep)
     for i, (t, row) in enumerate(zip(inputs, input_syms)):
         for d, s in enumerate(row):

@@ -424,7 +424,7 @@ def _select(b, node, a):
 
 
 def _split_lower(b, node, x, dim, drop_dim=False):
-    if only_torch_consumes(node, b.keep):
+    if only_torch_consumes(node, b.keep, gemm=b.gemm):
         raise Unsupported("its pieces feed torch's ops alone: one call (torch's backward is one cat)")
     outs = node.meta["val"]
     starts, acc = [], 0
@@ -812,8 +812,12 @@ def _index_select(b, node, a):
 def _linear(b, node, a):
     """A Linear with bias: the product (torch's) and the bias add (IR), so that the add fuses
     with what follows (an activation, a residual add, a norm). Where nothing kbench computes
-    follows, the bias stays in cuBLAS's GEMM epilogue (one call, as eager's)."""
+    follows, the bias stays in cuBLAS's GEMM epilogue (one call, as eager's). With gemm on, the
+    product is a MATMUL too: x [..., K] flattened to [M, K] times the weight [N, K] read through a
+    PERMUTE as [K, N], then the bias add, all IR (one GEMM region with its epilogue)."""
     x, w, bias = _t(a["input"]), _t(a["weight"]), a.get("bias")
+    if b.gemm:
+        return _linear_ir(b, node, x, w, bias)
     pad = gemm_row_padding(node, w)
     if pad:
         return _padded_linear(b, node, x, w, bias, pad)
@@ -828,6 +832,113 @@ def _linear(b, node, a):
 
 def _slot(k):
     return TensorSlot(k)
+
+
+# With gemm off these stay torch calls: "no lowering", as they were before they had one.
+_NO_GEMM = "no lowering"
+
+
+def _mm_ir(b, x, y, dt):
+    """x [*batch, M, K] . y [*batch, K, N] as a MATMUL of dtype dt; batch dims of size 1 broadcast
+    by EXPAND. The operands are cast to dt first: torch.export records autocast implicitly (an f32
+    Linear whose result is bf16), and autocast runs the product on operands cast to its dtype."""
+    if x.rank < 2 or y.rank < 2:
+        raise Unsupported("matmul of a vector")
+    if dt in ("f32", "f16", "bf16", "f64"):
+        x, y = b.cast(x, dt), b.cast(y, dt)
+    if x.dtype != y.dtype or x.dtype not in ("f32", "f16", "bf16", "f64"):
+        raise Unsupported(f"matmul of {x.dtype} and {y.dtype}")
+    if x.rank != y.rank:
+        raise Unsupported("matmul operands of different ranks")
+    batch = b.bshape(x.dims[:-2], y.dims[:-2])
+    x = b.bcast(x, tuple(batch) + x.dims[-2:])
+    y = b.bcast(y, tuple(batch) + y.dims[-2:])
+    return b.add("matmul", [x, y], dt, tuple(batch) + (x.dims[-2], y.dims[-1]))
+
+
+def _transposed(b, w):
+    return b.permute(w, tuple(range(w.rank - 2)) + (w.rank - 1, w.rank - 2))
+
+
+def _flat_mm(b, x, w, dt):
+    """x [..., K] . w [K, N] -> [..., N]: the leading dims of x folded into M (as torch's linear
+    folds them), so the weight is one [K, N] operand, not broadcast over a batch."""
+    if x.rank == 2:
+        return _mm_ir(b, x, w, dt)
+    flat = mono_dim(x.dims[:-1])
+    if flat is None:
+        raise Unsupported("too many varying dims to fold into M")
+    y = _mm_ir(b, b.reshape(x, (flat, x.dims[-1])), w, dt)
+    return b.reshape(y, x.dims[:-1] + (w.dims[-1],))
+
+
+def _scaled(b, v, s, dt):
+    s = _num(s)
+    return v if s == 1 else b.arith("mul", v, float(s), dt)
+
+
+def _linear_ir(b, node, x, w, bias):
+    if w.rank != 2 or x.rank < 1:
+        raise Unsupported("linear of this rank")
+    dt = _out(node)
+    x2 = b.reshape(x, (1, x.dims[0])) if x.rank == 1 else x
+    y = _flat_mm(b, x2, _transposed(b, w), dt)
+    if x.rank == 1:
+        y = b.reshape(y, (w.dims[0],))
+    return y if bias is None else b.arith("add", y, _t(bias), dt, y.dims)
+
+
+@_reg("mm.default")
+def _mm(b, node, a):
+    if not b.gemm:
+        raise Unsupported(_NO_GEMM)
+    return _mm_ir(b, _t(a["self"]), _t(a["mat2"]), _out(node))
+
+
+@_reg("bmm.default")
+def _bmm(b, node, a):
+    if not b.gemm:
+        raise Unsupported(_NO_GEMM)
+    return _mm_ir(b, _t(a["self"]), _t(a["mat2"]), _out(node))
+
+
+@_reg("matmul.default")
+def _matmul(b, node, a):
+    """torch.matmul of 2-D and 3-D operands (export mostly leaves mm/bmm): [B, M, K] . [K, N]
+    folds B into M; equal or size-1 batch dims broadcast."""
+    if not b.gemm:
+        raise Unsupported(_NO_GEMM)
+    x, y, dt = _t(a["self"]), _t(a["other"]), _out(node)
+    if x.rank not in (2, 3) or y.rank not in (2, 3):
+        raise Unsupported("matmul of this rank")
+    if y.rank == 2:
+        return _flat_mm(b, x, y, dt)
+    if x.rank == 2:
+        x = b.reshape(x, (1,) + x.dims)
+    return _mm_ir(b, x, y, dt)
+
+
+@_reg("addmm.default")
+def _addmm(b, node, a):
+    """beta * self + alpha * (mat1 . mat2): the product a MATMUL, the rest its epilogue."""
+    if not b.gemm:
+        raise Unsupported(_NO_GEMM)
+    dt = _out(node)
+    y = _scaled(b, _mm_ir(b, _t(a["mat1"]), _t(a["mat2"]), dt), a.get("alpha", 1), dt)
+    if _num(a.get("beta", 1)) == 0:
+        return y
+    return b.arith("add", y, _scaled(b, _t(a["self"]), a.get("beta", 1), dt), dt, y.dims)
+
+
+@_reg("baddbmm.default")
+def _baddbmm(b, node, a):
+    if not b.gemm:
+        raise Unsupported(_NO_GEMM)
+    dt = _out(node)
+    y = _scaled(b, _mm_ir(b, _t(a["batch1"]), _t(a["batch2"]), dt), a.get("alpha", 1), dt)
+    if _num(a.get("beta", 1)) == 0:
+        return y
+    return b.arith("add", y, _scaled(b, _t(a["self"]), a.get("beta", 1), dt), dt, y.dims)
 
 
 # A 16-bit GEMM whose output rows are not a multiple of 8 elements (16 bytes) long — a vocabulary of
@@ -888,9 +999,12 @@ _NO_DATA = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, 
             aten.flatten.using_ints, aten.unflatten.int}
 # Ops whose lowering is torch's own call (or starts with one): a value they use is read by torch.
 _TORCH_CALLS = {aten.linear.default, aten.cat.default, aten.stack.default}
+# Matrix products: torch's calls unless the capture lowers them (gemm)
+_PRODUCTS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default,
+             aten.baddbmm.default}
 
 
-def only_torch_consumes(node, keep=(), _depth: int = 0) -> bool:
+def only_torch_consumes(node, keep=(), _depth: int = 0, gemm: bool = False) -> bool:
     """Is every use of node's value — looked for through ops that move no data — an op torch
     runs (one kbench has no lowering for, a matrix product, attention, a cat, a node named in
     keep: kept in torch) or the graph's output? Then lowering node itself would make a region of
@@ -903,10 +1017,12 @@ def only_torch_consumes(node, keep=(), _depth: int = 0) -> bool:
         if user.op == "output" or user.name in keep:
             continue
         if target is operator.getitem or target in _NO_DATA:
-            if not only_torch_consumes(user, keep, _depth + 1):
+            if not only_torch_consumes(user, keep, _depth + 1, gemm):
                 return False
             continue
-        if user.op != "call_function" or (target in LOWER and target not in _TORCH_CALLS):
+        if gemm and target in _PRODUCTS:
+            return False
+        if user.op != "call_function" or (target in LOWER and target not in _TORCH_CALLS | _PRODUCTS):
             return False
     return True
 

@@ -185,7 +185,12 @@ class RegionBackward:
             ref = self._eager_backward(r, sv, ins, grads, need, dtype=torch.float64)
             got = self._run_backward(self._kbench_backward[(r, need)], sv, ins, grads, need, metas, stats)
             ref, got = [g for g, k in zip(ref, need) if k], [g for g, k in zip(got, need) if k]
-            why, point_unused = verify.compare_grads(got, ref, sv, plan.precision(r))
+            reduction = plan.reduction(r, sv, backward=True)
+            why, point_unused = verify.compare_grads(got, ref, sv, plan.precision(r), reduction)
+            if why:   # no worse than torch's own ops on these inputs (verify.BASELINE_FACTOR)
+                own = self._eager_backward(r, sv, ins, grads, need)
+                why, point_unused = verify.compare_grads(got, ref, sv, plan.precision(r), reduction,
+                                                         baseline=[g for g, k in zip(own, need) if k])
             if why:
                 return why, n
             unused = point_unused if unused is None else unused & point_unused

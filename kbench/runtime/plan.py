@@ -31,6 +31,11 @@ class RegionFallback(Exception):
     """Raised by a backend to run one region in eager for this call (e.g. a misaligned input)."""
 
 
+# A GEMM region's status reason on the cuda backend until the generated GEMM kernel is glued in:
+# torch runs its product and epilogue (the region's nodes as torch ops).
+GEMM_IN_TORCH = "GEMM region: no generated kernel yet"
+
+
 class Status(enum.Enum):
     """What runs a region; RegionInfo.reason says why where torch runs one that kbench could."""
     INTERP = "interp"                     # the C interpreter (backend "interp")
@@ -147,6 +152,20 @@ class Plan:
         what its results are compared with a float64 reference at (verify.precision)."""
         nodes = self.nodes if r is None else [self.nodes[n] for n in self.regions[r].nodes]
         return verify.precision({torch_dtype(nd["dtype"]) for nd in nodes})
+
+    def reduction(self, r, symvals, backward=False) -> int:
+        """The longest reduction a MATMUL of region r makes at these sizes (0: none): its K, or,
+        backward, the longest of M, N and K (the backward's products dA = g . B^T and dB = A^T . g
+        reduce over N and M): what verify.gemm_scale widens the region's tolerance by."""
+        longest = 0
+        for n in self.regions[r].nodes:
+            nd = self.nodes[n]
+            if nd["op"] != "matmul":
+                continue
+            a = self.graph.sizes(nd["inputs"][0], symvals)
+            b = self.graph.sizes(nd["inputs"][1], symvals)
+            longest = max([longest, a[-1]] + ([a[-2], b[-1]] if backward else []))
+        return longest
 
     def admits(self, symvals) -> bool:
         """Do these sizes satisfy every relation the capture relies on (e.g. a slice's bound)?"""

@@ -133,6 +133,10 @@ def evaluate(graph, captured, inputs_by_value: dict, symvals, *, nodes=None, dty
                 y = y[(slice(None),) * n["axis"] + (slice(None, None, step),)]
         elif op == "gather":
             y = torch.gather(args[0], n["axis"], args[1].long())
+        elif op == "matmul":
+            # in the output's dtype where the operands' differs (rounded once there, as the IR's)
+            a, b = args
+            y = torch.matmul(a.to(want), b.to(want)) if a.dtype != want else torch.matmul(a, b)
         else:
             raise NotImplementedError(f"torch_eval: op {op}")
         if isinstance(y, torch.Tensor) and y.dtype != want:

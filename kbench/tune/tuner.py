@@ -23,7 +23,7 @@ import torch
 from .. import _C, verify
 from ..runtime import nvrtc, torch_eval
 from ..runtime.cuda import event_ms
-from ..runtime.plan import Status
+from ..runtime.plan import GEMM_IN_TORCH, Status
 from . import cache, sandbox, search, spread, timing
 
 log = logging.getLogger("kbench")
@@ -187,6 +187,10 @@ class Tuner:
         way is such a reason, never an error out of optimize(), and so is a trap or hang here
         (after which nothing more is launched: self.poisoned)."""
         r = info.index
+        if info.kind == "GEMM":   # the GEMM generator's kernel is not glued in yet: torch runs it
+            ex.kernels.pop(r, None)
+            info.set_status(Status.EAGER, GEMM_IN_TORCH)
+            return
         if self.poisoned:   # a trap or hang earlier: nothing is launched here any more
             ex.kernels.pop(r, None)
             info.set_status(Status.EAGER, f"not tried: {self.poisoned}")

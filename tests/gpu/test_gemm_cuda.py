@@ -1,0 +1,60 @@
+"""optimize(..., gemm=True) on the cuda backend before the generated GEMM kernel is glued in: the
+products are MATMUL nodes in GEMM regions, each run in torch with its reason (never a crash, never
+demoted into torch calls), the pointwise and row regions around them still generated kernels, and
+outputs and gradients match eager in f32 and under bf16 autocast."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kbench
+from kbench.runtime.plan import GEMM_IN_TORCH, Status
+
+pytestmark = pytest.mark.gpu
+
+
+class Block(torch.nn.Module):
+    """Linear-GELU-Linear, a residual add, a LayerNorm; then a bmm attention score."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, x):
+        h = self.norm(self.fc2(F.gelu(self.fc1(x))) + x)
+        return torch.bmm(h, h.transpose(1, 2)).softmax(-1)
+
+
+def rel(a, b, floor=1e-6):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(floor))
+
+
+@pytest.mark.parametrize("autocast,tol", [(False, 1e-4), (True, 3e-2)], ids=["f32", "bf16"])
+def test_gemm_regions_run_in_torch_with_a_reason(autocast, tol):
+    torch.manual_seed(0)
+    model = Block().cuda()
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 32, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        opt = kbench.optimize(model, (x,), backend="cuda", budget="none", verbose=False, strict=True,
+                              gemm=True, cuda_graphs=False)
+        regions = opt._kbench_plan.regions
+        gemms = [r for r in regions if r.kind == "GEMM"]
+        assert len(gemms) == 3, opt.kbench_report
+        for r in gemms:
+            assert r.status is Status.EAGER and r.reason == GEMM_IN_TORCH, opt.kbench_report
+        assert "EXTERN" not in [r.kind for r in regions], opt.kbench_report   # nothing demoted
+        assert any(r.status.kernel for r in regions if r.kind == "ROW"), opt.kbench_report
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, want = opt(xa), twin(xb)
+        g = torch.randn_like(want)
+    assert got.dtype == want.dtype and rel(got, want) <= tol
+    got.backward(g)
+    want.backward(g)
+    assert rel(xa.grad, xb.grad) <= tol
+    scale = max(float(q.grad.abs().max()) for q in twin.parameters())
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert rel(p.grad, q.grad, floor=1e-3 * scale) <= tol, n
