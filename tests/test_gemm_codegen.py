@@ -18,8 +18,8 @@ DEFAULT = (128, 128, 32, 2, 4, 4, 2)
 H100 = {"sm": 90, "num_sms": 132, "max_smem_per_block": 232448, "regs_per_sm": 65536}
 
 
-def spec(ab="bf16", out=None, bt=False, **epi):
-    return {"ab": ab, "out": out or ab, "b_transposed": bt, **epi}
+def spec(ab="bf16", out=None, bt=False, at=False, **epi):
+    return {"ab": ab, "out": out or ab, "a_transposed": at, "b_transposed": bt, **epi}
 
 
 FULL = dict(alpha=True, bias_n="bf16", act="gelu_tanh", residual="bf16")
@@ -33,7 +33,8 @@ CASES = [
     (spec("f16", bt=True, residual="f16", bias_n="f32", act="gelu_tanh"), (16, 64, 64, 1, 2, 4, 2), "sm_80"),
     (spec("bf16", bt=True, act="leaky_relu", act_scalars=(0.1,)), (64, 32, 16, 2, 1, 2, 1), "sm_90"),
     (spec("f16", "bf16", alpha=True, act="gelu"), (32, 64, 64, 1, 2, 4, 2), "sm_80"),
-    (spec("bf16", "bf16", alpha=True), (128, 64, 64, 2, 2, 3, 1), "sm_80"),
+    (spec("bf16", "bf16", alpha=True, at=True), (128, 64, 64, 2, 2, 3, 1), "sm_80"),
+    (spec("f16", "f32", at=True, bt=True, bias_n="f16"), (64, 64, 32, 2, 2, 4, 2), "sm_80"),
 ]
 
 
@@ -140,6 +141,8 @@ def test_gemm_launcher_refusals():
         ((_t(8, 16), _t(16, 8)), {"residual": _t(8, 8, dtype=torch.int32)}, "residual must be float32"),
         ((_t(8, 16), _t(16, 8)), {"out_dtype": torch.float64}, "out_dtype"),
         ((_t(8, 16), _t(5, 16)), {"b_transposed": True}, ""),           # any N with b transposed
+        ((_t(16, 12), _t(16, 8)), {"a_transposed": True}, "M = 12"),
+        ((_t(16, 24), _t(16, 8)), {"a_transposed": True}, ""),          # a stored [K, M]
     ]
     for (a, b), kw, why in cases:
         got = gemm.refusal(a, b, **kw)
@@ -173,14 +176,16 @@ def _args(call):
     raise AssertionError(call)
 
 
-def _emulate(src, BM, BN, BK, WM, WN, bt):
+def _emulate(src, BM, BN, BK, WM, WN, bt, at=False):
     """Runs the source's shared layout, ldmatrix addresses and epilogue coordinates through an
     emulation of ldmatrix.x4 (.trans) and mma.m16n8k16 as the PTX ISA defines their fragments, on
     integer tiles; returns (the block tile it computes, A @ B)."""
     import re
     flat = re.sub(r"\s+", " ", src)
     assert "const int key = CPR >= 8 ? (r & 7) : ((q >> 3) & 7); return (unsigned)(q ^ key) * 16u;" in flat
-    a_call = re.search(r"kb_ldmatrix_x4\(a\[i\], sa \+ (kb_swizzle<\d+>\(.*?\))\);", flat).group(1)
+    a_call = re.search(r"kb_ldmatrix_x4(_trans)?\(a\[i\], sa \+ (kb_swizzle<\d+>\(.*?\))\);", flat)
+    assert (a_call.group(1) is not None) == at
+    a_call = a_call.group(2)
     b_call = re.search(r"kb_ldmatrix_x4(_trans)?\(r, sb \+ (kb_swizzle<\d+>\(.*?\))\);", flat)
     trans, b_call = b_call.group(1) is not None, b_call.group(2)
     assert trans == (not bt)
@@ -203,7 +208,7 @@ def _emulate(src, BM, BN, BK, WM, WN, bt):
                 assert np.isnan(s[o:o + 8]).all()
                 s[o:o + 8] = T[r, c * 8:c * 8 + 8]
         return s, cpr
-    sa, acpr = smem(A)
+    sa, acpr = smem(A.T.copy() if at else A)
     sb, bcpr = smem(B.T.copy() if bt else B)
     assert f"kb_swizzle<{acpr}>" in a_call and f"kb_swizzle<{bcpr}>" in b_call
 
@@ -224,7 +229,7 @@ def _emulate(src, BM, BN, BK, WM, WN, bt):
         acc = np.zeros((MI, NI, 32, 4))
         for kk in range(BK // 16):
             a = [ldmatrix(sa, acpr, [ar(**v, i=i, kk=kk, lane=l) for l in lanes],
-                          [ac(**v, i=i, kk=kk, lane=l) for l in lanes], False) for i in range(MI)]
+                          [ac(**v, i=i, kk=kk, lane=l) for l in lanes], at) for i in range(MI)]
             b = [None] * NI
             for j in range(0, NI, 2):
                 r = ldmatrix(sb, bcpr, [br(**v, j=j, kk=kk, lane=l) for l in lanes],
@@ -252,12 +257,13 @@ def _emulate(src, BM, BN, BK, WM, WN, bt):
 
 
 @pytest.mark.parametrize("genome", [DEFAULT, (64, 32, 16, 2, 1, 2, 1), (32, 256, 64, 1, 4, 2, 1)])
-@pytest.mark.parametrize("bt", [True, False], ids=["b_transposed", "b_row_major"])
-def test_gemm_fragment_mapping_emulated(genome, bt):
+@pytest.mark.parametrize("at,bt", [(False, True), (False, False), (True, True), (True, False)],
+                         ids=["nt", "nn", "tt", "tn"])
+def test_gemm_fragment_mapping_emulated(genome, at, bt):
     """The generated source's ldmatrix addresses, swizzle and epilogue coordinates, read from its
     text and run through ldmatrix / mma.m16n8k16 as the PTX ISA defines their fragments, compute
     exactly A @ B for the block tile, every element once, with no bank conflict in any ldmatrix."""
-    src = _C.gemm_generate(spec("bf16", bt=bt), genome, 90, H100)[0]
-    out, ref = _emulate(src, *genome[:5], bt)
+    src = _C.gemm_generate(spec("bf16", bt=bt, at=at), genome, 90, H100)[0]
+    out, ref = _emulate(src, *genome[:5], bt, at)
     assert not np.isnan(out).any()
     assert np.array_equal(out, ref)

@@ -371,11 +371,12 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
     if ((st = kb_gemm_genome_check(ctx, g, &any_smem)) != KB_OK) return st;
     const int BM = g->tile_m, BN = g->tile_n, BK = g->tile_k, S = g->stages, WM = g->warps_m, WN = g->warps_n;
     const int threads = 32 * WM * WN, WTM = BM / WM, WTN = BN / WN, MI = WTM / 16, NI = WTN / 8;
-    const int a_cpr = BK / 8, bt = spec->b_transposed, b_cpr = bt ? BK / 8 : BN / 8;
+    const int at = spec->a_transposed, bt = spec->b_transposed;
+    const int a_cpr = at ? BM / 8 : BK / 8, b_cpr = bt ? BK / 8 : BN / 8;
     const int a_bytes = BM * BK * 2, b_bytes = BK * BN * 2;
     const char *T = cg_storage(spec->ab), *TO = cg_storage(spec->out);
     const char *mma_type = spec->ab == KB_BF16 ? "bf16" : "f16";
-    const char *lay = bt ? "nt" : "nn";
+    const char *lay = at ? (bt ? "tt" : "tn") : (bt ? "nt" : "nn");
 
     kb_gemm_launch L = {{0}, threads, (int32_t)smem_bytes(g), BM, BN};
     snprintf(L.name, sizeof L.name, "kb_gemm_%s_%s_%dx%dx%d_w%dx%d_s%d_b%d", mma_type, lay, BM, BN, BK, WM, WN, S,
@@ -386,7 +387,8 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
     /* ---- the header */
     gl(&w, "// %s: out[b] = epilogue(A[b] @ B%s[b]) on tensor cores (kbench codegen/gemm.c, sm_%d).", L.name,
        bt ? "^T" : "", sm);
-    gl(&w, "//   A   [batch, M, K] %s, row stride lda%s", mma_type, spec->a_broadcast ? ", one for every batch" : "");
+    gl(&w, "//   A   %s %s, row stride lda%s", at ? "[batch, K, M] (read transposed)" : "[batch, M, K]", mma_type,
+       spec->a_broadcast ? ", one for every batch" : "");
     gl(&w, "//   B   %s %s, row stride ldb%s", bt ? "[batch, N, K] (a Linear's weight)" : "[batch, K, N]", mma_type,
        spec->b_broadcast ? ", one for every batch" : "");
     gl(&w, "//   out [batch, M, N] %s, contiguous; f32 accumulation", kb_dtype_name(spec->out));
@@ -398,10 +400,12 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
     gl(&w, "// flight while the warps multiply the oldest, %d block%s an SM at once; fragments come from", (int)g->min_blocks,
        g->min_blocks > 1 ? "s" : "");
     gl(&w, "// XOR-swizzled shared memory by ldmatrix%s. Blocks run in groups of 8 tile rows (grid.x), so a",
-       bt ? "" : " (.trans for B, whose rows run along N)");
+       at && !bt ? " (.trans for A and B, whose rows run along M and N)"
+       : at      ? " (.trans for A, whose rows run along M)"
+       : !bt     ? " (.trans for B, whose rows run along N)" : "");
     gl(&w, "// wave's tiles share A and B in L2.");
-    gl(&w, "// Requires (the launcher checks): K, lda, ldb%s and the batch strides multiples of 8 elements,",
-       bt ? "" : ", N");
+    gl(&w, "// Requires (the launcher checks): K, lda, ldb%s%s and the batch strides multiples of 8 elements,",
+       at ? ", M" : "", bt ? "" : ", N");
     gl(&w, "// A, B and out 16-byte aligned. Edges: zero-filled loads, predicated stores (pairs where N is even).");
     /* both 16-bit headers: an epilogue may read tensors of either type */
     gl(&w, "#include <cuda_bf16.h>");
@@ -447,8 +451,12 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
     w.ind++;
     gl(&w, "const long long k0 = kt * BK;");
     gl(&w, "const unsigned sa = smem + s * A_STAGE, sb = smem + STAGES * A_STAGE + s * B_STAGE;");
-    emit_tile_load(&w, "A tile, BM rows (m) x BK columns (k)", BM, a_cpr, threads, "sa", "m0 + r", "k0 + c * 8", "M",
-                   "K", "Ab", "lda", "A");
+    if (at)
+        emit_tile_load(&w, "A tile, BK rows (k) x BM columns (m)", BK, a_cpr, threads, "sa", "k0 + r", "m0 + c * 8", "K",
+                       "M", "Ab", "lda", "A");
+    else
+        emit_tile_load(&w, "A tile, BM rows (m) x BK columns (k)", BM, a_cpr, threads, "sa", "m0 + r", "k0 + c * 8", "M",
+                       "K", "Ab", "lda", "A");
     if (bt)
         emit_tile_load(&w, "B tile, BN rows (n) x BK columns (k)", BN, b_cpr, threads, "sb", "n0 + r", "k0 + c * 8", "N",
                        "K", "Bb", "ldb", "B");
@@ -486,13 +494,22 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
     gl(&w, "#pragma unroll");
     gl(&w, "for (int kk = 0; kk < BK / 16; kk++) {");
     w.ind++;
-    gl(&w, "// A fragments: matrix q of ldmatrix.x4 (lanes 8q..8q+7 address it) is rows (q & 1) * 8 + 0..7,");
-    gl(&w, "// k chunk q >> 1 of this 16x16 block: lane l addresses row l & 15, chunk l >> 4 -> a[0..3]");
+    if (at) {
+        gl(&w, "// A tile rows are k: matrices (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15)");
+        gl(&w, "// read transposed give each lane A[g][2t..2t+1], A[g+8][..], A[g][2t+8..], A[g+8][2t+8..] -> a[0..3]");
+    } else {
+        gl(&w, "// A fragments: matrix q of ldmatrix.x4 (lanes 8q..8q+7 address it) is rows (q & 1) * 8 + 0..7,");
+        gl(&w, "// k chunk q >> 1 of this 16x16 block: lane l addresses row l & 15, chunk l >> 4 -> a[0..3]");
+    }
     gl(&w, "unsigned a[MI][4], b[NI][2];");
     gl(&w, "#pragma unroll");
     gl(&w, "for (int i = 0; i < MI; i++)");
-    gl(&w, "    kb_ldmatrix_x4(a[i], sa + kb_swizzle<%d>(warp_m * WTM + i * 16 + (lane & 15), kk * 2 + (lane >> 4)));",
-       a_cpr);
+    if (at)
+        gl(&w, "    kb_ldmatrix_x4_trans(a[i], sa + kb_swizzle<%d>(kk * 16 + (lane & 7) + ((lane >> 4) << 3), "
+              "(warp_m * WTM + i * 16) / 8 + ((lane >> 3) & 1)));", a_cpr);
+    else
+        gl(&w, "    kb_ldmatrix_x4(a[i], sa + kb_swizzle<%d>(warp_m * WTM + i * 16 + (lane & 15), kk * 2 + (lane >> 4)));",
+           a_cpr);
     gl(&w, "#pragma unroll");
     gl(&w, "for (int j = 0; j < NI; j += 2) {");
     w.ind++;

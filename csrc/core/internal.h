@@ -166,7 +166,8 @@ int kb_monomial_equal(const kb_monomial *a, const kb_monomial *b);
 
 /* ---------------------------------------------------------------- GEMM kernels (codegen/gemm.c)
  * out[b] = epilogue(A[b] @ B[b]) on tensor cores (mma.sync m16n8k16, f32 accumulation), sm_80+.
- * A [batch, M, K] row-major (row stride lda); B [batch, K, N] row-major or, b_transposed, [batch,
+ * A [batch, M, K] row-major or, a_transposed, [batch, K, M] (row stride lda); B [batch, K, N]
+ * row-major or, b_transposed, [batch,
  * N, K] (a Linear's weight), row stride ldb; out [batch, M, N] contiguous. M, N, K, lda, ldb and
  * the batch strides are kernel arguments (long long), so one kernel serves every size. */
 
@@ -199,6 +200,7 @@ typedef struct kb_gemm_spec {
     int32_t a_broadcast;         /* 1: one A for every batch (batch stride 0: no stride_a argument) */
     int32_t b_broadcast;         /* 1: one B for every batch (a weight) */
     const kb_gemm_epilogue *epilogue; /* NULL: out = acc */
+    int32_t a_transposed;        /* 1: A is stored [batch, K, M] (row stride lda), read as its transpose */
 } kb_gemm_spec;
 
 /* One GEMM kernel's schedule: a block computes a tile_m x tile_n tile of out, stepping K by
@@ -259,7 +261,7 @@ int kb_gemm_genome_candidates(int64_t M, int64_t N, int64_t K, int64_t batch, co
  * epilogue text), genome and sm give the same bytes. g must pass kb_gemm_genome_check's shape
  * rules; its shared memory is checked against the caller's device there, not here. The kernel requires (the launcher checks; a
  * call that breaks it goes to cuBLAS): K, lda, ldb and the batch strides multiples of 8 elements,
- * N too where B is not transposed, A, B and out 16-byte aligned, ceil(M / tile_m) *
+ * N too where B is not transposed, M where A is, A, B and out 16-byte aligned, ceil(M / tile_m) *
  * ceil(N / tile_n) < 2^31 and batch < 65536. */
 kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_genome *g, int sm, kb_sb *sb,
                            kb_gemm_launch *launch);

@@ -64,8 +64,9 @@ static int spec_bool(PyObject *spec, const char *key) {
     return b;
 }
 
-static const char *const SPEC_KEYS[] = {"ab", "out", "b_transposed", "a_broadcast", "b_broadcast", "alpha",
-                                        "bias_n", "bias_m", "residual", "act", "act_scalars", NULL};
+static const char *const SPEC_KEYS[] = {"ab",     "out",    "a_transposed", "b_transposed", "a_broadcast",
+                                        "b_broadcast", "alpha", "bias_n", "bias_m", "residual", "act",
+                                        "act_scalars", NULL};
 
 /* the spec dict -> *spec and *b (the built-in epilogue: none of its terms -> no epilogue) */
 static int spec_from(PyObject *d, kb_gemm_spec *spec, kb_gemm_builtin *b, int *has_epilogue) {
@@ -87,10 +88,11 @@ static int spec_from(PyObject *d, kb_gemm_spec *spec, kb_gemm_builtin *b, int *h
     memset(spec, 0, sizeof *spec);
     memset(b, 0, sizeof *b);
     int ab = spec_dtype(d, "ab", 0, KB_BF16), out = spec_dtype(d, "out", 0, ab);
-    int bt = spec_bool(d, "b_transposed"), abc = spec_bool(d, "a_broadcast"), bbc = spec_bool(d, "b_broadcast");
+    int at = spec_bool(d, "a_transposed"), bt = spec_bool(d, "b_transposed");
+    int abc = spec_bool(d, "a_broadcast"), bbc = spec_bool(d, "b_broadcast");
     int alpha = spec_bool(d, "alpha");
     int bn = spec_dtype(d, "bias_n", 1, -1), bm = spec_dtype(d, "bias_m", 1, -1), res = spec_dtype(d, "residual", 1, -1);
-    if (ab < -1 || out < -1 || bt < 0 || abc < 0 || bbc < 0 || alpha < 0 || bn < -1 || bm < -1 || res < -1) return -1;
+    if (ab < -1 || out < -1 || at < 0 || bt < 0 || abc < 0 || bbc < 0 || alpha < 0 || bn < -1 || bm < -1 || res < -1) return -1;
     int act = -1;
     PyObject *v = spec_item(d, "act");
     if (!v && PyErr_Occurred()) return -1;
@@ -122,7 +124,7 @@ static int spec_from(PyObject *d, kb_gemm_spec *spec, kb_gemm_builtin *b, int *h
     }
     spec->ab = (kb_dtype)ab;
     spec->out = (kb_dtype)out;
-    spec->b_transposed = bt, spec->a_broadcast = abc, spec->b_broadcast = bbc;
+    spec->a_transposed = at, spec->b_transposed = bt, spec->a_broadcast = abc, spec->b_broadcast = bbc;
     b->has_alpha = alpha, b->bias_n = bn, b->bias_m = bm, b->residual = res, b->act = act;
     b->act_p0 = p[0], b->act_p1 = p[1];
     *has_epilogue = alpha || bn >= 0 || bm >= 0 || res >= 0 || act >= 0;
@@ -219,7 +221,8 @@ PyMethodDef kb_gemm_methods[] = {
     {"gemm_generate", (PyCFunction)(void (*)(void))py_gemm_generate, METH_FASTCALL,
      "gemm_generate(spec, genome, sm, dev=None) -> (source, name, block, smem_bytes, tile_m, tile_n): a tensor-core "
      "GEMM kernel (grid: (ceil(M / tile_m) * ceil(N / tile_n), 1, batch)). spec: a dict of ab, out (dtype names), "
-     "b_transposed, a_broadcast, b_broadcast, alpha (bools), bias_n, bias_m, residual (dtype names or None), act "
+     "a_transposed, b_transposed, a_broadcast, b_broadcast, alpha (bools), bias_n, bias_m, residual (dtype names "
+     "or None), act "
      "(a unary op's name or None), act_scalars; genome: (tile_m, tile_n, tile_k, warps_m, warps_n, stages, min_blocks). "
      "NotImplementedError for what the generator cannot do, ValueError for an illegal genome"},
     {"gemm_genome_check", (PyCFunction)(void (*)(void))py_gemm_genome_check, METH_FASTCALL,

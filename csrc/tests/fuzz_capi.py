@@ -291,7 +291,8 @@ class Fuzz:
         rnd, C = self.rnd, self.C
         pick = rnd.choice
         spec = {"ab": pick(["bf16", "f16", "bf16", "f16", "f32", "i64"]), "out": pick(["bf16", "f16", "f32", "bool"]),
-                "b_transposed": pick([0, 1]), "a_broadcast": pick([0, 1]), "b_broadcast": pick([0, 1]),
+                "a_transposed": pick([0, 1]), "b_transposed": pick([0, 1]), "a_broadcast": pick([0, 1]),
+                "b_broadcast": pick([0, 1]),
                 "alpha": pick([False, True]), "bias_n": pick([None, "bf16", "f32", "i32"]),
                 "bias_m": pick([None, "f16"]), "residual": pick([None, "bf16"]),
                 "act": pick([None, "gelu_tanh", "relu", "leaky_relu", "add", "softplus", "nope"]),

@@ -38,7 +38,7 @@ def _matrix(x: torch.Tensor, name: str):
     raise GemmRefused(f"{name} must be 2-D or 3-D, not {x.dim()}-D")
 
 
-def operands(a, b, *, b_transposed=False, bias=None, bias_m=None, residual=None, act=None, act_scalars=(),
+def operands(a, b, *, a_transposed=False, b_transposed=False, bias=None, bias_m=None, residual=None, act=None, act_scalars=(),
              alpha=None, out_dtype=None) -> Operands:
     """The kernel's view of a call, or GemmRefused with the first reason it cannot run it. Checks
     dtypes, shapes, the innermost strides (1), K and the row and batch strides (multiples of 8
@@ -51,11 +51,13 @@ def operands(a, b, *, b_transposed=False, bias=None, bias_m=None, residual=None,
     out_dtype = out_dtype or a.dtype
     if out_dtype not in OUT_DTYPES:
         raise GemmRefused(f"out_dtype must be bfloat16, float16 or float32, not {out_dtype}")
-    ba, sa, M, K, lda = _matrix(a, "a")
+    ba, sa, r_a, c_a, lda = _matrix(a, "a")
+    M, K = (c_a, r_a) if a_transposed else (r_a, c_a)
     bb, sb, r, c, ldb = _matrix(b, "b")
     N, Kb = (r, c) if b_transposed else (c, r)
     if Kb != K:
-        raise GemmRefused(f"a is [.., {M}, {K}] but b{'ᵀ' if b_transposed else ''} has {Kb} rows of K")
+        raise GemmRefused(f"a{'ᵀ' if a_transposed else ''} is [.., {M}, {K}] but b{'ᵀ' if b_transposed else ''} has "
+                          f"{Kb} rows of K")
     if ba != bb and 1 not in (ba, bb):
         raise GemmRefused(f"batch sizes {ba} and {bb} do not broadcast")
     batch = max(ba, bb)
@@ -65,6 +67,8 @@ def operands(a, b, *, b_transposed=False, bias=None, bias_m=None, residual=None,
         raise GemmRefused(f"K = {K} is not a multiple of 8 (16-byte cp.async chunks along K)")
     if not b_transposed and N % 8:
         raise GemmRefused(f"N = {N} is not a multiple of 8 (16-byte chunks along b's rows; b_transposed=True takes any N)")
+    if a_transposed and M % 8:
+        raise GemmRefused(f"M = {M} is not a multiple of 8 (16-byte chunks along a's rows, a_transposed)")
     for name, stride in (("a's row stride", lda), ("b's row stride", ldb), ("a's batch stride", sa or 0),
                          ("b's batch stride", sb or 0)):
         if stride % 8:
@@ -77,7 +81,8 @@ def operands(a, b, *, b_transposed=False, bias=None, bias_m=None, residual=None,
     if a.device != b.device:
         raise GemmRefused("a and b are on different devices")
     out_shape = (M, N) if a.dim() == 2 and b.dim() == 2 else (batch, M, N)
-    spec = {"ab": TORCH_TO_IR[a.dtype], "out": TORCH_TO_IR[out_dtype], "b_transposed": bool(b_transposed),
+    spec = {"ab": TORCH_TO_IR[a.dtype], "out": TORCH_TO_IR[out_dtype], "a_transposed": bool(a_transposed),
+            "b_transposed": bool(b_transposed),
             "a_broadcast": sa is None, "b_broadcast": sb is None, "alpha": alpha is not None,
             "act": act, "act_scalars": tuple(float(x) for x in act_scalars)}
     for key, t, shape in (("bias_n", bias, (N,)), ("bias_m", bias_m, (M,)), ("residual", residual, out_shape)):
@@ -163,14 +168,14 @@ def genomes(M: int, N: int, K: int, batch: int = 1, device=None) -> list[tuple]:
     return _C.gemm_genomes(M, N, K, batch, dev)
 
 
-def launcher(a, b, *, b_transposed=False, bias=None, bias_m=None, act=None, act_scalars=(), residual=None,
+def launcher(a, b, *, a_transposed=False, b_transposed=False, bias=None, bias_m=None, act=None, act_scalars=(), residual=None,
              alpha=None, out_dtype=None, genome=None):
     """gemm() of these tensors with every check, the kernel and the arguments resolved once: the
     result, fn(out=None), launches on torch's current stream and returns out (a new tensor where
     None; else checked: contiguous, its shape and dtype, 16-byte aligned). For a caller that runs
     the same product again on the same tensors (a benchmark's timed loop, a bound step)."""
-    ops = operands(a, b, b_transposed=b_transposed, bias=bias, bias_m=bias_m, residual=residual, act=act,
-                   act_scalars=act_scalars, alpha=alpha, out_dtype=out_dtype)
+    ops = operands(a, b, a_transposed=a_transposed, b_transposed=b_transposed, bias=bias, bias_m=bias_m,
+                   residual=residual, act=act, act_scalars=act_scalars, alpha=alpha, out_dtype=out_dtype)
     if not a.is_cuda:
         raise GemmRefused("a and b must be CUDA tensors")
     dev = _device(a.device.index)
@@ -204,14 +209,15 @@ def launcher(a, b, *, b_transposed=False, bias=None, bias_m=None, act=None, act_
     return run
 
 
-def gemm(a, b, *, b_transposed=False, bias=None, bias_m=None, act=None, act_scalars=(), residual=None,
+def gemm(a, b, *, a_transposed=False, b_transposed=False, bias=None, bias_m=None, act=None, act_scalars=(), residual=None,
          alpha=None, out_dtype=None, genome=None, out=None):
-    """epilogue(a @ b) (b_transposed: a @ b.T, b a Linear's [N, K] weight) by the generated kernel:
+    """epilogue(a @ b) (b_transposed: a @ b.T, b a Linear's [N, K] weight; a_transposed: a.T @ b, a
+    stored [K, M], as a weight gradient's activations) by the generated kernel:
     out = act(alpha * acc + bias[col] + bias_m[row]) + residual, with f32 accumulation. a: [M, K] or
     [batch, M, K]; b: [K, N] / [N, K] or batched (a 2-D or stride-0 batch operand is broadcast);
     bf16 or f16; act: a unary op of ops.def by name ("gelu_tanh", "relu", "silu", ...). The result
     is out_dtype (default a's), [batch, M, N] ([M, N] for two 2-D operands), written into out where
     given. genome: a tuple from genomes() (None: the default for these sizes). GemmRefused says why
     a call cannot run."""
-    return launcher(a, b, b_transposed=b_transposed, bias=bias, bias_m=bias_m, act=act, act_scalars=act_scalars,
+    return launcher(a, b, a_transposed=a_transposed, b_transposed=b_transposed, bias=bias, bias_m=bias_m, act=act, act_scalars=act_scalars,
                     residual=residual, alpha=alpha, out_dtype=out_dtype, genome=genome)(out)

@@ -33,9 +33,9 @@ def poisoned(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
-def reference(a, b, bt, alpha=None, bias=None, bias_m=None, act=None, residual=None):
+def reference(a, b, bt, alpha=None, bias=None, bias_m=None, act=None, residual=None, at=False):
     bf = b.float().transpose(-1, -2) if bt else b.float()
-    y = torch.matmul(a.float(), bf)
+    y = torch.matmul(a.float().transpose(-1, -2) if at else a.float(), bf)
     if alpha is not None:
         y = y * alpha
     if bias is not None:
@@ -59,15 +59,16 @@ def check(out, ref, K, what):
     assert worst <= 0, f"{what}: an element off by {worst:.3g} beyond its bound"
 
 
-def run(a, b, bt, genome=DEFAULT, out_dtype=None, **epi):
+def run(a, b, bt, genome=DEFAULT, out_dtype=None, at=False, **epi):
     """gemm() into a NaN-poisoned output, checked against the reference."""
-    shape = kg.operands(a, b, b_transposed=bt, out_dtype=out_dtype, **epi).out_shape
+    shape = kg.operands(a, b, a_transposed=at, b_transposed=bt, out_dtype=out_dtype, **epi).out_shape
     out = poisoned(shape, out_dtype or a.dtype)
-    got = kg.gemm(a, b, b_transposed=bt, genome=genome, out_dtype=out_dtype, out=out, **epi)
+    got = kg.gemm(a, b, a_transposed=at, b_transposed=bt, genome=genome, out_dtype=out_dtype, out=out, **epi)
     assert got is out
-    K = a.shape[-1]
+    K = a.shape[-2] if at else a.shape[-1]
     check(out, reference(a, b, bt, epi.get("alpha"), epi.get("bias"), epi.get("bias_m"), epi.get("act"),
-                         epi.get("residual")), K, f"{tuple(a.shape)} @ {tuple(b.shape)} bt={bt} {genome} {epi.keys()}")
+                         epi.get("residual"), at), K,
+          f"{tuple(a.shape)} @ {tuple(b.shape)} at={at} bt={bt} {genome} {epi.keys()}")
     return out
 
 
@@ -104,6 +105,20 @@ def test_gemm_batched_and_broadcast(bt):
     run(a[1].clone(), b, bt)                         # 2-D A against batched B
     wide = torch.randn(300, 72, device="cuda").to(torch.bfloat16)[:, :40]
     run(wide, w, bt)                                 # lda = 72
+
+
+@pytest.mark.parametrize("bt", [True, False], ids=["b_transposed", "b_row_major"])
+def test_gemm_a_transposed(bt):
+    """A stored [K, M] (a weight gradient's activations, read through ldmatrix.trans): M a multiple
+    of 8 but not of the tile, K with a partial k-tile and deep, batched, with an epilogue."""
+    for M, N, K in ((8, 24, 8), (296, 24 if not bt else 17, 40), (136, 296, 4096)):
+        a = torch.randn(K, M, device="cuda").to(torch.bfloat16)
+        b = torch.randn(*((N, K) if bt else (K, N)), device="cuda").to(torch.bfloat16)
+        run(a, b, bt, at=True)
+    a = torch.randn(3, 40, 296, device="cuda").to(torch.bfloat16)
+    b = torch.randn(*((296, 40) if bt else (40, 296)), device="cuda").to(torch.bfloat16)
+    run(a, b, bt, at=True, bias=torch.randn(296, device="cuda").to(torch.bfloat16), act="gelu_tanh")
+    run(a, b, bt, at=True, genome=(64, 32, 16, 2, 1, 2, 1))
 
 
 def test_gemm_epilogues():
