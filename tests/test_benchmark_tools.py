@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 TOOLS = ["bench_ops.py", "bench_tune.py", "bench_genomes.py", "bench_models.py", "bench_guards.py", "sass_counts.py",
          "plot_results.py", "suite_sweep.py", "bench_ddp.py", "arch_sweep.py", "profile_model.py",
-         "bench_cublaslt.py"]
+         "bench_cublaslt.py", "bench_gemm.py"]
 # a plain run of each GPU tool: the arguments it needs, none of which asks for the CPU
 GPU_RUNS = {
     "bench_ops.py": ["bench_ops.py"],
@@ -32,6 +32,7 @@ GPU_RUNS = {
     "bench_ddp.py": ["bench_ddp.py"],
     "profile_model.py": ["profile_model.py", "--model", "gpt2"],
     "bench_cublaslt.py": ["bench_cublaslt.py"],
+    "bench_gemm.py": ["bench_gemm.py"],
 }
 no_gpu_here = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
 
