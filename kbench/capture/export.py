@@ -481,9 +481,7 @@ class _ViewWrites:
                 raise _Refuse(f"{n.name} writes a non-tensor")
             if x.op != "call_function":
                 raise _Refuse(f"{n.name} writes {x.name}, an input, parameter, buffer or constant")
-            if _is_inplace(x):              # x.mul_(2).add_(1): the value x.mul_ wrote
-                if chain:
-                    raise _Refuse(f"{n.name} writes through a view of an in-place op's result")
+            if _is_inplace(x):              # x.mul_(2).add_(1), x.mul_(2)[0]: the value x.mul_ wrote
                 x = x.args[0]
                 continue
             if not _is_view(x):

@@ -503,6 +503,8 @@ def _slice_scatter(b, node, a):
     n = src.dims[dim]
     if n == 0:
         return b.cast(x, dtype)
+    if start == 0 and n == x.dims[dim]:     # x[:, :] = src, a chain's whole-axis link
+        return b.bcast(b.cast(src, dtype), x.dims)
     if step != 1 and n != 1:
         raise Unsupported("slice_scatter with a step")
     if n != 1 and dtype not in ("i64", "i32", "bool"):
