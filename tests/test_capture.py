@@ -434,7 +434,8 @@ def test_evaluate_is_differentiable(name):
 
 def test_in_place_ops():
     """In-place ops on intermediates (ReLU(inplace=True), out += identity) become functional
-    ops; writes into views and into inputs go through torch's functionalization."""
+    ops; a write into a view whose aliasing capture does not follow (a view read after the write)
+    and writes into inputs go through torch's functionalization."""
     class Res(nn.Module):
         def __init__(self):
             super().__init__()

@@ -378,19 +378,18 @@ def _inline_context_blocks(ep):
 
 
 def _make_functional(ep):
-    """True when export's graph can be lowered as it is: every in-place op acts on an
-    intermediate value that nothing else aliases or reads later (x = relu(y); x += 1), and is
-    rewritten to its functional form here. False when something is really mutated (a
-    parameter, buffer or input, a view, BatchNorm's running statistics) or a higher-order op
-    needs inlining: the caller then functionalizes with run_decompositions."""
-    aten = torch.ops.aten
-    order = {n: i for i, n in enumerate(ep.graph.nodes)}
-    rewrites = []
+    """True when export's graph can be lowered as it is: every in-place op writes an intermediate
+    value that nothing else aliases (x = relu(y); x += 1), directly or through a chain of views
+    of it (T5's shifted = ids.new_zeros(...); shifted[..., 1:] = ids[..., :-1]), and is rewritten
+    here to its functional form (_ViewWrites). False when something is really mutated (a
+    parameter, buffer or input, a view whose aliasing cannot be followed, BatchNorm's running
+    statistics) or a higher-order op needs inlining: the caller then functionalizes with
+    run_decompositions. The graph is changed only when True."""
     for n in ep.graph.nodes:
         t = n.target
+        if n.op == "call_function" and isinstance(t, torch._ops.HigherOrderOperator):
+            return False
         if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-            if n.op == "call_function" and isinstance(t, torch._ops.HigherOrderOperator):
-                return False
             continue
         name = t._schema.name.split("::")[-1]
         if name in _STATEFUL:
@@ -400,23 +399,184 @@ def _make_functional(ep):
             if (args.get("training") or args.get("use_input_stats") or name == "_batch_norm_with_update") \
                     and args.get("running_mean") is not None:
                 return False
-        if not t._schema.is_mutable:
-            continue
-        written = [k for k, a in enumerate(t._schema.arguments)
-                   if a.alias_info is not None and a.alias_info.is_write]
-        src = n.args[0] if n.args else None
-        if written != [0] or not name.endswith("_") or not isinstance(src, fx.Node) \
-                or src.op != "call_function" or _is_view(src):
-            return False
-        if any(u is not n and (_is_view(u) or order[u] > order[n]) for u in src.users):
-            return False
-        functional = getattr(getattr(aten, name[:-1], None), t._overloadname, None)
-        if functional is None:
-            return False
-        rewrites.append((n, functional))
-    for n, f in rewrites:
-        n.target = f
+    writes = _ViewWrites(ep.graph)
+    if writes.refused is not None:
+        _log.debug("kbench: in-place ops left to run_decompositions: %s", writes.refused)
+        return False
+    writes.apply()
     return True
+
+
+# Views a write may go through, each with how its base's new value is made from the view's:
+# the new value scattered back into the base (slice, select) or reshaped/permuted back to it.
+_aten = torch.ops.aten
+_SLICES = {_aten.slice.Tensor, _aten.narrow.default}
+_SELECTS = {_aten.select.int}
+_RESHAPES = {_aten.view.default, _aten._unsafe_view.default, _aten.unsqueeze.default, _aten.squeeze.default,
+             _aten.squeeze.dim, _aten.squeeze.dims, _aten.flatten.using_ints, _aten.unflatten.int,
+             _aten.view_as.default, _aten.alias.default, _aten.reshape.default, _aten.reshape_as.default}
+_PERMUTES = {_aten.permute.default, _aten.transpose.int}
+
+
+def _arg(n, k, name, default=None):
+    return n.args[k] if k < len(n.args) else n.kwargs.get(name, default)
+
+
+class _ViewWrites:
+    """The in-place ops of an export's graph as functional ones. A write's target is a chain of
+    views (_SLICES, _SELECTS, _RESHAPES, _PERMUTES; none for a write to the value itself) of a
+    base: a value an op made afresh (new_zeros, empty, clone, an arithmetic result), not an input,
+    parameter, buffer or constant. The write becomes its functional op on the view, and the
+    base's new value that view scattered back through the chain (slice_scatter, select_scatter,
+    reshape, permute); every later read of the base, or of an in-place op's result on it, reads
+    the newest value. Refused (self.refused says why) where aliasing cannot be followed: a view
+    of the base taken before a write and read after it, a view used by anything but the next link
+    of its write's chain, a write through a view whose result is read, a reshape that may copy,
+    any other view op, a base that is no fresh value, an op with no functional form."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.plan = []          # (write node, functional op, chain of views base-first, base)
+        self.refused = None
+        try:
+            self._analyse()
+        except _Refuse as e:
+            self.refused = str(e)
+
+    def _analyse(self):
+        order, writes_of = self.order, {}
+        for n in self.graph.nodes:
+            t = n.target
+            if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
+                continue
+            name = t._schema.name.split("::")[-1]
+            written = [k for k, a in enumerate(t._schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write]
+            functional = getattr(getattr(_aten, name[:-1], None), t._overloadname, None)
+            if written != [0] or not name.endswith("_") or functional is None or not n.args:
+                raise _Refuse(f"{n.name}: {t} has no functional form kbench rewrites")
+            chain, base = self._chain(n.args[0], n)
+            if chain and n.users:
+                raise _Refuse(f"{n.name}: the result of a write through a view is read")
+            for k, v in enumerate(chain):
+                nxt = chain[k + 1] if k + 1 < len(chain) else n
+                if set(v.users) != {nxt}:
+                    raise _Refuse(f"{n.name}: the view {v.name} it writes through is read elsewhere")
+            self.plan.append((n, functional, chain, base))
+            writes_of.setdefault(base, []).append(n)
+        # a view of a written base taken before a write must not be read after it
+        # (a write's own chain included: a view taken before another write reads the old value)
+        for base, ws in writes_of.items():
+            for v in self._views_of(base):
+                last = max(order[u] for u in self._readers(v)) if v.users else -1
+                if any(order[v] < order[w] < last for w in ws):
+                    raise _Refuse(f"the view {v.name} of {base.name} is read after {base.name} is written")
+
+    def _chain(self, x, n):
+        """(views from the base up to x, base) for a write n to x."""
+        chain = []
+        while True:
+            if not isinstance(x, fx.Node):
+                raise _Refuse(f"{n.name} writes a non-tensor")
+            if x.op != "call_function":
+                raise _Refuse(f"{n.name} writes {x.name}, an input, parameter, buffer or constant")
+            if _is_inplace(x):              # x.mul_(2).add_(1), x.mul_(2)[0]: the value x.mul_ wrote
+                x = x.args[0]
+                continue
+            if not _is_view(x):
+                return chain[::-1], x
+            t = x.target
+            if t not in _SLICES | _SELECTS | _RESHAPES | _PERMUTES:
+                raise _Refuse(f"{n.name} writes through {t}, a view kbench does not follow")
+            if t is _aten.narrow.default and not all(isinstance(_arg(x, k, a), int)
+                                                      for k, a in ((2, "start"), (3, "length"))):
+                raise _Refuse(f"{n.name} writes through a narrow of varying bounds")
+            if t in (_aten.reshape.default, _aten.reshape_as.default):
+                src = x.args[0].meta.get("val") if isinstance(x.args[0], fx.Node) else None
+                if not isinstance(src, torch.Tensor) or not src.is_contiguous():
+                    raise _Refuse(f"{n.name} writes through a reshape that may copy")
+            chain.append(x)
+            x = x.args[0]
+
+    def _views_of(self, base):
+        """Every view of base, at any depth, through in-place results on it too."""
+        out, todo = [], [base]
+        while todo:
+            x = todo.pop()
+            for u in x.users:
+                if u.op == "call_function" and (_is_view(u) or (_is_inplace(u) and u.args[0] is x)):
+                    if _is_view(u) and u.args[0] is x:
+                        out.append(u)
+                    todo.append(u)
+        return out
+
+    def _readers(self, v):
+        """The nodes that read v's data: its users, through views of it."""
+        out, todo = [], [v]
+        while todo:
+            x = todo.pop()
+            for u in x.users:
+                out.append(u)
+                if u.op == "call_function" and _is_view(u) and u.args[0] is x:
+                    todo.append(u)
+        return out
+
+    def apply(self):
+        """Rewrites the graph: nodes in order, each read of a written base (or of an in-place
+        result on it) pointed at its newest value."""
+        graph, plan = self.graph, {n: (f, chain, base) for n, f, chain, base in self.plan}
+        newest, alias = {}, {}        # base -> its newest value; node -> the base it stands for
+        for n in list(graph.nodes):
+            if alias:
+                n.args = fx.map_arg(n.args, lambda a: newest.get(alias.get(a), a))
+                n.kwargs = fx.map_arg(n.kwargs, lambda a: newest.get(alias.get(a), a))
+            if n not in plan:
+                continue
+            f, chain, base = plan[n]
+            n.target = f
+            alias.setdefault(base, base)
+            value = n
+            for v in reversed(chain):
+                with graph.inserting_after(value):
+                    value = self._scatter(v, value)
+            newest[base] = value
+            if not chain:
+                alias[n] = base
+        graph.lint()
+
+    def _scatter(self, view, value):
+        """The value of view's operand with view's elements replaced by value (a node inserted
+        at the graph's insertion point, with the operand's fake tensor)."""
+        base, t = view.args[0], view.target
+        if t in _SLICES:
+            dim = _arg(view, 1, "dim", 0)
+            if t is _aten.narrow.default:
+                start = _arg(view, 2, "start")
+                args = (base, value, dim, start, start + _arg(view, 3, "length"), 1)
+            else:
+                args = (base, value, dim, _arg(view, 2, "start"), _arg(view, 3, "end"), _arg(view, 4, "step", 1))
+            node = self.graph.call_function(_aten.slice_scatter.default, args)
+        elif t in _SELECTS:
+            node = self.graph.call_function(_aten.select_scatter.default,
+                                            (base, value, _arg(view, 1, "dim"), _arg(view, 2, "index")))
+        elif t in _PERMUTES:
+            rank = base.meta["val"].dim()
+            if t is _aten.transpose.int:
+                node = self.graph.call_function(t, (value, view.args[1], view.args[2]))
+            else:
+                perm = [d % rank for d in view.args[1]]
+                node = self.graph.call_function(t, (value, [perm.index(i) for i in range(rank)]))
+        else:
+            node = self.graph.call_function(_aten.reshape_as.default, (value, base))
+        node.meta["val"] = base.meta.get("val")
+        if "kbench_autocast" in view.meta:
+            node.meta["kbench_autocast"] = view.meta["kbench_autocast"]
+        return node
+
+
+class _Refuse(Exception):
+    """A write _ViewWrites does not rewrite (the message says why)."""
 
 
 # ---------------------------------------------------------------------------- capture

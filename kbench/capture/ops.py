@@ -456,6 +456,81 @@ def _unbind(b, node, a):
     return _split_lower(b, node, x, _num(a.get("dim", 0)) % x.rank, drop_dim=True)
 
 
+# ---------------------------------------------------------------------------- view writes
+# x[..., a:b] = y and x[..., i] = y as functional ops (capture/export.py rewrites writes into views
+# of a fresh value to these): a select on the coordinate, where(mask(iota), y placed, x), a
+# pointwise mask that fuses with what reads the result.
+
+def _axis_position(b, x, dim, index, what):
+    """index (a constant, negative from the end) as a position on x's dim."""
+    index = _num(index) if index is not None else 0
+    if index < 0:
+        if not isinstance(x.dims[dim], int):
+            raise Unsupported(f"{what}: a negative position on a varying size")
+        index += x.dims[dim]
+    return index
+
+
+def _placed(b, x, src, dim, start, dtype):
+    """where(iota on dim in [start, start + len), src at iota - start, x): src written into x."""
+    n = src.dims[dim]
+    if start == 0 and n == x.dims[dim]:
+        return b.bcast(b.cast(src, dtype), x.dims)
+    if not isinstance(n, int):
+        raise Unsupported("a varying-length slice written into part of an axis")
+    io = b.add("iota", [], "i64", x.dims, axis=dim)
+    at = b.arith("ge", io, start) if start > 0 else None
+    if x.dims[dim] != start + n:
+        below = b.arith("lt", io, start + n)
+        at = below if at is None else b.arith("and", at, below)
+    if n == 1:          # one position: src broadcast along dim, whose gradient is a sum
+        placed = b.bcast(b.cast(src, dtype), x.dims)
+    else:               # src at iota - start, clamped so that every read is in range
+        idx = b.arith("max", b.arith("sub", io, start), 0) if start else io
+        idx = b.arith("min", idx, n - 1) if x.dims[dim] != start + n else idx
+        placed = b.add("gather", [b.cast(src, dtype), idx], dtype, x.dims, axis=dim)
+    return b.where(at, placed, x, dtype)
+
+
+@_reg("slice_scatter.default")
+def _slice_scatter(b, node, a):
+    x, src, dtype = _t(a["self"]), _t(a["src"]), _out(node)
+    dim = _num(a.get("dim", 0)) % x.rank
+    step = _num(a.get("step", 1))
+    start = _axis_position(b, x, dim, a.get("start"), "slice_scatter")
+    if isinstance(x.dims[dim], int):
+        start = min(start, x.dims[dim])
+    n = src.dims[dim]
+    if n == 0:
+        return b.cast(x, dtype)
+    if start == 0 and n == x.dims[dim]:     # x[:, :] = src, a chain's whole-axis link
+        return b.bcast(b.cast(src, dtype), x.dims)
+    if step != 1 and n != 1:
+        raise Unsupported("slice_scatter with a step")
+    if n != 1 and dtype not in ("i64", "i32", "bool"):
+        # its gradient would read src through a gather of many positions per row, which kbench's
+        # autodiff cannot scatter back: torch runs it, with its own backward
+        raise Unsupported("slice_scatter of a float slice longer than 1 (its gradient is a scatter)")
+    return _placed(b, x, src, dim, start, dtype)
+
+
+@_reg("select_scatter.default")
+def _select_scatter(b, node, a):
+    x, src, dtype = _t(a["self"]), _t(a["src"]), _out(node)
+    dim = _num(a["dim"]) % x.rank
+    index = _axis_position(b, x, dim, a["index"], "select_scatter")
+    src = b.reshape(src, src.dims[:dim] + (1,) + src.dims[dim:])
+    return _placed(b, x, src, dim, index, dtype)
+
+
+@_reg("fill.Tensor")
+def _fill_t(b, node, a):
+    v = _t(a["value"])
+    if v.rank != 0:
+        raise Unsupported("fill value must be 0-dim")
+    return b.bcast(b.cast(v, _out(node)), _odims(b, node))
+
+
 # ---------------------------------------------------------------------------- reductions
 
 def _reduce_op(ir, all_dims=False):
