@@ -138,6 +138,22 @@ cleanup:
     return st;
 }
 
+/* Undo a trial save: the region's outputs without its last rg->nsaved (the saved values). */
+static kb_status drop_saved(kb_ctx *ctx, kb_region *rg)
+{
+    kb_status st = KB_OK;
+    int32_t nown = rg->noutputs - rg->nsaved;
+    int32_t *own = kb_malloc(ctx, sizeof(int32_t) * (size_t)(nown ? nown : 1));
+    KB_CHECK(ctx, own != NULL, KB_ERR_OOM, "save_stats: out of memory");
+    if (nown) memcpy(own, rg->outputs, sizeof(int32_t) * (size_t)nown);
+    kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)rg->noutputs);
+    rg->outputs = own;
+    rg->noutputs = nown;
+    rg->nsaved = 0;
+cleanup:
+    return st;
+}
+
 /* A GEMM region whose backward needs its product (a GELU epilogue's derivative reads the
  * pre-activation) would recompute the whole product from the operands: the product is saved
  * instead (one extra output, counted by nsaved), where the backward then has fewer MATMULs. A
@@ -163,16 +179,8 @@ static kb_status save_gemm_product(kb_partition *p, int32_t r)
     rg->noutputs++;
     rg->nsaved = 1;
     KB_TRY(backward_products(p, r, &after));
-    if (after < 0 || after >= before) { /* no product recomputed: keep the region's own outputs */
-        int32_t nown = rg->noutputs - 1;
-        int32_t *own = kb_malloc(ctx, sizeof(int32_t) * (size_t)(nown ? nown : 1));
-        KB_CHECK(ctx, own != NULL, KB_ERR_OOM, "save_stats: out of memory");
-        if (nown) memcpy(own, rg->outputs, sizeof(int32_t) * (size_t)nown);
-        kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)rg->noutputs);
-        rg->outputs = own;
-        rg->noutputs = nown;
-        rg->nsaved = 0;
-    }
+    if (after < 0 || after >= before) /* no product recomputed: keep the region's own outputs */
+        KB_TRY(drop_saved(ctx, rg));
 cleanup:
     return st;
 }
@@ -212,16 +220,8 @@ kb_status kb_partition_save_stats(kb_partition *p, int64_t min_row_bytes)
         rg->nsaved = ns;
         int32_t keep = 1;
         KB_TRY(choose_reads(p, r, &keep));
-        if (!keep) { /* the backward reads outputs instead: back to the region's own outputs */
-            int32_t nown = rg->noutputs - ns;
-            int32_t *own = kb_malloc(ctx, sizeof(int32_t) * (size_t)(nown ? nown : 1));
-            KB_CHECK(ctx, own != NULL, KB_ERR_OOM, "save_stats: out of memory");
-            if (nown) memcpy(own, rg->outputs, sizeof(int32_t) * (size_t)nown);
-            kb_free(ctx, rg->outputs, sizeof(int32_t) * (size_t)rg->noutputs);
-            rg->outputs = own;
-            rg->noutputs = nown;
-            rg->nsaved = 0;
-        }
+        if (!keep) /* the backward reads outputs instead: back to the region's own outputs */
+            KB_TRY(drop_saved(ctx, rg));
     }
 cleanup:
     return st;

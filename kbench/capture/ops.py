@@ -993,24 +993,15 @@ def _matmul(b, node, a):
     return _mm_ir(b, x, y, dt)
 
 
-@_reg("addmm.default")
+@_reg("addmm.default", "baddbmm.default")
 def _addmm(b, node, a):
-    """beta * self + alpha * (mat1 . mat2): the product a MATMUL, the rest its epilogue."""
+    """beta * self + alpha * (mat1 . mat2) (batch1 . batch2 for baddbmm): the product a MATMUL,
+    the rest its epilogue."""
     if not b.gemm:
         raise Unsupported(_NO_GEMM)
     dt = _out(node)
-    y = _scaled(b, _mm_ir(b, _t(a["mat1"]), _t(a["mat2"]), dt), a.get("alpha", 1), dt)
-    if _num(a.get("beta", 1)) == 0:
-        return y
-    return b.arith("add", y, _scaled(b, _t(a["self"]), a.get("beta", 1), dt), dt, y.dims)
-
-
-@_reg("baddbmm.default")
-def _baddbmm(b, node, a):
-    if not b.gemm:
-        raise Unsupported(_NO_GEMM)
-    dt = _out(node)
-    y = _scaled(b, _mm_ir(b, _t(a["batch1"]), _t(a["batch2"]), dt), a.get("alpha", 1), dt)
+    x, y = (a["mat1"], a["mat2"]) if "mat1" in a else (a["batch1"], a["batch2"])
+    y = _scaled(b, _mm_ir(b, _t(x), _t(y), dt), a.get("alpha", 1), dt)
     if _num(a.get("beta", 1)) == 0:
         return y
     return b.arith("add", y, _scaled(b, _t(a["self"]), a.get("beta", 1), dt), dt, y.dims)
