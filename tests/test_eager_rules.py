@@ -75,7 +75,10 @@ NOT_FLOAT = {"_unsafe_view", "alias", "alias_copy", "broadcast_to", "chunk", "ex
              "new_zeros", "ones", "ones_like", "scalar_tensor", "zeros", "zeros_like", "eq", "ne", "lt", "le", "gt",
              "ge", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "__and__",
              "__or__", "gather", "index_select", "embedding", "cat", "stack", "dropout", "alpha_dropout",
-             "feature_dropout", "feature_alpha_dropout", "native_dropout"}
+             "feature_dropout", "feature_alpha_dropout", "native_dropout",
+             # data movement (T5 scatters into integer ids); products lower for float operands only
+             # (optimize(gemm=True)): an integer product stays torch's own call
+             "select_scatter", "slice_scatter", "mm", "bmm", "addmm", "baddbmm", "matmul"}
 
 
 class Fn(nn.Module):

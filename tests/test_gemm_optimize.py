@@ -202,3 +202,15 @@ def test_tolerance_grows_with_the_reduction_length():
     assert plan.reduction(gemm, [5, 7]) == 8                       # fc1: K = 8
     assert plan.reduction(gemm, [5, 7], backward=True) == 35       # M = 5 * 7 rows
     assert plan.reduction(row, [5, 7]) == 0
+
+
+def test_an_integer_product_stays_torchs_call():
+    """MATMUL is for float operands: with gemm on, an integer mm is torch's own call, as eager's."""
+    class IntMM(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.mm(a, b) + 1
+
+    a, b = torch.randint(-5, 5, (3, 4)), torch.randint(-5, 5, (4, 2))
+    opt = _optimize(IntMM(), (a, b), gemm=True)
+    assert "GEMM" not in _kinds(opt) and "EXTERN" in _kinds(opt), opt.kbench_report
+    assert torch.equal(opt(a, b), IntMM()(a, b))
