@@ -255,3 +255,22 @@ def test_real_model_patterns_optimize_and_match_eager(name):
     assert rel_err(got, want) < 1e-5
     got.square().sum().backward()
     assert all(x.grad is not None for x in xs)
+
+
+def test_a_fixed_index_into_a_varying_dim_is_a_size_guard():
+    """x[:, 1] needs that dim at 2 or more; export keeps that only as every varying size's default
+    range, so the capture guards it itself: no check runs the graph at 1 there (the backward's
+    gradient check did, and crashed), and a call at 1 is eager's (its IndexError)."""
+    class Second(torch.nn.Module):
+        def forward(self, x):
+            return (x[:, 1] * 2).sum(-1)
+
+    x = torch.randn(4, 3, 5)
+    opt = kbench.optimize(Second(), (x,), backend="interp", budget="none", verbose=False)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    opt(xa).square().sum().backward()
+    Second()(xb).square().sum().backward()
+    assert torch.allclose(xa.grad, xb.grad, rtol=1e-6, atol=1e-6)
+    assert "gradients match torch.autograd" in str(opt.kbench_report)
+    with pytest.raises(IndexError):
+        opt(torch.randn(4, 1, 5))

@@ -168,6 +168,22 @@ class Builder:
         self.current = None           # the FX node being lowered: the origin add() records
         self.origin = {}              # value id -> the FX node name whose lowering made it
         self.lowered = []             # (node, result) of each node lowered into IR, in graph order
+        # size relations the IR relies on that export keeps only as its symbols' default range
+        # (x[:, 1] needs the dim at 2 or more: export assumes every varying size is): sympy
+        # relations over the unified symbols, kept with export's guards
+        self.size_guards = []
+
+    def dim_expr(self, d):
+        """A dim (int or (coef, sym ids)) as a sympy expression over the unified symbols."""
+        if isinstance(d, int):
+            return sympy.Integer(d)
+        by_id = {i: s for s, i in self.sym_of.items()}
+        return d[0] * sympy.Mul(*(by_id[s] for s in d[1]))
+
+    def require_at_least(self, d, n) -> None:
+        """Sizes where dim d is under n are outside what the graph computes (a slice's last read)."""
+        if not isinstance(d, int) and n > 1:
+            self.size_guards.append(sympy.Ge(self.dim_expr(d), n))
 
     @staticmethod
     def autocast_of(node):

@@ -160,6 +160,7 @@ def _lower(ep, inputs, static_reason, model, pin=(), keep=(), gemm=False):
         if pinned and e0.free_symbols & pinned and symbolic.holds_for_sizes(e, shape_env):
             continue   # Min(5, 5*s1) == 5: an export with the pinned dims static never makes it
         kept_guards.append(SymExpr(e, sym_of))
+    kept_guards += [SymExpr(g, sym_of) for g in dict.fromkeys(b.size_guards)]
     try:
         out_spec = ep.call_spec.out_spec
     except Exception:  # noqa: BLE001

@@ -397,6 +397,8 @@ def _slice(b, x, dim, start, length_dim, step=1):
         start = min(start, size)
     if start == 0 and step == 1 and length_dim == size:
         return x
+    if isinstance(length_dim, int):   # the last element read must exist
+        b.require_at_least(size, start + (length_dim - 1) * step + 1 if length_dim else start)
     dims = list(x.dims)
     dims[dim] = length_dim
     return b.add("slice", [x], x.dtype, dims, axis=dim, start=int(start), step=int(step))
@@ -1113,14 +1115,7 @@ def _cat(b, node, a):
 
 
 def _cat_group(b, ts, dim, name):
-    by_id = {i: s for s, i in b.sym_of.items()}
-
-    def expr(d):
-        if isinstance(d, int):
-            return sympy.Integer(d)
-        return d[0] * sympy.Mul(*(by_id[s] for s in d[1]))
-
-    size = b.dim(sum((expr(t.dims[dim]) for t in ts), sympy.Integer(0)))
+    size = b.dim(sum((b.dim_expr(t.dims[dim]) for t in ts), sympy.Integer(0)))
     dims = ts[0].dims[:dim] + (size,) + ts[0].dims[dim + 1:]
     slots = [_slot(k) for k in range(len(ts))]
     return b.extern_call(aten.cat.default, ts, (slots, dim), {}, b.promote(*ts), dims, name)
