@@ -97,6 +97,7 @@ static kb_status gemm_default(const kb_partition *p, int32_t r, const int64_t *s
                            kb_dim_eval(a->dims[a->rank - 1], symvals), batch, dev, &g);
     kb_genome gn = BASE;
     gn.threads = 32 * g.warps_m * g.warps_n;
+    gn.vec = 8; /* 16-byte loads: the launchers check every pointer's alignment where vec > 1 */
     gn.gemm_tile_m = g.tile_m, gn.gemm_tile_n = g.tile_n, gn.gemm_tile_k = g.tile_k;
     gn.gemm_warps_m = g.warps_m, gn.gemm_warps_n = g.warps_n, gn.gemm_stages = g.stages;
     gn.gemm_min_blocks = g.min_blocks;
