@@ -10,7 +10,7 @@
 
 static const char *const cache_names[] = {"regs", "smem", "reread"};
 
-static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1, 1};
+static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0};
 
 /* The genes of the text form, in kb_genome field order: name, where it lives, its range. */
 static const kb_gene GENES[KB_NGENES] = {
