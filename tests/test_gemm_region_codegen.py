@@ -44,12 +44,17 @@ def _cases():
     torch.manual_seed(0)
     mlp = _graph(MLP(), torch.randn(2, 16, 64))
     attn = _graph(Attention(), torch.randn(2, 16, 32))
-    return {"mlp": mlp.partition(), "mlp_backward": mlp.grad([1] * 5).partition(), "attention": attn.partition()}
+    return {"mlp": mlp.partition(), "mlp_backward": mlp.grad([1] * 5).partition(), "attention": attn.partition()}, attn
 
 
 @pytest.fixture(scope="module")
-def cases():
+def captured():
     return _cases()
+
+
+@pytest.fixture(scope="module")
+def cases(captured):
+    return captured[0]
 
 
 def test_gemm_region_kernels_generate_and_compile(cases, compile_once):
@@ -149,3 +154,17 @@ def test_gemm_region_refusals():
         _C.generate(pv, _gemms(pv)[0], 90, None)
     with pytest.raises(Exception, match="GEMM region"):
         _C.evolve_new(f32, _gemms(f32)[0], [2, 16], None, 7, 8)
+
+
+def test_gemm_sweep_keeps_multiples_of_8(captured):
+    """Verification sweeps a GEMM region's varying M, N and K also at sizes that stay multiples of
+    8 (the kernel's guard may be any of them; the others run in torch and are not checked)."""
+    from types import SimpleNamespace
+
+    from kbench import verify
+    parts, graph = captured
+    plan = SimpleNamespace(partition=parts["attention"], graph=graph)
+    regions = _gemms(parts["attention"])
+    assert verify.vec_symbols(plan, regions[0], [2, 16]) == {0, 1}   # a projection: M = s0 * s1
+    assert verify.vec_symbols(plan, regions[-1], [2, 16]) == {1}     # P @ V: M = K = s1
+    assert verify.vec_symbols(plan, regions[-1], [2, 15]) == set()
