@@ -168,3 +168,19 @@ def test_gemm_sweep_keeps_multiples_of_8(captured):
     assert verify.vec_symbols(plan, regions[0], [2, 16]) == {0, 1}   # a projection: M = s0 * s1
     assert verify.vec_symbols(plan, regions[-1], [2, 16]) == {1}     # P @ V: M = K = s1
     assert verify.vec_symbols(plan, regions[-1], [2, 15]) == set()
+
+
+def test_constant_scale_prologue_is_applied_to_the_accumulator():
+    """A prologue that scales an operand by a constant ((a * 0.5) @ -w) commutes with the product:
+    the kernel loads the operands as stored and scales the accumulator (a cast stays refused:
+    test_gemm_region_refusals)."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(32, 24))
+
+        def forward(self, a):
+            return torch.matmul(a * 0.5, -self.w)
+    part = _graph(Scaled(), torch.randn(2, 16, 32)).partition()
+    src = _C.generate(part, _gemms(part)[0], 90, None).source
+    assert "kb_acc = v0 * -0.5f;  // the operands' constant prologue factors" in src, src[-3000:]

@@ -7,6 +7,7 @@
 #include "codegen/codegen.h"
 
 #include <inttypes.h>
+#include <math.h>
 
 static const kb_node *NODE(const cg *c, int32_t v) { return kb_graph_node(c->g, v); }
 
@@ -106,18 +107,44 @@ static int reshape_strides(const view_dims *in, view_dims *out) {
     }
 }
 
+/* v's value where it is a constant seen through views (a CONST broadcast), else 0 */
+static int const_value(cg *c, int32_t v, double *x) {
+    while (kb_op_get(NODE(c, v)->op)->kind == KB_KIND_VIEW) v = NODE(c, v)->inputs[0];
+    *x = NODE(c, v)->scalar[0];
+    return NODE(c, v)->op == KB_OP_CONST && isfinite(*x);
+}
+
 /* The strides of MATMUL operand k in the memory of the region input it reads (contiguous), through
- * the views between them; -1 (error set) where the chain holds other work or is no strided view. */
-static int operand_strides(cg *c, int k, int32_t *source, view_dims *out) {
+ * the views between them; -1 (error set) where the chain holds other work or is no strided view.
+ * A prologue that scales the operand by a constant (a multiply, a divide, a negation: an attention
+ * score's gradient) commutes with the product: its factor is multiplied into *scale, applied to
+ * the accumulator. */
+static int operand_strides(cg *c, int k, int32_t *source, view_dims *out, double *scale) {
     const kb_gemm_info *gi = &c->rg->gemm;
     int32_t chain[64], n = 0, u = NODE(c, gi->matmul)->inputs[k];
     int64_t ex[KB_MAX_SYMS];
     for (int32_t s = 0; s < kb_graph_nsymbols(c->g); s++) ex[s] = kb_graph_symbol_example(c->g, s);
     while (c->in_slot[u] < 0) {
         const kb_node *nd = NODE(c, u);
+        double f;
+        if (nd->op == KB_OP_NEG) {
+            *scale = -*scale;
+            u = nd->inputs[0];
+            continue;
+        }
+        if ((nd->op == KB_OP_MUL || nd->op == KB_OP_DIV) && const_value(c, nd->inputs[1], &f) && f != 0) {
+            *scale *= nd->op == KB_OP_MUL ? f : 1.0 / f;
+            u = nd->inputs[0];
+            continue;
+        }
+        if (nd->op == KB_OP_MUL && const_value(c, nd->inputs[0], &f)) {
+            *scale *= f;
+            u = nd->inputs[1];
+            continue;
+        }
         if ((nd->op != KB_OP_PERMUTE && nd->op != KB_OP_EXPAND && nd->op != KB_OP_RESHAPE) || n == 64) {
-            cg_failf(c, KB_ERR_UNSUPPORTED, "GEMM operand %c reaches the product through %s, not views alone",
-                     k ? 'B' : 'A', kb_op_get(nd->op)->name);
+            cg_failf(c, KB_ERR_UNSUPPORTED, "GEMM operand %c carries prologue work (%s): the kernel loads operands as "
+                     "stored", k ? 'B' : 'A', kb_op_get(nd->op)->name);
             return -1;
         }
         chain[n++] = u;
@@ -160,6 +187,7 @@ strided:
 typedef struct region_epi {
     cg *c;
     kb_dtype mm;   /* the product's dtype: acc is rounded to it first, as torch stores the product */
+    double scale;  /* the operands' constant prologue factors, applied to acc */
 } region_epi;
 
 static kb_status epi_params(kb_ctx *ctx, void *ud, kb_sb *sb) {
@@ -182,7 +210,14 @@ static kb_status epi_element(kb_ctx *ctx, void *ud, kb_sb *sb, const kb_gemm_sit
     c->ind = s->indent;
     cg_line(c, "// the region's epilogue at (%s, %s, %s); i is the element's position in the output", s->batch, s->row,
             s->col);
-    cg_line(c, "const float kb_acc = %s;", s->acc);
+    if (e->scale != 1.0) {
+        char lit[48];
+        snprintf(lit, sizeof lit, "%.9g", e->scale);
+        if (!strpbrk(lit, ".e")) strcat(lit, ".0");
+        cg_line(c, "const float kb_acc = %s * %sf;  // the operands' constant prologue factors", s->acc, lit);
+    } else {
+        cg_line(c, "const float kb_acc = %s;", s->acc);
+    }
     cg_line(c, "{");
     c->ind++;
     cg_scope_push(c);
@@ -317,10 +352,7 @@ kb_status cg_gemm_region_generate(const kb_partition *p, int32_t r, const kb_gen
     KB_CHECK(ctx, ab == KB_BF16 || ab == KB_F16, KB_ERR_UNSUPPORTED,
              "codegen: GEMM region %d multiplies %s: the tensor-core kernel takes bf16 or f16 (cuBLAS keeps it)", (int)r,
              kb_dtype_name(ab));
-    for (int q = 0; q < 2; q++) {
-        KB_CHECK(ctx, !gi->prologue[q], KB_ERR_UNSUPPORTED,
-                 "codegen: GEMM region %d: operand %c carries prologue work (%s): the kernel loads operands as stored",
-                 (int)r, q ? 'B' : 'A', kb_op_get(NODE(&c, mm->inputs[q])->op)->name);
+    for (int q = 0; q < 2; q++) { /* prologue work: operand_strides takes a constant scale, nothing else */
         KB_CHECK(ctx, gi->layout[q] != KB_GEMM_STRIDED, KB_ERR_UNSUPPORTED,
                  "codegen: GEMM region %d: operand %c is strided (neither row-major nor transposed)", (int)r, q ? 'B' : 'A');
     }
@@ -331,7 +363,8 @@ kb_status cg_gemm_region_generate(const kb_partition *p, int32_t r, const kb_gen
     /* operands: strides in their inputs' memory */
     view_dims va, vb;
     int32_t sa = -1, sb = -1;
-    if (operand_strides(&c, 0, &sa, &va) < 0 || operand_strides(&c, 1, &sb, &vb) < 0) KB_TRY(c.st);
+    double scale = 1.0;
+    if (operand_strides(&c, 0, &sa, &va, &scale) < 0 || operand_strides(&c, 1, &sb, &vb, &scale) < 0) KB_TRY(c.st);
     KB_CHECK(ctx, NODE(&c, sa)->dtype == ab && NODE(&c, sb)->dtype == ab, KB_ERR_UNSUPPORTED,
              "codegen: GEMM region %d: an operand's input is not %s", (int)r, kb_dtype_name(ab));
     const mono one = {1, 0, {0}};
@@ -368,7 +401,7 @@ kb_status cg_gemm_region_generate(const kb_partition *p, int32_t r, const kb_gen
     }
 
     /* the tile's body with the region's epilogue */
-    region_epi epi = {&c, mm->dtype};
+    region_epi epi = {&c, mm->dtype, scale};
     kb_gemm_epilogue hook = {&epi, "the region's nodes (below), every output stored", epi_params, epi_element};
     kb_gemm_spec spec = {ab, KB_F32, bt, a_bcast, b_bcast, &hook, at, 1, 1};
     kb_gemm_genome gg = {gn->gemm_tile_m, gn->gemm_tile_n, gn->gemm_tile_k, gn->gemm_warps_m,
