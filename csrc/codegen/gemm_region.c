@@ -270,7 +270,7 @@ static kb_status multiples_of_8(cg *c, const mono *req, const char *const *what,
         if (guard < 0) guard = q;
     }
     if (guard < 0) return KB_OK;
-    /* the varying one all others are multiples of (the smallest) */
+    /* a varying one every other varying one is a multiple of: its multiple of 8 is theirs */
     for (int g = 0; g < n; g++) {
         if (req[g].coef % 8 == 0 || req[g].nsym == 0 || req[g].nsym > KB_MAX_DIM_SYMS) continue;
         int all = 1;
