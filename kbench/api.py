@@ -193,8 +193,9 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     gemm: lower matrix products (Linear, mm, bmm, addmm, matmul, baddbmm) into the IR as MATMUL
     nodes, so that fusion builds GEMM regions (a product and its pointwise epilogue) and autodiff
     differentiates them; False (the default for now) leaves every product a torch call. The
-    interp backend runs GEMM regions in the C interpreter; the cuda backend runs them in torch
-    until a generated GEMM kernel is glued in (the report says so per region).
+    interp backend runs GEMM regions in the C interpreter; the cuda backend runs each as kbench's
+    generated tensor-core GEMM with the region's epilogue where it can (bf16/f16 operands read
+    as stored), else in torch with the reason in the report.
     The returned module shares model's parameters and buffers; model itself is not modified,
     but for a DistributedDataParallel model: its `module` is replaced by the optimized one and the
     same DDP object returned (its gradient synchronization stays as it was built)."""
@@ -375,8 +376,8 @@ DEMOTE_ROUNDS = 2   # lowerings with more ops kept in torch, at most: each can c
 def lost_nodes(plan, kept) -> dict:
     """FX node name -> why, for the ops of every compute region that runs in torch (status eager:
     its kernel did not beat eager's, did not compile or did not verify) and are not kept yet. A
-    GEMM region in torch lost nothing: it waits for its generated kernel (GEMM_IN_TORCH), and
-    its product and epilogue stay a GEMM region."""
+    GEMM region in torch is not demoted: torch runs its product and epilogue as the region's
+    nodes, and its product stays a GEMM region."""
     lost = {}
     for info in plan.regions:
         if info.kind not in ("EXTERN", "GEMM") and info.status is Status.EAGER:

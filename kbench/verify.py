@@ -73,12 +73,17 @@ def sweep_symvals(example: list[int], pinned_limit: int = 1 << 31, multiples=())
 
 def vec_symbols(plan, r, symvals) -> set:
     """The symbols of region r's last dim where a kernel may require it to stay a multiple of its
-    vec (a ROW or COL region whose anchor's last dim varies and is even at symvals): those
-    sweep_symvals also moves to sizes that keep it so."""
+    vec (a ROW or COL region whose anchor's last dim varies and is even at symvals), or of a GEMM
+    region's M, N and K that are multiples of 8 at symvals (its kernel's guard may be any of
+    them): those sweep_symvals also moves to sizes that keep it so."""
     part = getattr(plan, "partition", None)
     if part is None:
         return set()
     region = part.region(r)
+    if region["kind"] == "GEMM":   # its kernel may require any of M, N, K to stay a multiple of 8
+        mm = plan.graph.node(region["anchor"])
+        sizes = mm["dims"][-2:] + plan.graph.node(mm["inputs"][0])["dims"][-1:]
+        return {s for d in sizes if not isinstance(d, int) and dim_value(d, symvals) % 8 == 0 for s in d[1]}
     if region["kind"] not in ("ROW", "COL"):
         return set()
     dims = plan.graph.node(region["anchor"])["dims"]

@@ -283,7 +283,19 @@ void cg_online_local_sums(cg *c, const int32_t *reds, int nred);
 int cg_pass_lists(cg *c, int pass, int row, int32_t **reds, int *nred, int32_t **outs, int *nout);
 void cg_free_pass_lists(cg *c, int32_t *reds, int32_t *outs);
 
-/* ================================ layer 5: source (generate.c, params.c, preamble.c) */
+/* ================================ layer 5: source (generate.c, gemm_region.c, params.c, preamble.c) */
+
+/* generate.c: the generator's state for region r read as rg (p->regions[r], or a GEMM region's
+ * epilogue read as POINTWISE) with genome gn, and its release; prune_unused drops the `const`
+ * declarations nothing reads */
+kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_region *rg, const kb_genome *gn,
+                  const kb_device_info *dev);
+void cg_done(cg *c);
+void cg_prune_unused(char *src);
+/* gemm_region.c: a GEMM region's kernel: kb_gemm_generate's tile as a __device__ body, the
+ * region's epilogue nodes as its hook, a __global__ entry in the region ABI looping over tiles */
+kb_status cg_gemm_region_generate(const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
+                                  kb_kernel **out);
 
 /* params.c: the kernel's parameters, declared (decl=1) or passed on (decl=0: a call's arguments) */
 void cg_emit_params(cg *c, kb_sb *sb, int decl);

@@ -415,8 +415,14 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
     gl(&w, "%s", "");
 
     /* ---- the signature */
-    kb_sb_printf(sb, "extern \"C\" __global__ void __launch_bounds__(%d, %d) %s(\n", threads, (int)g->min_blocks, L.name);
-    kb_sb_printf(sb, "    %s *__restrict__ out,\n    const %s *__restrict__ A,\n    const %s *__restrict__ B,\n", TO, T, T);
+    if (spec->device_body) {
+        kb_sb_printf(sb, "__device__ __forceinline__ void %s(\n    const long long kb_pid, const long long kb_bz,\n", L.name);
+    } else {
+        kb_sb_printf(sb, "extern \"C\" __global__ void __launch_bounds__(%d, %d) %s(\n", threads, (int)g->min_blocks,
+                     L.name);
+    }
+    if (!spec->no_out) kb_sb_printf(sb, "    %s *__restrict__ out,\n", TO);
+    kb_sb_printf(sb, "    const %s *__restrict__ A,\n    const %s *__restrict__ B,\n", T, T);
     kb_sb_puts(sb, "    const long long M, const long long N, const long long K,\n");
     kb_sb_puts(sb, "    const long long lda, const long long ldb");
     if (!spec->a_broadcast) kb_sb_puts(sb, ",\n    const long long stride_a");
@@ -436,11 +442,12 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
     gl(&w, "%s", "");
     gl(&w, "// this block's tile: block ids walk down groups of 8 tile rows, column by column");
     gl(&w, "const long long tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;");
-    gl(&w, "const long long pid = blockIdx.x, group = 8 * tiles_n, first_m = pid / group * 8;");
+    gl(&w, "const long long pid = %s, group = 8 * tiles_n, first_m = pid / group * 8;",
+       spec->device_body ? "kb_pid" : "blockIdx.x");
     gl(&w, "const long long group_m = tiles_m - first_m < 8 ? tiles_m - first_m : 8;");
     gl(&w, "const long long m0 = (first_m + pid %% group %% group_m) * BM, n0 = (pid %% group / group_m) * BN;");
     gl(&w, "if (m0 >= M || n0 >= N) return;");
-    gl(&w, "const long long bz = blockIdx.z;");
+    gl(&w, "const long long bz = %s;", spec->device_body ? "kb_bz" : "blockIdx.z");
     gl(&w, "const %s *Ab = A%s;", T, spec->a_broadcast ? "" : " + bz * stride_a");
     gl(&w, "const %s *Bb = B%s;", T, spec->b_broadcast ? "" : " + bz * stride_b");
     gl(&w, "const long long ktiles = (K + BK - 1) / BK;");
@@ -548,7 +555,7 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
     w.ind++;
     gl(&w, "const long long row = m0 + warp_m * WTM + i * 16 + h * 8 + (lane >> 2);");
     gl(&w, "if (row >= M) continue;");
-    gl(&w, "%s *orow = out + (bz * M + row) * N;", TO);
+    if (!spec->no_out) gl(&w, "%s *orow = out + (bz * M + row) * N;", TO);
     gl(&w, "#pragma unroll");
     gl(&w, "for (int j = 0; j < NI; j++) {");
     w.ind++;
@@ -568,15 +575,17 @@ kb_status kb_gemm_generate(kb_ctx *ctx, const kb_gemm_spec *spec, const kb_gemm_
         w.ind--;
         gl(&w, "}");
     }
-    gl(&w, "if (col + 1 < N && (N & 1) == 0) {  // an even N keeps (row * N + col) even: an aligned pair");
-    gl(&w, "    %s", pair_store(spec->out));
-    gl(&w, "} else {");
-    char s0[96], s1[96];
-    snprintf(s0, sizeof s0, cg_store_fmt(spec->out), "v0");
-    snprintf(s1, sizeof s1, cg_store_fmt(spec->out), "v1");
-    gl(&w, "    orow[col] = %s;", s0);
-    gl(&w, "    if (col + 1 < N) orow[col + 1] = %s;", s1);
-    gl(&w, "}");
+    if (!spec->no_out) {
+        gl(&w, "if (col + 1 < N && (N & 1) == 0) {  // an even N keeps (row * N + col) even: an aligned pair");
+        gl(&w, "    %s", pair_store(spec->out));
+        gl(&w, "} else {");
+        char s0[96], s1[96];
+        snprintf(s0, sizeof s0, cg_store_fmt(spec->out), "v0");
+        snprintf(s1, sizeof s1, cg_store_fmt(spec->out), "v1");
+        gl(&w, "    orow[col] = %s;", s0);
+        gl(&w, "    if (col + 1 < N) orow[col + 1] = %s;", s1);
+        gl(&w, "}");
+    }
     w.ind--;
     gl(&w, "}");
     w.ind--;

@@ -67,7 +67,7 @@ static void cg_reset(cg *c) {
     c->ind = 1;
 }
 
-static void cg_done(cg *c) {
+void cg_done(cg *c) {
     if (!c->ctx) return;
     size_t n = (size_t)(c->n ? c->n : 1);
     kb_free(c->ctx, c->member, n);
@@ -93,17 +93,17 @@ static int reads_colsum(const cg *c, const kb_node *nd) {
     return 0;
 }
 
-static kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genome *gn, const kb_device_info *dev,
-                  const renderer *rd) {
+kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_region *rg, const kb_genome *gn,
+                  const kb_device_info *dev) {
     (void)dev;
     memset(c, 0, sizeof *c);
     c->ctx = kb_graph_ctx(p->graph);
     c->p = p;
     c->g = p->graph;
-    c->rg = &p->regions[r];
+    c->rg = rg;
     c->r = r;
     c->gn = *gn;
-    c->rd = rd;
+    c->rd = &CUDA_RENDERER;
     c->n = kb_graph_nnodes(c->g);
     size_t n = (size_t)(c->n ? c->n : 1);
     c->member = kb_calloc(c->ctx, n, 1);
@@ -151,7 +151,7 @@ static kb_status cg_init(cg *c, const kb_partition *p, int32_t r, const kb_genom
             if (c->adims[d].nsym) c->red_pinned = 0;
             R *= c->adims[d].coef;
         }
-    static const char *const kinds[] = {"pointwise", "row", "col", "extern"};
+    static const char *const kinds[] = {"pointwise", "row", "col", "extern", "gemm"};
     snprintf(c->name, sizeof c->name, "kb_r%d_%s", (int)r, kinds[c->rg->kind]);
     c->col_split = c->rg->kind == KB_REGION_COL ? gn->col_split : 1;
     c->split = c->rg->kind == KB_REGION_ROW && gn->row_split > 1 ? gn->row_split : 1;
@@ -219,7 +219,7 @@ static int has_token(const char *s, const char *e, const char *name, size_t n) {
     return 0;
 }
 
-static void prune_unused(char *src) {
+void cg_prune_unused(char *src) {
     for (int changed = 1; changed;) {
         changed = 0;
         for (char *line = src; *line;) {
@@ -332,10 +332,9 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
     memset(&c, 0, sizeof c);
     KB_CHECK(ctx, r >= 0 && r < p->nregions, KB_ERR_INVALID, "codegen: region %d of %d", (int)r, (int)p->nregions);
     KB_CHECK(ctx, p->regions[r].kind != KB_REGION_EXTERN, KB_ERR_INVALID, "codegen: region %d is EXTERN", (int)r);
-    /* a GEMM region's kernel is the GEMM generator's (its epilogue hook), not this one's */
-    KB_CHECK(ctx, p->regions[r].kind != KB_REGION_GEMM, KB_ERR_UNSUPPORTED,
-             "codegen: region %d is a GEMM region: no generated kernel yet", (int)r);
-    KB_TRY(cg_init(&c, p, r, gn, dev, &CUDA_RENDERER));
+    /* a GEMM region's kernel is the GEMM generator's with the region's epilogue (gemm_region.c) */
+    if (p->regions[r].kind == KB_REGION_GEMM) return cg_gemm_region_generate(p, r, gn, dev, out);
+    KB_TRY(cg_init(&c, p, r, &p->regions[r], gn, dev));
     cg_plan_passes(&c);
     KB_TRY(check_genome(&c));
     /* a split row's statistics are the finishing kernel's, written like any per-row output: one
@@ -383,8 +382,8 @@ kb_status kb_kernel_generate(const kb_partition *p, int32_t r, const kb_genome *
         KB_CHECK(ctx, c.written[c.rg->outputs[j]], KB_ERR_UNSUPPORTED,
                  "codegen: region %d: output %d of %d (%%%d) has no store in the kernel", (int)r, (int)j,
                  (int)c.rg->noutputs, (int)c.rg->outputs[j]);
-    if (body.buf) prune_unused(body.buf);
-    if (finish.buf) prune_unused(finish.buf);
+    if (body.buf) cg_prune_unused(body.buf);
+    if (finish.buf) cg_prune_unused(finish.buf);
 
     /* the kernel's text first: the preamble holds what it names */
     if (c.maxred > 0 && c.G > 32) kb_sb_printf(&kernel, "#define KB_NRED %d\n", c.maxred);

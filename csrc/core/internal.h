@@ -201,6 +201,13 @@ typedef struct kb_gemm_spec {
     int32_t b_broadcast;         /* 1: one B for every batch (a weight) */
     const kb_gemm_epilogue *epilogue; /* NULL: out = acc */
     int32_t a_transposed;        /* 1: A is stored [batch, K, M] (row stride lda), read as its transpose */
+    /* 1: the kernel is a __device__ function computing one tile, (const long long kb_pid, const long
+     * long kb_bz, <the parameters>) for tile kb_pid of batch kb_bz, which a region's __global__
+     * entry calls in a loop over the tiles (codegen/gemm_region.c); the caller keeps the block's
+     * threads together and syncs them between tiles */
+    int32_t device_body;
+    /* 1: no out parameter and no store: the epilogue stores every value itself (a region's outputs) */
+    int32_t no_out;
 } kb_gemm_spec;
 
 /* One GEMM kernel's schedule: a block computes a tile_m x tile_n tile of out, stepping K by

@@ -335,6 +335,11 @@ typedef struct kb_genome {
     int32_t row_split;      /* ROW: blocks per row (1 = the row in one block; > 1: each block reduces a
                                contiguous part of the row to partials, a finishing kernel merges them
                                and writes the row's outputs, each block its part) */
+    /* GEMM regions only (all 0 elsewhere): the tensor-core kernel's schedule (kb_gemm_genome,
+     * codegen/gemm.c), written in the text as one gene "gemm=TMxTNxTK/WMxWN/sS/bB" only where set;
+     * the genes above keep kb_genome_base()'s values but threads (the kernel's block) and vec 8
+     * (its 16-byte loads: the launchers then check every input pointer's alignment) */
+    int32_t gemm_tile_m, gemm_tile_n, gemm_tile_k, gemm_warps_m, gemm_warps_n, gemm_stages, gemm_min_blocks;
 } kb_genome;
 
 /* What schedules and launches need to know of a device (kb_cuda_device_info reads it from the

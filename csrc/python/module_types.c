@@ -195,6 +195,10 @@ static PyObject *genome_richcompare(PyObject *a, PyObject *b, int op) {
     const kb_genome *x = &((kb_py_genome *)a)->gn, *y = &((kb_py_genome *)b)->gn;
     int eq = 1;
     for (int i = 0; i < KB_NGENES && eq; i++) eq = gene_get(x, i) == gene_get(y, i);
+    /* a GEMM region's kernel genes (the hash leaves them out: equal genomes still hash alike) */
+    eq = eq && x->gemm_tile_m == y->gemm_tile_m && x->gemm_tile_n == y->gemm_tile_n && x->gemm_tile_k == y->gemm_tile_k &&
+         x->gemm_warps_m == y->gemm_warps_m && x->gemm_warps_n == y->gemm_warps_n && x->gemm_stages == y->gemm_stages &&
+         x->gemm_min_blocks == y->gemm_min_blocks;
     return PyBool_FromLong(op == Py_EQ ? eq : !eq);
 }
 

@@ -566,6 +566,58 @@ static void test_genome_genes(void) {
 }
 
 
+/* ---------------------------------------------------------------- GEMM regions */
+
+/* gelu(x [s0,64] . W^T + bias) with W [128,64] (a Linear): a GEMM region with its epilogue */
+static int32_t tg_gemm_bias_gelu(tg *t, int32_t x) {
+    const int8_t perm[2] = {1, 0};
+    int32_t w = tg_input(t, "W", KB_BF16, "128,64"), bias = tg_input(t, "bias", KB_BF16, "128");
+    int32_t wt = tg_permute(t, KB_BF16, "64,128", w, perm), mm = -1;
+    if (t->st == KB_OK) t->st = kb_graph_add_matmul(t->g, x, wt, KB_BF16, &mm);
+    int32_t be = tg_op(t, KB_OP_EXPAND, KB_BF16, "s0,128", tg_op(t, KB_OP_RESHAPE, KB_BF16, "1,128", bias, -1, -1), -1, -1);
+    int32_t y = tg_op(t, KB_OP_GELU, KB_BF16, "s0,128", tg_op(t, KB_OP_ADD, KB_BF16, "s0,128", mm, be, -1), -1, -1);
+    tg_output(t, y);
+    return y;
+}
+
+/* A GEMM region's kernel: the default genome carries the gemm gene (its text round trips), the
+ * entry is in the region ABI with the tile as a __device__ body, the epilogue reads the bias */
+static void test_gemm_region(void) {
+    tg t = new_graph();
+    int32_t s;
+    kb_graph_add_symbol(t.g, "s0", 40, &s);
+    tg_gemm_bias_gelu(&t, tg_input(&t, "x", KB_BF16, "s0,64"));
+    CHECK(t.st == KB_OK);
+    kb_partition *p = NULL;
+    CHECK_STATUS(ctx, kb_partition_new(t.g, &p), KB_OK);
+    if (!p) goto done;
+    CHECK(p->nregions == 1 && p->regions[0].kind == KB_REGION_GEMM);
+    int64_t sv = 40;
+    kb_genome gn, back;
+    CHECK_STATUS(ctx, kb_genome_default(p, 0, &sv, kb_device_default(), &gn), KB_OK);
+    char text[256];
+    kb_genome_format(&gn, text, sizeof text);
+    CHECK(strstr(text, " gemm=") != NULL && gn.vec == 8 && gn.threads == 32 * gn.gemm_warps_m * gn.gemm_warps_n);
+    CHECK_STATUS(ctx, kb_genome_parse(ctx, text, &back), KB_OK);
+    CHECK(memcmp(&back, &gn, sizeof gn) == 0);
+    kb_kernel *k = NULL;
+    CHECK_STATUS(ctx, kb_kernel_generate(p, 0, &gn, kb_device_default(), &k), KB_OK);
+    if (k) {
+        CHECK(strcmp(k->name, "kb_r0_gemm") == 0 && k->block == gn.threads && k->last_multiple == 1);
+        CHECK(strstr(k->source, "__device__ __forceinline__ void kb_gemm_bf16_nt_") != NULL);
+        CHECK_MSG(strstr(k->source, "= __bfloat162float(bias[") != NULL && strstr(k->source, "t += gridDim.x") != NULL,
+                  "%s", k->source);
+        CHECK(k->units_per_block == (int64_t)gn.gemm_tile_m * gn.gemm_tile_n);
+        kb_kernel_free(ctx, k);
+    }
+    /* a genome without the gemm gene is refused, not generated wrong */
+    kb_genome plain = *kb_genome_base();
+    CHECK_STATUS(ctx, kb_kernel_generate(p, 0, &plain, kb_device_default(), &k), KB_ERR_INVALID);
+done:
+    kb_partition_free(p);
+    kb_graph_free(t.g);
+}
+
 /* ---------------------------------------------------------------- failing allocations */
 
 
@@ -586,6 +638,7 @@ static kb_status alloc_run(books *b) {
     int32_t y = tg_layernorm(&t, KB_BF16, "s0", "64", x, w, b2, 1e-5);
     tg_output(&t, tg_softmax(&t, KB_BF16, "s0", "64", y));
     tg_output(&t, tg_reduce(&t, KB_OP_SUM, KB_BF16, "64", y, 1));
+    tg_gemm_bias_gelu(&t, y);
     if ((st = t.st) != KB_OK) goto done;
     if ((st = kb_partition_new(t.g, &p)) != KB_OK) goto done;
     if ((st = kb_partition_dump(p, &text)) != KB_OK) goto done;
@@ -632,6 +685,7 @@ int main(void) {
     test_varying_last_dim_vectors();
     test_columns();
     test_huge_rows_refused();
+    test_gemm_region();
     test_failing_alloc();
     printf("kernels written: %d, genomes refused as illegal: %d\n", nwritten, ninvalid);
     kb_ctx_free(ctx);

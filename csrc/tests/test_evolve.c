@@ -499,7 +499,7 @@ static void test_exhausted_space(void) {
             for (int c = 0; c < nd[3]; c++)
                 for (int d = 0; d < nd[7]; d++) {
                     kb_genome g = {dom[0][a], dom[1][b], dom[2][0], dom[3][c], dom[4][0],
-                                   dom[5][0], dom[6][0], dom[7][d], dom[8][0], dom[9][0]};
+                                   dom[5][0], dom[6][0], dom[7][d], dom[8][0], dom[9][0], 0, 0, 0, 0, 0, 0, 0};
                     legal_count += kb_genome_legal(&f.part, 0, f.symvals, kb_device_default(), &g);
                 }
     CHECK(legal_count == 18);

@@ -39,7 +39,7 @@ static void test_generate(void) {
     kb_gemm_builtin b = {1, KB_BF16, KB_F32, KB_BF16, KB_OP_GELU_TANH, 0, 0, ""};
     kb_gemm_epilogue epi;
     CHECK_STATUS(ctx, kb_gemm_builtin_epilogue(ctx, &b, &epi), KB_OK);
-    kb_gemm_spec spec = {KB_BF16, KB_BF16, 1, 0, 1, &epi, 0};
+    kb_gemm_spec spec = {KB_BF16, KB_BF16, 1, 0, 1, &epi, 0, 0, 0};
     kb_gemm_genome g;
     kb_gemm_genome_default(4096, 4096, 4096, 1, NULL, &g);
     CHECK(g.tile_m == 128 && g.tile_n == 128 && g.tile_k == 32 && g.warps_m == 2 && g.warps_n == 4 && g.stages == 4 &&
@@ -65,7 +65,7 @@ static void test_generate(void) {
         CHECK(n >= (i ? 4 : 1));
         for (int k = 0; k < n; k++) {
             kb_gemm_spec sp = {k % 2 ? KB_F16 : KB_BF16, (kb_dtype)(k % 3 == 0 ? KB_F32 : k % 3 == 1 ? KB_F16 : KB_BF16),
-                               k % 2, 0, 0, NULL, k % 3 == 1};
+                               k % 2, 0, 0, NULL, k % 3 == 1, 0, 0};
             char *src = NULL;
             kb_gemm_launch L;
             CHECK_STATUS(ctx, kb_gemm_genome_check(ctx, &c[k], NULL), KB_OK);
@@ -82,7 +82,7 @@ static void test_refusals_and_hook(void) {
     kb_ctx *ctx = NULL;
     CHECK(kb_ctx_new(NULL, NULL, &ctx) == KB_OK);
     kb_gemm_genome g = {128, 128, 32, 2, 4, 4, 1};
-    kb_gemm_spec f32 = {KB_F32, KB_F32, 0, 0, 0, NULL, 0}, ok = {KB_F16, KB_F32, 0, 0, 0, NULL, 0};
+    kb_gemm_spec f32 = {KB_F32, KB_F32, 0, 0, 0, NULL, 0, 0, 0}, ok = {KB_F16, KB_F32, 0, 0, 0, NULL, 0, 0, 0};
     char *src = NULL;
     kb_gemm_launch L;
     CHECK_STATUS(ctx, gen(ctx, &f32, &g, 90, &src, &L), KB_ERR_UNSUPPORTED);
@@ -98,7 +98,7 @@ static void test_refusals_and_hook(void) {
 
     /* a caller's hook: its parameter and statements are in the kernel */
     kb_gemm_epilogue hook = {NULL, "acc * my_scale + (b + row + col)", hook_params, hook_element};
-    kb_gemm_spec hs = {KB_BF16, KB_F32, 1, 1, 1, &hook, 0};
+    kb_gemm_spec hs = {KB_BF16, KB_F32, 1, 1, 1, &hook, 0, 0, 0};
     CHECK_STATUS(ctx, gen(ctx, &hs, &g, 90, &src, &L), KB_OK);
     CHECK(src && strstr(src, "const float my_scale) {") && strstr(src, "v1 = v1 * my_scale + (float)(bz + row + col1)"));
     CHECK(src && strstr(src, "//   epilogue: acc * my_scale + (b + row + col)"));
@@ -123,7 +123,7 @@ static void test_oom(void) {
         kb_gemm_builtin b = {1, KB_BF16, -1, -1, KB_OP_SILU, 0, 0, ""};
         kb_gemm_epilogue epi;
         kb_status st = kb_gemm_builtin_epilogue(ctx, &b, &epi);
-        kb_gemm_spec spec = {KB_BF16, KB_BF16, 0, 0, 0, &epi, 0};
+        kb_gemm_spec spec = {KB_BF16, KB_BF16, 0, 0, 0, &epi, 0, 0, 0};
         char *src = NULL;
         kb_gemm_launch L;
         if (st == KB_OK) st = gen(ctx, &spec, &g, 80, &src, &L);

@@ -112,7 +112,9 @@ static kb_status check_region(const kb_partition *p, int32_t r) {
     if (p->regions[r].kind == KB_REGION_EXTERN)
         return KB_FAIL(ctx, KB_ERR_INVALID, "evolve: region %d is EXTERN: torch runs it, it has no schedule", (int)r);
     if (p->regions[r].kind == KB_REGION_GEMM)
-        return KB_FAIL(ctx, KB_ERR_UNSUPPORTED, "evolve: region %d is a GEMM region: no generated kernel yet, no genes", (int)r);
+        return KB_FAIL(ctx, KB_ERR_UNSUPPORTED,
+                       "evolve: region %d is a GEMM region: it runs its default genome (the GEMM kernel's), no genes "
+                       "to search", (int)r);
     return KB_OK;
 }
 

@@ -49,7 +49,8 @@ kb_status tune_facts_of(const kb_partition *p, int32_t r, const int64_t *symvals
     const kb_node *a = kb_graph_node(g, rg->anchor);
     memset(f, 0, sizeof *f);
     if (rg->kind == KB_REGION_GEMM) /* the GEMM generator's schedule, not a genome of these genes */
-        return KB_FAIL(ctx, KB_ERR_UNSUPPORTED, "facts: region %d is a GEMM region: no generated kernel yet", (int)r);
+        return KB_FAIL(ctx, KB_ERR_UNSUPPORTED, "facts: region %d is a GEMM region: its schedule is the GEMM kernel's",
+                       (int)r);
     f->kind = rg->kind;
     f->full = f->red = f->kept = 1;
     f->red_pinned = 1;

@@ -10,7 +10,7 @@
 
 static const char *const cache_names[] = {"regs", "smem", "reread"};
 
-static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1, 1};
+static const kb_genome BASE = {256, 1, 1, 1, KB_CACHE_REGS, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0};
 
 /* The genes of the text form, in kb_genome field order: name, where it lives, its range. */
 static const kb_gene GENES[KB_NGENES] = {
@@ -81,6 +81,31 @@ static int pick_vec(const tune_facts *f, int need_last) {
     return vec;
 }
 
+/* A GEMM region's schedule: the base genes (threads the kernel's block) and the tensor-core
+ * kernel's genome for its product at these sizes (kb_gemm_genome_default). */
+static kb_status gemm_default(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
+                              kb_genome *out) {
+    kb_ctx *ctx = kb_graph_ctx(p->graph);
+    const kb_node *mm = kb_graph_node(p->graph, p->regions[r].gemm.matmul);
+    const kb_node *a = kb_graph_node(p->graph, mm->inputs[0]);
+    kb_status st = kb_graph_check_symvals(p->graph, symvals);
+    if (st != KB_OK) return st;
+    int64_t batch = 1;
+    for (int d = 0; d < mm->rank - 2; d++) batch *= kb_dim_eval(mm->dims[d], symvals);
+    kb_gemm_genome g;
+    kb_gemm_genome_default(kb_dim_eval(mm->dims[mm->rank - 2], symvals), kb_dim_eval(mm->dims[mm->rank - 1], symvals),
+                           kb_dim_eval(a->dims[a->rank - 1], symvals), batch, dev, &g);
+    kb_genome gn = BASE;
+    gn.threads = 32 * g.warps_m * g.warps_n;
+    gn.vec = 8; /* 16-byte loads: the launchers check every pointer's alignment where vec > 1 */
+    gn.gemm_tile_m = g.tile_m, gn.gemm_tile_n = g.tile_n, gn.gemm_tile_k = g.tile_k;
+    gn.gemm_warps_m = g.warps_m, gn.gemm_warps_n = g.warps_n, gn.gemm_stages = g.stages;
+    gn.gemm_min_blocks = g.min_blocks;
+    (void)ctx;
+    *out = gn;
+    return KB_OK;
+}
+
 kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *symvals, const kb_device_info *dev,
                             kb_genome *out) {
     if (!p || !out || r < 0 || r >= p->nregions) return KB_ERR_INVALID;
@@ -88,8 +113,7 @@ kb_status kb_genome_default(const kb_partition *p, int32_t r, const int64_t *sym
     const kb_region *rg = &p->regions[r];
     if (rg->kind == KB_REGION_EXTERN)
         return KB_FAIL(ctx, KB_ERR_INVALID, "region %d is EXTERN: torch runs it, it has no schedule", (int)r);
-    if (rg->kind == KB_REGION_GEMM)
-        return KB_FAIL(ctx, KB_ERR_UNSUPPORTED, "region %d is a GEMM region: no generated kernel yet, no genome", (int)r);
+    if (rg->kind == KB_REGION_GEMM) return gemm_default(p, r, symvals, dev, out);
     tune_facts f;
     kb_status st = tune_facts_of(p, r, symvals, dev, &f);
     if (st != KB_OK) return st;
@@ -215,13 +239,39 @@ int kb_genome_format(const kb_genome *gn, char *buf, size_t n) {
     /* row_split last and only where it splits: a genome without one keeps the text it always had */
     char split[32] = "";
     if (gn->row_split != 1) snprintf(split, sizeof split, " row_split=%d", gn->row_split);
+    /* the GEMM kernel's genes last, only in a GEMM region's genome */
+    char gemm[96] = "";
+    if (gn->gemm_tile_m)
+        snprintf(gemm, sizeof gemm, " gemm=%dx%dx%d/%dx%d/s%d/b%d", gn->gemm_tile_m, gn->gemm_tile_n, gn->gemm_tile_k,
+                 gn->gemm_warps_m, gn->gemm_warps_n, gn->gemm_stages, gn->gemm_min_blocks);
     int len = snprintf(buf, n,
                        "threads=%d vec=%d rows=%d items=%d cache=%s two_pass=%d fast_math=%d persistent=%d "
-                       "col_split=%d%s",
+                       "col_split=%d%s%s",
                        gn->threads, gn->vec, gn->rows, gn->items, cache, gn->two_pass, gn->fast_math,
-                       gn->persistent, gn->col_split, split);
+                       gn->persistent, gn->col_split, split, gemm);
     if (n > 0 && len >= 0 && (size_t)len >= n) buf[n - 1] = '\0';
     return len < 0 ? 0 : len;
+}
+
+/* "TMxTNxTK/WMxWN/sS/bB" (kb_genome_format's) into gn's GEMM genes, checked by the GEMM
+ * generator's shape rules (kb_gemm_genome_check, any device's shared memory) */
+static kb_status parse_gemm(kb_ctx *ctx, const char *val, size_t n, kb_genome *gn) {
+    char text[64];
+    kb_gemm_genome g;
+    int used = 0;
+    if (n >= sizeof text) return KB_FAIL(ctx, KB_ERR_INVALID, "genome: gemm=%.20s... is too long", val);
+    memcpy(text, val, n);
+    text[n] = '\0';
+    if (sscanf(text, "%dx%dx%d/%dx%d/s%d/b%d%n", &g.tile_m, &g.tile_n, &g.tile_k, &g.warps_m, &g.warps_n, &g.stages,
+               &g.min_blocks, &used) != 7 || (size_t)used != n)
+        return KB_FAIL(ctx, KB_ERR_INVALID, "genome: bad value \"%s\" for gemm (TMxTNxTK/WMxWN/sS/bB)", text);
+    const kb_device_info any_smem = {80, 0, 1 << 30, 0, 0};
+    kb_status st = kb_gemm_genome_check(ctx, &g, &any_smem);
+    if (st != KB_OK) return st;
+    gn->gemm_tile_m = g.tile_m, gn->gemm_tile_n = g.tile_n, gn->gemm_tile_k = g.tile_k;
+    gn->gemm_warps_m = g.warps_m, gn->gemm_warps_n = g.warps_n, gn->gemm_stages = g.stages;
+    gn->gemm_min_blocks = g.min_blocks;
+    return KB_OK;
 }
 
 kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out) {
@@ -237,6 +287,12 @@ kb_status kb_genome_parse(kb_ctx *ctx, const char *text, kb_genome *out) {
         size_t klen = (size_t)(eq - s);
         const char *val = eq + 1, *end = val;
         while (*end && *end != ' ' && *end != '\t' && *end != '\n') end++;
+        if (klen == 4 && strncmp(s, "gemm", 4) == 0) {
+            kb_status st = parse_gemm(ctx, val, (size_t)(end - val), &gn);
+            if (st != KB_OK) return st;
+            s = end;
+            continue;
+        }
         const kb_gene *gene = NULL;
         for (int i = 0; i < KB_NGENES; i++)
             if (strlen(GENES[i].name) == klen && strncmp(GENES[i].name, s, klen) == 0) gene = &GENES[i];

@@ -31,11 +31,6 @@ class RegionFallback(Exception):
     """Raised by a backend to run one region in eager for this call (e.g. a misaligned input)."""
 
 
-# A GEMM region's status reason on the cuda backend until the generated GEMM kernel is glued in:
-# torch runs its product and epilogue (the region's nodes as torch ops).
-GEMM_IN_TORCH = "GEMM region: no generated kernel yet"
-
-
 class Status(enum.Enum):
     """What runs a region; RegionInfo.reason says why where torch runs one that kbench could."""
     INTERP = "interp"                     # the C interpreter (backend "interp")

@@ -23,7 +23,7 @@ import torch
 from .. import _C, verify
 from ..runtime import nvrtc, torch_eval
 from ..runtime.cuda import event_ms
-from ..runtime.plan import GEMM_IN_TORCH, Status
+from ..runtime.plan import Status
 from . import cache, sandbox, search, spread, timing
 
 log = logging.getLogger("kbench")
@@ -187,10 +187,6 @@ class Tuner:
         way is such a reason, never an error out of optimize(), and so is a trap or hang here
         (after which nothing more is launched: self.poisoned)."""
         r = info.index
-        if info.kind == "GEMM":   # the GEMM generator's kernel is not glued in yet: torch runs it
-            ex.kernels.pop(r, None)
-            info.set_status(Status.EAGER, GEMM_IN_TORCH)
-            return
         if self.poisoned:   # a trap or hang earlier: nothing is launched here any more
             ex.kernels.pop(r, None)
             info.set_status(Status.EAGER, f"not tried: {self.poisoned}")
@@ -337,7 +333,7 @@ class Tuner:
         found = self.found.pop(key, None) if self.budget != "none" else None
         if found is not None:
             return self.adopt(ex, r, key, found, points, note, extra)
-        if self.budget != "none":
+        if self.budget != "none" and info.kind != "GEMM":   # a GEMM region: its default genome alone
             progress = self.progress(info)
             try:
                 res = search.search_region(ex, r, sizes, budget=self.budget, seed=self.seed, progress=progress,
@@ -380,6 +376,8 @@ class Tuner:
         devices."""
         jobs, seen = [], set()
         for info in compute:
+            if info.kind == "GEMM":   # its default genome alone: nothing to search (tune())
+                continue
             r = info.index
             key = self.cache_key(ex, r)
             k = _key_tuple(key)
