@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kbench
+from _float64 import assert_grads_as_exact_as_eager, rel
 from kbench.runtime.plan import Status
 
 pytestmark = pytest.mark.gpu
@@ -30,10 +31,6 @@ class Block(torch.nn.Module):
         # gradient is bf16 rounding noise (eager's own is 12% off float64 there)
         return (torch.bmm(h, h.transpose(1, 2)) * 0.125).softmax(-1)
 
-
-def rel(a, b, floor=1e-6):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(floor))
 
 
 @pytest.mark.parametrize("autocast,tol", [(False, 1e-4), (True, 3e-2)], ids=["f32", "bf16"])
@@ -64,11 +61,4 @@ def test_gemm_regions_the_kernel_cannot_take_run_in_torch(autocast, tol):
     want.backward(g)
     xr = x.double().requires_grad_()
     exact(xr).backward(g.double())
-    # each gradient against float64's: within tol, or no worse than twice eager's own error
-    scale = max(float(q.grad.abs().max()) for q in exact.parameters())
-    pairs = [("x", xa.grad, xb.grad, xr.grad)] + [
-        (n, p.grad, q.grad, r.grad)
-        for (n, p), q, r in zip(model.named_parameters(), twin.parameters(), exact.parameters())]
-    for n, ours, eager, ref in pairs:
-        mine, theirs = rel(ours, ref, floor=1e-3 * scale), rel(eager, ref, floor=1e-3 * scale)
-        assert mine <= max(tol, 2 * theirs), (n, mine, theirs)
+    assert_grads_as_exact_as_eager([(xa.grad, xb.grad, xr.grad)], model, twin, exact, tol)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kbench
+from _float64 import assert_grads_as_exact_as_eager, rel
 
 pytestmark = pytest.mark.gpu
 
@@ -35,10 +36,6 @@ class Attention(torch.nn.Module):
         q, k, v = self.q(x), self.k(x), self.v(x)
         return torch.bmm((torch.bmm(q, k.transpose(1, 2)) * self.scale).softmax(-1), v)
 
-
-def rel(a, b, floor=1e-6):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(floor))
 
 
 def _optimize(model, x):
@@ -68,13 +65,7 @@ def _check(model, x, ngemm, every_back):
     ran = [i for i in back if i.status.kernel]
     assert ran and (len(ran) == len(back) or not every_back), [(i.index, i.status_text) for i in back]
     assert all("prologue work (cast)" in i.reason for i in back if not i.status.kernel), [i.reason for i in back]
-    scale = max(float(q.grad.abs().max()) for q in exact.parameters())
-    pairs = [("x", xa.grad, xb.grad, xr.grad)] + [
-        (n, p.grad, q.grad, r.grad)
-        for (n, p), q, r in zip(model.named_parameters(), twin.parameters(), exact.parameters())]
-    for n, ours, eager, exact_grad in pairs:
-        mine, theirs = rel(ours, exact_grad, floor=1e-3 * scale), rel(eager, exact_grad, floor=1e-3 * scale)
-        assert mine <= max(TOL, 2 * theirs), (n, mine, theirs)
+    assert_grads_as_exact_as_eager([(xa.grad, xb.grad, xr.grad)], model, twin, exact, TOL)
     return opt
 
 
