@@ -160,7 +160,7 @@ def test_the_tuner_searches_each_distinct_uncached_region_once_across_its_gpus(m
         time.sleep(0.01)
         return SimpleNamespace(poisoned=False, r=r)
     monkeypatch.setattr(search, "search_region", fake_search)
-    compute = [SimpleNamespace(index=r) for r in sigs]
+    compute = [SimpleNamespace(index=r, kind="ROW") for r in sigs]
     t.search_spread(Ex(), compute)
     assert sorted(r for _, r in calls) == [0, 1, 2]                  # 3 is 0's twin; 4 cached; 5, 6 not
     for ex, r in calls:                                                # each found on the GPU that searched it
@@ -267,8 +267,8 @@ def test_a_gpu_whose_search_trapped_is_not_searched_on_again(monkeypatch):
         return SimpleNamespace(poisoned=ex == 1)
     monkeypatch.setattr(search, "search_region", fake_search)
     ex = SimpleNamespace(plan=SimpleNamespace(example_symvals=[8]), sibling=lambda device: device.index)
-    t.search_spread(ex, [SimpleNamespace(index=r) for r in range(2)])
+    t.search_spread(ex, [SimpleNamespace(index=r, kind="ROW") for r in range(2)])
     assert t.lost == {1}
     used.clear()
-    t.search_spread(ex, [SimpleNamespace(index=r) for r in range(2, 6)])    # a backward's regions, later
+    t.search_spread(ex, [SimpleNamespace(index=r, kind="ROW") for r in range(2, 6)])    # a backward's regions, later
     assert used == [0, 0, 0, 0]
