@@ -110,7 +110,7 @@ def one_run(args) -> dict:
         if info.kind == "EXTERN":
             continue
         x_ = info.extra
-        regions.append({"region": info.index, "kind": info.kind, "status": info.status, "genome": info.genome,
+        regions.append({"region": info.index, "kind": info.kind, "status": info.status.value, "genome": info.genome,
                         "cache": x_.get("cache"), "candidates": x_.get("candidates"),
                         "search_s": x_.get("search_s"), "default_ms": x_.get("default_ms"),
                         "best_ms": x_.get("best_ms"), "tuned_on": x_.get("tuned_on"),
@@ -122,7 +122,7 @@ def one_run(args) -> dict:
         for info in prog.plan.regions:
             if info.kind != "EXTERN":
                 x_ = info.extra
-                backward.append({"kind": info.kind, "status": info.status, "cache": x_.get("cache"),
+                backward.append({"kind": info.kind, "status": info.status.value, "cache": x_.get("cache"),
                                  "candidates": x_.get("candidates"), "default_ms": x_.get("default_ms"),
                                  "best_ms": x_.get("best_ms")})
     return {"optimize_s": t1 - t0, "forward_backward_s": t2 - t1, "max_rel_err": err,
