@@ -175,10 +175,14 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     itself where kbench's is not faster (kbench/tune/gate.py; the report gives both times).
     cuda_graphs: "auto" (the default) replays a call from a CUDA graph, captured at the third call
     of its input signature, where that is safe: the cuda backend, every region a generated kernel
-    or a torch op that does not sync, a call without gradients (kbench/runtime/graphs.py says
-    what else is guarded), and, with the gate on, where the graphed example call is faster than
-    the un-graphed one; True graphs where safe, whatever the gate, and logs once why a call runs
-    without; False never. The report gives the graphed signatures and the memory they pin.
+    or a torch op that does not sync (kbench/runtime/graphs.py says what else is guarded); a
+    training call (one that wants gradients) as a forward graph and a backward graph replayed
+    through one autograd node (kbench/runtime/train_graphs.py: two forwards before a backward,
+    retain_graph, create_graph, gradient accumulation and in-place changes are guarded); with the
+    gate on, only where the graphed example call is faster than the un-graphed one. True graphs
+    where safe, whatever the gate, and logs once why a call runs without; "inference" graphs
+    calls without gradients only; False never. The report gives the graphed signatures and the
+    memory they pin.
     distributed: with torch.distributed initialized, whether the ranks share one tuning (rank 0
     captures and tunes, the others receive its winners and the regions it left to torch, and load
     and gate those on their own GPU; kbench/distributed.py): "auto" (the default) for a

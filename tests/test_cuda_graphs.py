@@ -62,20 +62,23 @@ def graphed(opt, option=True):
     """opt (an interp module, which never graphs on its own) with a runner on the stand-in."""
     slot = "_kbench_fast_program" if opt._kbench_spec.plain else "_kbench_fast_flat"
     runner = graphs.GraphRunner(opt, opt.__dict__[slot], option, capture=fake_capture_for(opt._kbench_orig))
+    # this stand-in replays calls without gradients only; training graphs have their own
+    # (tests/test_train_graphs.py)
+    runner.train = None
     opt.__dict__.update({"_kbench_graphs": runner, slot: runner})
     return runner
 
 
 # ---------------------------------------------------------------------------- the option
 
-@pytest.mark.parametrize("value", ["auto", True, False])
+@pytest.mark.parametrize("value", ["auto", True, False, "inference"])
 def test_option_values(value):
     assert graphs.check_option(value) is value
 
 
 @pytest.mark.parametrize("value", ["yes", "Auto", 1, 0, None, "", "true"])
 def test_bad_option_raises_before_anything_runs(value):
-    with pytest.raises(ValueError, match=r"cuda_graphs must be 'auto', True or False, got"):
+    with pytest.raises(ValueError, match=r"cuda_graphs must be 'auto', True, False or 'inference', got"):
         graphs.check_option(value)
     with pytest.raises(ValueError, match="cuda_graphs must be"):
         kbench.optimize(mlp(), (torch.randn(4, 16),), backend="interp", cuda_graphs=value)
@@ -224,7 +227,7 @@ def test_warm_up_capture_replay_and_fresh_outputs():
     assert len(outs) == graphs.WARMUP
     text = str(opt.kbench_report)
     assert "CUDA graphs: on, 1 signature(s) graphed ([(4, 16) float32] no grad)" in text
-    assert "pinned 0.00 MiB (graph pool 0.00 MiB, static inputs 0.00 MiB); 2 replay(s)" in text
+    assert "pinned 0.00 MiB (graph pools 0.00 MiB, static inputs and gradients 0.00 MiB); 2 replay(s)" in text
 
 
 def test_signature_keys():

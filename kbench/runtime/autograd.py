@@ -136,6 +136,11 @@ class RegionBackward:
                 except torch.cuda.OutOfMemoryError as e:   # unchecked is untrusted: the backward runs in torch
                     torch.cuda.empty_cache()
                     why, checked = f"out of GPU memory ({str(e).splitlines()[0][:120]})", 0
+                except BaseException:
+                    # a check that raised (inside a caller's CUDA-graph capture, say) leaves nothing
+                    # trusted behind: the next backward builds and checks it again
+                    del self._kbench_backward[key]
+                    raise
                 memo = self._kbench_grad_checks[memo_key] = (why, checked, self._kbench_unused_grads.get((r, need)))
             why, checked, unused = memo
             if not why:

@@ -12,19 +12,20 @@ import threading
 import torch
 import torch.utils._pytree as pytree
 
+from . import train_graphs
 from .cuda import stream_getter
 from .plan import Fallback, Status
 
 log = logging.getLogger("kbench")
 
-OPTIONS = ("auto", True, False)
+OPTIONS = ("auto", True, False, "inference")
 WARMUP = 2           # un-graphed calls of a signature before it is captured (kernels loaded,
                      # cuBLAS handles and workspaces made, lazy state settled)
 MAX_GRAPHS = 8       # signatures graphed per module: each pins its own outputs in the pool
 MAX_ENTRIES = 256    # signatures tracked (their warm-up counts) before the uncaptured are forgotten
 MAX_DROPS = 3        # times the parameters may change under the graphs before graphs are off
 
-WANTS_GRAD = "the call wants gradients (training calls run un-graphed: docs/DESIGN.md, CUDA graphs)"
+WANTS_GRAD = "the call wants gradients (cuda_graphs='inference' graphs calls without gradients only)"
 
 _NO = object()       # "not replayed": the un-graphed path runs the call
 _deferred = []       # graphs of runners collected during someone's capture, destroyed after it
@@ -32,9 +33,9 @@ _deferred = []       # graphs of runners collected during someone's capture, des
 
 def check_option(value):
     """cuda_graphs as given, or ValueError with the values it takes."""
-    if value is True or value is False or (isinstance(value, str) and value == "auto"):
+    if value is True or value is False or (isinstance(value, str) and value in ("auto", "inference")):
         return value
-    raise ValueError(f"cuda_graphs must be 'auto', True or False, got {value!r}")
+    raise ValueError(f"cuda_graphs must be 'auto', True, False or 'inference', got {value!r}")
 
 
 # ---------------------------------------------------------------------------- the decision
@@ -362,6 +363,9 @@ class GraphRunner:
         self.lock = threading.Lock()
         self.last_raw = self.last_stream = self.raw_stream = None
         self.paused = False        # the model gate times the un-graphed call (paused())
+        self.warmup = WARMUP
+        # calls that want gradients: graphed too, unless asked for inference only (train_graphs.py)
+        self.train = train_graphs.TrainGraphs(self) if option != "inference" else None
 
     # -- what kbench._fast.Program offers its module (OptimizedModule._bind, tests, tools)
 
@@ -410,12 +414,14 @@ class GraphRunner:
                 return _NO, None
         grad = torch.is_grad_enabled()
         live = None
+        train = False
         if grad:
-            if any(x.requires_grad for x in inputs):
-                return _NO, WANTS_GRAD
             live = self._live(module)
-            if live is None or any(map(_requires_grad, live)):
-                return _NO, WANTS_GRAD if live is not None else None
+            if live is None:
+                return _NO, None
+            train = any(x.requires_grad for x in inputs) or any(map(_requires_grad, live))
+            if train and self.train is None:
+                return _NO, WANTS_GRAD
         if self.cuda and torch.cuda.is_current_stream_capturing():
             return _NO, "the call is inside a CUDA-graph capture of the caller's (captured un-graphed into it)"
         autocast = _autocast_state(self.cuda)
@@ -423,6 +429,13 @@ class GraphRunner:
             if not x.is_contiguous() or x.data_ptr() & 15:
                 return _NO, "an input is not contiguous or not 16-byte aligned"
         sig = tuple([(x.shape, x.dtype, x.device) for x in inputs])
+        if train:
+            if self.held is not None and not same_tensors(live, self.held, self.ptrs, self.indices):
+                self._drop("a parameter or buffer was replaced, moved or changed dtype since the capture")
+                if self.off:
+                    return _NO, None
+            served, got = self.train.call(module, inputs, live, sig, autocast)
+            return (got, None) if served else (_NO, got)
         key = (sig, grad, torch.is_inference_mode_enabled(), autocast)
         entry = self.entries.get(key)
         if entry is None:
@@ -496,14 +509,32 @@ class GraphRunner:
             self._tell(f"{entry.label}: {entry.reason}")
             return _NO
         entry.graph, entry.static_inputs, entry.outputs, entry.bound = graph, static, outputs, bound
-        if self.held is None:
-            self.held, self.ptrs = live, [t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in live]
-            self.indices = list(range(len(live)))
-        self.captures += 1
+        self.note_capture(live)
         if self.cuda:
             got = pool_bytes(self.pool, device)
             self.pool_bytes = got if got is not None else self.pool_bytes + max(0, self._reserved(device) - before)
         return self._replay(entry, inputs)
+
+    # -- what the training graphs (train_graphs.py) share with the rest
+
+    def note_capture(self, live):
+        """A capture read these parameters, buffers and constants: every graph reads the same ones,
+        and a replay is guarded by their identity and addresses."""
+        if self.held is None:
+            self.held, self.ptrs = live, [t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in live]
+            self.indices = list(range(len(live)))
+        self.captures += 1
+
+    def side_stream(self):
+        """The stream captures run on (one per runner)."""
+        if self.cuda and self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        return self.stream
+
+    def moved(self) -> bool:
+        """The tensors the graphs read are no longer the captured ones at the captured addresses."""
+        live = self.guard.live() if self.guard is not None else None
+        return live is None or self.held is None or not same_tensors(live, self.held, self.ptrs, self.indices)
 
     def _reserved(self, device):
         if not self.cuda:
@@ -549,11 +580,14 @@ class GraphRunner:
             self._tell(f"graphs dropped, to be captured again: {why}")
 
     def _free(self):
-        if self.cuda and any(e.graph is not None for e in self.entries.values()):
+        if self.cuda and (any(e.graph is not None for e in self.entries.values()) or
+                          (self.train is not None and self.train.graphed())):
             torch.cuda.synchronize(self.device)   # no replay in flight reads what is freed
         for e in self.entries.values():
             e.graph = e.static_inputs = e.outputs = e.bound = None
             e.warm = 0
+        if self.train is not None:
+            self.train.free()
         self.held = self.ptrs = None
         self.pool_bytes = 0
         self.last_raw = self.last_stream = None
@@ -567,13 +601,15 @@ class GraphRunner:
         could invalidate that capture."""
         try:
             entries = list(self.__dict__.get("entries", {}).values())
-            if not any(e.graph is not None for e in entries):
+            train = self.__dict__.get("train")
+            entries += train.graphed() if train is not None else []
+            if not any(_holds_graph(e) for e in entries):
                 return
             if self.cuda and torch.cuda.is_current_stream_capturing():
                 _deferred.append(entries)   # with their steps: the kernels stay loaded until then
                 return
             for e in entries:
-                e.graph = None
+                _drop_graph(e)
         except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter exit)
             pass
 
@@ -599,30 +635,39 @@ class GraphRunner:
                 log.warning("kbench: CUDA graphs: %s", why)
 
     def pinned(self):
-        """(graph pool bytes, static input bytes) held now."""
+        """(graph pool bytes, static input bytes) held now, the training graphs' included."""
         static = sum(t.numel() * t.element_size() for e in self.entries.values() if e.static_inputs
                      for t in e.static_inputs)
-        return self.pool_bytes, static
+        pool = self.pool_bytes
+        if self.train is not None:
+            static += self.train.static_bytes()
+            pool += self.train.pool_bytes(lambda p: pool_bytes(p, self.device) if self.cuda else 0)
+        return pool, static
 
     def describe(self) -> list:
         """The report's lines."""
         graphed = [e for e in self.entries.values() if e.graph is not None]
-        if self.off and not graphed:
+        trained = self.train.graphed() if self.train is not None else []
+        if self.off and not graphed and not trained:
             lines = [f"CUDA graphs: off ({self.off})"]
-        elif graphed:
+        elif graphed or trained:
             pool, static = self.pinned()
-            lines = [f"CUDA graphs: on, {len(graphed)} signature(s) graphed ({'; '.join(e.label for e in graphed)}); "
-                     f"pinned {_mb(pool + static)} (graph pool {_mb(pool)}, static inputs {_mb(static)}); "
-                     f"{self.replays} replay(s)"]
+            labels = [e.label for e in graphed] + [f"training {e.label}" for e in trained]
+            lines = [f"CUDA graphs: on, {len(labels)} signature(s) graphed ({'; '.join(labels)}); "
+                     f"pinned {_mb(pool + static)} (graph pools {_mb(pool)}, static inputs and gradients "
+                     f"{_mb(static)}); {self.replays} replay(s)"]
         else:
+            what = "with or without gradients" if self.train is not None else "without gradients"
             lines = [f"CUDA graphs: on (nothing graphed yet: a signature is captured at its call {WARMUP + 1} "
-                     "without gradients)"]
+                     f"{what})"]
         if self.random:
             lines.append("CUDA graphs: the forward draws random numbers through torch's default CUDA generator, "
                          "which each replay advances")
         for e in self.entries.values():
             if e.reason:
                 lines.append(f"CUDA graphs: {e.label} not graphed: {e.reason}")
+        if self.train is not None:
+            lines += self.train.describe()
         for why, n in self.skipped.items():
             lines.append(f"CUDA graphs: {n} call(s) not graphed: {why}")
         return lines
@@ -634,6 +679,17 @@ def _destroy_deferred():
     entries = [e for batch in _deferred for e in batch]
     _deferred.clear()
     for e in entries:    # each graph before the steps (and kernels) it launches
+        _drop_graph(e)
+
+
+def _holds_graph(e) -> bool:
+    return (e.fwd if isinstance(e, train_graphs.TrainEntry) else e.graph) is not None
+
+
+def _drop_graph(e) -> None:
+    if isinstance(e, train_graphs.TrainEntry):
+        e.drop_graphs()
+    else:
         e.graph = None
 
 

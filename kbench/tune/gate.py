@@ -36,7 +36,7 @@ class Verdict:
     backward: bool          # forward + backward was timed
     note: str = ""
     graphed_ms: float | None = None     # with its CUDA graphs, and with them paused, where both
-    ungraphed_ms: float | None = None   # were timed (a forward without gradients)
+    ungraphed_ms: float | None = None   # were timed (as `backward` says)
     graphs: bool = True     # the graphed call was faster: its graphs stay (else they go)
     graphed_latency_ms: float | None = None     # one call waited for (host time included), with
     ungraphed_latency_ms: float | None = None   # its graphs and without
@@ -90,8 +90,8 @@ def _state_kept(model):
 def compare(model, optimized, args, kwargs, device, ungraphed=None) -> Verdict:
     """Times both modules at the example call on `device` (interleaved rounds, CUDA events,
     medians) and decides which runs. ungraphed: the optimized module with its CUDA graphs paused
-    (a callable), timed as a third where the forward alone is timed (graphs serve only calls
-    without gradients): the graphs stay only where they make the call faster."""
+    (a callable), timed as a third (the forward, or forward + backward where training graphs
+    serve it): the graphs stay only where they make the call faster."""
     params = [p for p in model.parameters() if p.requires_grad]
     backward = model.training and bool(params) and torch.is_grad_enabled()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -104,7 +104,7 @@ def compare(model, optimized, args, kwargs, device, ungraphed=None) -> Verdict:
         return cache[key]
 
     runs = {"eager": model, "kbench": optimized}
-    if ungraphed is not None and not backward:
+    if ungraphed is not None:
         runs["ungraphed"] = ungraphed
     times = {name: [] for name in runs}
     with _state_kept(model), torch.no_grad() if not backward else contextlib.nullcontext():
@@ -120,7 +120,7 @@ def compare(model, optimized, args, kwargs, device, ungraphed=None) -> Verdict:
                 b.record()
                 times[name].append((a, b))
         torch.cuda.synchronize(device)
-        latency = _latencies(runs, ("kbench", "ungraphed"), args, kwargs, params, upstream, device) \
+        latency = _latencies(runs, ("kbench", "ungraphed"), args, kwargs, params, upstream, device, backward) \
             if "ungraphed" in runs else {}
     med = {name: statistics.median(a.elapsed_time(b) for a, b in pairs) for name, pairs in times.items()}
     eager, ours = med["eager"], med["kbench"]
@@ -145,7 +145,7 @@ def graphs_stay(graphed_ms, ungraphed_ms, graphed_latency_ms, ungraphed_latency_
     return graphed_ms * GRAPHS_BELOW <= ungraphed_ms and graphed_latency_ms < GRAPHS_BELOW * ungraphed_latency_ms
 
 
-def _latencies(runs, names, args, kwargs, params, upstream, device) -> dict:
+def _latencies(runs, names, args, kwargs, params, upstream, device, backward=False) -> dict:
     """Median wall time (ms) of one call waited for, host time included, per name in names
     (interleaved rounds)."""
     times = {name: [] for name in names}
@@ -153,7 +153,7 @@ def _latencies(runs, names, args, kwargs, params, upstream, device) -> dict:
         for name in names:
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            _step(runs[name], args, kwargs, params, False, upstream)
+            _step(runs[name], args, kwargs, params, backward, upstream)
             torch.cuda.synchronize(device)
             times[name].append((time.perf_counter() - t0) * 1e3)
     return {name: statistics.median(ts) for name, ts in times.items()}
