@@ -128,6 +128,20 @@ def test_graph_is_decomposed():
     assert ops.count("gather") == 2 and "log" in ops and "where" in ops
 
 
+def test_the_op_table_holds_every_family():
+    """ops.py imports every op family module (kbench/capture/ops_*.py), which registers its
+    lowerings into the one table: a family left out of ops.py's imports would leave its ops to torch."""
+    from kbench.capture import ops
+    families = {p.stem for p in pathlib.Path(ops.__file__).parent.glob("ops_*.py")} - {"ops_base"}
+    assert len(families) >= 4
+    registered = {fn.__module__.rsplit(".", 1)[-1] for fn in ops.LOWER.values()}
+    assert registered == families
+    aten = torch.ops.aten
+    for op in (aten.relu.default, aten.permute.default, aten.cat.default, aten.sum.dim_IntList,
+               aten.layer_norm.default, aten.mm.default):
+        assert op in ops.LOWER, op
+
+
 def test_linear_bias_stays_in_the_gemm_unless_kbench_computes_what_follows():
     """A Linear whose output only torch reads (or returns) is one call, bias inside cuBLAS's
     GEMM as in eager; one followed by work kbench computes (an activation) is the product plus

@@ -181,7 +181,7 @@ def test_a_16_bit_linear_with_unaligned_rows_runs_on_padded_weights(monkeypatch,
     """A bf16 Linear whose out_features is not a multiple of 8 (a vocabulary of 50257) is one torch
     call on a weight padded to the next multiple of 8, sliced back: the same values and gradients
     as eager's, a contiguous output; below the size it pays off, and in f32, it stays linear."""
-    from kbench.capture import ops
+    from kbench.capture import ops_matmul
     monkeypatch.setenv("KBENCH_CACHE_DIR", str(tmp_path / "first"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1001, bias=bias))
@@ -195,7 +195,7 @@ def test_a_16_bit_linear_with_unaligned_rows_runs_on_padded_weights(monkeypatch,
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not padded_steps(kbench.optimize(model, (x,), backend="interp"))   # too small to pay
-    monkeypatch.setattr(ops, "PAD_GEMM_MIN_MACS", 1)
+    monkeypatch.setattr(ops_matmul, "PAD_GEMM_MIN_MACS", 1)
     assert not padded_steps(kbench.optimize(model, (x,), backend="interp"))       # f32: aligned anyway
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast = kbench.optimize(model, (x,), backend="interp")

@@ -1,12 +1,32 @@
-/* fuse.h — private to fuse/: the greedy pass's per-node assignment (fuse.c), which partition.c
- * assembles into a kb_partition (each region's nodes, inputs and outputs). Nothing here is
- * public API. */
+/* fuse.h — private to fuse/: the greedy pass's per-node assignment (fuse.c, after the pre-passes
+ * of prepass.c), which partition.c assembles into a kb_partition (each region's nodes, inputs and
+ * outputs). Nothing here is public API. */
 #ifndef KBENCH_FUSE_H
 #define KBENCH_FUSE_H
 
 #include "core/internal.h"
 
 enum { GR_NONE = 0, GR_SOME, GR_ONLY };
+
+/* What a node is to the partitioner: the class its join rules (fuse.c) and pre-passes
+ * (prepass.c) go by. */
+enum node_class { C_POINTWISE, C_RESHAPE, C_EXPAND, C_VIEW, C_REDUCE, C_GATHER, C_EXTERN, C_LEAF, C_MATMUL };
+
+static inline enum node_class fuse_classify(const kb_node *nd) {
+    switch (kb_op_get(nd->op)->kind) {
+    case KB_KIND_LEAF: return C_LEAF;
+    case KB_KIND_UNARY:
+    case KB_KIND_BINARY:
+    case KB_KIND_TERNARY: return C_POINTWISE;
+    case KB_KIND_REDUCE: return C_REDUCE;
+    case KB_KIND_GATHER: return C_GATHER;
+    case KB_KIND_EXTERN: return C_EXTERN;
+    case KB_KIND_MATMUL: return C_MATMUL;
+    case KB_KIND_VIEW:
+        return nd->op == KB_OP_RESHAPE ? C_RESHAPE : nd->op == KB_OP_EXPAND ? C_EXPAND : C_VIEW;
+    }
+    return C_LEAF;
+}
 
 /* Pointwise work a GEMM applies as it loads an operand (a cast, a negation, a scale by a
  * constant): what may float into a GEMM region as its prologue (fuse.c, partition.c). */
@@ -49,5 +69,9 @@ typedef struct fuse_build {
  * b->regs has at least one node or a floating anchor. */
 kb_status fuse_assign(const kb_graph *g, const uint8_t *cut, fuse_build *b);
 void fuse_build_free(fuse_build *b);
+
+/* The pre-passes (prepass.c), over b's graph into b->index_read, lone_read, input_work and
+ * gemm_read; KB_ERR_OOM if their scratch cannot be allocated. */
+kb_status fuse_mark_reads(fuse_build *b);
 
 #endif /* KBENCH_FUSE_H */
