@@ -243,6 +243,7 @@ def capture_cuda_graph(fn, pool, device, stream):
     (a side stream), in the memory pool `pool`. Nothing runs: the caller replays it."""
     graph = torch.cuda.CUDAGraph()
     prev = torch.cuda.current_stream(device)
+    generator = _generator_state(device)
     try:
         # thread_local: another thread's CUDA calls meanwhile (a DataLoader pinning memory) are
         # not ours to fail, as torch.compile's graphs leave them alone too
@@ -250,10 +251,29 @@ def capture_cuda_graph(fn, pool, device, stream):
                                                          capture_error_mode="thread_local"):
             out = fn()
     except BaseException:
-        # torch.cuda.graph's exit does not restore the stream when ending the capture raises
+        # torch.cuda.graph's exit does not restore the stream when ending the capture raises, nor
+        # take the CUDA generator out of capture mode (every later draw would then raise)
         torch.cuda.set_stream(prev)
+        _restore_generator(generator)
         raise
     return graph, out
+
+
+def _generator_state(device):
+    """(the default CUDA generator of device, a copy of its state) for _restore_generator, or None
+    where this torch cannot swap a generator's state."""
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gen = torch.cuda.default_generators[index]
+        return gen, gen.clone_state()
+    except (AttributeError, RuntimeError, IndexError):
+        return None
+
+
+def _restore_generator(saved) -> None:
+    if saved is not None:
+        gen, state = saved
+        gen.graphsafe_set_state(state)
 
 
 class Outputs:

@@ -463,10 +463,12 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
                                f"{dtype}{list(shape)}, and the inputs are on {device}")
         return params
 
-    def _run(self, bound, args):
+    def _run(self, bound, args, params=None):
+        """params: the parameters, buffers and constants to read in place of the module's own (a
+        training capture's aliases, runtime/train_graphs.py); None: the module's, checked."""
         captured = self._kbench_captured
         device = args[0].device if args else self._kbench_device
-        params = self._checked_params(device)
+        params = self._checked_params(device) if params is None else params
         for x in args:
             if x.device != device:
                 raise Fallback(f"tensors on {device} and {x.device}")

@@ -171,13 +171,18 @@ class TrainGraphs:
         backward graph for every differentiable output given a gradient; both run nothing."""
         runner = self.runner
         device = inputs[0].device
-        module._checked_params(device)
+        checked = module._checked_params(device)
         bound = module._kbench_sigs[sig]
         static = [torch.empty_like(x).requires_grad_(x.requires_grad) for x in inputs]
-        params = wanting(live)
+        # the graph differentiates aliases of the parameters (the same memory, new leaves): a
+        # parameter's own AccumulateGrad node, kept alive by an autocast cache or DDP since the
+        # warm-up, lives on the caller's stream, and a capture cannot wait on that stream
+        alias = {id(p): p.detach().requires_grad_() for p in wanting(live)}
+        params = [alias[id(p)] for p in wanting(live)]
+        reads = [alias.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in checked]
         entry.pool = torch.cuda.graph_pool_handle() if runner.cuda else None
         stream = runner.side_stream()
-        graph, out = runner.capture(_autocast_run(entry.autocast, lambda: module._run(bound, static)),
+        graph, out = runner.capture(_autocast_run(entry.autocast, lambda: module._run(bound, static, reads)),
                                     entry.pool, device, stream)
         leaves, spec = pytree.tree_flatten(out)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
