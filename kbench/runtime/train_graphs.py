@@ -81,6 +81,7 @@ class TrainEntry:
         self.wrt = []              # static inputs and parameters that want gradients, in TrainStep's order
         self.input_wrt = []        # per call input: its position in wrt, or None
         self.backward = {}         # pattern (a bool per differentiable leaf) -> _Backward or a reason
+        self.wanted = set()        # patterns a backward met without a graph: captured at the next call
         self.bound = None          # the steps the graph was captured from (their launches own buffers)
         self.gen = 0               # forward replays so far: a backward of an older one recomputes
         self.pending = None        # weakref to the last replay's _Token until its backward runs
@@ -139,6 +140,10 @@ class TrainGraphs:
             token = entry.pending() if entry.pending is not None else None
             if token is not None:
                 return False, PENDING
+            for pattern in entry.wanted:   # met in a backward, captured here (a capture cannot run in one)
+                if pattern not in entry.backward and len(entry.backward) < MAX_PATTERNS:
+                    self.capture_backward(entry, pattern, inputs[0].device)
+            entry.wanted = set()
             return True, self.replay(module, entry, inputs, live)
         if entry.warm < runner.warmup or sig not in module._kbench_sigs:
             entry.warm += 1
@@ -176,8 +181,10 @@ class TrainGraphs:
         static = [torch.empty_like(x).requires_grad_(x.requires_grad) for x in inputs]
         # the graph differentiates aliases of the parameters (the same memory, new leaves): a
         # parameter's own AccumulateGrad node, kept alive by an autocast cache or DDP since the
-        # warm-up, lives on the caller's stream, and a capture cannot wait on that stream
-        alias = {id(p): p.detach().requires_grad_() for p in wanting(live)}
+        # warm-up, lives on the caller's stream, and a capture cannot wait on that stream. `.data`:
+        # an alias with a version counter of its own, so an optimizer's step does not make the
+        # retained autograd graph refuse a later backward capture
+        alias = {id(p): p.data.requires_grad_() for p in wanting(live)}
         params = [alias[id(p)] for p in wanting(live)]
         reads = [alias.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in checked]
         entry.pool = torch.cuda.graph_pool_handle() if runner.cuda else None
@@ -249,7 +256,7 @@ class TrainGraphs:
 
     def _forget(self, entry):
         entry.fwd = entry.static_inputs = entry.leaves = entry.spec = entry.bound = entry.pool = None
-        entry.wrt, entry.backward, entry.pending = [], {}, None
+        entry.wrt, entry.backward, entry.pending, entry.wanted = [], {}, None, set()
 
     def free(self):
         for e in self.entries.values():
@@ -310,7 +317,7 @@ class _Run:
         if runner.cuda:
             runner._order_streams()
         for s, x in zip(entry.static_inputs, args):
-            s.detach().copy_(x)
+            s.data.copy_(x)   # untracked: the retained autograd graph saved these at their capture version
         # the state a recomputation must draw the same random numbers from
         self.rng = torch.cuda.get_rng_state(runner.device) if runner.random and runner.cuda else None
         entry.fwd.replay()
@@ -344,12 +351,13 @@ class _Run:
         by_leaf = dict(zip(self.tensor_at, grads))
         upstream = [by_leaf[i] for i in self.diff]
         with runner.lock:
-            if torch.is_grad_enabled() or self.gen != entry.gen or entry.fwd is None:
-                got = self.recompute(upstream)
-            else:
+            got = None
+            if not torch.is_grad_enabled() and self.gen == entry.gen and entry.fwd is not None:
                 got = self.replay_backward(upstream)
-                if self.gen == entry.gen:
-                    entry.pending = None
+            if got is None:
+                got = self.recompute(upstream)
+            if self.gen == entry.gen:
+                entry.pending = None
         return self.to_inputs(got)
 
     def to_inputs(self, got):
@@ -361,18 +369,19 @@ class _Run:
         return tuple(out)
 
     def replay_backward(self, upstream):
-        entry, graphs, runner = self.entry, self.graphs, self.graphs.runner
+        """The backward graph's gradients for this pattern of upstream gradients, or None where
+        there is none to replay (the caller recomputes)."""
+        entry, runner = self.entry, self.graphs.runner
         pattern = tuple(g is not None for g in upstream)
         if not any(pattern):
             return [None] * self.nwrt
         if runner.moved():
-            return self.eager_backward(upstream, pattern)   # the parameters' memory moved (FSDP's regather)
+            return None   # the parameters' memory moved since the capture (FSDP's regather)
         bw = entry.backward.get(pattern)
-        if bw is None and len(entry.backward) < MAX_PATTERNS:
-            graphs.capture_backward(entry, pattern, runner.device)
-            bw = entry.backward.get(pattern)
+        if bw is None:
+            entry.wanted.add(pattern)
         if not isinstance(bw, _Backward):
-            return self.eager_backward(upstream, pattern)
+            return None
         if runner.cuda:
             runner._order_streams()
         for s, g in zip(bw.upstream, [g for g in upstream if g is not None]):
@@ -380,20 +389,12 @@ class _Run:
         bw.graph.replay()
         entry.backward_replays += 1
         # fresh tensors: a later replay rewrites the graph's, and AccumulateGrad may keep what it gets
-        return [g.clone() if g is not None else None for g in bw.results]
-
-    def eager_backward(self, upstream, pattern):
-        """torch.autograd through the captured forward's autograd graph, un-graphed: its saved
-        activations are this forward's (the generation matches)."""
-        entry = self.entry
-        leaves = entry.outputs()
-        roots = [leaves[i] for i, on in zip(entry.diff, pattern) if on]
-        return list(torch.autograd.grad(roots, entry.wrt, [g for g in upstream if g is not None],
-                                        retain_graph=True, allow_unused=True))
+        return list(bw.results)
 
     def recompute(self, upstream):
         """The backward of a forward whose activations the graph no longer holds (a newer replay ran,
-        or the graphs were dropped) or whose gradients must be differentiable (create_graph=True):
+        or the graphs were dropped), whose gradients must be differentiable (create_graph=True), or
+        with no backward graph for its pattern of upstream gradients (captured at the next call):
         the forward again, un-graphed, from this call's own tensors, drawing the random numbers its
         replay drew, with the buffers it updates put back after; then torch.autograd."""
         module, entry = self.module, self.entry
