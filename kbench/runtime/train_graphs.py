@@ -416,9 +416,10 @@ class _Run:
                     raise RuntimeError("kbench: the signature this backward must recompute is gone")
                 out = _autocast_run(entry.autocast, lambda: module._run(bound, list(inputs)))()
         finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
+            # through .data: the recomputed autograd graph saved some of these (BERT's position ids)
+            # at their version, which a tracked write would bump
+            for b, saved in buffers:
+                b.data.copy_(saved)
         leaves = pytree.tree_leaves(out)
         roots = [leaves[i] for i, g in zip(self.diff, upstream) if g is not None]
         if not roots:
