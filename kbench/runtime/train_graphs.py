@@ -389,7 +389,7 @@ class _Run:
         bw.graph.replay()
         entry.backward_replays += 1
         # fresh tensors: a later replay rewrites the graph's, and AccumulateGrad may keep what it gets
-        return list(bw.results)
+        return [g.clone() if g is not None else None for g in bw.results]
 
     def recompute(self, upstream):
         """The backward of a forward whose activations the graph no longer holds (a newer replay ran,
