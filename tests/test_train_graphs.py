@@ -199,6 +199,38 @@ def test_an_output_given_no_gradient_leaves_what_only_it_reaches_without_one():
     assert len(entry.backward) == 2 and entry.backward_replays == 2   # the warm-up's last, and this one
 
 
+class Tagged(torch.nn.Module):
+    """An embedding of ids held in a buffer (BERT's token types): its backward saves the buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(4, 16)
+        self.register_buffer("ids", torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]))
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc(x + self.emb(self.ids)[:, None, :].sum(1))
+        return h, h.tanh()
+
+
+def test_a_buffer_written_between_steps_leaves_later_backward_captures_working():
+    torch.manual_seed(0)
+    model = Tagged()
+    x = torch.randn(8, 16)
+    opt = kbench.optimize(model, (x,), backend="interp", budget="none", verbose=False)
+    runner = graphs.GraphRunner(opt, opt.__dict__["_kbench_fast_program"], True,
+                                capture=fake_capture_for(model))
+    opt.__dict__.update({"_kbench_graphs": runner, "_kbench_fast_program": runner})
+    for _ in range(graphs.WARMUP + 1):
+        loss_of(opt(x)).backward()
+    model.ids.copy_(model.ids.clone())       # a tracked write (the model gate's restore, a user's)
+    for _ in range(2):
+        opt(x)[0].sum().backward()           # a new pattern: recomputed, then captured at the next call
+    (entry,) = runner.train.graphed()
+    assert all(not isinstance(b, str) for b in entry.backward.values()), entry.backward
+    assert len(entry.backward) == 2
+
+
 def test_a_parameter_changed_between_forward_and_backward_raises():
     opt, twin, _, runner = pair()
     warm_up(opt, twin, graphs.WARMUP + 1)

@@ -184,9 +184,12 @@ class TrainGraphs:
         # warm-up, lives on the caller's stream, and a capture cannot wait on that stream. `.data`:
         # an alias with a version counter of its own, so an optimizer's step does not make the
         # retained autograd graph refuse a later backward capture
+        # Buffers and constants are read through `.data` aliases too: a tracked write between steps
+        # (the model gate putting BatchNorm's statistics back, a user's `buf.copy_`) would
+        # otherwise make every later backward capture fail its version check
         alias = {id(p): p.data.requires_grad_() for p in wanting(live)}
         params = [alias[id(p)] for p in wanting(live)]
-        reads = [alias.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in checked]
+        reads = [(alias[id(t)] if id(t) in alias else t.data) if isinstance(t, torch.Tensor) else t for t in checked]
         entry.pool = torch.cuda.graph_pool_handle() if runner.cuda else None
         stream = runner.side_stream()
         graph, out = runner.capture(_autocast_run(entry.autocast, lambda: module._run(bound, static, reads)),

@@ -79,9 +79,8 @@ def _state_kept(model):
     try:
         yield
     finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        for b, saved in buffers:   # untracked: an autograd graph that saved one stays valid
+            b.data.copy_(saved)
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
