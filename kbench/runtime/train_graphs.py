@@ -179,14 +179,13 @@ class TrainGraphs:
         checked = module._checked_params(device)
         bound = module._kbench_sigs[sig]
         static = [torch.empty_like(x).requires_grad_(x.requires_grad) for x in inputs]
-        # the graph differentiates aliases of the parameters (the same memory, new leaves): a
+        # The graph differentiates aliases of the parameters (the same memory, new leaves): a
         # parameter's own AccumulateGrad node, kept alive by an autocast cache or DDP since the
-        # warm-up, lives on the caller's stream, and a capture cannot wait on that stream. `.data`:
-        # an alias with a version counter of its own, so an optimizer's step does not make the
-        # retained autograd graph refuse a later backward capture
-        # Buffers and constants are read through `.data` aliases too: a tracked write between steps
-        # (the model gate putting BatchNorm's statistics back, a user's `buf.copy_`) would
-        # otherwise make every later backward capture fail its version check
+        # warm-up, lives on the caller's stream, and a capture cannot wait on that stream. Every
+        # tensor the graph reads is a `.data` alias, with a version counter of its own: a tracked
+        # write between steps (an optimizer's step, the model gate putting BatchNorm's statistics
+        # back, a user's `buf.copy_`) would otherwise fail every later backward capture's version
+        # check on the retained autograd graph.
         alias = {id(p): p.data.requires_grad_() for p in wanting(live)}
         params = [alias[id(p)] for p in wanting(live)]
         reads = [(alias[id(t)] if id(t) in alias else t.data) if isinstance(t, torch.Tensor) else t for t in checked]
