@@ -24,15 +24,21 @@ class FakeTrainGraph:
                 old.copy_(new)
 
 
+def run_unseen(module, fn):
+    """fn()'s result, with the buffers it updated (BatchNorm's statistics) put back: a stand-in
+    capture runs the call once for its outputs, and a real capture runs nothing."""
+    saved = [(b, b.clone()) for b in module.buffers()]
+    out = fn()
+    with torch.no_grad():
+        for b, s in saved:
+            b.copy_(s)
+    return out
+
+
 def fake_capture_for(module):
-    """A capture that runs nothing the caller could see: the call runs once for its outputs, and
-    the buffers it updated (BatchNorm's statistics) are put back, as a real capture leaves them."""
+    """A training capture that runs nothing the caller could see (run_unseen)."""
     def capture(fn, pool, device, stream):
-        saved = [(b, b.clone()) for b in module.buffers()]
-        out = fn()
-        with torch.no_grad():
-            for b, s in saved:
-                b.copy_(s)
+        out = run_unseen(module, fn)
         forward = any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
         return FakeTrainGraph(fn, out, forward), out
     return capture

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 import kbench
 from kbench.capture.types import Extern, TensorSlot
 from kbench.runtime import graphs
+from tests._train_graph_standin import run_unseen
 
 aten = torch.ops.aten
 
@@ -44,11 +45,7 @@ def fake_capture_for(module):
     """A capture that runs nothing the caller could see: the call runs once for its outputs, and
     the buffers it updated (BatchNorm's statistics) are put back, as a real capture leaves them."""
     def capture(fn, pool, device, stream):
-        saved = [(b, b.clone()) for b in module.buffers()]
-        out = fn()
-        with torch.no_grad():
-            for b, s in saved:
-                b.copy_(s)
+        out = run_unseen(module, fn)
         return FakeGraph(fn, out), out
     return capture
 

@@ -65,6 +65,15 @@ def warm_up(opt, twin, n=graphs.WARMUP):
             loss_of(m(x)).backward()
 
 
+def captured(bn=False):
+    """pair(), past its warm-up and capture, with no gradients held."""
+    opt, twin, twin_model, runner = pair(bn)
+    warm_up(opt, twin, graphs.WARMUP + 1)
+    for m in (opt._kbench_orig, twin_model):
+        m.zero_grad()
+    return opt, twin, twin_model, runner
+
+
 def test_training_steps_are_replayed_and_give_the_un_graphed_bits():
     opt, twin, twin_model, runner = pair(bn=True)
     model = opt._kbench_orig
@@ -118,13 +127,8 @@ def test_a_gradient_a_hook_keeps_is_not_rewritten_by_the_next_replay():
 
 
 def test_two_forwards_before_one_backward():
-    opt, twin, twin_model, runner = pair()
-    warm_up(opt, twin, graphs.WARMUP + 1)
+    opt, twin, twin_model, runner = captured()
     x1, x2 = torch.randn(8, 16), torch.randn(8, 16)
-    for m in (opt, twin):
-        m.zero_grad() if hasattr(m, "zero_grad") else None
-    opt._kbench_orig.zero_grad()
-    twin_model.zero_grad()
     a, b = opt(x1), opt(x2)                  # the second runs un-graphed: the first's backward is pending
     (loss_of(a) + 2 * loss_of(b)).backward()
     c, d = twin(x1), twin(x2)
@@ -143,11 +147,8 @@ def test_a_forward_whose_outputs_were_dropped_is_not_pending():
 
 
 def test_a_second_backward_with_retain_graph():
-    opt, twin, twin_model, runner = pair()
-    warm_up(opt, twin, graphs.WARMUP + 1)
+    opt, twin, twin_model, runner = captured()
     x = torch.randn(8, 16)
-    for m in (opt._kbench_orig, twin_model):
-        m.zero_grad()
     for m in (opt, twin):
         loss = loss_of(m(x))
         loss.backward(retain_graph=True)
@@ -156,11 +157,8 @@ def test_a_second_backward_with_retain_graph():
 
 
 def test_a_backward_after_a_newer_replay_recomputes_its_forward():
-    opt, twin, twin_model, runner = pair(bn=True)
-    warm_up(opt, twin, graphs.WARMUP + 1)
+    opt, twin, twin_model, runner = captured(bn=True)
     x1, x2 = torch.randn(8, 16), torch.randn(8, 16)
-    for m in (opt._kbench_orig, twin_model):
-        m.zero_grad()
     for m in (opt, twin):
         first = loss_of(m(x1))
         first.backward(retain_graph=True)
@@ -172,11 +170,8 @@ def test_a_backward_after_a_newer_replay_recomputes_its_forward():
 
 
 def test_create_graph_gives_differentiable_gradients():
-    opt, twin, twin_model, runner = pair()
-    warm_up(opt, twin, graphs.WARMUP + 1)
+    opt, twin, twin_model, runner = captured()
     x = torch.randn(8, 16)
-    for m in (opt._kbench_orig, twin_model):
-        m.zero_grad()
     for m in (opt, twin):
         xi = x.clone().requires_grad_()
         (gx,) = torch.autograd.grad(loss_of(m(xi)), xi, create_graph=True)
@@ -185,11 +180,8 @@ def test_create_graph_gives_differentiable_gradients():
 
 
 def test_an_output_given_no_gradient_leaves_what_only_it_reaches_without_one():
-    opt, twin, twin_model, runner = pair()
-    warm_up(opt, twin, graphs.WARMUP + 1)
+    opt, twin, twin_model, runner = captured()
     x = torch.randn(8, 16)
-    for m in (opt._kbench_orig, twin_model):
-        m.zero_grad()
     for _ in range(2):   # the first meets the pattern (recomputed), the next call captures its graph
         for m in (opt, twin):
             m(x)[0].sum().backward()             # the second output gets none
@@ -268,11 +260,8 @@ def test_inference_option_leaves_training_calls_un_graphed():
 
 
 def test_new_parameters_drop_the_training_graphs_and_a_pending_backward_recomputes():
-    opt, twin, twin_model, runner = pair()
-    warm_up(opt, twin, graphs.WARMUP + 1)
+    opt, twin, twin_model, runner = captured()
     x = torch.randn(8, 16)
-    for m in (opt._kbench_orig, twin_model):
-        m.zero_grad()
     out = opt(x)
     ref = twin(x)
     runner._drop("a test")                   # as a replaced parameter does at the next call
