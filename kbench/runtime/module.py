@@ -79,7 +79,7 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
         """call_spec: how a call's arguments map to the captured graph's inputs (None: tensors
         passed positionally). rebuild(args, kwargs) -> an OptimizedModule captured at that call:
         for the module's other train/eval mode, or for Python state the forward reads that changed
-        (None: such calls run in eager). cuda_graphs: "auto", True or False (runtime/graphs.py):
+        (None: such calls run in eager). cuda_graphs: "auto", True, False or "inference" (runtime/graphs.py):
         calls replayed from CUDA graphs where that is safe. restore: (function, arguments) that
         make this module again from the original (pickle, deepcopy: __reduce__); None: it
         cannot be pickled."""
