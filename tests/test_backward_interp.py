@@ -157,6 +157,31 @@ def test_out_of_memory_in_the_gradient_check_runs_the_backward_in_eager(monkeypa
     torch.testing.assert_close(x.grad, x2.grad)
 
 
+def test_a_gradient_check_that_raises_leaves_no_unchecked_backward_behind(monkeypatch):
+    """A check interrupted by an error (inside a caller's CUDA-graph capture, say) must not leave
+    its backward cached as if checked: the next backward builds and checks it again."""
+    torch.manual_seed(0)
+    model = Mixed()
+    x = torch.randn(5, 6, requires_grad=True)
+    opt = kbench.optimize(model, (x,), backend="interp", verbose=False)
+    real, calls = type(opt)._check_backward, []
+
+    def interrupted(self, r, need, seed=0):
+        calls.append(r)
+        if len(calls) == 1:
+            raise RuntimeError("operation not permitted when stream is capturing (test)")
+        return real(self, r, need, seed)
+    monkeypatch.setattr(type(opt), "_check_backward", interrupted)
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        opt(x).sum().backward()
+    n = len(calls)
+    opt(x).sum().backward()                  # checked this time, then used
+    assert calls[n] == calls[0] and not opt._kbench_reasons
+    x2 = x.detach().clone().requires_grad_(True)
+    model(x2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
 def test_double_backward_differentiates_the_gradient():
     """create_graph=True (a gradient penalty): the first backward must itself be differentiable,
     so it runs through torch; the second-order gradients match eager's."""
