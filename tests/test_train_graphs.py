@@ -269,3 +269,32 @@ def test_new_parameters_drop_the_training_graphs_and_a_pending_backward_recomput
     loss_of(ref).backward()
     assert same_grads(opt._kbench_orig, twin_model)
     assert not runner.train.graphed()
+
+
+class Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc(x))
+        return h, h                               # one tensor, two outputs
+
+
+def test_outputs_sharing_memory_and_subclass_parameters_are_not_graphed():
+    torch.manual_seed(0)
+    model = Twice()
+    x = torch.randn(8, 16)
+    opt = kbench.optimize(model, (x,), backend="interp", budget="none", verbose=False)
+    runner = graphs.GraphRunner(opt, opt.__dict__["_kbench_fast_program"], True, capture=fake_capture_for(model))
+    opt.__dict__.update({"_kbench_graphs": runner, "_kbench_fast_program": runner})
+    for _ in range(graphs.WARMUP + 2):
+        a, b = opt(x)
+        (a.sum() + b.sum()).backward()
+    assert not runner.train.graphed()
+    assert any("share memory" in line for line in runner.describe()), runner.describe()
+
+    class Marked(torch.Tensor):
+        pass
+    assert "tensor subclass" in train_graphs.blockers([torch.zeros(2).as_subclass(Marked)])
+    assert train_graphs.blockers([torch.nn.Parameter(torch.zeros(2)), torch.zeros(2)]) == ""

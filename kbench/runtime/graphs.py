@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import train_graphs
+from .train_graphs import Unsafe, capture_failed
 from .cuda import stream_getter
 from .plan import Fallback, Status
 
@@ -233,10 +234,6 @@ def _without_autocast_cache(fn):
 
 
 # ---------------------------------------------------------------------------- capture and outputs
-
-class Unsafe(Exception):
-    """A capture found something that makes this signature unsafe to replay (the message says what)."""
-
 
 def capture_cuda_graph(fn, pool, device, stream):
     """(graph, fn()'s result) with fn's CUDA work captured into a torch.cuda.CUDAGraph on `stream`
@@ -523,7 +520,7 @@ class GraphRunner:
             return _NO
         except Exception as e:  # noqa: BLE001 - this signature runs un-graphed, and the report says why
             graph = None
-            entry.reason = f"capture failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})"
+            entry.reason = capture_failed(e)
             if self.cuda:
                 torch.cuda.synchronize(device)   # raises here if the failure broke the device itself
             self._tell(f"{entry.label}: {entry.reason}")

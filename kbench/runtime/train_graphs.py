@@ -20,7 +20,12 @@ PENDING = "a graphed forward's backward is still pending (two forwards before on
 
 
 class Unsafe(Exception):
-    """This signature cannot be graphed for training (the message says why)."""
+    """A capture found something that makes this signature unsafe to replay (the message says what)."""
+
+
+def capture_failed(e) -> str:
+    """The report's reason for a capture that raised e."""
+    return f"capture failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})"
 
 
 def blockers(live) -> str:
@@ -161,8 +166,7 @@ class TrainGraphs:
             self.capture(module, entry, inputs, live, sig)
         except Exception as e:  # noqa: BLE001 - this signature trains un-graphed, and the report says why
             self._forget(entry)
-            entry.reason = e.args[0] if isinstance(e, Unsafe) else \
-                f"capture failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})"
+            entry.reason = e.args[0] if isinstance(e, Unsafe) else capture_failed(e)
             if runner.cuda:
                 torch.cuda.synchronize(runner.device)   # raises here if the failure broke the device itself
             runner._tell(f"{entry.label}: {entry.reason}")
@@ -234,7 +238,7 @@ class TrainGraphs:
         try:
             graph, results = runner.capture(run, entry.pool, device, runner.side_stream())
         except Exception as e:  # noqa: BLE001 - this pattern runs un-graphed on the captured graph
-            entry.backward[pattern] = f"capture failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})"
+            entry.backward[pattern] = capture_failed(e)
             if runner.cuda:
                 torch.cuda.synchronize(runner.device)
             return
@@ -245,7 +249,7 @@ class TrainGraphs:
     # -- replay
 
     def replay(self, module, entry, inputs, live):
-        run = _Run(self, module, entry, live)
+        run = _Run(self, module, entry)
         params = wanting(live)
         got = TrainStep.apply(run, *inputs, *params)
         vals, k = list(entry.leaves), iter(got)
@@ -301,11 +305,11 @@ class _Run:
     """One graphed training call: what TrainStep's forward and backward need (the autograd node
     holds it as ctx.run)."""
 
-    __slots__ = ("graphs", "module", "entry", "live", "gen", "token", "args", "versions", "rng", "ninputs",
+    __slots__ = ("graphs", "module", "entry", "gen", "token", "args", "versions", "rng", "ninputs",
                  "diff", "tensor_at", "input_wrt", "nwrt")
 
-    def __init__(self, graphs, module, entry, live):
-        self.graphs, self.module, self.entry, self.live = graphs, module, entry, live
+    def __init__(self, graphs, module, entry):
+        self.graphs, self.module, self.entry = graphs, module, entry
         self.ninputs = len(entry.static_inputs)
         # the layout, kept: the entry's may be dropped (new parameters) before this backward runs
         self.diff, self.tensor_at, self.input_wrt, self.nwrt = entry.diff, entry.tensor_at, entry.input_wrt, \
