@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 MODES = ("infer", "train")
 ROUNDS = 5   # interleaved timing rounds per row
 DTYPES = ("f32", "bf16")
+DTYPE_NAMES = {"f32": "f32", "float32": "f32", "fp32": "f32", "bf16": "bf16", "bfloat16": "bf16"}
 
 
 def load_zoo():
@@ -60,6 +61,35 @@ def rel_err(got, want, floor=1e-6) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(floor))
 
 
+def max_error(got, got_grads, want, want_grads, mode) -> float | None:
+    """The largest relative error of the outputs and, for a training step, of every gradient."""
+    errs = [rel_err(a, b) for a, b in zip(leaves(got), leaves(want)) if a.is_floating_point()]
+    if mode == "train":
+        # a gradient that is zero in exact arithmetic (a bias before BatchNorm, an unused
+        # embedding row) is rounding noise, different from run to run even in eager: judged
+        # on the model's gradient scale, as the tests judge it
+        scale = max((float(g.abs().max()) for g in want_grads.values()), default=0.0)
+        errs += [rel_err(got_grads[n], g, floor=max(1e-6, 1e-2 * scale))
+                 for n, g in want_grads.items() if n in got_grads]
+    return max(errs) if errs else None
+
+
+TOLERANCE = {"f32": 1e-4, "bf16": 2e-2}   # kbench against eager in the same dtype
+BF16_SLACK = 1.25   # or, in bf16: kbench against f32 within this factor of eager bf16's own error
+
+
+def correct(kbench_cell, eager_cell, dtype) -> bool | None:
+    """Whether kbench's outputs and gradients are eager's: within TOLERANCE of eager in the same
+    dtype, or, in bf16, no further from f32 eager than eager bf16 is (times BF16_SLACK)."""
+    err = kbench_cell.get("max_rel_err")
+    if err is None:
+        return None
+    if err <= TOLERANCE[dtype]:
+        return True
+    ours, theirs = kbench_cell.get("err_vs_f32"), eager_cell.get("err_vs_f32")
+    return bool(dtype == "bf16" and ours is not None and theirs is not None and ours <= BF16_SLACK * theirs)
+
+
 class Case:
     """One (model, mode, dtype): the model at its real size on the GPU and a step function."""
 
@@ -73,19 +103,20 @@ class Case:
         if mode == "infer":
             self.kwargs = {k: v for k, v in self.kwargs.items() if k != "labels"}
 
-    def autocast(self):
-        return self.torch.autocast("cuda", dtype=self.torch.bfloat16, enabled=self.dtype == "bf16")
+    def autocast(self, enabled=True):
+        return self.torch.autocast("cuda", dtype=self.torch.bfloat16, enabled=enabled and self.dtype == "bf16")
 
-    def step(self, module):
+    def step(self, module, autocast=True):
         """One call as the benchmark times it: a forward (no autograd) for inference; forward,
-        loss and backward (gradients set to None first) for a training step."""
+        loss and backward (gradients set to None first) for a training step. autocast=False: the
+        same call in f32 (the reference a bf16 row's rounding is judged against)."""
         torch = self.torch
         if self.mode == "infer":
-            with torch.no_grad(), self.autocast():
+            with torch.no_grad(), self.autocast(autocast):
                 return module(*self.args, **self.kwargs)
         for p in self.model.parameters():
             p.grad = None
-        with self.autocast():
+        with self.autocast(autocast):
             out = module(*self.args, **self.kwargs)
             loss = self.entry.loss(out, self.args, self.kwargs)
         loss.backward()
@@ -165,7 +196,9 @@ def one_row(zoo, name, mode, dtype, args) -> dict:
                                       "trace": traceback.format_exc()[-2000:]}
         finally:
             os.environ.pop("KBENCH_CACHE_DIR", None)
-    # correctness: kbench against eager on the same weights and inputs (a fresh copy for eager)
+    # correctness: kbench against eager on the same weights and inputs (a fresh copy for eager);
+    # a bf16 row is also judged against f32 eager: two bf16 computations of one model differ by
+    # their rounding, so kbench's error against f32 is set beside eager bf16's own
     if "kbench" in impls:
         torch.manual_seed(123)   # dropout (torchvision's classifiers) draws the same masks for both
         got = case.step(impls["kbench"])
@@ -174,16 +207,16 @@ def one_row(zoo, name, mode, dtype, args) -> dict:
         ref_case.model = ref_model
         torch.manual_seed(123)
         want = ref_case.step(ref_model)
-        errs = [rel_err(a, b) for a, b in zip(leaves(got), leaves(want)) if a.is_floating_point()]
-        if mode == "train":
-            # a gradient that is zero in exact arithmetic (a bias before BatchNorm, an unused
-            # embedding row) is rounding noise, different from run to run even in eager: judged
-            # on the model's gradient scale, as the tests judge it
-            scale = max((float(p.grad.abs().max()) for p in ref_model.parameters() if p.grad is not None),
-                        default=0.0)
-            errs += [rel_err(got_grads[n], p.grad, floor=max(1e-6, 1e-2 * scale))
-                     for n, p in ref_model.named_parameters() if n in got_grads]
-        row["impls"]["kbench"]["max_rel_err"] = max(errs) if errs else None
+        want_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.grad is not None}
+        cell = row["impls"]["kbench"]
+        cell["max_rel_err"] = max_error(got, got_grads, want, want_grads, mode)
+        if dtype == "bf16":
+            torch.manual_seed(123)
+            exact = ref_case.step(ref_model, autocast=False)
+            exact_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.grad is not None}
+            cell["err_vs_f32"] = max_error(got, got_grads, exact, exact_grads, mode)
+            row["impls"]["eager"]["err_vs_f32"] = max_error(want, want_grads, exact, exact_grads, mode)
+        cell["correct"] = correct(cell, row["impls"]["eager"], dtype)
     del ref_model
     # timing: ROUNDS rounds, each timing every implementation in turn, and the median of each
     # one's round medians: a drift of the clocks or of the host over the row hits all alike
@@ -223,7 +256,7 @@ def table(rows) -> str:
     keys = sorted({k for r in rows for k in r["impls"] if k.startswith("compile")})
     head = (["model", "mode", "dtype", "eager ms"] + [f"{k} ms" for k in keys]
             + ["kbench ms", "kbench vs eager"] + [f"kbench vs {k}" for k in keys]
-            + ["device ms e / k", "peak MB e / k", "optimize s cold / warm", "max rel err", "gate"])
+            + ["device ms e / k", "peak MB e / k", "optimize s cold / warm", "max rel err", "err vs f32 k / e", "correct", "gate"])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def f(x, spec=".4g"):
@@ -238,12 +271,22 @@ def table(rows) -> str:
         cells += [f"{f(e.get('device_ms'))} / {f(k.get('device_ms'))}", f"{f(e.get('peak_mb'), '.0f')} / "
                   f"{f(k.get('peak_mb'), '.0f')}", f"{f(k.get('optimize_cold_s'), '.1f')} / "
                   f"{f(k.get('optimize_warm_s'), '.1f')}", f(k.get("max_rel_err"), ".2g"),
+                  f"{f(k.get('err_vs_f32'), '.2g')} / {f(e.get('err_vs_f32'), '.2g')}" if "err_vs_f32" in k else "-",
+                  {True: "yes", False: "NO", None: "-"}[k.get("correct")],
                   "original runs" if "original module runs" in gate else ("kbench" if gate else "-")]
         out.append("| " + " | ".join(cells) + " |")
     ratios = [r["impls"]["kbench"]["vs_eager"] for r in rows if r["impls"].get("kbench", {}).get("vs_eager")]
     if ratios:
         gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
         out.append(f"\ngeometric mean kbench vs eager: {gm:.2f}× over {len(ratios)} rows; least {min(ratios):.2f}×")
+    for key in keys:
+        ratios = [r["impls"]["kbench"][f"vs_{key}"] for r in rows if r["impls"].get("kbench", {}).get(f"vs_{key}")]
+        if ratios:
+            gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            out.append(f"geometric mean kbench vs {key}: {gm:.2f}× over {len(ratios)} rows; least {min(ratios):.2f}×")
+    wrong = [f"{r['model']} {r['mode']} {r['dtype']}" for r in rows if r["impls"].get("kbench", {}).get("correct") is False]
+    if wrong:
+        out.append(f"NOT within tolerance of eager: {', '.join(wrong)}")
     return "\n".join(out)
 
 
@@ -291,6 +334,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--resume", default="", help="a results JSON of an earlier run: rows in it are kept, not rerun")
     args = p.parse_args(argv)
+    modes, dtypes = [m for m in args.modes.split(",") if m], [DTYPE_NAMES.get(d, d) for d in args.dtypes.split(",") if d]
+    bad = [m for m in modes if m not in MODES] + [d for d in dtypes if d not in DTYPES]
+    if bad:
+        print(f"bench_models.py: unknown mode(s) or dtype(s) {bad}; modes are {list(MODES)}, dtypes "
+              f"{sorted(DTYPE_NAMES)}", file=sys.stderr)
+        return 2
     import torch
     if not torch.cuda.is_available():
         print("bench_models.py: no CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -310,7 +359,7 @@ def main(argv=None) -> int:
     commit = os.environ.get("KBENCH_COMMIT", "unknown")
     stem = Path(args.out) / f"models-{gpu}-{time.strftime('%Y%m%d-%H%M%S')}-{commit}"
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    todo = [(n, m, d) for n in names for m in args.modes.split(",") for d in args.dtypes.split(",")
+    todo = [(n, m, d) for n in names for m in modes for d in dtypes
             if (n, m, d) not in done]
     for i, (name, mode, dtype) in enumerate(todo):
         t0 = time.perf_counter()
@@ -324,7 +373,8 @@ def main(argv=None) -> int:
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         k = row["impls"].get("kbench", {})
-        print(f"    kbench {k.get('vs_eager', 0):.2f}× eager, err {k.get('max_rel_err')}, "
+        print(f"    kbench {k.get('vs_eager', 0):.2f}× eager, err {k.get('max_rel_err')}, correct "
+              f"{k.get('correct')}, "
               f"{row['seconds']:.0f} s {row.get('error', '')}", flush=True)
         doc = {"schema": "kbench-models-1", "meta": {"gpu": torch.cuda.get_device_name(), "commit": commit,
                                                       "torch": torch.__version__, **meta},

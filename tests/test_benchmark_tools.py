@@ -82,6 +82,38 @@ def test_as_a_script_without_a_gpu():
     assert done.stderr.splitlines() == ["bench_genomes.py: no CUDA GPU (torch.cuda.is_available() is False)"]
 
 
+def test_bench_models_refuses_an_unknown_dtype_before_anything_runs():
+    """A dtype it does not know (bfloat16 is a name it takes, bfloat8 is not) is an error, never
+    a row run in f32 under another label."""
+    rc, _, err = _main("bench_models.py", "--dtypes", "bf16,bfloat8")
+    assert rc == 2 and "bfloat8" in err and len(err.splitlines()) == 1
+
+
+def _bench_models():
+    spec = importlib.util.spec_from_file_location("bench_models_tool", BENCH / "bench_models.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_models_judges_bf16_against_f32_beside_eager_bf16():
+    bm = _bench_models()
+    assert bm.DTYPE_NAMES["bfloat16"] == "bf16"
+    assert bm.correct({"max_rel_err": 1e-5}, {}, "f32") is True
+    assert bm.correct({"max_rel_err": 1e-3}, {}, "f32") is False
+    # bf16 off eager bf16 by more than the tolerance, but no further from f32 than eager bf16 is
+    assert bm.correct({"max_rel_err": 0.07, "err_vs_f32": 0.29}, {"err_vs_f32": 0.291}, "bf16") is True
+    assert bm.correct({"max_rel_err": 0.07, "err_vs_f32": 0.40}, {"err_vs_f32": 0.29}, "bf16") is False
+    assert bm.correct({"max_rel_err": 0.07}, {}, "bf16") is False
+    # the gradient floor: a gradient that is noise on the model's scale does not count
+    got, want = torch.ones(3), torch.ones(3)
+    grads = {"w": torch.tensor([1.0, 0.0]), "b": torch.tensor([1e-5])}
+    near = {"w": torch.tensor([1.0, 0.0]), "b": torch.tensor([3e-5])}
+    assert bm.max_error(got, near, want, grads, "train") < 1e-2   # 2.0 without the floor
+    far = {"w": torch.tensor([1.1, 0.0]), "b": torch.tensor([1e-5])}
+    assert abs(bm.max_error(got, far, want, grads, "train") - 0.1) < 1e-5
+
+
 def test_sass_counts_names_a_missing_tool_in_one_line(monkeypatch, capsys):
     """sass_counts needs no GPU but nvcc and cuobjdump; where one is missing it says which."""
     spec = importlib.util.spec_from_file_location("sass_counts_tool", BENCH / "sass_counts.py")
