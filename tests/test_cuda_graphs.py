@@ -273,6 +273,10 @@ def test_calls_the_graph_does_not_take_run_un_graphed():
             opt(x64)
         with pytest.raises(TypeError):
             opt(torch.randn(4, 16), torch.randn(4, 16))   # too many inputs: the Python path's error
+        assert "the call passes 2 tensor(s), the capture reads 1" in runner.skipped
+        # a tensor subclass: un-graphed, and the report says so (never silently)
+        assert torch.equal(opt(torch.nn.Parameter(xt.contiguous())), ref(xt.contiguous()))
+        assert runner.replays == 1 and "an input is a Parameter, not a plain tensor" in runner.skipped
     x = torch.randn(4, 16, requires_grad=True)
     y = opt(x)                                         # gradients wanted: un-graphed, differentiable
     assert y.requires_grad and runner.replays == 1

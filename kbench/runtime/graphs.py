@@ -424,18 +424,20 @@ class GraphRunner:
 
     def _try(self, module, inputs):
         """(the replay's result, None), or (_NO, why not or None) for the un-graphed path."""
-        if len(inputs) != self.ninputs or not inputs:
-            return _NO, None
+        if not inputs:
+            return _NO, "the call passes no tensor"
+        if len(inputs) != self.ninputs:
+            return _NO, f"the call passes {len(inputs)} tensor(s), the capture reads {self.ninputs}"
         for x in inputs:
             if type(x) is not torch.Tensor:
-                return _NO, None
+                return _NO, f"an input is a {type(x).__name__}, not a plain tensor"
         grad = torch.is_grad_enabled()
         live = None
         train = False
         if grad:
             live = self._live(module)
             if live is None:
-                return _NO, None
+                return _NO, "a parameter or buffer the capture read is gone from the module"
             train = any(x.requires_grad for x in inputs) or any(map(_requires_grad, live))
             if train and self.train is None:
                 return _NO, WANTS_GRAD
