@@ -216,8 +216,9 @@ def time_fn(fn: Callable, arg_sets: Sequence[Sequence], *, device, reps: int = 5
     after each timed call's window closes (its end event recorded, or its clock read), before
     anything else: the harness samples outputs there. mark("wall-start") and mark("wall-end")
     are called around the wall-clock loop, so a caller in another process can time it with its
-    own clock. wall_check=False leaves that loop out (its fields stay unset): for a number that
-    is only reported (the median), where the loop would cost more calls than the timing itself."""
+    own clock. wall_check=False (timing on the CPU) leaves the CPU's wall-clock loop out (its
+    fields stay unset): for a median that is only reported, where the loop would cost more calls
+    than the timing itself."""
     if not arg_sets:
         raise ValueError("time_fn needs at least one argument set")
     if fresh and len(arg_sets) < MIN_ARG_SETS:
@@ -247,10 +248,6 @@ def time_fn(fn: Callable, arg_sets: Sequence[Sequence], *, device, reps: int = 5
         medians.append(statistics.median(block))
         if medians[-1] < min(medians[:-1], default=math.inf):   # the first of equal ones stays
             times = block
-    if not wall_check:
-        return Timing("cuda-events", reps, statistics.median(times), statistics.fmean(times), min(times),
-                      statistics.pstdev(times), block_medians_ms=medians if blocks > 1 else [],
-                      input_sets=k if fresh else 0)
 
     # Wall-clock cross-check: the same calls back to back, timed both ways. Events only see
     # the current stream; torch.cuda.synchronize() waits for every stream on the device.
