@@ -17,6 +17,7 @@ from .capture import cache as capture_cache
 from .capture import guards as state_guards
 from .capture import capture_exported, relower, repin, validate
 from .capture import capture as capture_graph
+from .capture.modes import autocast_mode
 from .capture.signature import CallSpec, FlatCall
 from .errors import CaptureError
 from .report import Report
@@ -27,6 +28,7 @@ from .runtime.module import OptimizedModule, SharesOriginal
 from .runtime.plan import SAVE_STATS_MIN_ROW_BYTES, Status
 from .tune import gate, spread
 from .tune.tuner import BUDGET_NAMES, Tuner, time_eager_regions
+from .tune.tuner import share as share_decisions
 
 _log = logging.getLogger("kbench")
 
@@ -149,7 +151,7 @@ class EagerModule(SharesOriginal, torch.nn.Module):
 
 def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
              backend: str | None = None, budget: str = "default", seed: int = 0, verbose: bool = True,
-             grad_in_forward: bool = True, strict: bool = False, gate: bool = True,
+             grad_in_forward: bool = True, strict: bool = False, gate=True,
              cuda_graphs="auto", distributed="auto", devices=None, gemm: bool = False) -> torch.nn.Module:
     """Return a module that computes what `model` computes, on kbench's regions.
 
@@ -173,6 +175,11 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
     gate: on the GPU, time the optimized module against the model at the example call (forward,
     and forward + backward for a training model with trainable parameters) and run the model
     itself where kbench's is not faster (kbench/tune/gate.py; the report gives both times).
+    True (the default) remembers the verdict in the kernel cache: a later optimize() of the same
+    model code and state shapes, example call, train/eval and autocast state, cuda_graphs option
+    and GPU model, on the same kernels, applies it without timing (the report says when it was
+    measured); "measure" times it again (and remembers that); False: no gate. budget="none"
+    remembers nothing.
     cuda_graphs: "auto" (the default) replays a call from a CUDA graph, captured at the third call
     of its input signature, where that is safe: the cuda backend, every region a generated kernel
     or a torch op that does not sync (kbench/runtime/graphs.py says what else is guarded); a
@@ -209,6 +216,8 @@ def optimize(model: torch.nn.Module, example_inputs=None, example_kwargs: dict |
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if budget not in BUDGET_NAMES:
         raise ValueError(f"budget must be 'none', 'fast', 'default' or 'max', got {budget!r}")
+    if not (isinstance(gate, bool) or gate == "measure"):
+        raise ValueError(f"gate must be True, False or 'measure', got {gate!r}")
     graphs.check_option(cuda_graphs)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     group = kb_distributed.group_for(distributed, getattr(model, "process_group", None) if ddp else None)
@@ -344,7 +353,7 @@ def _optimize(model, args, kwargs, options):
                             "to keep ops in torch, kept in the cache")
             demoted.__dict__["_kbench_capture_note"] = note
             del lowering   # torch's ExportedProgram, where one was made: not kept
-            return _gated(model, demoted, args, kwargs, backend, device, options)
+            return _gated(model, demoted, args, kwargs, backend, device, options, key)
         if stale:
             _log.warning("kbench: the stored capture of %s read other Python state (%s); capturing it again",
                          type(model).__name__, stale)
@@ -371,7 +380,7 @@ def _optimize(model, args, kwargs, options):
     if key is not None:
         capture_cache.remember(key, optimized._kbench_captured)
     optimized.__dict__["_kbench_capture_note"] = "torch.export" + (", kept in the cache" if key is not None else "")
-    return _gated(model, optimized, args, kwargs, backend, device, options)
+    return _gated(model, optimized, args, kwargs, backend, device, options, key)
 
 
 DEMOTE_ROUNDS = 2   # lowerings with more ops kept in torch, at most: each can change the regions around them
@@ -415,26 +424,74 @@ def _demote(optimized, lowering, build, tuner):
     return optimized
 
 
-def _gated(model, optimized, args, kwargs, backend, device, options):
-    """The optimized module, set to run the original model where the gate finds it no faster."""
+def _gated(model, optimized, args, kwargs, backend, device, options, capture_key=None):
+    """The optimized module, set to run the original model where the gate finds it no faster: the
+    verdict rank 0 sent (a shared tuning), else one remembered for this capture and these kernels
+    (capture_key: the capture cache's key; None: nothing is remembered), else measured here
+    (and remembered)."""
     if backend != "cuda" or not options["gate"]:
         return optimized
     # cuda_graphs="auto": the graphs must also beat the un-graphed call (True keeps them)
     runner = optimized.__dict__.get("_kbench_graphs")
-    ungraphed = graphs.paused(optimized, runner) if options["cuda_graphs"] == "auto" and \
-        isinstance(runner, graphs.GraphRunner) else None
-    try:
-        verdict = gate.compare(model, optimized, args, kwargs, device, ungraphed=ungraphed)
-    except Exception as e:  # noqa: BLE001 - an unmeasured gate keeps kbench's module, and says so
-        optimized.__dict__["_kbench_gate"] = f"model gate not measured ({type(e).__name__}: {e})"
-        return optimized
-    optimized.__dict__["_kbench_gate"] = verdict.describe()
-    if not verdict.graphs and runner.replays:   # graphs served the timed calls, and were not faster
+    timed = options["cuda_graphs"] == "auto" and isinstance(runner, graphs.GraphRunner)
+    given = gate.imposed()
+    if given is not None:   # one verdict for every rank: rank 0's
+        try:
+            verdict = gate.Verdict.from_record(given["verdict"], "rank 0's verdict, applied on every rank") \
+                if given.get("verdict") is not None else None
+        except (ValueError, TypeError, KeyError) as e:
+            verdict, given = None, {"line": f"its record is unreadable here ({e})"}
+        if verdict is None:
+            optimized.__dict__["_kbench_gate"] = (f"model gate: no verdict from rank 0 ({given.get('line') or 'none'}); "
+                                                  f"kbench's module runs on every rank")
+            return optimized
+        return _apply_verdict(optimized, runner, verdict)
+    memory = None
+    if capture_key is not None and options["budget"] != "none":   # budget none keeps nothing
+        try:
+            memory = gate.Memory.of(capture_key, backward=gate.gates_backward(model), autocast=autocast_mode(),
+                                    cuda_graphs=options["cuda_graphs"], graphs_timed=timed,
+                                    grad_in_forward=options["grad_in_forward"], device=device,
+                                    kernels=gate.forward_kernels(optimized._kbench_plan.regions))
+        except Exception as e:  # noqa: BLE001 - a key that cannot be made only costs the memory
+            _log.warning("kbench: the model gate's verdict is not remembered (%s: %s)", type(e).__name__, e)
+    verdict = memory.recall() if memory is not None and options["gate"] != "measure" else None
+    if verdict is not None:   # rank 0 of a shared tuning sends the backward winners its record names
+        share_decisions(used=[k for k, digest, _ in memory.elsewhere if digest],
+                        torch=[k for k, _, left in memory.elsewhere if left])
+    else:
+        try:
+            verdict = gate.compare(model, optimized, args, kwargs, device,
+                                   ungraphed=graphs.paused(optimized, runner) if timed else None)
+        except Exception as e:  # noqa: BLE001 - an unmeasured gate keeps kbench's module, and says so
+            optimized.__dict__["_kbench_gate"] = f"model gate not measured ({type(e).__name__}: {e})"
+            return optimized
+        verdict.graphs_served = timed and runner.replays > 0
+        if memory is not None:
+            tuner = getattr(optimized._kbench_executor, "tuner", None)
+            memory.keep(verdict, _outside_forward(optimized), tuner.left if tuner is not None else ())
+    return _apply_verdict(optimized, runner, verdict)
+
+
+def _apply_verdict(optimized, runner, verdict):
+    """The verdict as the module's: its graphs released where they served the timed calls and
+    were not faster, the original run where kbench's is not faster; the report's line."""
+    optimized.__dict__.update(_kbench_gate=verdict.describe(), _kbench_gate_verdict=verdict)
+    if verdict.release_graphs and isinstance(runner, graphs.GraphRunner):
         runner.release(f"the model gate timed the call at {verdict.graphed_ms:.4g} ms with graphs, "
-                       f"{verdict.ungraphed_ms:.4g} ms without")
+                       f"{verdict.ungraphed_ms:.4g} ms without" + (f" ({verdict.origin})" if verdict.origin else ""))
     if not verdict.keep:
         optimized.run_original(verdict.describe())
     return optimized
+
+
+def _outside_forward(optimized) -> list:
+    """The kernel-cache keys of the regions the module runs outside its forward plan: its regions'
+    backward programs and a loss's joint programs (built by the calls the gate timed)."""
+    d = optimized.__dict__
+    programs = [p for p in d.get("_kbench_backward", {}).values() if p is not None]
+    programs += [j.program for j in d.get("_kbench_joint", {}).values() if j]
+    return [info.key for p in programs for info in p.plan.regions if info.key is not None]
 
 
 def _fresh_capture(model, args, backend):

@@ -1,9 +1,11 @@
 """One tuning for all ranks: optimize() under torch.distributed. Every rank of the process group
 first agrees on what it optimizes (the model's code and state, the example call, the options);
 rank 0 then captures and tunes, and sends the others its decisions — the winners it used, with
-their CUBINs and verified envelopes, and the regions its search left to torch. The others store
-those winners in their own kernel cache and optimize from it: each winner loaded and gated on
-their own GPU, nothing searched, a region rank 0 left to torch left there too."""
+their CUBINs and verified envelopes, the regions its search left to torch, and its model gate's
+verdict. The others store those winners in their own kernel cache and optimize from it: each
+winner loaded and gated on their own GPU, nothing searched, a region rank 0 left to torch left
+there too, and rank 0's verdict applied untimed (the original or kbench's module, its CUDA
+graphs kept or not), so that every rank runs the same code."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +13,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .tune import cache, tuner
+from .tune import cache, gate, tuner
 
 MODES = ("auto", True, False)
 
@@ -131,6 +133,7 @@ def optimize_once(run, model, args, kwargs, options: dict, group):
             with tuner.sharing() as shared:
                 optimized = run()
             decisions = export_decisions(shared)
+            decisions["gate"] = gate.shared(optimized)
         except BaseException as e:  # noqa: BLE001 - the others must hear of it, then it is raised
             error, decisions = e, {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         box = [decisions]
@@ -138,7 +141,8 @@ def optimize_once(run, model, args, kwargs, options: dict, group):
         if error is not None:
             raise error
         note = (f"tuning: rank 0 of {world} tuned and sent the other ranks {len(decisions['winners'])} "
-                f"winner(s) and {len(decisions['torch'])} region(s) left to torch")
+                f"winner(s), {len(decisions['torch'])} region(s) left to torch"
+                + (" and its model gate's verdict" if decisions["gate"]["verdict"] is not None else ""))
     else:
         box = [None]
         dist.broadcast_object_list(box, src=src, group=group)
@@ -146,7 +150,8 @@ def optimize_once(run, model, args, kwargs, options: dict, group):
         if "error" in decisions:
             raise RuntimeError(f"kbench.optimize failed on rank 0 ({decisions['error']}); rank {rank} stops too")
         received = import_decisions(decisions)
-        with tuner.sharing(skip=[cache.CacheKey(**k) for k in decisions["torch"]]):
+        with tuner.sharing(skip=[cache.CacheKey(**k) for k in decisions["torch"]]), \
+                gate.imposing(decisions.get("gate") or {"verdict": None, "line": ""}):
             optimized = run()
         note = (f"tuning: rank {rank} of {world} received rank 0's {received} winner(s) (loaded and gated "
                 f"here) and {len(decisions['torch'])} region(s) it left to torch")

@@ -124,7 +124,7 @@ def _export(cache) -> str:
 
 
 class FakeKernel:
-    genome, regs, spills, fn_nostats = "threads=256 vec=4", 20, 0, None
+    genome, regs, spills, fn_nostats, source = "threads=256 vec=4", 20, 0, None, ""
 
 
 def executor(db, timings, gates):

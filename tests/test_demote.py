@@ -285,7 +285,7 @@ def test_verdict():
 
 
 class FakeKernel:
-    genome, regs, spills, fn_nostats = "threads=256 vec=4", 20, 0, None
+    genome, regs, spills, fn_nostats, source = "threads=256 vec=4", 20, 0, None, ""
 
 
 def key():

@@ -3,13 +3,16 @@ backend, the interp backend. DDP(optimize(model)) and optimize(DDP(model)) train
 does (the same losses and parameters after a few SGD steps, gradients all-reduced), with
 find_unused_parameters and with no_sync() gradient accumulation; an optimized block inside a
 model sharded with fully_shard trains as the eager one does, on kbench's regions at every step
-(the parameters FSDP gathers are what they read: no fallback)."""
+(the parameters FSDP gathers are what they read: no fallback). In a shared tuning, every rank
+applies rank 0's model gate verdict, its CUDA-graph decision included, where their own timings
+would disagree."""
 import copy
 import os
 import socket
 import sys
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -79,6 +82,7 @@ def _worker(rank, world, port, out):
                 same = all(torch.equal(p, q) for p, q in zip(ours.module.parameters(), model.parameters()))
                 results[(order, unused)] = (losses, params, same, type(ours.module).__name__)
         results["tuning"] = _shared_tuning(rank, kbench)
+        results["gate"] = _shared_gate(rank, kbench)
         results["fsdp"] = _fsdp(rank, world, kbench)
     finally:
         dist.destroy_process_group()
@@ -121,6 +125,41 @@ def _shared_tuning(rank, kbench):
     return got
 
 
+def _shared_gate(rank, kbench):
+    """One model gate verdict for all ranks: the gate of the interp module run as the cuda
+    backend's (api._gated with the CUDA-graph runner's stand-in, tests/test_cuda_graphs.py), its
+    timing replaced by a fake whose times make the ranks disagree: on rank 0 kbench's module is
+    faster and its graphs are not; on rank 1 the original is faster and the graphs are."""
+    from kbench import api
+    from kbench.runtime import graphs
+    from kbench.tune import gate
+    from test_cuda_graphs import graphed
+    timed, runners = [], []
+
+    def compare(model, optimized, args, kwargs, device, ungraphed=None):
+        timed.append(rank)
+        with torch.no_grad():
+            for _ in range(graphs.WARMUP + 2):
+                optimized(*args)        # the timed calls replay its graphs
+        return gate.decide(2.0, 1.2, False, 1.0, 5.0, 5.0) if rank == 0 else gate.decide(2.0, 2.5, False, 3.0, 5.0, 5.0)
+
+    def gated(model, optimized, args, kwargs, backend, device, options, capture_key=None):
+        runners.append(graphed(optimized, option="auto"))
+        return real_gated(model, optimized, args, kwargs, "cuda", device, options, capture_key)
+    real_gated, real_compare = api._gated, gate.compare
+    api._gated, gate.compare = gated, compare
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = kbench.optimize(DDP(Block()), (torch.randn(8, 16, 32),), backend="interp", verbose=False,
+                                gate="measure")
+    finally:
+        api._gated, gate.compare = real_gated, real_compare
+    opt = m.module
+    return {"timed": timed, "original": bool(opt._kbench_original), "graphs off": runners[0].off,
+            "line": opt._kbench_gate, "tuning": opt.kbench_report.notes}
+
+
 def _fsdp(rank, world, kbench):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -158,12 +197,19 @@ def _fsdp(rank, world, kbench):
     return losses, runs[0], sorted(model[0]._kbench_reasons)
 
 
-def test_ddp_trains_like_eager_ddp():
+@pytest.fixture(scope="module")
+def ranks():
+    """Each rank's results (2 processes, gloo), run once for the tests below."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(2, _free_port(), out), nprocs=2, start_method="spawn")
-    got = dict(out.get() for _ in range(2))
+    return dict(out.get() for _ in range(2))
+
+
+def test_ddp_trains_like_eager_ddp(ranks):
+    got = {rank: dict(results) for rank, results in ranks.items()}
     for rank, results in got.items():
+        results.pop("gate")
         (ours, ref), runs, reasons = results.pop("fsdp")
         tuning = results.pop("tuning")
         want = "rank 0 of 2 tuned" if rank == 0 else "rank 1 of 2 received rank 0's"
@@ -184,3 +230,17 @@ def test_ddp_trains_like_eager_ddp():
             assert params <= 1e-5, (rank, order, unused, params)
     # the ranks' data differ, the all-reduced parameters do not: each rank's losses differ
     assert got[0][("ddp_of_optimized", False)][0] != got[1][("ddp_of_optimized", False)][0]
+
+
+def test_every_rank_applies_rank_0s_gate_verdict(ranks):
+    """Rank 0 times (its fake says: kbench's module, without its graphs); rank 1, whose own times
+    would run the original with graphs, times nothing and applies rank 0's verdict, and says so."""
+    zero, one = ranks[0]["gate"], ranks[1]["gate"]
+    assert zero["timed"] == [0] and one["timed"] == [], (zero["timed"], one["timed"])
+    for got in (zero, one):
+        assert not got["original"], got["line"]
+        assert got["graphs off"].startswith("the model gate timed the call at 1.2 ms with graphs, 1 ms without"), got
+    assert "rank 0's verdict" not in zero["line"] and "eager 2 ms, kbench 1 ms" in zero["line"]
+    assert "rank 0's verdict, applied on every rank, measured" in one["line"] and "eager 2 ms, kbench 1 ms" in one["line"]
+    assert one["graphs off"].endswith("(rank 0's verdict, applied on every rank)")
+    assert any("and its model gate's verdict" in n for n in zero["tuning"]), zero["tuning"]

@@ -274,3 +274,28 @@ def test_a_fixed_index_into_a_varying_dim_is_a_size_guard():
     assert "gradients match torch.autograd" in str(opt.kbench_report)
     with pytest.raises(IndexError):
         opt(torch.randn(4, 1, 5))
+
+
+def test_the_reports_eager_column_times_each_region_without_the_wall_clock_loop(monkeypatch):
+    """The interp backend's eager column (tuner.time_eager_regions) is a per-call median: each
+    region's eager program runs its warm-up and timed calls only, not the benchmark's wall-clock
+    loop (a call count several times larger, most of a warm optimize())."""
+    from kbench.tune import tuner
+    calls = {}
+    real = tuner.eager_call
+
+    def counted(plan, r, *a):
+        fn = real(plan, r, *a)
+        if fn is None:
+            return None
+
+        def call():
+            calls[r] = calls.get(r, 0) + 1
+            return fn()
+        return call
+    monkeypatch.setattr(tuner, "eager_call", counted)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16)).eval()
+    opt = kbench.optimize(model, (torch.randn(4, 8),), backend="interp", budget="none", verbose=False)
+    assert calls and set(calls.values()) == {1 + 5}, calls   # warm-up 1, reps 5
+    assert all(r.eager_ms is not None for r in opt.kbench_report.rows if r.kind != "EXTERN")

@@ -65,6 +65,8 @@ class RegionInfo:
     saved: int = 0          # its last `saved` outputs are row statistics kept for the backward
     saved_outputs: tuple = ()  # the outputs (indices) its backward reads, kept for it
     eager: RegionEager | None = None   # what eager runs for it (None: the graph has no provenance)
+    key: object = None      # the tuner's cache key for it (tune/cache.CacheKey), where a tuner prepared it
+    source_hash: str = ""   # sha256 of the CUDA source of the kernel that runs it (a stored winner's as stored)
 
     @property
     def fx_nodes(self) -> tuple:

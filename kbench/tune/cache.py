@@ -64,12 +64,16 @@ CREATE INDEX candidates_region ON candidates (region_sig);
 CREATE TABLE captures (key TEXT PRIMARY KEY, blob BLOB NOT NULL, created REAL NOT NULL);
 CREATE TABLE agent_record (id INTEGER PRIMARY KEY, task TEXT NOT NULL, key TEXT NOT NULL, body TEXT NOT NULL,
     created REAL NOT NULL);
+CREATE TABLE gate_verdicts (key TEXT PRIMARY KEY, body TEXT NOT NULL, mac TEXT, created REAL NOT NULL);
 """
 # Tables added after schema version 1 was released: created on open where missing. agent_record:
 # the agentic loop's candidates (kbench.agent.loop), a JSON body each, exported with the rest.
+# gate_verdicts: the model gate's measurements (kbench/tune/gate.py), a signed JSON body each.
 ADDED_TABLES = {"captures": "CREATE TABLE captures (key TEXT PRIMARY KEY, blob BLOB NOT NULL, created REAL NOT NULL)",
                 "agent_record": "CREATE TABLE agent_record (id INTEGER PRIMARY KEY, task TEXT NOT NULL, "
-                                "key TEXT NOT NULL, body TEXT NOT NULL, created REAL NOT NULL)"}
+                                "key TEXT NOT NULL, body TEXT NOT NULL, created REAL NOT NULL)",
+                "gate_verdicts": "CREATE TABLE gate_verdicts (key TEXT PRIMARY KEY, body TEXT NOT NULL, mac TEXT, "
+                                 "created REAL NOT NULL)"}
 _TABLES = {"meta", "winners", "candidates"}
 _TEXT_FIELDS = ("genome", "compile_status", "compile_log", "verify")  # free text: scrubbed of paths
 
@@ -385,6 +389,35 @@ class Cache:
         if self._writable("drop a capture from"):
             self._run(lambda c: c.execute("DELETE FROM captures WHERE key = ?", (key,)), write=True)
 
+    # ------------------------------------------------------------------ model gate verdicts
+
+    def load_verdict(self, key: str) -> str | None:
+        """The model gate's record stored under key (its JSON text), or None where there is none;
+        ValueError for one not signed with this user's key (planted, or changed since)."""
+        if not self._has("gate_verdicts"):
+            return None
+        row = self._run(lambda c: c.execute("SELECT body, mac FROM gate_verdicts WHERE key = ?", (key,)).fetchone(),
+                        write=False)
+        if row is None:
+            return None
+        body, mac = row
+        if not isinstance(body, str) or not keyfile.verify(self.key(), mac, b"kbench-gate-1", key.encode(),
+                                                           body.encode()):
+            raise ValueError("not signed with this user's key")
+        return body
+
+    def store_verdict(self, key: str, body: str) -> None:
+        """Keep (or replace) the model gate's record under key, signed; not kept where it could not
+        be trusted later (no key) or the cache is read-only."""
+        if not self._has("gate_verdicts") or not self._writable("store a gate verdict in"):
+            return
+        k = self.key()
+        if k is None:
+            return
+        mac = keyfile.sign(k, b"kbench-gate-1", key.encode(), body.encode())
+        self._run(lambda c: c.execute("INSERT OR REPLACE INTO gate_verdicts VALUES (?, ?, ?, ?)",
+                                      (key, body, mac, time.time())), write=True)
+
     # ------------------------------------------------------------------ search record
 
     def record(self, key: CacheKey, candidates: list) -> None:
@@ -431,7 +464,8 @@ class Cache:
             return
         self._run(lambda c: (c.execute("DELETE FROM winners"), c.execute("DELETE FROM candidates"),
                              c.execute("DELETE FROM captures"),
-                             self._has("agent_record") and c.execute("DELETE FROM agent_record")), write=True)
+                             self._has("agent_record") and c.execute("DELETE FROM agent_record"),
+                             self._has("gate_verdicts") and c.execute("DELETE FROM gate_verdicts")), write=True)
         with self._lock, contextlib.suppress(sqlite3.Error):
             self._conn.execute("VACUUM")  # give the space back; harmless to skip if another process is busy
 
@@ -442,11 +476,12 @@ class Cache:
                     c.execute("SELECT count(*) FROM candidates").fetchone()[0],
                     c.execute("PRAGMA journal_mode").fetchone()[0],
                     c.execute("SELECT count(*) FROM captures").fetchone()[0] if self._has("captures") else 0,
-                    c.execute("SELECT count(*) FROM agent_record").fetchone()[0] if self._has("agent_record") else 0)
-        version, nw, nc, journal, ncap, nagent = self._run(q, write=False)
+                    c.execute("SELECT count(*) FROM agent_record").fetchone()[0] if self._has("agent_record") else 0,
+                    c.execute("SELECT count(*) FROM gate_verdicts").fetchone()[0] if self._has("gate_verdicts") else 0)
+        version, nw, nc, journal, ncap, nagent, ngate = self._run(q, write=False)
         size = sum(os.path.getsize(p) for p in (self.path, f"{self.path}-wal") if self.path and os.path.exists(p))
         return {"path": self.path or ":memory:", "size_bytes": size, "winners": nw, "candidates": nc,
-                "captures": ncap, "agent_candidates": nagent, "schema_version": int(version), "journal_mode": journal,
+                "captures": ncap, "agent_candidates": nagent, "gate_verdicts": ngate, "schema_version": int(version), "journal_mode": journal,
                 "read_only": self.read_only, "note": self.note}
 
     def export(self, fp, *, cubins: bool = True) -> int:
@@ -779,8 +814,8 @@ def cli_main(argv=None) -> int:
                                                  "or ~/.cache/kbench/kbench.sqlite)")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("ls", help="the stored winners, newest first")
-    sub.add_parser("clear", help="delete every winner, the search record, the agent's record and the stored "
-                                 "captures")
+    sub.add_parser("clear", help="delete every winner, the search record, the agent's record, the stored "
+                                 "captures and the model gate's verdicts")
     ex = sub.add_parser("export", help="winners, the search's candidates and the agent's as JSON lines")
     ex.add_argument("file")
     ex.add_argument("--no-cubins", action="store_true", help="leave the CUBIN bytes out")
@@ -805,10 +840,12 @@ def _command(cache: Cache, args) -> int:
         n = cache.info()
         cache.clear()   # CacheError where it cannot: never reported as done
         after = cache.info()
-        if after["winners"] or after["candidates"] or after["captures"] or after["agent_candidates"]:
+        if after["winners"] or after["candidates"] or after["captures"] or after["agent_candidates"] \
+                or after["gate_verdicts"]:
             raise CacheError(f"{cache.path} still holds entries after clearing", CANNOT)
         print(f"cleared {n['winners']} winner(s), {n['candidates']} candidate(s), {n['agent_candidates']} "
-              f"agent candidate(s) and {n['captures']} captured model(s) from {cache.path}")
+              f"agent candidate(s), {n['gate_verdicts']} model gate verdict(s) and {n['captures']} captured "
+              f"model(s) from {cache.path}")
     elif args.cmd == "export":
         n = cache.export(args.file, cubins=not args.no_cubins)
         print(f"wrote {n} line(s) to {args.file}")

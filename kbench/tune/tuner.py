@@ -71,6 +71,14 @@ def sharing(skip=()):
         _shared = prev
 
 
+def share(used=(), torch=()) -> None:
+    """Decisions taken without a tuner (a remembered model gate verdict's backward regions, which
+    this optimize() did not build) noted in the current Shared, where one is sharing."""
+    if _shared is not None:
+        _shared.used.extend(used)
+        _shared.torch.extend(torch)
+
+
 def eager_signature(info) -> str:
     """Which eager time region `info` has: "" its IR run through torch op by op (a graph without
     provenance: a backward's), PARTIAL none (it holds part of an op), else the text of its
@@ -97,7 +105,9 @@ def eager_call(plan, r, inputs, symvals, device, gen):
 
 def time_eager_regions(ex, reps: int = 5, seed: int = 0) -> None:
     """The report's eager column where the backend times no kernels (interp, on the CPU): each
-    compute region's eager program timed on the host (timing.time_fn)."""
+    compute region's eager program timed on the host (timing.time_fn), the per-call median
+    only: the benchmark's wall-clock loop would cost three times the calls for a number the
+    report does not show."""
     plan = ex.plan
     for info in plan.regions:
         if info.kind == "EXTERN" or info.eager is None:
@@ -108,7 +118,8 @@ def time_eager_regions(ex, reps: int = 5, seed: int = 0) -> None:
         call = eager_call(plan, info.index, inputs, plan.example_symvals, device, gen)
         if call is not None:
             with torch.no_grad():
-                info.eager_ms = timing.time_fn(call, [()], device=device, reps=reps, warmup=1).median_ms
+                info.eager_ms = timing.time_fn(call, [()], device=device, reps=reps, warmup=1,
+                                               wall_check=False).median_ms
 
 
 def stored_launch(k) -> dict:
@@ -156,6 +167,8 @@ class Tuner:
         self.demote = True          # verdicts may send a working kernel's region back to torch
         self.poisoned = ""          # why this process's CUDA context may be unusable (nothing more is tried)
         self.sizes: dict = {}       # cache key -> the sizes its checks and timings ran at (points())
+        self.sources: dict = {}     # cache key -> sha256 of a stored winner's source, as stored (cached())
+        self.left: set = set()      # cache keys whose search found no verified kernel (torch runs them)
         self._db = None
 
     def prepare(self, ex) -> None:
@@ -211,6 +224,7 @@ class Tuner:
 
     def _prepare(self, ex, info, key, example_symvals):
         r = info.index
+        info.key = key
         sig = eager_signature(info)
         memo = self.by_source.get(key)
         tuned_here = memo is None
@@ -234,6 +248,8 @@ class Tuner:
             return
         sizes = self.sizes.get(key, list(example_symvals))
         info.genome = str(kernel.genome)   # the canonical text: the report's and the plan's name for it
+        # which kernel runs it, for the model gate's remembered verdict (a stored winner has no source here)
+        info.source_hash = self.sources.get(key) or hashlib.sha256(kernel.source.encode()).hexdigest()
         info.extra.update(regs=kernel.regs, spills=kernel.spills)
         ex.kernels[r] = kernel
         if tuned_here and kernel.fn_nostats is not None:   # once per kernel: identical regions share it
@@ -307,6 +323,7 @@ class Tuner:
             return None
         if _shared is not None:
             _shared.used.append(key)
+        self.sources[key] = w.source_hash
         extra = {"search_s": 0.0, "candidates": 0, "cache": "hit"}
         if w.kernel_ms is not None and (w.eager_sig or "") == sig and (w.eager_ms is not None or sig == PARTIAL):
             # the report's eager and kernel times as measured when the kernel was tuned: a hit
@@ -356,6 +373,7 @@ class Tuner:
                 reason = f"verification failed without saved statistics: {why}"
             else:
                 reason = res.note or "no verified kernel"
+            self.left.add(key)
             if _shared is not None:
                 _shared.torch.append(key)
             self.record(key, res)
@@ -437,6 +455,7 @@ class Tuner:
         else:
             why = res.note or "no verified kernel"
         if why:
+            self.left.add(key)
             if _shared is not None:
                 _shared.torch.append(key)
             self.record(key, res)
