@@ -547,3 +547,54 @@ def test_the_gate_keeps_graphs_where_they_take_away_time_queued_or_waited_for(qu
     v = gate.Verdict(keep=True, eager_ms=2.0, kbench_ms=1.0, backward=False, graphed_ms=queued[0],
                      ungraphed_ms=queued[1], graphs=stay, graphed_latency_ms=waited[0], ungraphed_latency_ms=waited[1])
     assert f"(one call waited for: {waited[0]:.4g} ms with, {waited[1]:.4g} ms without)" in v.describe()
+
+
+class Pair:
+    """A model output container whose unflatten runs code of its own (as Hugging Face's cache
+    re-runs its update, which copies from the CPU): code a CUDA-graph capture must not hold."""
+    capturing = False
+    built = 0
+
+    def __init__(self, a, b):
+        if Pair.capturing:
+            raise RuntimeError("the output's structure was built inside the capture")
+        Pair.built += 1
+        self.a, self.b = a, b
+
+
+pytree.register_pytree_node(Pair, lambda p: ([p.a, p.b], None), lambda xs, _: Pair(*xs),
+                            serialized_type_name="tests.test_cuda_graphs.Pair")
+
+
+class Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return Pair(y.relu(), y * 2)
+
+
+def test_the_output_structure_is_built_after_each_replay_not_in_the_capture():
+    model = Twice().eval()
+    x = torch.randn(4, 8)
+    opt, ref = optimized(model, x), plain(model, x)
+    slot = "_kbench_fast_program" if opt._kbench_spec.plain else "_kbench_fast_flat"
+    inner = fake_capture_for(model)
+
+    def capture(fn, pool, device, stream):
+        Pair.capturing = True
+        try:
+            return inner(fn, pool, device, stream)
+        finally:
+            Pair.capturing = False
+    runner = graphs.GraphRunner(opt, opt.__dict__[slot], "auto", capture=capture)
+    runner.train = None
+    opt.__dict__.update({"_kbench_graphs": runner, slot: runner})
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 2):
+            x = torch.randn(4, 8)
+            got, want = opt(x), ref(x)
+            assert isinstance(got, Pair) and torch.equal(got.a, want.a) and torch.equal(got.b, want.b)
+    assert runner.captures == 1 and runner.replays == 2, runner.describe()

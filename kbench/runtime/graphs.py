@@ -5,6 +5,7 @@ a host round trip per region. Here: which modules and calls are safe to graph an
 guards checked before every replay, the capture, the replay and what it pins."""
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import threading
@@ -279,7 +280,9 @@ class Outputs:
     un-graphed call gives (two views of one buffer stay views of one new buffer)."""
 
     def __init__(self, out, forbidden):
-        leaves, self.spec = pytree.tree_flatten(out)
+        """out: a call's outputs, a list of the graph's outputs (spec None: fresh() gives a list
+        back) or any pytree of them."""
+        leaves, self.spec = (list(out), None) if type(out) is list else pytree.tree_flatten(out)
         self.leaves = leaves
         self.clones, groups = [], {}
         for i, x in enumerate(leaves):
@@ -297,12 +300,12 @@ class Outputs:
                 self.clones.append((members[0], t))
             else:
                 self.groups.append((t.untyped_storage(), [(i, leaves[i]) for i in members]))
-        one = len(leaves) == 1 and self.spec.is_leaf() and len(self.clones) == 1
+        one = len(leaves) == 1 and (self.spec is None or self.spec.is_leaf()) and len(self.clones) == 1
         self.one = self.clones[0][1] if one else None
 
     def fresh(self):
         if self.one is not None:
-            return self.one.clone()
+            return [self.one.clone()] if self.spec is None else self.one.clone()
         vals = list(self.leaves)
         for i, t in self.clones:
             vals[i] = t.clone()
@@ -311,7 +314,7 @@ class Outputs:
             for i, t in members:
                 vals[i] = torch.empty((0,), dtype=t.dtype, device=t.device).set_(
                     new, t.storage_offset(), t.shape, t.stride())
-        return pytree.tree_unflatten(vals, self.spec)
+        return vals if self.spec is None else pytree.tree_unflatten(vals, self.spec)
 
     def tensors(self):
         return [x for x in self.leaves if isinstance(x, torch.Tensor)]
@@ -342,13 +345,13 @@ def _mb(n) -> str:
 class _Entry:
     """One call signature: its warm-up count, its graph once captured, or why it is not graphed."""
 
-    __slots__ = ("key", "label", "warm", "reason", "graph", "static_inputs", "outputs", "replays", "bound")
+    __slots__ = ("key", "label", "warm", "reason", "graph", "static_inputs", "outputs", "replays", "bound", "build")
 
     def __init__(self, key, label):
         self.key, self.label, self.warm, self.reason = key, label, 0, ""
         # bound: the steps the graph was captured from, kept as long as it is: their launches own
         # buffers the kernels write (statistics no one reads) at addresses the graph holds
-        self.graph = self.static_inputs = self.outputs = self.bound = None
+        self.graph = self.static_inputs = self.outputs = self.bound = self.build = None
         self.replays = 0
 
 
@@ -512,8 +515,9 @@ class GraphRunner:
         before = self._reserved(device)
         graph = None
         try:
-            graph, out = self.capture(_without_autocast_cache(lambda: module._run(bound, static)), self.pool, device,
-                                      self.stream)
+            # the graph's outputs, flat: their structure is built after each replay (_replay)
+            graph, out = self.capture(_without_autocast_cache(lambda: module._run(bound, static, built=False)),
+                                      self.pool, device, self.stream)
             outputs = Outputs(out, forbidden)
         except Unsafe as e:
             graph = None
@@ -528,6 +532,7 @@ class GraphRunner:
             self._tell(f"{entry.label}: {entry.reason}")
             return _NO
         entry.graph, entry.static_inputs, entry.outputs, entry.bound = graph, static, outputs, bound
+        entry.build = functools.partial(module._kbench_captured.build_outputs, symvals=bound.symvals)
         self.note_capture(live)
         if self.cuda:
             got = pool_bytes(self.pool, device)
@@ -569,7 +574,7 @@ class GraphRunner:
         entry.graph.replay()
         entry.replays += 1
         self.replays += 1
-        return entry.outputs.fresh()
+        return entry.build(entry.outputs.fresh())
 
     def _order_streams(self):
         """Replays share the graphs' memory: one on another stream than the last waits for it
@@ -603,7 +608,7 @@ class GraphRunner:
                           (self.train is not None and self.train.graphed())):
             torch.cuda.synchronize(self.device)   # no replay in flight reads what is freed
         for e in self.entries.values():
-            e.graph = e.static_inputs = e.outputs = e.bound = None
+            e.graph = e.static_inputs = e.outputs = e.bound = e.build = None
             e.warm = 0
         if self.train is not None:
             self.train.free()

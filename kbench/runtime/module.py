@@ -463,9 +463,12 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
                                f"{dtype}{list(shape)}, and the inputs are on {device}")
         return params
 
-    def _run(self, bound, args, params=None):
+    def _run(self, bound, args, params=None, built=True):
         """params: the parameters, buffers and constants to read in place of the module's own (a
-        training capture's aliases, runtime/train_graphs.py); None: the module's, checked."""
+        training capture's aliases, runtime/train_graphs.py); None: the module's, checked.
+        built=False: the graph's outputs as a list, not the model's output structure (a CUDA-graph
+        capture builds that after each replay: a container's unflatten may run code a capture
+        cannot take, as Hugging Face's cache does with its update)."""
         captured = self._kbench_captured
         device = args[0].device if args else self._kbench_device
         params = self._checked_params(device) if params is None else params
@@ -515,7 +518,7 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
         outs = [slots[i] for i in bound.outputs]
         if captured.mutations:
             captured.apply_mutations(self._kbench_orig, args, outs, carries)
-        return captured.build_outputs(outs, bound.symvals)
+        return captured.build_outputs(outs, bound.symvals) if built else outs
 
 
 def _check_inplace(args, written):

@@ -195,7 +195,7 @@ class TrainGraphs:
         reads = [(alias[id(t)] if id(t) in alias else t.data) if isinstance(t, torch.Tensor) else t for t in checked]
         entry.pool = torch.cuda.graph_pool_handle() if runner.cuda else None
         stream = runner.side_stream()
-        graph, out = runner.capture(_autocast_run(entry.autocast, lambda: module._run(bound, static, reads)),
+        graph, out = runner.capture(_autocast_run(entry.autocast, lambda: module._run(bound, static, reads, built=False)),
                                     entry.pool, device, stream)
         leaves, spec = pytree.tree_flatten(out)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -256,7 +256,8 @@ class TrainGraphs:
         for i, x in enumerate(entry.leaves):
             if isinstance(x, torch.Tensor):
                 vals[i] = next(k)
-        return pytree.tree_unflatten(vals, entry.spec)
+        # the graph's outputs, flat (captured so): the model's structure is built here, outside it
+        return module._kbench_captured.build_outputs(pytree.tree_unflatten(vals, entry.spec), entry.bound.symvals)
 
     # -- memory and the report
 
@@ -420,7 +421,7 @@ class _Run:
                 bound = module._kbench_sigs.get(entry.key[0])
                 if bound is None:
                     raise RuntimeError("kbench: the signature this backward must recompute is gone")
-                out = _autocast_run(entry.autocast, lambda: module._run(bound, list(inputs)))()
+                out = _autocast_run(entry.autocast, lambda: module._run(bound, list(inputs), built=False))()
         finally:
             # through .data: the recomputed autograd graph saved some of these (BERT's position ids)
             # at their version, which a tracked write would bump
