@@ -46,7 +46,7 @@ FLOAT_OPS = {
     "logsumexp": lambda x: torch.logsumexp(x, -1), "vector_norm": lambda x: torch.linalg.vector_norm(x, dim=-1),
     "vector_norm_1": lambda x: torch.linalg.vector_norm(x, 1, dim=-1),
     "div": lambda x: x / 3, "div_tensor": lambda x: x / (x + 1), "pow_half": lambda x: x ** 0.5,
-    "pow_2": lambda x: x ** 2, "pow_scalar_base": lambda x: torch.pow(2.0, x), "mul_float": lambda x: x * 0.5,
+    "pow_2": lambda x: x ** 2, "pow_3": lambda x: x ** 3, "pow_neg2": lambda x: x ** -2, "pow_scalar_base": lambda x: torch.pow(2.0, x), "mul_float": lambda x: x * 0.5,
     "add_float": lambda x: x + 0.5, "rsub": lambda x: 1 - x, "maximum_float": lambda x: torch.maximum(x, ONES * 2.5),
     "where_float": lambda x: torch.where(x > 2, x, 0.5), "masked_fill": lambda x: x.masked_fill(x > 2, 0.5),
     "cross_entropy": lambda x: F.cross_entropy(x, TARGET), "nll_loss": lambda x: F.nll_loss(x, TARGET),

@@ -299,3 +299,18 @@ def test_the_reports_eager_column_times_each_region_without_the_wall_clock_loop(
     opt = kbench.optimize(model, (torch.randn(4, 8),), backend="interp", budget="none", verbose=False)
     assert calls and set(calls.values()) == {1 + 5}, calls   # warm-up 1, reps 5
     assert all(r.eager_ms is not None for r in opt.kbench_report.rows if r.kind != "EXTERN")
+
+
+@pytest.mark.parametrize("exponent", [2, 3, -2])
+def test_the_powers_torch_spells_out_are_products_not_powf(exponent):
+    """x**3 (GELU-tanh's) and x**-2 lower as torch's CUDA kernel computes them, (x*x)*x and 1/(x*x),
+    with no pow left for the kernel (a powf per value made GELU-tanh's kernel compute-bound)."""
+    x = torch.randn(64, 32).clamp_min(0.05) * torch.randn(64, 32).sign()
+
+    class Power(torch.nn.Module):
+        def forward(self, x):
+            return torch.pow(x, float(exponent)) + 1
+
+    opt = kbench.optimize(Power(), (x,), backend="interp", budget="none", verbose=False)
+    torch.testing.assert_close(opt(x), Power()(x), rtol=1e-5, atol=1e-6)   # CPU eager: std::pow
+    assert not any("pow" in info.ops.split() for info in opt._kbench_plan.regions)

@@ -173,9 +173,16 @@ def _pow_ts(b, node, a):
     x, e = b.cast(_t(a["self"]), dt), _num(a["exponent"])
     if e == 1:
         return x
+    # the exponents torch's pow kernel spells out (PowKernel.cu), spelled as it does: the same
+    # rounding, and no powf (dozens of instructions a value: a GELU-tanh's x**3 made its kernel
+    # compute-bound)
     if e == 2:
         return b.arith("mul", x, x, dt)
+    if e == 3:
+        return b.arith("mul", b.arith("mul", x, x, dt), x, dt)
     if dt in ("f32", "f16", "bf16", "f64"):
+        if e == -2:
+            return b.unary("recip", b.arith("mul", x, x, dt))
         special = {0.5: "sqrt", -0.5: "rsqrt", -1: "recip"}
         if e in special:
             return b.unary(special[e], x)
