@@ -246,6 +246,12 @@ def one_row(zoo, name, mode, dtype, args) -> dict:
     for key in [k_ for k_ in row["impls"] if k_.startswith("compile")]:
         if k.get("ms") and row["impls"][key].get("ms"):
             k[f"vs_{key}"] = row["impls"][key]["ms"] / k["ms"]
+    if "kbench" in impls:   # after the timed calls: what the graphs served
+        try:
+            row["impls"]["kbench"]["graphs"] = [n for n in impls["kbench"].kbench_report.notes
+                                                if n.startswith("CUDA graphs")]
+        except Exception:  # noqa: BLE001 - a report that cannot be made costs only this field
+            pass
     del impls, case
     gc.collect()
     torch.cuda.empty_cache()
