@@ -314,29 +314,3 @@ def test_the_powers_torch_spells_out_are_products_not_powf(exponent):
     opt = kbench.optimize(Power(), (x,), backend="interp", budget="none", verbose=False)
     torch.testing.assert_close(opt(x), Power()(x), rtol=1e-5, atol=1e-6)   # CPU eager: std::pow
     assert not any("pow" in info.ops.split() for info in opt._kbench_plan.regions)
-
-
-class CacheUpdate(torch.nn.Module):
-    """A key-value cache's first update: the step's keys joined to an empty cache."""
-
-    def __init__(self, empty):
-        super().__init__()
-        self.empty = empty
-
-    def forward(self, x):
-        k = x.transpose(1, 2) * 2
-        return torch.cat([self.empty.to(x.device), k], dim=-2), torch.cat([k[:, :, :0], k], dim=2)
-
-
-@pytest.mark.parametrize("empty, joined", [(torch.tensor([]), False), (torch.zeros(2, 8, 0, 4), False),
-                                           (torch.tensor([], dtype=torch.float64), True)])
-def test_a_cat_onto_nothing_is_its_operand(empty, joined):
-    """cat([empty, k]) is k as values: no extern call, no copy; an empty operand of a wider dtype
-    still promotes the result, and that cat stays."""
-    x = torch.randn(2, 3, 8, 4)
-    model = CacheUpdate(empty)
-    opt = kbench.optimize(model, (x,), backend="interp", budget="none", verbose=False)
-    for got, want in zip(opt(x), model(x)):
-        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
-    cats = [str(e) for e in opt._kbench_captured.externs if "cat" in str(e)]
-    assert bool(cats) == joined, cats

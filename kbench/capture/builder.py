@@ -545,7 +545,7 @@ class Builder:
             if self.rep_dims(val) is None or _empty(val):
                 self.env[node] = TorchSide(node)
                 return
-        if torch_side and not getattr(self.table.get(tgt), "takes_torch_side", False):
+        if torch_side:
             self.env[node] = self.extern(node, "uses a value the IR cannot carry",
                                          multi=not isinstance(val, torch.Tensor))
             return

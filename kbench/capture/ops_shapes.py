@@ -4,9 +4,7 @@ Views rename indices and move no data; cat stays torch's call (joined 16 at a ti
 from __future__ import annotations
 
 import sympy
-import torch
 
-from ..dtypes import IR_TO_TORCH
 from .builder import Multi, Unsupported, V
 # The shared helpers, under the short names every lowering below is written with.
 from .ops_base import (aten, number_arg as _num, out_dims as _odims, out_dtype as _out, register as _reg,
@@ -206,10 +204,6 @@ def _cat(b, node, a):
     """cat/stack stay one extern call; past 16 tensors (the most one IR node takes) the
     tensors are joined 16 at a time."""
     ts = list(a["tensors"])
-    if node.target is aten.cat.default:
-        only = _cat_of_one(b, node, ts, _num(a["dim"]))
-        if only is not None:
-            return only
     if len(ts) <= 16 or not all(isinstance(t, V) for t in ts):
         raise Unsupported("cat is an extern call")
     dim = _num(a["dim"])
@@ -222,34 +216,6 @@ def _cat(b, node, a):
         ts = [g[0] if len(g) == 1 else _cat_group(b, g, dim, node.name)
               for g in (ts[i:i + 16] for i in range(0, len(ts), 16))]
     return _cat_group(b, ts, dim, node.name)
-
-
-def _cat_of_one(b, node, ts, dim):
-    """The one operand a cat joins to nothing but empty tensors, or None. A key-value cache's
-    first update is such a cat (Hugging Face's: an empty tensor, then the step's keys): as
-    values, the result is that operand, and no copy is made. Empty means so at capture, for
-    every size: a 1-D tensor of size 0 (which torch's cat skips) or a 0 along the cat's dim (an
-    empty operand the IR does not carry is torch's, and is read from the FX graph); and the
-    operand's dtype must be the result's (an empty operand still takes part in promotion)."""
-    out = node.meta.get("val")
-    if len(ts) < 2 or not isinstance(out, torch.Tensor):
-        return None
-    rank = out.dim()
-    dim %= max(rank, 1)
-    rest = []
-    for t, arg in zip(ts, node.args[0] if node.args else node.kwargs.get("tensors", ())):
-        shape = [b.dim_expr(d) for d in t.dims] if isinstance(t, V) else \
-            list(getattr(getattr(arg, "meta", {}).get("val"), "shape", [None]))
-        if (len(shape) == 1 and shape[0] == 0) or (len(shape) == rank and shape[dim] == 0):
-            continue
-        rest.append(t)
-    if len(rest) != 1 or not isinstance(rest[0], V) or rest[0].rank != rank or \
-            IR_TO_TORCH[rest[0].dtype] != out.dtype:
-        return None
-    return rest[0]
-
-
-_cat.takes_torch_side = True   # the builder hands it operands the IR does not carry (an empty one)
 
 
 def _cat_group(b, ts, dim, name):
