@@ -80,7 +80,7 @@ class TrainEntry:
         self.fwd = None            # the forward's graph
         self.pool = None
         self.static_inputs = None  # the call's inputs as the graph reads them
-        self.leaves = self.spec = None   # the captured outputs (pytree leaves, static)
+        self.leaves = None   # the graph's outputs as captured (static; the model's structure is built per replay)
         self.diff = []             # positions of the leaves autograd differentiates
         self.tensor_at = []        # positions of the tensor leaves (TrainStep's outputs)
         self.wrt = []              # static inputs and parameters that want gradients, in TrainStep's order
@@ -197,7 +197,7 @@ class TrainGraphs:
         stream = runner.side_stream()
         graph, out = runner.capture(_autocast_run(entry.autocast, lambda: module._run(bound, static, reads, built=False)),
                                     entry.pool, device, stream)
-        leaves, spec = pytree.tree_flatten(out)
+        leaves = list(out)   # the graph's outputs, flat (_run(built=False))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         seen, forbidden = set(), {t.untyped_storage().data_ptr() for t in [*static, *live]
                                   if isinstance(t, torch.Tensor)}
@@ -208,7 +208,7 @@ class TrainGraphs:
             if ptr in seen:
                 raise Unsafe("two outputs share memory (views of one tensor)")
             seen.add(ptr)
-        entry.fwd, entry.static_inputs, entry.leaves, entry.spec, entry.bound = graph, static, leaves, spec, bound
+        entry.fwd, entry.static_inputs, entry.leaves, entry.bound = graph, static, leaves, bound
         entry.diff = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
         entry.tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         if not entry.diff:
@@ -257,12 +257,12 @@ class TrainGraphs:
             if isinstance(x, torch.Tensor):
                 vals[i] = next(k)
         # the graph's outputs, flat (captured so): the model's structure is built here, outside it
-        return module._kbench_captured.build_outputs(pytree.tree_unflatten(vals, entry.spec), entry.bound.symvals)
+        return module._kbench_captured.build_outputs(vals, entry.bound.symvals)
 
     # -- memory and the report
 
     def _forget(self, entry):
-        entry.fwd = entry.static_inputs = entry.leaves = entry.spec = entry.bound = entry.pool = None
+        entry.fwd = entry.static_inputs = entry.leaves = entry.bound = entry.pool = None
         entry.wrt, entry.backward, entry.pending, entry.wanted = [], {}, None, set()
 
     def free(self):
@@ -427,8 +427,7 @@ class _Run:
             # at their version, which a tracked write would bump
             for b, saved in buffers:
                 b.data.copy_(saved)
-        leaves = pytree.tree_leaves(out)
-        roots = [leaves[i] for i, g in zip(self.diff, upstream) if g is not None]
+        roots = [out[i] for i, g in zip(self.diff, upstream) if g is not None]   # out: the graph's outputs, flat
         if not roots:
             return [None] * self.nwrt
         return list(torch.autograd.grad(roots, wrt, [g for g in upstream if g is not None], allow_unused=True,
