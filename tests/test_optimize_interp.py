@@ -176,15 +176,24 @@ def test_optimize_without_example_inputs_captures_on_first_call():
     assert not fast._kbench_impl._kbench_reasons
 
 
+class _Scaled(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_a_16_bit_linear_with_unaligned_rows_runs_on_padded_weights(monkeypatch, tmp_path, bias):
+@pytest.mark.parametrize("kernel_reads", [False, True], ids=["output", "read"])
+def test_a_16_bit_linear_with_unaligned_rows_runs_on_padded_weights(monkeypatch, tmp_path, bias, kernel_reads):
     """A bf16 Linear whose out_features is not a multiple of 8 (a vocabulary of 50257) is one torch
     call on a weight padded to the next multiple of 8, sliced back: the same values and gradients
-    as eager's, a contiguous output; below the size it pays off, and in f32, it stays linear."""
+    as eager's; below the size it pays off, and in f32, it stays linear. The slice is made
+    contiguous where a kernel reads it, and is the result where the caller alone does (an LM
+    head's logits: the copy would cost as much as the product)."""
     from kbench.capture import ops_matmul
     monkeypatch.setenv("KBENCH_CACHE_DIR", str(tmp_path / "first"))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1001, bias=bias))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1001, bias=bias),
+                                *([_Scaled()] if kernel_reads else []))
     x = torch.randn(6, 32)
 
     def padded_steps(fast):
@@ -199,10 +208,11 @@ def test_a_16_bit_linear_with_unaligned_rows_runs_on_padded_weights(monkeypatch,
     assert not padded_steps(kbench.optimize(model, (x,), backend="interp"))       # f32: aligned anyway
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast = kbench.optimize(model, (x,), backend="interp")
-        assert padded_steps(fast) == [5 if bias else 4]
+        assert padded_steps(fast) == [(5 if bias else 4) - (not kernel_reads)]
         xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
         got, want = fast(xs[0]), model(xs[1])
-    assert got.shape == want.shape == (6, 1001) and got.is_contiguous() and got.dtype == torch.bfloat16
+    assert got.shape == want.shape == (6, 1001) and got.dtype == torch.bfloat16
+    assert got.is_contiguous() == kernel_reads
     assert rel_err(got, want) < 1e-2
     up = torch.randn_like(want, dtype=torch.float32)
     params = list(model.parameters())
@@ -314,3 +324,65 @@ def test_the_powers_torch_spells_out_are_products_not_powf(exponent):
     opt = kbench.optimize(Power(), (x,), backend="interp", budget="none", verbose=False)
     torch.testing.assert_close(opt(x), Power()(x), rtol=1e-5, atol=1e-6)   # CPU eager: std::pow
     assert not any("pow" in info.ops.split() for info in opt._kbench_plan.regions)
+
+
+class CacheUpdate(torch.nn.Module):
+    """A key-value cache's first update: the step's keys joined to an empty cache."""
+
+    def __init__(self, empty):
+        super().__init__()
+        self.empty = empty
+
+    def forward(self, x):
+        k = x.transpose(1, 2) * 2
+        return torch.cat([self.empty.to(x.device), k], dim=-2), torch.cat([k[:, :, :0], k], dim=2)
+
+
+@pytest.mark.parametrize("empty, joined", [(torch.tensor([]), False), (torch.zeros(2, 8, 0, 4), False),
+                                           (torch.tensor([], dtype=torch.float64), True)])
+def test_a_cat_onto_nothing_is_a_copy_of_its_operand(empty, joined):
+    """cat([empty, k]) is a fresh contiguous copy of k, written by a kernel, not torch's cat; an
+    empty operand of a wider dtype still promotes the result, and that cat stays."""
+    x = torch.randn(2, 3, 8, 4)
+    model = CacheUpdate(empty)
+    opt = kbench.optimize(model, (x,), backend="interp", budget="none", verbose=False)
+    for got, want in zip(opt(x), model(x)):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+        assert got.stride() == want.stride()
+    cats = [str(e) for e in opt._kbench_captured.externs if "cat" in str(e)]
+    assert bool(cats) == joined, cats
+
+
+class HeadsIntoCache(torch.nn.Module):
+    """GPT-2's attention prologue: one product for q, k and v, split, heads transposed, and the
+    keys and values joined to an empty cache before attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(16, dim=2)
+        q, k, v = (t.view(2, 8, 4, 4).transpose(1, 2) for t in (q, k, v))
+        empty = torch.tensor([], device=x.device)
+        k, v = torch.cat([empty, k], dim=-2), torch.cat([empty, v], dim=-2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v), k, v
+
+
+def test_cached_keys_are_written_by_a_kernel_from_the_product():
+    """The keys and values a cache keeps are read straight from the product's output by a kernel
+    (through the split's slices and the heads' transpose) and come back contiguous, as eager's
+    cat makes them; the split is no torch call, and gradients flow through the copies."""
+    torch.manual_seed(0)
+    model = HeadsIntoCache()
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    opt = kbench.optimize(model, (x,), backend="interp", budget="none", verbose=False)
+    externs = " ".join(str(e) for e in opt._kbench_captured.externs)
+    assert "cat" not in externs and "split" not in externs, externs
+    got, want = opt(x), model(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        assert g.stride() == w.stride()
+    gx, = torch.autograd.grad(sum(t.sum() * (i + 1) for i, t in enumerate(got)), x)
+    wx, = torch.autograd.grad(sum(t.sum() * (i + 1) for i, t in enumerate(want)), x)
+    torch.testing.assert_close(gx, wx, rtol=1e-5, atol=1e-6)

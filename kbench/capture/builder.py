@@ -305,6 +305,11 @@ class Builder:
             value = float(int(value))
         return self.add("const", [], dtype, dims, scalars=(float(value), 0.0))
 
+    def copy(self, v):
+        """v written as a tensor of its own (a cast to its own dtype, which nothing folds away):
+        where torch's op makes a fresh copy that a kernel should write, not a view of v."""
+        return self.add("cast", [v], v.dtype, v.dims)
+
     def cast(self, v, dtype):
         if v.dtype == dtype:
             return v
@@ -545,7 +550,7 @@ class Builder:
             if self.rep_dims(val) is None or _empty(val):
                 self.env[node] = TorchSide(node)
                 return
-        if torch_side:
+        if torch_side and not getattr(self.table.get(tgt), "takes_torch_side", False):
             self.env[node] = self.extern(node, "uses a value the IR cannot carry",
                                          multi=not isinstance(val, torch.Tensor))
             return

@@ -55,3 +55,37 @@ def tensor_arg(x):
 
 def slot(k):
     return TensorSlot(k)
+
+
+def cat_operand_alone(node):
+    """The position of the one operand an FX cat joins to nothing but empty tensors, or None. A
+    key-value cache's first update is such a cat (Hugging Face's: an empty tensor, then the step's
+    keys). Empty means so for every size: a 1-D tensor of size 0 (which torch's cat skips) or a
+    pinned 0 along the cat's dim; the operand's dtype must be the result's (an empty operand still
+    takes part in type promotion)."""
+    if getattr(node, "target", None) is not aten.cat.default:
+        return None
+    out = node.meta.get("val")
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors", ())
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(out, torch.Tensor) or len(tensors) < 2 or not isinstance(dim, int):
+        return None
+    rank = out.dim()
+    dim %= max(rank, 1)
+    alone = None
+    for i, arg in enumerate(tensors):
+        val = getattr(arg, "meta", {}).get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        shape = list(val.shape)
+        if (len(shape) == 1 and type(shape[0]) is int and shape[0] == 0) or \
+                (len(shape) == rank and type(shape[dim]) is int and shape[dim] == 0):
+            continue
+        if alone is not None:
+            return None
+        alone = i
+    if alone is None or getattr(tensors[alone], "meta", {})["val"].dtype != out.dtype or \
+            tensors[alone].meta["val"].dim() != rank:
+        return None
+    return alone
+

@@ -9,7 +9,7 @@ import torch
 
 from .builder import Unsupported, mono_dim
 # The shared helpers, under the short names every lowering below is written with.
-from .ops_base import (LOWER, aten, number_arg as _num, out_dims as _odims, out_dtype as _out,
+from .ops_base import (LOWER, aten, cat_operand_alone, number_arg as _num, out_dims as _odims, out_dtype as _out,
                        register as _reg, slot as _slot, tensor_arg as _t)
 from .types import StepRef
 
@@ -169,8 +169,10 @@ def _hint(v) -> int:
 
 def _padded_linear(b, node, x, w, bias, pad):
     """linear(x, w, bias) as one torch call on w (and bias) padded with `pad` zero rows, the output
-    sliced back and made contiguous (kbench's kernels read it). Its backward is torch's: the
-    padded output gradient keeps both backward GEMMs aligned."""
+    sliced back, and made contiguous where kbench's kernels read it (where only torch's ops or the
+    caller do, as an LM head's logits, the slice is the result, as torch.compile's padded GEMM
+    gives it: the copy would cost as much as the product). Its backward is torch's: the padded
+    output gradient keeps both backward GEMMs aligned."""
     n = w.dims[0]
     steps = [(aten.constant_pad_nd.default, (_slot(1), [0, 0, 0, pad], 0.0), {})]
     operands = [x, w]
@@ -179,7 +181,8 @@ def _padded_linear(b, node, x, w, bias, pad):
         steps.append((aten.constant_pad_nd.default, (_slot(2), [0, pad], 0.0), {}))
     steps.append((aten.linear.default, (_slot(0), StepRef(0), StepRef(1) if bias is not None else None), {}))
     steps.append((aten.slice.Tensor, (StepRef(len(steps) - 1), -1, 0, n), {}))
-    steps.append((aten.clone.default, (StepRef(len(steps) - 1),), {"memory_format": torch.contiguous_format}))
+    if not only_torch_consumes(node, b.keep):
+        steps.append((aten.clone.default, (StepRef(len(steps) - 1),), {"memory_format": torch.contiguous_format}))
     return b.extern_steps(steps, str(aten.linear.default), operands, _out(node), _odims(b, node), node.name,
                           f"linear, weight padded from {n} to {n + pad} rows (aligned GEMMs)")
 
@@ -217,6 +220,8 @@ def only_torch_consumes(node, keep=(), _depth: int = 0, gemm: bool = False) -> b
                 return False
             continue
         if gemm and target in _PRODUCTS:
+            return False
+        if cat_operand_alone(user) is not None:    # lowered to a copy kbench's kernel writes
             return False
         if user.op != "call_function" or (target in LOWER and target not in _TORCH_CALLS | _PRODUCTS):
             return False

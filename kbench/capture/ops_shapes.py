@@ -1,14 +1,15 @@
 """Lowerings of shape ops: views (reshape, permute, transpose, slices, select, split/unbind),
 view writes as functional scatters (slice_scatter, select_scatter, fill.Tensor), and cat/stack.
-Views rename indices and move no data; cat stays torch's call (joined 16 at a time past 16)."""
+Views rename indices and move no data; cat stays torch's call (joined 16 at a time past 16), but
+for a cat onto nothing but empty tensors, which is a copy kbench's kernel writes."""
 from __future__ import annotations
 
 import sympy
 
 from .builder import Multi, Unsupported, V
 # The shared helpers, under the short names every lowering below is written with.
-from .ops_base import (aten, number_arg as _num, out_dims as _odims, out_dtype as _out, register as _reg,
-                       slot as _slot, tensor_arg as _t)
+from .ops_base import (aten, cat_operand_alone, number_arg as _num, out_dims as _odims, out_dtype as _out,
+                       register as _reg, slot as _slot, tensor_arg as _t)
 from .ops_matmul import only_torch_consumes
 
 
@@ -204,6 +205,12 @@ def _cat(b, node, a):
     """cat/stack stay one extern call; past 16 tensors (the most one IR node takes) the
     tensors are joined 16 at a time."""
     ts = list(a["tensors"])
+    alone = cat_operand_alone(node)
+    if alone is not None and isinstance(ts[alone], V):
+        # the operand, written as a fresh tensor as torch's cat writes it: a kernel reads it
+        # through its views (a cache's keys: a transposed slice of the qkv product) and stores
+        # it contiguous, where torch's cat of a strided operand is a slow copy
+        return b.copy(ts[alone])
     if len(ts) <= 16 or not all(isinstance(t, V) for t in ts):
         raise Unsupported("cat is an extern call")
     dim = _num(a["dim"])
@@ -216,6 +223,9 @@ def _cat(b, node, a):
         ts = [g[0] if len(g) == 1 else _cat_group(b, g, dim, node.name)
               for g in (ts[i:i + 16] for i in range(0, len(ts), 16))]
     return _cat_group(b, ts, dim, node.name)
+
+
+_cat.takes_torch_side = True   # the builder hands it operands the IR does not carry (an empty one)
 
 
 def _cat_group(b, ts, dim, name):
