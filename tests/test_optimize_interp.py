@@ -386,3 +386,22 @@ def test_cached_keys_are_written_by_a_kernel_from_the_product():
     gx, = torch.autograd.grad(sum(t.sum() * (i + 1) for i, t in enumerate(got)), x)
     wx, = torch.autograd.grad(sum(t.sum() * (i + 1) for i, t in enumerate(want)), x)
     torch.testing.assert_close(gx, wx, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cached_keys_backward_is_one_kernel(compile_once):
+    """The copies' backward scatters both gradients back into the product's layout through the
+    heads' transpose and the split's offsets: one POINTWISE kernel whose gather indices nest
+    several views deep (longer than codegen's expressions once allowed: it then ran in torch, op
+    by op, a dozen full-size launches)."""
+    from kbench import _C
+    from kbench.runtime.plan import Plan
+    model = HeadsIntoCache()
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    plan = kbench.optimize(model, (x,), backend="interp", budget="none", verbose=False)._kbench_plan
+    copy, = [info for info in plan.regions if info.ops.split().count("cast") == 2]
+    graph = plan.partition.region_graph(copy.index).grad([True] * len(copy.inputs), saved=copy.saved,
+                                                          outputs=copy.saved_outputs)
+    backward = Plan(graph, (), plan.example_symvals, None, plan.guards)
+    assert [info.kind for info in backward.regions] == ["POINTWISE"]
+    src = _C.generate(graph.partition(), 0, 90, None).source
+    assert compile_once([(src, "sm_90")])[0][:4] == b"\x7fELF"

@@ -14,9 +14,9 @@
 
 #include "core/internal.h"
 
-#define EXPR_LEN 200
+#define EXPR_LEN 512
 #define NAME_LEN 64
-#define KEY_LEN 480
+#define KEY_LEN 1200
 #define CG_DATA (1u << 31) /* an index component that depends on loaded data (gather) */
 #define CG_BIG ((int64_t)1 << 60) /* an unknown bound of an integer's range */
 
