@@ -598,3 +598,56 @@ def test_the_output_structure_is_built_after_each_replay_not_in_the_capture():
             got, want = opt(x), ref(x)
             assert isinstance(got, Pair) and torch.equal(got.a, want.a) and torch.equal(got.b, want.b)
     assert runner.captures == 1 and runner.replays == 2, runner.describe()
+
+
+class Cache:
+    """A key-value cache rebuilt as Hugging Face's DynamicCache is: its unflatten joins each given
+    tensor to an empty one (a copy, in eager)."""
+
+    def __init__(self, keys):
+        self.keys = [torch.cat([torch.tensor([], dtype=k.dtype), k], dim=-2) for k in keys]
+
+
+pytree.register_pytree_node(Cache, lambda c: (list(c.keys), None), lambda xs, _: Cache(xs),
+                            serialized_type_name="tests.test_cuda_graphs.Cache")
+
+
+class Cached(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        k = y.relu()
+        return y, Cache([k, y * 2, k])
+
+
+def test_a_replay_s_cache_keeps_its_fresh_tensors_without_copying_them():
+    """After a replay the outputs are copies no one else holds: the cache's rebuild keeps them
+    (no cat, no copy); a tensor two outputs share is still copied, as eager's cat copies it, and
+    outside a replay the container is rebuilt as torch's pytree does."""
+    from kbench.capture.types import OutputTree
+    y, k, k2 = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    spec = pytree.tree_flatten((y, Cache([k, k2, k])))[1]
+    vals = [y, k, k2, k]
+    tree = OutputTree(spec, [("out", i) for i in range(len(vals))])
+    got = tree.build(vals, fresh=True)
+    assert got[1].keys[1] is k2                      # taken
+    assert got[1].keys[0] is not k and got[1].keys[2] is not k and torch.equal(got[1].keys[0], k)
+    assert got[1].keys[0].data_ptr() != got[1].keys[2].data_ptr()
+    again = tree.build(vals)
+    assert all(c is not t for c, t in zip(again[1].keys, (k, k2, k)))
+
+    model = Cached().eval()
+    x = torch.randn(4, 8)
+    opt, ref = optimized(model, x), plain(model, x)
+    runner = graphed(opt, option="auto")
+    with torch.no_grad():
+        for _ in range(graphs.WARMUP + 2):
+            x = torch.randn(4, 8)
+            got, want = opt(x), ref(x)
+            for a, b in zip(got[1].keys, want[1].keys):
+                assert torch.equal(a, b)
+            assert got[1].keys[0].data_ptr() != got[1].keys[2].data_ptr()
+    assert runner.replays == 2, runner.describe()

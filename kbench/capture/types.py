@@ -22,6 +22,7 @@ Conventions (the runtime and the reference evaluator rely on them):
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from typing import Any, Optional
@@ -176,7 +177,9 @@ class OutputTree:
     spec: Any
     leaves: list
 
-    def build(self, graph_outputs, symvals=()):
+    def build(self, graph_outputs, symvals=(), fresh=False):
+        """fresh: the graph outputs are tensors nothing else holds (a graph replay's copies), so
+        an output container may keep them rather than a copy of them (_TakeFresh)."""
         leaf = self.__dict__.get("_one_out")
         if leaf is None:   # the common case, one tensor out: no pytree on the hot path
             leaf = self.__dict__["_one_out"] = (
@@ -189,7 +192,63 @@ class OutputTree:
             vals.append(graph_outputs[x] if kind == "out" else x(symvals) if kind == "sym" else x)
         if self.spec is None:
             return vals[0] if len(vals) == 1 else tuple(vals)
+        custom = self.__dict__.get("_custom")
+        if custom is None:
+            custom = self.__dict__["_custom"] = _custom_node(self.spec)
+        if fresh and custom:
+            with _TakeFresh(vals):
+                return pytree.tree_unflatten(vals, self.spec)
         return pytree.tree_unflatten(vals, self.spec)
+
+
+def _custom_node(spec) -> bool:
+    """Does a pytree spec hold a container whose unflatten is code of its own (not a tuple, list,
+    dict, named tuple or ordered dict)?"""
+    if spec.is_leaf():
+        return False
+    if spec.type not in (tuple, list, dict, collections.OrderedDict) and \
+            not (isinstance(spec.type, type) and issubclass(spec.type, tuple)):
+        return True
+    return any(_custom_node(c) for c in spec.children_specs)
+
+
+class _TakeFresh(torch.overrides.TorchFunctionMode):
+    """While an output container is rebuilt from fresh tensors: a torch.cat of one of them onto
+    nothing but empty tensors is that tensor, not a copy. Hugging Face's DynamicCache rebuilds
+    itself by re-running its update, a cat onto an empty tensor per layer: copies of every key
+    and value (24 for GPT-2, about as long as its attention kernels) that nothing needs, since
+    no one else holds the tensor copied. A tensor two outputs share memory with is copied, as
+    eager's cat copies it."""
+
+    def __init__(self, vals):
+        super().__init__()
+        seen = {}
+        for t in vals:
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                seen[ptr] = None if ptr in seen else t
+        self.fresh = {id(t) for t in seen.values() if t is not None}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.cat and len(args) + len(kwargs) <= 2:
+            only = self._alone(args[0] if args else kwargs.get("tensors", ()),
+                               args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            if only is not None:
+                self.fresh.discard(id(only))   # one container takes it
+                return only
+        return func(*args, **kwargs)
+
+    def _alone(self, tensors, dim):
+        """The one fresh tensor a cat joins to empty ones of its dtype and device, or None."""
+        try:
+            full = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0) and t.shape[dim] != 0]
+        except (AttributeError, IndexError, TypeError):
+            return None
+        if len(full) != 1 or id(full[0]) not in self.fresh or \
+                any(t.dtype != full[0].dtype or t.device != full[0].device for t in tensors):
+            return None
+        return full[0]
 
 
 @dataclasses.dataclass
@@ -270,8 +329,8 @@ class Captured:
                 out.append(self.constants[name])
         return out
 
-    def build_outputs(self, graph_outputs, symvals=()):
-        return self.output_tree.build(graph_outputs, symvals)
+    def build_outputs(self, graph_outputs, symvals=(), fresh=False):
+        return self.output_tree.build(graph_outputs, symvals, fresh)
 
     def apply_mutations(self, model, user_inputs, graph_outputs, carries=None):
         """Copies in-place updates the model makes (BatchNorm running stats in training mode,

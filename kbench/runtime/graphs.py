@@ -532,7 +532,7 @@ class GraphRunner:
             self._tell(f"{entry.label}: {entry.reason}")
             return _NO
         entry.graph, entry.static_inputs, entry.outputs, entry.bound = graph, static, outputs, bound
-        entry.build = functools.partial(module._kbench_captured.build_outputs, symvals=bound.symvals)
+        entry.build = functools.partial(module._kbench_captured.build_outputs, symvals=bound.symvals, fresh=True)
         self.note_capture(live)
         if self.cuda:
             got = pool_bytes(self.pool, device)

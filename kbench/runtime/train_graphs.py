@@ -257,7 +257,7 @@ class TrainGraphs:
             if isinstance(x, torch.Tensor):
                 vals[i] = next(k)
         # the graph's outputs, flat (captured so): the model's structure is built here, outside it
-        return module._kbench_captured.build_outputs(vals, entry.bound.symvals)
+        return module._kbench_captured.build_outputs(vals, entry.bound.symvals, fresh=True)   # clones, TrainStep's
 
     # -- memory and the report
 
