@@ -5,7 +5,7 @@ torch.compile, each profiled over a few steps with torch.profiler. Per implement
 wall time, the GPU's busy time (kernels and copies, overlaps merged), the gap between them (host
 time the GPU waited for), kernels per step, and the GPU time by kind of kernel (kbench's
 generated kernels, GEMMs, convolutions, attention, torch's elementwise/reduction kernels,
-copies, ...) with the top kernels by name. Writes <out>/profile-<model>-<mode>-<dtype>-<gpu>-<date>-<commit>.{json,md}.
+copies, ...) with the top kernels by name and the torch ops behind them by input shape. Writes <out>/profile-<model>-<mode>-<dtype>-<gpu>-<date>-<commit>.{json,md}.
 
     python benchmarks/profile_model.py --model gpt2 [--mode train] [--dtype bf16]
                                        [--impls eager,kbench,compile] [--steps 5] [--top 12] [--out DIR]
@@ -96,6 +96,10 @@ def table(model, mode, dtype, results: dict) -> str:
             continue
         lines += ["", f"### {impl}: top kernels", "", "| ms | calls | kind | kernel |", "|---|---|---|---|"]
         lines += [f"| {t['ms']:.3f} | {t['calls']:.0f} | {t['kind']} | `{t['name']}` |" for t in r["top"]]
+        if r.get("torch_ops"):
+            lines += ["", f"### {impl}: torch ops by input shape", "", "| ms | calls | op | input shapes |",
+                      "|---|---|---|---|"]
+            lines += [f"| {t['ms']:.3f} | {t['calls']:.0f} | {t['op']} | `{t['shapes']}` |" for t in r["torch_ops"]]
         if r.get("notes"):
             lines += [""] + [f"- {n}" for n in r["notes"]]
     return "\n".join(lines) + "\n"
@@ -112,13 +116,20 @@ def profile(case, module, steps: int, top: int) -> dict:
         case.step(module)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3 / steps
-    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(steps):
             case.step(module)
         torch.cuda.synchronize()
     events = [(e.name, e.time_range.start, e.time_range.end - e.time_range.start)
               for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return summarize(events, steps, wall, top)
+    out = summarize(events, steps, wall, top)
+    # the torch ops behind the GPU time, by input shape (a graph replay's kernels have none)
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    out["torch_ops"] = [{"op": e.key, "shapes": str(e.input_shapes)[:160], "calls": e.count / steps,
+                         "ms": e.self_device_time_total / 1e3 / steps}
+                        for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:top]]
+    return out
 
 
 def main(argv=None) -> int:

@@ -187,3 +187,5 @@ def test_profile_model_sorts_kernels_into_kinds_and_merges_overlaps():
     assert got["by_kind_ms"] == pytest.approx({"gemm": 0.01, "kbench": 0.005, "copy": 0.005})
     assert [t["name"] for t in got["top"]] == ["ampere_bf16_gemm", "kb_r0_row"]
     assert "| GPU busy ms | 0.02 |" in mod.table("m", "train", "bf16", {"eager": got})
+    got["torch_ops"] = [{"op": "aten::cat", "shapes": "[[], []]", "calls": 24, "ms": 0.97}]
+    assert "| 0.970 | 24 | aten::cat | `[[], []]` |" in mod.table("m", "train", "bf16", {"kbench": got})
