@@ -109,8 +109,7 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
             for v in plan.graph.inputs[nuser:]]
         self.__dict__["_kbench_param_chains"] = self._param_chains()
         # values computed from parameters alone, once per parameter version (param_cache.py)
-        self.__dict__["_kbench_pcache"] = param_cache.ParamCache(nuser, self._kbench_param_meta,
-                                                                 cuda=device.type == "cuda")
+        self.__dict__["_kbench_pcache"] = param_cache.ParamCache(nuser, self._kbench_param_meta, device)
         # constants the forward makes (lifted by export) where the kernels read them: a 0-dim CPU
         # tensor mixes with CUDA tensors in eager's ops, so it moves to the module's device
         self.__dict__["_kbench_constants"] = {

@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from . import fast
+from .cuda import stream_getter
 from .plan import EAGER, KERNEL
 
 GIB = 1 << 30
@@ -136,9 +137,12 @@ class ParamCache:
     share it; the keys of the parameters, buffers and constants (the graph's inputs after the
     user's, in order), observed at each call that uses it."""
 
-    def __init__(self, nuser: int, meta, cuda: bool):
+    def __init__(self, nuser: int, meta, device: torch.device):
         """meta: (name, dtype, shape) per parameter, buffer or constant input, as captured."""
-        self.nuser, self.nparams, self.cuda = nuser, len(meta), cuda
+        self.nuser, self.nparams, self.cuda = nuser, len(meta), device.type == "cuda"
+        # where the last recomputation was queued: (raw stream, event after it), for a call on
+        # another stream to wait for (the values are written in place, not made anew)
+        self.written, self.raw_stream = None, stream_getter(device) if self.cuda else None
         param_bytes = sum(dtype.itemsize * torch.Size(shape).numel() for _, dtype, shape in meta)
         self.limit = memory_bound(param_bytes)
         self.keys = make_keys(self.nparams)
@@ -254,12 +258,15 @@ class BoundCache:
         the keys checked just before)."""
         if not check:
             return self.lists
-        if self.owner.cuda and torch.cuda.is_current_stream_capturing():
+        owner = self.owner
+        if owner.cuda and torch.cuda.is_current_stream_capturing():
             return None
-        keys = self.owner.keys
+        keys = owner.keys
         keys.observe(params)
         if self.seen != keys.epoch:
             self.refresh(params)
+        if owner.written is not None and owner.written[0] != owner.raw_stream():
+            torch.cuda.current_stream().wait_event(owner.written[1])
         return self.lists
 
     def refresh(self, params) -> None:
@@ -289,4 +296,8 @@ class BoundCache:
                                 owner.recomputed += 1
                             self.entries[c].store(outs, ins, epoch)
                     env.update(zip(step.made, outs))
+            if owner.cuda:
+                done = torch.cuda.Event()
+                done.record()
+                owner.written = (owner.raw_stream(), done)
         self.seen = epoch
