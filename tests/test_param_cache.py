@@ -258,3 +258,29 @@ def test_keys(native):
     with torch.inference_mode():
         d = torch.ones(4)
     assert keys.observe([a, b, d]) and keys.observe([a, b, d])
+
+
+class Diagonal(torch.nn.Module):
+    """w * 2 read by a product and by torch's diagonal (a view): the product's operand is cached, and
+    the output that is a view of it is returned as a copy of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 6))
+
+    def forward(self, x):
+        w2 = self.w * 2
+        return torch.mm(x, w2), w2.diagonal()
+
+
+def test_an_output_that_is_a_view_of_a_cached_value_is_a_copy():
+    torch.manual_seed(0)
+    model, x = Diagonal(), torch.randn(4, 8)
+    opt = kbench.optimize(model, (x,), backend="interp", budget="none", verbose=False)
+    with torch.no_grad():
+        _, first = opt(x)
+        first.fill_(7.0)                    # the caller's tensor: the cache's value stays
+        got, again = opt(x)
+    bound = next(iter(opt._kbench_sigs.values()))
+    assert bound.cache.clone and again._base is None
+    assert torch.equal(again, (model.w * 2).diagonal()) and torch.equal(got, x @ (model.w * 2))

@@ -444,30 +444,33 @@ class Program:
         nor views alone: those cost nothing) as a MATERIALIZE step of their own, made by
         materialize(); `step` (the region's) then evaluates the rest, reading them. A node an
         earlier step made already (work floated into two regions) is read from its slot. Returns
-        the values the region's step reads: its inputs the rest reads, then the hoisted values."""
-        plan = self.plan
-        inside = {n for n in info.nodes if n not in slot}
-        hoisted = []
-        for n in info.nodes:
-            if n in inside and plan.nodes[n]["op"] != "extern" and \
-                    all(u in hoisted if u in inside else slot[u] in pure for u in plan.nodes[n]["inputs"]):
-                hoisted.append(n)
-        done = set(hoisted)
-        rest = [n for n in info.nodes if n in inside and n not in done]
-        read = {u for n in rest for u in plan.nodes[n]["inputs"]}
-        made = [n for n in hoisted if n in read or n in info.outputs]
-        need, stack = set(), list(made)   # what computing them takes (not every node floated in)
+        the values the region's step reads."""
+        nodes = self.plan.nodes
+        inside = [n for n in info.nodes if n not in slot]
+        hoistable = set()
+        for n in inside:
+            if nodes[n]["op"] != "extern" and all(u in hoistable if u not in slot else slot[u] in pure
+                                                  for u in nodes[n]["inputs"]):
+                hoistable.add(n)
+        # from the outputs back: what the region computes itself, and the hoisted work it reads
+        rest, need, stack = set(), set(), list(info.outputs)
         while stack:
             n = stack.pop()
-            if n in done and n not in need:
-                need.add(n)
-                stack.extend(plan.nodes[n]["inputs"])
-        hoisted = [n for n in hoisted if n in need]
-        if not any(plan.nodes[n]["op"] not in VIEW_OPS for n in hoisted):
+            if n in slot or n in rest or n in need:
+                continue
+            (need if n in hoistable else rest).add(n)
+            stack.extend(nodes[n]["inputs"])
+        made = [n for n in inside if n in need and (n in info.outputs or any(
+            n in nodes[r]["inputs"] for r in rest))]
+        if any(nodes[n]["op"] not in VIEW_OPS for n in need):
+            materialize([n for n in inside if n in need], made)
+        else:   # views alone: the region computes them itself
+            rest |= need
+        if len(rest) == len(info.nodes):
             return list(info.inputs)
-        materialize(hoisted, made)
-        ins = [v for v in sorted(read) if v in slot and v not in made] + made
-        graph, outputs = plan.graph, list(info.outputs)
+        rest = [n for n in info.nodes if n in rest]
+        ins = sorted({u for n in rest for u in nodes[n]["inputs"] if u in slot})
+        graph, plan, outputs = self.plan.graph, self.plan, list(info.outputs)
 
         def run(values):
             out = torch_eval.evaluate(graph, plan, dict(zip(ins, values)), symvals, nodes=rest, device=plan.device)
