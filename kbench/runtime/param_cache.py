@@ -14,8 +14,6 @@ fixed per bound (a bound runs only in its capture's mode). Values are held outsi
 outside inference mode, and recomputed into the same tensors (a CUDA graph reads them there)."""
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from . import fast
@@ -33,7 +31,9 @@ def memory_bound(param_bytes: int) -> int:
 
 
 class ParamKeys:
-    """TensorKeys in Python (kbench._fast missing): the same keys, compared the same way."""
+    """TensorKeys in Python (kbench._fast missing): the same keys, compared the same way. It holds
+    each tensor and its storage as last seen (until the next observe()), so that an equal data
+    pointer is the same storage, never a new one allocated where a freed one was."""
 
     def __init__(self, n):
         self.epoch = 0
@@ -61,41 +61,18 @@ class ParamKeys:
 
 
 def _key(t):
-    if not isinstance(t, torch.Tensor):
-        return (weakref.ref(t) if _weakable(t) else t,)
-    storage = _storage(t)
-    if storage is None:
-        return None   # no version counter or no storage: always moved
-    return (weakref.ref(t), torch.multiprocessing.reductions.StorageWeakRef(storage), storage.data_ptr(),
-            t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+    if not isinstance(t, torch.Tensor) or t.is_inference() or t.layout != torch.strided:
+        return None   # no version counter, or no storage: always moved
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (t, storage, t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
 
 
 def _same(key, t) -> bool:
-    if not isinstance(t, torch.Tensor):
-        return (key[0]() if isinstance(key[0], weakref.ref) else key[0]) is t
-    storage = _storage(t) if len(key) == 8 and key[0]() is t else None
-    if storage is None:
-        return False
-    return (key[1].cdata == storage._cdata and not key[1].expired() and key[2] == storage.data_ptr()
-            and key[3:] == (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version))
-
-
-def _storage(t):
-    """t's storage, or None where t has no version counter (an inference tensor) or no storage."""
-    if t.is_inference() or t.layout != torch.strided:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _weakable(x) -> bool:
-    try:
-        weakref.ref(x)
-        return True
-    except TypeError:
-        return False
+    return (key[0] is t and key[2] == t.data_ptr() and key[6] == t._version and key[3] == t.shape
+            and key[4] == t.stride() and key[5] == t.dtype)
 
 
 def make_keys(n):
