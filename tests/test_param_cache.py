@@ -284,3 +284,21 @@ def test_an_output_that_is_a_view_of_a_cached_value_is_a_copy():
     bound = next(iter(opt._kbench_sigs.values()))
     assert bound.cache.clone and again._base is None
     assert torch.equal(again, (model.w * 2).diagonal()) and torch.equal(got, x @ (model.w * 2))
+
+
+def test_a_padded_lm_head_casts_its_weight_once_and_returns_its_logits_uncopied(monkeypatch):
+    """A 16-bit Linear with unaligned rows runs on its weight padded with zero rows (capture's
+    gemm_row_padding): the weight's cast is cached (before the padding), and the logits, a slice
+    of the padded call's own result, are returned as they are (no copy for the cache's sake)."""
+    from kbench.capture import ops_matmul
+    monkeypatch.setattr(ops_matmul, "PAD_GEMM_MIN_MACS", 1)
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(16, 1001, bias=False), torch.randn(6, 16)
+    opt = optimized(model, x)
+    assert any(fn is torch.ops.aten.constant_pad_nd.default
+               for e in opt._kbench_captured.externs for fn, _, _ in e.steps)
+    run(opt, x)
+    got, n = casts_in(model, lambda: run(opt, x))
+    bound = next(iter(opt._kbench_sigs.values()))
+    assert n == 0 and bound.cache.clone == [] and torch.equal(got, uncached(opt, x))
+    assert close(got, eager(model, x))

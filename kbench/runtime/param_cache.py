@@ -172,10 +172,11 @@ class ParamCache:
         """The report's line."""
         if not self.entries and not self.over:
             return []
-        held = [e for e in self.entries.values() if e.at >= 0]
-        line = (f"parameter cache: {len(self.entries)} value(s) computed from parameters alone, once per "
-                f"parameter version (calls without autograd history); pinned {_mb(self.held_bytes())} of a "
-                f"{_mb(self.limit)} bound; {len(held)} computed, {self.recomputed} recomputed after a change")
+        values = sum(len(e.values) for e in self.entries.values())
+        line = (f"parameter cache: {values} value(s) of {len(self.entries)} step(s) computed from parameters "
+                f"alone, once per parameter version (calls without autograd history); pinned "
+                f"{_mb(self.held_bytes())} of a {_mb(self.limit)} bound; {self.recomputed} step(s) recomputed "
+                "after a change")
         if self.over:
             line += f"; {self.over} not cached (past the bound: computed per call)"
         return [line]

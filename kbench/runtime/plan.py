@@ -214,15 +214,25 @@ class Plan:
         return True
 
     def fresh_outputs(self, info) -> bool:
-        """EXTERN region info's outputs are new tensors, never views of its inputs: each is an
-        extern call's result whose last ATen op returns no alias (its schema says)."""
+        """EXTERN region info's outputs are never views of its inputs: each is an extern call's
+        result that is a new tensor or a view of one the call made (a padded product's slice),
+        following the ATen ops that return a view (their schemas say) back to an operand."""
         for v in info.outputs:
             nd = self.nodes[v]
             if nd["op"] != "extern":
                 return False
-            fn = self.externs[nd["index"]].steps[-1][0]
-            if not isinstance(fn, torch._ops.OpOverload) or any(r.alias_info is not None for r in fn._schema.returns):
-                return False
+            steps = self.externs[nd["index"]].steps
+            j = len(steps) - 1
+            while True:
+                fn, args, _ = steps[j]
+                if not isinstance(fn, torch._ops.OpOverload):
+                    return False
+                if all(r.alias_info is None for r in fn._schema.returns):
+                    break   # a new tensor
+                base = args[0] if args else None
+                if not isinstance(base, StepRef):
+                    return False   # a view of an operand (or of something unknown)
+                j = base.j
         return True
 
     def eager_region(self, r, symvals, inputs, dtype=None, kinks=None):
