@@ -36,6 +36,13 @@ def _graph_lines(module) -> list:
     return graphs.describe()
 
 
+def _mode_lines(module) -> list:
+    """The lines of what serves a module's calls: its CUDA graphs and its parameter cache
+    (runtime/param_cache.py)."""
+    cache = module.__dict__.get("_kbench_pcache")
+    return _graph_lines(module) + (cache.describe() if cache is not None else [])
+
+
 def _ms(v) -> str:
     return f"{v:.4f} ms" if isinstance(v, (int, float)) else "?"
 
@@ -88,13 +95,13 @@ class Report:
         for line in spec.describe() if spec is not None else ():
             rep.notes.append(f"input: {line}")
         rep.notes += _state_lines(module)
-        rep.notes += _graph_lines(module)
+        rep.notes += _mode_lines(module)
         for mode, other in module.__dict__.get("_kbench_modes", {}).items():
             what = describe_mode(mode)
             rep.notes.append(f"{what}: " + (f"runs in eager ({other})" if isinstance(other, str)
                                                  else "served by a capture of its own"))
             if not isinstance(other, str):
-                rep.notes += [f"{what}: {line}" for line in _graph_lines(other)]
+                rep.notes += [f"{what}: {line}" for line in _mode_lines(other)]
         if plan.nvrtc:
             rep.notes.append(f"NVRTC: {plan.nvrtc}")
         if plan.static_reason:

@@ -327,6 +327,45 @@ def test_parameters_updated_in_place_or_replaced():
         assert any("graphs are off" in line for line in runner.describe())
 
 
+class ParamCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts casts whose input is one of `params` (their storage)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.ptrs, self.count = {p.untyped_storage().data_ptr() for p in params}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.ptrs:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_values_from_parameters_alone_are_read_by_the_graph_not_computed_in_it():
+    """Under autocast the weights' casts (runtime/param_cache.py) are not in the graph: a replay
+    reads the cache's tensors, which the runner computes again, in place, before a replay where a
+    parameter changed in place (the graph itself reads parameters at their addresses)."""
+    model = mlp()
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        opt, ref = optimized(model, x), plain(model, x)
+    runner = graphed(opt)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        for _ in range(graphs.WARMUP + 1):
+            opt(x)
+        assert runner.captures == 1 and runner.replays == 1
+        (entry,) = [e for e in runner.entries.values() if e.graph is not None]
+        held = [t.data_ptr() for values in entry.bound.cache.lists for t in values]
+        with ParamCasts(model.parameters()) as casts:
+            got = opt(x)                                 # a replay: nothing cast
+        assert casts.count == 0 and runner.replays == 2 and torch.equal(got, ref(x))
+        model[0].weight.mul_(2.0)                       # an optimizer's step: in place
+        with ParamCasts(model.parameters()) as casts:
+            got = opt(x)
+        assert casts.count == 1 and runner.replays == 3 and runner.captures == 1
+        assert torch.equal(got, ref(x))
+        assert [t.data_ptr() for values in entry.bound.cache.lists for t in values] == held
+
+
 def test_a_submodule_replaced_is_seen_by_the_guard():
     model = mlp()
     opt = optimized(model, torch.randn(4, 16))

@@ -187,6 +187,43 @@ def test_refuses_malformed_descriptions():
         program(net, apply_region=None)
 
 
+class Cached:
+    """Stands for a bound signature's parameter cache (runtime/param_cache.BoundCache): take() gets
+    the call's parameters, buffers and constants and gives the values of each cached step."""
+
+    def __init__(self, values):
+        self.values, self.seen = values, []
+
+    def take(self, params):
+        self.seen.append(params)
+        return self.values
+
+
+def test_steps_the_parameter_cache_holds():
+    """A step only the cache runs (values computed from parameters alone, runtime/param_cache.py) is
+    served from cache.take(params) on a call that records no history; where take() gives None (a
+    caller's CUDA-graph capture) or the call records history, the Python path runs it."""
+    net = Net()
+    prog, _ = program(net)
+    x, value = torch.randn(2, 4), torch.randn(4)
+    cache = Cached([[value]])
+    assert prog.add((x,), [(None, None, None, [1], 1, 0)], [0, 5], "tuple", cache)
+    with torch.no_grad():
+        got = prog.call(net, (x,))
+        assert got[0] is x and got[1] is value and prog.served == 1
+        (params,) = cache.seen
+        assert [p is q for p, q in zip(params, (net.ln.weight, net.ln.bias, net.scale))] == [True] * 3
+        cache.values = None
+        assert "Python path" in declined(prog, net, (x,))
+    cache.values = [[value]]
+    assert "Python path" in declined(prog, net, (x,))   # grad mode, parameters that require it
+    assert len(cache.seen) == 2
+    with pytest.raises(TypeError, match="with a cache"):
+        prog.add((x,), [(None, None, None, [1], 1, 0)], [0], "one")   # cached, but no cache given
+    with pytest.raises(TypeError, match="with a cache"):
+        prog.add((x,), [(None, None, None, [1], 1)], [0], "one", cache)   # no index into it
+
+
 def test_takes_any_number_of_inputs():
     """A module of 70 inputs (more than the 64 it keeps on the stack) is served, not declined to
     the Python path."""
@@ -254,7 +291,8 @@ def test_which_bound_calls_it_takes(monkeypatch, out):
     if len(kernels) != len(bound.steps):   # a step torch runs: Python's
         assert entry is None
         return
-    steps, outputs, build = entry
+    steps, outputs, build, cache = entry
+    assert cache is bound.cache
     assert [s[0] for s in steps] == bound.steps and all(s[1:3] == ("launch", "region") for s in steps)
     assert [s[4] for s in steps] == [len(s.out_meta) for s in bound.steps]
     probe = [object() for _ in bound.outputs]

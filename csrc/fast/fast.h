@@ -108,6 +108,7 @@ Py_ssize_t guards_failing(PyObject *guards);
 
 int init_launch(PyObject *module);
 int init_guards(PyObject *module);
+int init_keys(PyObject *module);
 int init_region(PyObject *module);
 int init_program(PyObject *module);
 int init_call(PyObject *module);

@@ -1,4 +1,4 @@
-/* module.cpp — kbench._fast's module: its types (launch.cpp, region.cpp, program.cpp, guards.cpp), module_call
+/* module.cpp — kbench._fast's module: its types (launch.cpp, region.cpp, program.cpp, guards.cpp, keys.cpp), module_call
  * (call.cpp) and init(), which kbench.cuda_backend calls once with kbench._C's launch API and the
  * exceptions to raise. */
 #include "fast/fast.h"
@@ -49,7 +49,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
     PyObject *m = PyModule_Create(&kbfast::fast_module);
     if (!m) return nullptr;
     if (kbfast::init_launch(m) < 0 || kbfast::init_region(m) < 0 || kbfast::init_program(m) < 0 ||
-        kbfast::init_guards(m) < 0 ||
+        kbfast::init_guards(m) < 0 || kbfast::init_keys(m) < 0 ||
         kbfast::init_call(m) < 0) {
         Py_DECREF(m);
         return nullptr;

@@ -36,14 +36,16 @@ struct Ref {
     ~Ref() { Py_XDECREF(o); }
 };
 
-/* One region of a bound call: a KERNEL step whose launches are kbench._fast's. */
+/* One step of a bound call: a KERNEL step whose launches are kbench._fast's, or a step whose
+ * values the parameter cache holds (runtime/param_cache.py: computed from parameters alone). */
 struct StepSpec {
     Ref step;                 /* runtime.Step: step.run(ins) when the launch refuses the inputs */
-    Ref launch;               /* Launch: step.launch_nograd or step.launch, what step.run runs */
+    Ref launch;               /* Launch: step.launch_nograd or step.launch, what step.run runs (null: cached only) */
     Ref region;               /* Region: step.fast, where gradients flow through the region */
     std::vector<int> ins;     /* slots it reads */
     size_t nouts = 0;         /* slots it appends (its outputs, statistics included) */
     std::vector<int> release; /* slots no later step reads and no output is: dropped after it */
+    Py_ssize_t cache = -1;    /* its values' index in the cache's lists (-1: not cached) */
 };
 
 /* One input signature (sizes, dtype, device per input) bound by OptimizedModule._bind. */
@@ -58,6 +60,8 @@ struct Entry {
     Ref build;                    /* None: outputs[0] alone (one) or a tuple; else build(list) */
     bool one = false;
     size_t nslots = 0;
+    Ref cache;                    /* param_cache.BoundCache, or null */
+    bool needs_cache = false;     /* a step only the cache (or the Python path) can run */
 };
 
 /* A parameter, buffer or constant input, read through the live module dicts at every call. */
@@ -89,7 +93,7 @@ struct Program {
     ProgramState s;
 };
 
-PyObject *str_modules, *str_training, *str_constants, *str_run;
+PyObject *str_modules, *str_training, *str_constants, *str_run, *str_take;
 
 /* The autocast dtype in force for a device type (its ScalarType), -1 where autocast is off. */
 int autocast_now(at::DeviceType device) {
@@ -302,12 +306,46 @@ PyObject *run(Program *self, PyObject *module, PyObject *const *inputs, size_t n
         for (const at::Tensor &t : slots) grad |= t.requires_grad();
     if (grad && !self->grad_ok) return decline(self, "gradients wanted where a joint program may apply");
 
+    /* a call that records no history reads the values computed from parameters alone from the
+     * cache: cache.take(params) computes those whose parameters changed, and gives the lists of
+     * values (None: this call computes them itself, inside a caller's CUDA-graph capture) */
+    THPObjectPtr lists;
+    if (e.cache.o && !grad) {
+        size_t np = self->s.params.size();
+        THPObjectPtr params(PyTuple_New((Py_ssize_t)np));
+        if (!params) return nullptr;
+        for (size_t i = 0; i < np; i++) {
+            PyObject *p = THPVariable_Wrap(slots[n + i]);
+            if (!p) return nullptr;
+            PyTuple_SET_ITEM(params.get(), (Py_ssize_t)i, p);
+        }
+        THPObjectPtr got(PyObject_CallMethodOneArg(e.cache.o, str_take, params.get()));
+        if (!got) return nullptr;
+        if (got.get() != Py_None) {
+            if (!PyList_Check(got.get())) {
+                PyErr_SetString(PyExc_TypeError, "kbench: a parameter cache's take() must return a list or None");
+                return nullptr;
+            }
+            lists = std::move(got);
+        }
+    }
+    if (e.needs_cache && !lists)
+        return decline(self, "values computed from parameters alone are computed by the Python path here");
+
     std::vector<at::Tensor> ins;
     for (const StepSpec &st : e.steps) {
-        ins.clear();
-        for (int i : st.ins) ins.push_back(slots[(size_t)i]);
-        if (!run_step(self, st, grad, ins, slots)) return nullptr;
-        ins.clear();
+        if (lists && st.cache >= 0) {
+            if (st.cache >= PyList_GET_SIZE(lists.get())) {
+                PyErr_SetString(PyExc_RuntimeError, "kbench: a parameter cache holds fewer values than its steps");
+                return nullptr;
+            }
+            if (append_outputs(PyList_GET_ITEM(lists.get(), st.cache), st.nouts, slots) < 0) return nullptr;
+        } else {
+            ins.clear();
+            for (int i : st.ins) ins.push_back(slots[(size_t)i]);
+            if (!run_step(self, st, grad, ins, slots)) return nullptr;
+            ins.clear();
+        }
         for (int i : st.release) slots[(size_t)i].reset();
     }
     self->served++;
@@ -339,15 +377,16 @@ int parse_ints(PyObject *seq, std::vector<int> &out, const char *what) {
     return 0;
 }
 
-/* add(args, steps, outputs, build) -> True, or False where this call's shape of program is not
- * one it runs (the entry is not added; the Python path keeps serving the signature).
- * args: the inputs the signature is taken from; steps: [(step, launch, region, ins, nouts)];
+/* add(args, steps, outputs, build, cache=None) -> True, or False where this call's shape of program
+ * is not one it runs (the entry is not added; the Python path keeps serving the signature).
+ * args: the inputs the signature is taken from; steps: [(step, launch, region, ins, nouts[, c])],
+ * c the step's index in the cache's lists (launch and region None: only the cache runs it);
  * outputs: the graph outputs' slots; build: "one" (outputs[0] itself), "tuple", or a callable
- * making the result from the list of outputs. */
+ * making the result from the list of outputs; cache: the bound's param_cache.BoundCache. */
 PyObject *program_add(Program *self, PyObject *a) {
     HANDLE_TH_ERRORS
-    PyObject *args, *steps, *outputs, *build;
-    if (!PyArg_ParseTuple(a, "O!OOO", &PyTuple_Type, &args, &steps, &outputs, &build)) return nullptr;
+    PyObject *args, *steps, *outputs, *build, *cache = Py_None;
+    if (!PyArg_ParseTuple(a, "O!OOO|O", &PyTuple_Type, &args, &steps, &outputs, &build, &cache)) return nullptr;
     auto e = std::make_shared<Entry>();
     size_t n = (size_t)PyTuple_GET_SIZE(args);
     if (n == 0 || n != self->s.ninputs) Py_RETURN_FALSE;
@@ -369,25 +408,41 @@ PyObject *program_add(Program *self, PyObject *a) {
     if (!fsteps) return nullptr;
     for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(fsteps.get()); k++) {
         PyObject *step, *launch, *region, *ins;
-        Py_ssize_t nouts;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fsteps.get(), k), "OO!O!On", &step, LaunchType, &launch,
-                              RegionType, &region, &ins, &nouts))
+        Py_ssize_t nouts, cached = -1;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fsteps.get(), k), "OOOOn|n", &step, &launch, &region, &ins,
+                              &nouts, &cached))
             return nullptr;
+        bool only_cached = launch == Py_None && region == Py_None;
+        if (only_cached ? cached < 0 || cache == Py_None
+                        : Py_TYPE(launch) != LaunchType || Py_TYPE(region) != RegionType) {
+            PyErr_SetString(PyExc_TypeError, "add: a step is (step, Launch, Region, ins, nouts[, cache index]), or "
+                                             "(step, None, None, ins, nouts, cache index) with a cache");
+            return nullptr;
+        }
         StepSpec st;
-        st.step = Ref(step), st.launch = Ref(launch), st.region = Ref(region), st.nouts = (size_t)nouts;
+        st.step = Ref(step), st.nouts = (size_t)nouts, st.cache = cache == Py_None ? -1 : cached;
         if (parse_ints(ins, st.ins, "a step's slots must be a sequence of ints") < 0) return nullptr;
-        size_t rin, rreal, rsaved;
-        region_arity(region, rin, rreal, rsaved);
-        const LaunchSpec &l = ((Launch *)launch)->spec;
-        if (nouts < 0 || rin != st.ins.size() || rreal + rsaved != st.nouts ||
-            l.outs.size() + (size_t)l.skipped != st.nouts) {
-            PyErr_SetString(PyExc_ValueError, "add: a step's launch, region and slot counts disagree");
+        if (nouts < 0) {
+            PyErr_SetString(PyExc_ValueError, "add: a step's slot count is negative");
             return nullptr;
+        }
+        size_t empty_from = st.nouts;
+        if (only_cached) {
+            e->needs_cache = true;
+        } else {
+            st.launch = Ref(launch), st.region = Ref(region);
+            size_t rin, rreal, rsaved;
+            region_arity(region, rin, rreal, rsaved);
+            const LaunchSpec &l = ((Launch *)launch)->spec;
+            if (rin != st.ins.size() || rreal + rsaved != st.nouts || l.outs.size() + (size_t)l.skipped != st.nouts) {
+                PyErr_SetString(PyExc_ValueError, "add: a step's launch, region and slot counts disagree");
+                return nullptr;
+            }
+            /* the trailing outputs a launch skips, or a Region keeps for its node, stay empty */
+            empty_from = st.nouts - std::max((size_t)l.skipped, rsaved);
         }
         for (int i : st.ins)
             if (i < 0 || (size_t)i >= nslots || maybe_empty[(size_t)i]) Py_RETURN_FALSE;
-        /* the trailing outputs a launch skips, or a Region keeps for its node, stay empty */
-        size_t empty_from = st.nouts - std::max((size_t)l.skipped, rsaved);
         for (size_t j = 0; j < st.nouts; j++) maybe_empty.push_back(j >= empty_from);
         nslots += st.nouts;
         e->steps.push_back(std::move(st));
@@ -408,6 +463,7 @@ PyObject *program_add(Program *self, PyObject *a) {
         return nullptr;
     }
     e->nslots = nslots;
+    if (cache != Py_None) e->cache = Ref(cache);
     /* a call holds only live values: each slot is dropped after its last reader (autograd keeps
      * what a backward needs by itself) */
     std::vector<int> last(nslots, -1);
@@ -553,6 +609,7 @@ int program_traverse(Program *self, visitproc visit, void *arg) {
             Py_VISIT(st.region.o);
         }
         Py_VISIT(e->build.o);
+        Py_VISIT(e->cache.o);
     }
     Py_VISIT(Py_TYPE(self));
     return 0;
@@ -582,7 +639,7 @@ PyMethodDef program_methods[] = {
     {"call", (PyCFunction)(void (*)(void))program_call, METH_FASTCALL,
      "call(module, args) -> the forward's result, or NotImplemented where the Python path must run"},
     {"add", (PyCFunction)program_add, METH_VARARGS,
-     "add(args, steps, outputs, build) -> whether the signature of args is now served from C++"},
+     "add(args, steps, outputs, build, cache=None) -> whether the signature of args is now served from C++"},
     {"clear", (PyCFunction)program_clear_entries, METH_NOARGS, "clear(): forget every bound signature"},
     {nullptr, nullptr, 0, nullptr},
 };
@@ -624,7 +681,7 @@ PyObject *program_run(PyObject *program, PyObject *module, PyObject *const *inpu
 
 int init_program(PyObject *module) {
     for (auto [ptr, name] : {std::pair{&str_modules, "_modules"}, {&str_training, "training"},
-                             {&str_constants, "constants"}, {&str_run, "run"}})
+                             {&str_constants, "constants"}, {&str_run, "run"}, {&str_take, "take"}})
         if (!*ptr && !(*ptr = PyUnicode_InternFromString(name))) return -1;
     ProgramType = (PyTypeObject *)PyType_FromSpec(&program_spec);
     if (!ProgramType) return -1;

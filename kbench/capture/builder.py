@@ -21,9 +21,19 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 from .. import _C
 from ..dtypes import IR_TO_TORCH, TORCH_TO_IR
 from ..errors import CaptureError
+from .modes import autocast_mode
 from .types import DeviceSlot, Extern, NodeCall, StepRef, SymExpr, TensorSlot
 
 aten = torch.ops.aten
+
+# Ops autocast runs in its lower-precision dtype, casting every float operand to it first (torch's
+# autocast_mode.cpp, lower_precision_fp, on CUDA or CPU): an op counts where it is listed here, has
+# an autocast kernel for the operands' device type, and its traced result has autocast's dtype.
+_LOWER_PRECISION = {getattr(aten, name) for name in (
+    "addmm", "addbmm", "baddbmm", "bmm", "mm", "matmul", "linear", "addmv", "addr", "mv", "conv1d", "conv2d",
+    "conv3d", "convolution", "_convolution", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "prelu", "scaled_dot_product_attention") if hasattr(aten, name)}
+_AUTOCAST_KEY = {"cuda": "AutocastCUDA", "cpu": "AutocastCPU"}
 
 
 class NeedStatic(Exception):
@@ -172,6 +182,10 @@ class Builder:
         # (x[:, 1] needs the dim at 2 or more: export assumes every varying size is): sympy
         # relations over the unified symbols, kept with export's guards
         self.size_guards = []
+        # the autocast the capture is made under (device type -> dtype; capture/modes.py): what an
+        # extern's implicit casts are (autocast_operands)
+        self.autocast = {d: dt for d, dt in autocast_mode()}
+        self._from_params = {}
 
     def dim_expr(self, d):
         """A dim (int or (coef, sym ids)) as a sympy expression over the unified symbols."""
@@ -428,11 +442,68 @@ class Builder:
             self.notes.append(f"{name}: extern ({why})")
         return self.add("extern", operands, dtype, dims, index=idx, axis=0, name=name)
 
+    # ---------------------------------------------------------------- autocast's casts
+
+    def autocast_dtypes(self, node) -> dict:
+        """{device type: IR dtype} that autocast casts node's float operands to, where node is an op
+        autocast runs in its lower precision ({} where it is not): the capture's autocast, or the
+        torch.autocast block the node came from, for the device types whose autocast kernel it has,
+        and only where the traced result has that dtype (what export saw autocast do)."""
+        if getattr(node.target, "overloadpacket", None) not in _LOWER_PRECISION:
+            return {}
+        modes = dict(self.autocast)
+        block = self.autocast_of(node)
+        if block is not None:
+            device, dtype, enabled, _ = block
+            modes[device] = dtype if enabled else None
+        val = node.meta.get("val")
+        out = {}
+        for device, dtype in modes.items():
+            key = _AUTOCAST_KEY.get(device)
+            if dtype is None or key is None or dtype not in TORCH_TO_IR or not isinstance(val, torch.Tensor) \
+                    or val.dtype != dtype:
+                continue
+            if torch._C._dispatch_has_kernel_for_dispatch_key(node.target.name(), key):
+                out[device] = TORCH_TO_IR[dtype]
+        return out
+
+    def from_params(self, v) -> bool:
+        """v is computed from parameters, buffers and constants alone, in the IR (no extern)."""
+        got = self._from_params.get(v.id)
+        if got is None:
+            n = self.nodes[v.id]
+            if n["op"] == "input":
+                got = n["attrs"]["kind"] != "user"
+            else:
+                got = n["op"] != "extern" and all(self.from_params(V(u, self.nodes[u]["dtype"], self.nodes[u]["dims"]))
+                                                  for u in n["inputs"])
+            self._from_params[v.id] = got
+        return got
+
+    def autocast_operand(self, v, device, casts):
+        """v as the op reads it under autocast: an operand computed from parameters alone cast in
+        the IR, as autocast would cast it inside the call (an f32 weight to bf16), so that the
+        cast is a value of its own, which the runtime computes once per parameter version
+        (runtime/param_cache.py); the call then finds it cast already, and autocast leaves it.
+        Other operands (activations) are left to autocast."""
+        dtype = casts.get(device)
+        if dtype is None or not isinstance(v, V) or v.dtype == dtype or v.dtype not in ("f32", "f16", "bf16") \
+                or not self.from_params(v):
+            return v
+        return self.cast(v, dtype)
+
     # ---------------------------------------------------------------- externs
 
     def extern(self, node, reason, multi=False):
         """node as an EXTERN call; its torch-side inputs are recomputed inside (extra steps)."""
-        steps, operands = self.call_steps(node)
+        devices = {}
+        steps, operands = self.call_steps(node, devices)
+        casts = self.autocast_dtypes(node)
+        if casts:
+            # only operands the op itself reads (not torch-side values recomputed from them first)
+            early = {s.k for fn, a, k in steps[:-1] for s in flat_slots((a, k))}
+            operands = [v if i in early else self.autocast_operand(v, devices.get(i), casts)
+                        for i, v in enumerate(operands)]
         if len(operands) > 16:
             raise CaptureError(f"{node.name} ({node.target}) would be an extern call with "
                                f"{len(operands)} tensor operands; kbench supports 16")
@@ -448,9 +519,10 @@ class Builder:
             raise CaptureError(f"internal: extern {node.name} has an output the IR cannot carry")
         return r
 
-    def call_steps(self, node):
+    def call_steps(self, node, devices=None):
         """node as torch calls on IR values: (steps, operands), the steps as Extern takes them
-        (TensorSlot k is operands[k]; torch-side inputs recomputed as earlier steps)."""
+        (TensorSlot k is operands[k]; torch-side inputs recomputed as earlier steps). devices, a
+        dict, gets each operand's device type (k -> "cuda")."""
         operands, slot_of, steps, step_of = [], {}, [], {}
 
         def tmpl(x):
@@ -460,6 +532,9 @@ class Builder:
                     if e.id not in slot_of:
                         slot_of[e.id] = len(operands)
                         operands.append(e)
+                        val = x.meta.get("val")
+                        if devices is not None and isinstance(val, torch.Tensor):
+                            devices[slot_of[e.id]] = val.device.type
                     return TensorSlot(slot_of[e.id])
                 if isinstance(e, Sym):
                     return SymExpr(e.expr, self.sym_of)
@@ -680,3 +755,15 @@ def flat_nodes(x):
 def _empty(val) -> bool:
     """A tensor with a size fixed at 0."""
     return any(isinstance(d, int) and d == 0 for d in val.shape)
+
+
+def flat_slots(x):
+    """The TensorSlots in an extern step's arguments."""
+    if isinstance(x, TensorSlot):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from flat_slots(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from flat_slots(y)

@@ -34,6 +34,7 @@ def _linear(b, node, a):
     if only_torch_consumes(node, b.keep):
         raise Unsupported("only torch's ops use it: the bias stays in the GEMM")
     dt, dims = _out(node), _odims(b, node)
+    x, w = _autocast(b, node, x, w)
     mm = b.extern_call(aten.linear.default, [x, w], (_slot(0), _slot(1)), {}, dt, dims, node.name)
     return b.arith("add", mm, _t(bias), dt, dims)
 
@@ -161,6 +162,16 @@ def gemm_row_padding(node, w) -> int:
     return (-n) % 8 if rows * n * k >= PAD_GEMM_MIN_MACS else 0
 
 
+def _autocast(b, node, *operands):
+    """A linear's operands as autocast casts them (Builder.autocast_operand): those computed
+    from parameters alone cast in the IR; the rest as they are."""
+    casts = b.autocast_dtypes(node)
+    args = [a for a in node.args[:len(operands)]]
+    devices = [getattr(getattr(a, "meta", {}).get("val"), "device", None) for a in args]
+    return [b.autocast_operand(v, d.type if d is not None else None, casts) if v is not None else None
+            for v, d in zip(operands, devices + [None] * (len(operands) - len(devices)))]
+
+
 def _hint(v) -> int:
     """An example size as an int (a symbolic size's hint)."""
     node = getattr(v, "node", None)
@@ -174,10 +185,13 @@ def _padded_linear(b, node, x, w, bias, pad):
     gives it: the copy would cost as much as the product). Its backward is torch's: the padded
     output gradient keeps both backward GEMMs aligned."""
     n = w.dims[0]
+    # a parameter's autocast cast first (padding with zeros commutes with the rounding): the
+    # padded call then casts nothing, and the cast is computed once per parameter version
+    x, w, bias = _autocast(b, node, x, w, _t(bias) if bias is not None else None)
     steps = [(aten.constant_pad_nd.default, (_slot(1), [0, 0, 0, pad], 0.0), {})]
     operands = [x, w]
     if bias is not None:
-        operands.append(_t(bias))
+        operands.append(bias)
         steps.append((aten.constant_pad_nd.default, (_slot(2), [0, pad], 0.0), {}))
     steps.append((aten.linear.default, (_slot(0), StepRef(0), StepRef(1) if bias is not None else None), {}))
     steps.append((aten.slice.Tensor, (StepRef(len(steps) - 1), -1, 0, n), {}))

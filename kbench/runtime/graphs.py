@@ -468,7 +468,7 @@ class GraphRunner:
             if live is None:
                 live = self._live(module)
             if live is not None and same_tensors(live, self.held, self.ptrs, self.indices):
-                return self._replay(entry, inputs), None
+                return self._replay(entry, inputs, live), None
             self._drop("a parameter or buffer was replaced, moved or changed dtype since the capture")
             if self.off:
                 return _NO, None
@@ -508,6 +508,8 @@ class GraphRunner:
             if self.off:
                 return _NO
         bound = module._kbench_sigs[sig]
+        if bound.cache is not None:   # the graph reads the cached values where they are: fresh first
+            bound.cache.take(live)
         static = [torch.empty_like(x) for x in inputs]
         forbidden = {t.untyped_storage().data_ptr() for t in [*static, *live] if isinstance(t, torch.Tensor)}
         if self.cuda and self.pool is None:
@@ -516,7 +518,8 @@ class GraphRunner:
         graph = None
         try:
             # the graph's outputs, flat: their structure is built after each replay (_replay)
-            graph, out = self.capture(_without_autocast_cache(lambda: module._run(bound, static, built=False)),
+            graph, out = self.capture(_without_autocast_cache(lambda: module._run(bound, static, built=False,
+                                                                                  cached="held")),
                                       self.pool, device, self.stream)
             outputs = Outputs(out, forbidden)
         except Unsafe as e:
@@ -537,7 +540,7 @@ class GraphRunner:
         if self.cuda:
             got = pool_bytes(self.pool, device)
             self.pool_bytes = got if got is not None else self.pool_bytes + max(0, self._reserved(device) - before)
-        return self._replay(entry, inputs)
+        return self._replay(entry, inputs, live)
 
     # -- what the training graphs (train_graphs.py) share with the rest
 
@@ -566,9 +569,14 @@ class GraphRunner:
         torch.cuda.synchronize(device)
         return torch.cuda.memory_reserved(device)
 
-    def _replay(self, entry, inputs):
+    def _replay(self, entry, inputs, live):
         if self.cuda:
             self._order_streams()
+        cache = entry.bound.cache
+        if cache is not None:
+            # the values computed from parameters alone are not in the graph: it reads them from
+            # the cache's tensors, recomputed there (same addresses) where a parameter changed
+            cache.take(live)
         for s, x in zip(entry.static_inputs, inputs):
             s.copy_(x)
         entry.graph.replay()

@@ -10,7 +10,7 @@ import torch
 
 from ..dtypes import torch_dtype
 from ..report import Report
-from . import fast, graphs, joint
+from . import fast, graphs, joint, param_cache
 from .autograd import RegionBackward, apply_region
 from ..capture import guards
 from ..capture.signature import CallSpec
@@ -108,6 +108,8 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
              torch.Size(plan.graph.sizes(v, plan.example_symvals)))
             for v in plan.graph.inputs[nuser:]]
         self.__dict__["_kbench_param_chains"] = self._param_chains()
+        # values computed from parameters alone, once per parameter version (param_cache.py)
+        self.__dict__["_kbench_pcache"] = param_cache.ParamCache(nuser, self._kbench_param_meta, device)
         # constants the forward makes (lifted by export) where the kernels read them: a 0-dim CPU
         # tensor mixes with CUDA tensors in eager's ops, so it moves to the module's device
         self.__dict__["_kbench_constants"] = {
@@ -306,7 +308,7 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
             symvals = tuple(captured.bind(args))
         except ValueError as e:
             return str(e)
-        bound = self._kbench_program.bind(symvals)
+        bound = self._kbench_program.bind(symvals, hoist=True)
         for step in bound.steps:
             step.owner = self
             if step.kind == KERNEL:
@@ -317,6 +319,8 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
                 self._kbench_sigs.clear()
                 if program is not None:
                     program.clear()
+        bound.cache = self._kbench_pcache.plan(bound)
+        if sig is not None:
             self._kbench_sigs[sig] = bound
             if program is not None:
                 entry = self._fast_entry(bound)
@@ -346,19 +350,22 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
                             autocast=self._kbench_captured_autocast, **checks)
 
     def _fast_entry(self, bound):
-        """What kbench._fast.Program.add takes for this bound signature: (steps, outputs, build),
-        or None where _run must run every call: a region that is not a kbench._fast launch and
-        Region (eager, EXTERN, a Python launcher), a value torch computes in between, in-place
-        updates to copy back."""
+        """What kbench._fast.Program.add takes for this bound signature: (steps, outputs, build,
+        cache), or None where _run must run every call: a region that is not a kbench._fast launch
+        and Region (eager, EXTERN, a Python launcher) and whose values the parameter cache does not
+        hold, a value torch computes in between, in-place updates to copy back."""
         captured = self._kbench_captured
         if captured.mutations:
             return None
         steps = []
         for step in bound.steps:
             launch = fast.launch_of(step.launch_nograd or step.launch) if step.kind == KERNEL else None
-            if launch is None or step.fast is None:
+            if launch is not None and step.fast is not None:
+                steps.append((step, launch, step.fast, list(step.ins), len(step.out_meta), step.cache))
+            elif step.cache >= 0:   # only the cache runs it in C++ (a call with gradients: Python)
+                steps.append((step, None, None, list(step.ins), len(step.made), step.cache))
+            else:
                 return None
-            steps.append((step, launch, step.fast, list(step.ins), len(step.out_meta)))
         # build_outputs as C++ reproduces it where that is exact: the one output itself, or a
         # plain tuple of outputs; anything else (a dict, None or a size among them) it calls
         probe = [object() for _ in bound.outputs]
@@ -367,12 +374,14 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
         except Exception:  # noqa: BLE001 - whatever it does with real tensors, the Python path does it
             return None
         where = {id(p): i for i, p in enumerate(probe)}
+        if bound.cache is not None and bound.cache.clone:
+            return None   # outputs that may be views of cached values: _run copies them
         if id(shaped) in where:
-            return steps, [bound.outputs[where[id(shaped)]]], "one"
+            return steps, [bound.outputs[where[id(shaped)]]], "one", bound.cache
         if type(shaped) is tuple and shaped and all(id(x) in where for x in shaped):
-            return steps, [bound.outputs[where[id(x)]] for x in shaped], "tuple"
+            return steps, [bound.outputs[where[id(x)]] for x in shaped], "tuple", bound.cache
         symvals, build = bound.symvals, captured.build_outputs
-        return steps, list(bound.outputs), lambda outs: build(outs, symvals)
+        return steps, list(bound.outputs), lambda outs: build(outs, symvals), bound.cache
 
     def _mutated_slots(self):
         """The call's slots (user inputs, then parameters and buffers) that the forward updates in
@@ -463,12 +472,25 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
                                f"{dtype}{list(shape)}, and the inputs are on {device}")
         return params
 
-    def _run(self, bound, args, params=None, built=True):
+    def kbench_refresh(self) -> None:
+        """Compute every value cached from the parameters alone again at its next use: for writes
+        their version counters do not see (p.data.copy_(...), memory shared outside torch)."""
+        self._kbench_pcache.forget()
+        for other in self._kbench_modes.values():
+            if isinstance(other, OptimizedModule):
+                other.kbench_refresh()
+        for _, other in self._kbench_variants:
+            other.kbench_refresh()
+
+    def _run(self, bound, args, params=None, built=True, cached=True):
         """params: the parameters, buffers and constants to read in place of the module's own (a
         training capture's aliases, runtime/train_graphs.py); None: the module's, checked.
         built=False: the graph's outputs as a list, not the model's output structure (a CUDA-graph
         capture builds that after each replay: a container's unflatten may run code a capture
-        cannot take, as Hugging Face's cache does with its update)."""
+        cannot take, as Hugging Face's cache does with its update). cached: a call that records
+        no autograd history reads the values computed from parameters alone from the cache
+        (param_cache.py), computing those whose parameters changed; "held": reads them as they
+        are (a CUDA-graph capture, the cache refreshed just before); False: computes them."""
         captured = self._kbench_captured
         device = args[0].device if args else self._kbench_device
         params = self._checked_params(device) if params is None else params
@@ -492,7 +514,15 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
             if program is not None:
                 loss = joint.LossFunction.apply(program, bound.symvals, *slots)
                 return captured.build_outputs([loss], bound.symvals)
+        held = None
+        if cached and not grad and bound.cache is not None:
+            held = bound.cache.take(params, check=cached != "held")
         for step in bound.steps:
+            if held is not None and step.cache >= 0:
+                slots.extend(held[step.cache])
+                for i in step.release:
+                    slots[i] = None
+                continue
             ins = [slots[i] for i in step.ins]
             if step.kind == KERNEL:
                 if grad and any(x.requires_grad for x in ins):
@@ -508,7 +538,7 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
                         slots.extend(step.no_stats)
                 else:
                     slots.extend(step.run(ins))
-            elif step.kind == MATERIALIZE:
+            elif step.kind == MATERIALIZE or step.launch is not None:   # an EAGER region with work hoisted
                 slots.extend(step.launch(ins))
             else:
                 slots.extend(self._kbench_plan.eager_region(step.r, bound.symvals, ins))
@@ -516,6 +546,9 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
             for i in step.release:
                 slots[i] = None
         outs = [slots[i] for i in bound.outputs]
+        if held is not None:
+            for j in bound.cache.clone:   # a view of a cached value: the cache writes it again later
+                outs[j] = outs[j].clone()
         if captured.mutations:
             captured.apply_mutations(self._kbench_orig, args, outs, carries)
         return captured.build_outputs(outs, bound.symvals) if built else outs

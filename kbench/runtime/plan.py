@@ -14,13 +14,21 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import verify
+from ..capture.types import DeviceSlot, StepRef, SymExpr, TensorSlot
 from ..dtypes import torch_dtype
 from . import torch_eval
 from .eager import RegionEager, analyze
 
 log = logging.getLogger("kbench")
+
+VIEW_OPS = ("reshape", "permute", "expand", "slice")   # IR ops that move no data
+_RANDOM = torch.Tag.nondeterministic_seeded
+# what an extern's arguments may hold besides tensors for its result to depend on its operands alone
+_PLAIN = (TensorSlot, StepRef, SymExpr, DeviceSlot, type(None), bool, int, float, str, torch.dtype,
+          torch.device, torch.layout, torch.memory_format)
 
 
 class Fallback(Exception):
@@ -190,6 +198,43 @@ class Plan:
         out = torch_eval.evaluate(self.graph, self, values, symvals, nodes=missing, device=self.device)
         values.update({n: out[n] for n in missing if n in out})
 
+    def deterministic(self, info) -> bool:
+        """EXTERN region info's torch calls give the same values for the same operands: none draws
+        random numbers (torch's nondeterministic_seeded tag) or reads an object held for it (a
+        cache object, whose state may change between calls)."""
+        for n in info.nodes:
+            nd = self.nodes[n]
+            if nd["op"] != "extern":
+                continue
+            for fn, args, kwargs in self.externs[nd["index"]].steps:
+                if not isinstance(fn, torch._ops.OpOverload) or _RANDOM in fn.tags:
+                    return False
+                if not all(isinstance(x, _PLAIN) for x in pytree.tree_leaves((args, kwargs))):
+                    return False
+        return True
+
+    def fresh_outputs(self, info) -> bool:
+        """EXTERN region info's outputs are never views of its inputs: each is an extern call's
+        result that is a new tensor or a view of one the call made (a padded product's slice),
+        following the ATen ops that return a view (their schemas say) back to an operand."""
+        for v in info.outputs:
+            nd = self.nodes[v]
+            if nd["op"] != "extern":
+                return False
+            steps = self.externs[nd["index"]].steps
+            j = len(steps) - 1
+            while True:
+                fn, args, _ = steps[j]
+                if not isinstance(fn, torch._ops.OpOverload):
+                    return False
+                if all(r.alias_info is None for r in fn._schema.returns):
+                    break   # a new tensor
+                base = args[0] if args else None
+                if not isinstance(base, StepRef):
+                    return False   # a view of an operand (or of something unknown)
+                j = base.j
+        return True
+
     def eager_region(self, r, symvals, inputs, dtype=None, kinks=None):
         info = self.regions[r]
         out = torch_eval.evaluate(self.graph, self, dict(zip(info.inputs, inputs)), symvals, nodes=info.nodes,
@@ -325,45 +370,65 @@ class Program:
             self.note(str(e))
             return self.plan.eager_region(r, symvals, inputs)
 
-    def bind(self, symvals, trusted=()) -> Bound:
+    def bind(self, symvals, trusted=(), hoist=False) -> Bound:
         """The steps of a call at these sizes: the same order and the same values as run(), with
         every dict lookup and launch parameter resolved once. trusted: graph input positions
-        the caller guarantees contiguous."""
+        the caller guarantees contiguous. Each step knows whether it is pure (its values depend
+        on parameters, buffers and constants alone: no user input, nothing random). hoist: the
+        work on parameters alone that an EXTERN region holds (autocast's cast of a weight,
+        floated into the region) runs as a step of its own before it, a pure one, which a
+        forward's parameter cache computes once per parameter version (param_cache.py)."""
         plan, graph = self.plan, self.plan.graph
         symvals = tuple(symvals)
         slot = {v: i for i, v in enumerate(graph.inputs)}
+        pure = {i for i, v in enumerate(graph.inputs) if plan.nodes[v].get("input_kind", "user") != "user"}
         fresh = set(trusted)    # slots known contiguous: trusted inputs, outputs of our kernels
         steps = []
 
-        def ensure(v):
-            if v in slot:
-                return
-            nodes = plan.missing(v, slot)
-            deps = sorted({u for n in nodes for u in plan.nodes[n]["inputs"] if u not in nodes})
+        def materialize(nodes, made):
+            """A MATERIALIZE step computing nodes (ids, in order), whose values `made` get slots."""
+            inside = set(nodes)
+            deps = sorted({u for n in nodes for u in plan.nodes[n]["inputs"] if u not in inside})
             step = Step()
-            step.kind, step.r, step.ins, step.launch_nograd = MATERIALIZE, -1, [slot[u] for u in deps], None
-            step.fast = None
-            step.launch = self._materializer(deps, nodes, symvals)
-            for n in nodes:
+            step.kind, step.r, step.ins = MATERIALIZE, -1, [slot[u] for u in deps]
+            step.launch = self._materializer(deps, nodes, symvals, made)
+            step.pure = all(i in pure for i in step.ins)
+            step.sizes = tuple(tuple(graph.sizes(n, symvals)) for n in nodes)
+            step.views = all(plan.nodes[n]["op"] in VIEW_OPS for n in nodes)
+            step.nbytes = sum(_nbytes(graph.sizes(n, symvals), plan.nodes[n]["dtype"]) for n in made)
+            for n in made:
                 slot[n] = len(slot)
-            step.made = [slot[n] for n in nodes]
+            step.made = [slot[n] for n in made]
+            if step.pure:
+                pure.update(step.made)
             steps.append(step)
+
+        def ensure(v):
+            if v not in slot:
+                nodes = plan.missing(v, slot)
+                materialize(nodes, nodes)
 
         for info in plan.regions:
             for v in info.inputs:
                 ensure(v)
             step = Step()
-            step.r, step.symvals, step.program, step.backward, step.fast = info.index, symvals, self, {}, None
-            step.ins = [slot[v] for v in info.inputs]
-            step.float_in = tuple(torch_dtype(plan.nodes[v]["dtype"]).is_floating_point for v in info.inputs)
+            step.r, step.symvals, step.program, step.backward = info.index, symvals, self, {}
+            ins = list(info.inputs)
+            if info.kind == "EXTERN" and hoist:
+                ins = self._hoist(info, slot, pure, materialize, symvals, step)
+            step.ins = [slot[v] for v in ins]
+            step.float_in = tuple(torch_dtype(plan.nodes[v]["dtype"]).is_floating_point for v in ins)
             step.out_meta = [(torch.Size(graph.sizes(v, symvals)), torch_dtype(plan.nodes[v]["dtype"]))
                              for v in info.outputs]
             step.int_outs = not all(d.is_floating_point for _, d in step.out_meta)
             step.nsaved, step.no_stats = info.saved, [None] * info.saved
             step.saved_outputs = info.saved_outputs
-            step.launch_nograd = None
+            step.sizes = tuple(tuple(graph.sizes(n, symvals)) for n in info.nodes)
+            step.nbytes = sum(_nbytes(graph.sizes(v, symvals), plan.nodes[v]["dtype"]) for v in info.outputs)
+            step.pure = all(i in pure for i in step.ins) and (info.kind != "EXTERN" or plan.deterministic(info))
+            step.fresh_outs = info.kind != "EXTERN" or plan.fresh_outputs(info)
             if info.kind == "EXTERN":
-                step.kind, step.launch = EAGER, None
+                step.kind = EAGER
             else:
                 step.kind = KERNEL
                 trusted_ins = [i in fresh for i in step.ins]
@@ -375,6 +440,8 @@ class Program:
                 if step.launch is not None and info.kind != "EXTERN":
                     fresh.add(slot[v])
             step.made = [slot[v] for v in info.outputs]
+            if step.pure:
+                pure.update(step.made)
             steps.append(step)
         for v in graph.outputs:
             ensure(v)
@@ -382,13 +449,53 @@ class Program:
         release_after_last_use(steps, outputs)
         return Bound(symvals, steps, outputs)
 
-    def _materializer(self, deps, nodes, symvals):
+    def _hoist(self, info, slot, pure, materialize, symvals, step) -> list:
+        """EXTERN region `info`'s IR nodes computed from pure slots alone (not its extern calls,
+        nor views alone: those cost nothing) as a MATERIALIZE step of their own, made by
+        materialize(); `step` (the region's) then evaluates the rest, reading them. A node an
+        earlier step made already (work floated into two regions) is read from its slot. Returns
+        the values the region's step reads."""
+        nodes = self.plan.nodes
+        inside = [n for n in info.nodes if n not in slot]
+        hoistable = set()
+        for n in inside:
+            if nodes[n]["op"] != "extern" and all(u in hoistable if u not in slot else slot[u] in pure
+                                                  for u in nodes[n]["inputs"]):
+                hoistable.add(n)
+        # from the outputs back: what the region computes itself, and the hoisted work it reads
+        rest, need, stack = set(), set(), list(info.outputs)
+        while stack:
+            n = stack.pop()
+            if n in slot or n in rest or n in need:
+                continue
+            (need if n in hoistable else rest).add(n)
+            stack.extend(nodes[n]["inputs"])
+        made = [n for n in inside if n in need and (n in info.outputs or any(
+            n in nodes[r]["inputs"] for r in rest))]
+        if any(nodes[n]["op"] not in VIEW_OPS for n in need):
+            materialize([n for n in inside if n in need], made)
+        else:   # views alone: the region computes them itself
+            rest |= need
+        if len(rest) == len(info.nodes):
+            return list(info.inputs)
+        rest = [n for n in info.nodes if n in rest]
+        ins = sorted({u for n in rest for u in nodes[n]["inputs"] if u in slot})
+        graph, plan, outputs = self.plan.graph, self.plan, list(info.outputs)
+
+        def run(values):
+            out = torch_eval.evaluate(graph, plan, dict(zip(ins, values)), symvals, nodes=rest, device=plan.device)
+            return [out[v] for v in outputs]
+        step.launch = run
+        return ins
+
+    def _materializer(self, deps, nodes, symvals, made=None):
         plan = self.plan
+        made = nodes if made is None else made
 
         def materialize(inputs):
             out = torch_eval.evaluate(plan.graph, plan, dict(zip(deps, inputs)), symvals, nodes=nodes,
                                       device=plan.device)
-            return [out.get(n) for n in nodes]
+            return [out.get(n) for n in made]
         return materialize
 
     def run(self, symvals, values: dict, region_call=None) -> list:
@@ -416,13 +523,31 @@ class Program:
 KERNEL, EAGER, MATERIALIZE = 0, 1, 2
 
 
+def _nbytes(sizes, dtype) -> int:
+    n = torch_dtype(dtype).itemsize
+    for d in sizes:
+        n *= d
+    return n
+
+
 class Step:
     """One region (or one materialization of in-between values) bound to sizes: which slots it
     reads, and how to run it, decided once per input signature instead of once per call."""
 
     __slots__ = ("kind", "r", "ins", "launch", "launch_nograd", "program", "symvals", "float_in", "int_outs",
                  "out_meta", "nsaved", "no_stats", "saved_outputs", "owner", "backward", "fast", "release",
-                 "made")
+                 "made", "pure", "sizes", "cache", "views", "nbytes", "fresh_outs")
+
+    def __init__(self):
+        # launch: a KERNEL's launcher, a MATERIALIZE's torch evaluation, or an EAGER region's
+        # evaluation where part of it was hoisted (None: the whole region, Plan.eager_region)
+        self.launch = self.launch_nograd = self.fast = None
+        self.pure = False    # its values depend on parameters, buffers and constants alone
+        self.sizes = ()      # the sizes of every value it computes (what its values depend on)
+        self.cache = -1      # its index among the parameter cache's values (param_cache.py), -1: none
+        self.views = False   # a MATERIALIZE of views alone (it moves no data)
+        self.nbytes = 0      # the bytes of its values
+        self.fresh_outs = False   # its outputs are new tensors, never views of its inputs
 
     def run(self, inputs):
         """The region's outputs where no backward will follow (kernel, or eager where the backend
@@ -445,6 +570,13 @@ class Step:
                         else torch.empty_like(o, memory_format=torch.contiguous_format).copy_(o)
                         for o in self.program.plan.eager_region(self.r, self.symvals, inputs)], False
         return self.program.plan.eager_region(self.r, self.symvals, inputs), False
+
+    def run_pure(self, inputs):
+        """The step's values for the parameter cache, whatever its kind: no autograd (the caller's
+        no_grad), statistics left out where the kernel may."""
+        if self.kind == MATERIALIZE:
+            return self.launch(inputs)
+        return self.run(inputs)
 
 
 def release_after_last_use(steps, outputs) -> None:
@@ -469,10 +601,11 @@ class Bound:
     """A program bound to one set of sizes: its steps over a flat list of value slots (graph
     inputs first, then each step's outputs in order) and which slots are the graph outputs."""
 
-    __slots__ = ("symvals", "steps", "outputs")
+    __slots__ = ("symvals", "steps", "outputs", "cache")
 
     def __init__(self, symvals, steps, outputs):
         self.symvals, self.steps, self.outputs = symvals, steps, outputs
+        self.cache = None    # its parameter cache (param_cache.BoundCache), where it has one
 
     def run(self, slots: list) -> list:
         """Run every step without autograd wrapping (backward programs, checks)."""
