@@ -93,17 +93,17 @@ def net():
     return model, optimized(model, x), x
 
 
-def test_the_capture_casts_parameters_where_autocast_would():
-    """Under autocast, a Linear's weight and bias are cast in the IR (a value of their own, read
-    by the torch call); the activation is left to autocast; without autocast nothing is cast."""
+def test_the_capture_casts_operands_where_autocast_would():
+    """Under autocast, a Linear's weight, bias and input are cast in the IR (the parameters' casts
+    a value of their own, read by the torch call; the activation's joins the kernel that makes
+    it); without autocast nothing is cast."""
     torch.manual_seed(0)
     model, x = Net().eval(), torch.randn(4, 16)
     graph = optimized(model, x)._kbench_captured.graph
     inputs = {graph.node(v)["name"]: v for v in graph.inputs}
     cast_of = {graph.node(i)["inputs"][0] for i in range(graph.num_nodes) if graph.node(i)["op"] == "cast"
                and graph.node(i)["dtype"] == "bf16"}
-    assert {inputs[n] for n in ("a.weight", "b.weight", "b.bias")} <= cast_of
-    assert inputs["x"] not in cast_of
+    assert {inputs[n] for n in ("a.weight", "b.weight", "b.bias", "x")} <= cast_of
     plain = kbench.optimize(Net().eval(), (x,), backend="interp", budget="none", verbose=False)
     g = plain._kbench_captured.graph
     assert not [i for i in range(g.num_nodes) if g.node(i)["op"] == "cast"]

@@ -481,14 +481,14 @@ class Builder:
         return got
 
     def autocast_operand(self, v, device, casts):
-        """v as the op reads it under autocast: an operand computed from parameters alone cast in
-        the IR, as autocast would cast it inside the call (an f32 weight to bf16), so that the
-        cast is a value of its own, which the runtime computes once per parameter version
-        (runtime/param_cache.py); the call then finds it cast already, and autocast leaves it.
-        Other operands (activations) are left to autocast."""
+        """v as the op reads it under autocast: cast in the IR, as autocast would cast it inside
+        the call (an f32 weight or activation to bf16), so that the call finds it cast already
+        and autocast leaves it. A cast of parameters alone is a value of its own, which the
+        runtime computes once per parameter version (runtime/param_cache.py); a cast of an
+        activation joins the kernel that makes it (a LayerNorm's region writes the bf16 operand
+        of the product that follows, where torch would read the f32 output back to cast it)."""
         dtype = casts.get(device)
-        if dtype is None or not isinstance(v, V) or v.dtype == dtype or v.dtype not in ("f32", "f16", "bf16") \
-                or not self.from_params(v):
+        if dtype is None or not isinstance(v, V) or v.dtype == dtype or v.dtype not in ("f32", "f16", "bf16"):
             return v
         return self.cast(v, dtype)
 

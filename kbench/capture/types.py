@@ -209,7 +209,7 @@ def _custom_node(spec) -> bool:
     if spec.type not in (tuple, list, dict, collections.OrderedDict) and \
             not (isinstance(spec.type, type) and issubclass(spec.type, tuple)):
         return True
-    return any(_custom_node(c) for c in spec.children_specs)
+    return any(_custom_node(c) for c in (spec.children() if hasattr(spec, "children") else spec.children_specs))
 
 
 class _TakeFresh(torch.overrides.TorchFunctionMode):
