@@ -88,4 +88,3 @@ def cat_operand_alone(node):
             tensors[alone].meta["val"].dim() != rank:
         return None
     return alone
-
