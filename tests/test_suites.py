@@ -24,6 +24,10 @@ KB, RK = S / "kernelbench" / "level1", S / "robust-kbench" / "tasks"
 def test_detect_formats(tmp_path):
     assert [t["name"] for t in suite_formats.detect(str(KB))] == ["kb:19_ReLU", "kb:40_LayerNorm"]
     assert suite_formats.detect(str(KB / "40_LayerNorm.py"))[0]["format"] == "kernelbench"
+    # KernelBench's root, its levels' folders inside (and a candidate file beside them, no task)
+    assert [t["name"] for t in suite_formats.detect(str(KB.parent))] == \
+        ["kb:level1/19_ReLU", "kb:level1/40_LayerNorm"]
+    assert [t["path"] for t in suite_formats.detect(str(KB.parent))] == [t["path"] for t in suite_formats.detect(str(KB))]
     rk = suite_formats.detect(str(RK))
     assert [t["name"] for t in rk] == ["rk:layernorm_small", "rk:layernorm_small:bwd",
                                        "rk:linear_relu_small"]

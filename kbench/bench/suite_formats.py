@@ -39,7 +39,8 @@ def _is_kernelbench_file(path: str) -> bool:
 
 def detect(path: str) -> List[dict]:
     """The suite tasks under `path` as specs {"format", "path", "mode", "name"}: a KernelBench
-    level folder or file, a robust-kbench tasks/ folder, task folder or func_*.py file.
+    level folder or file, or the folder of its levels (level1/, level2/, ...: names carry the
+    level, "kb:level2/19_ReLU"), a robust-kbench tasks/ folder, task folder or func_*.py file.
     Raises ValueError where the path is neither."""
     path = os.path.abspath(path)
     if os.path.isfile(path):
@@ -61,11 +62,23 @@ def detect(path: str) -> List[dict]:
             dirs[:] = []
     if found:
         return found
-    kb = [os.path.join(path, f) for f in os.listdir(path)
-          if _is_kernelbench_file(os.path.join(path, f))]
+    kb = _kb_level(path)
     if kb:
-        return [_kb_spec(f) for f in sorted(kb, key=_numeric_key)]
-    raise ValueError(f"{path}: neither a KernelBench level folder nor robust-kbench tasks")
+        return kb
+    # KernelBench's own root: level1/ ... level4/, each task named with its level (numbers repeat)
+    levels = sorted((d for d in os.listdir(path) if re.fullmatch(r"level\d+", d)
+                     and os.path.isdir(os.path.join(path, d))), key=lambda d: int(d[5:]))
+    found = [dict(t, name=f"kb:{d}/{t['name'][3:]}") for d in levels for t in _kb_level(os.path.join(path, d))]
+    if found:
+        return found
+    raise ValueError(f"{path}: neither a KernelBench level folder (or the folder of its levels) nor "
+                     f"robust-kbench tasks")
+
+
+def _kb_level(path: str) -> List[dict]:
+    """The KernelBench task files directly in a folder, in their numbers' order."""
+    kb = [os.path.join(path, f) for f in os.listdir(path) if _is_kernelbench_file(os.path.join(path, f))]
+    return [_kb_spec(f) for f in sorted(kb, key=_numeric_key)]
 
 
 def _numeric_key(path: str):
