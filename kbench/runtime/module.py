@@ -313,14 +313,13 @@ class OptimizedModule(SharesOriginal, RegionBackward, torch.nn.Module):
             step.owner = self
             if step.kind == KERNEL:
                 step.fast = self._fast_region(step)
+        bound.cache = self._kbench_pcache.plan(bound)
         if sig is not None:
             program = self._kbench_fast_program
             if len(self._kbench_sigs) > 256:   # many shapes: keep the table bounded
                 self._kbench_sigs.clear()
                 if program is not None:
                     program.clear()
-        bound.cache = self._kbench_pcache.plan(bound)
-        if sig is not None:
             self._kbench_sigs[sig] = bound
             if program is not None:
                 entry = self._fast_entry(bound)
