@@ -1,0 +1,261 @@
+"""Attention masks that are causal by construction, found in the exported graph before lowering:
+a boolean mask built from aranges that keeps key j for query i exactly where j <= i (Hugging
+Face's sdpa masks, under torch.export, are such aranges and comparisons) becomes SDPA's
+is_causal=True. torch then runs its flash kernel instead of turning the mask into an additive
+one in every call and reading it in every tile, forward and backward.
+
+The proof is an integer-affine reading of the mask's nodes: each index tensor is c + sum a_d idx_d
+over its dims, each boolean one a conjunction of such forms held <= 0. One conjunct must be
+j - i <= 0 over the query and key positions; every other must hold on that triangle, which for a
+linear form is its three corners (a sliding window's i - j < w holds where the sequence is at most
+w long: a size guard, checked at every call, keeps longer calls in eager)."""
+from __future__ import annotations
+
+import dataclasses
+
+import sympy
+import torch
+
+aten = torch.ops.aten
+
+_SDPA = getattr(getattr(aten, "scaled_dot_product_attention", None), "default", None)
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """An integer tensor whose element at idx is c + sum(coef[d] * idx[d])."""
+    c: sympy.Expr
+    coef: tuple
+
+    def shifted(self, other, sign=1):
+        return Affine(self.c + sign * other.c,
+                      tuple(a + sign * b for a, b in zip(self.coef, other.coef)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Conj:
+    """A boolean tensor, True where every form in `forms` (Affine) is <= 0."""
+    forms: tuple
+
+
+def _shape(node):
+    v = node.meta.get("val") if hasattr(node, "meta") else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _expr(s):
+    return s.node.expr if isinstance(s, torch.SymInt) else s
+
+
+def _size1(s):
+    return isinstance(s, int) and s == 1 or isinstance(s, torch.SymInt) and s.node.expr == 1
+
+
+def _aligned(form, rank, shape):
+    """form (of a tensor of lower rank) broadcast to `rank` dims, aligned from the right; dims of
+    size 1 read index 0, so their coefficients go to 0."""
+    if isinstance(form, int):
+        return Affine(sympy.Integer(form), (0,) * rank)
+    pad = rank - len(form.coef)
+    coef = (0,) * pad + form.coef
+    return Affine(form.c, tuple(0 if _size1(s) else a for a, s in zip(coef, shape)))
+
+
+def _remap(x, f):
+    """x (Affine or Conj) with each form's coefficients passed through f."""
+    if isinstance(x, Affine):
+        return Affine(x.c, f(x.coef))
+    return Conj(tuple(Affine(a.c, f(a.coef)) for a in x.forms))
+
+
+class _Reader:
+    """Reads FX nodes as Affine / Conj (None: not provably such), memoized."""
+
+    def __init__(self):
+        self.memo = {}
+
+    def __call__(self, x):
+        if isinstance(x, bool):
+            return Conj(()) if x else None
+        if isinstance(x, int):
+            return x
+        if not isinstance(x, torch.fx.Node):
+            return None
+        if x not in self.memo:
+            got = self._read(x)
+            shape = _shape(x)
+            if isinstance(got, (Affine, Conj)):   # a dim of size 1 is read at index 0 only
+                got = _remap(got, lambda c: tuple(0 if _size1(s) else a for a, s in zip(c, shape)))
+            self.memo[x] = got
+        return self.memo[x]
+
+    def _read(self, n):
+        shape = _shape(n)
+        if n.op != "call_function" or shape is None:
+            return None
+        val = n.meta["val"]
+        t, a = n.target, n.args
+        rank = len(shape)
+        if t in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+            if val.dtype.is_floating_point or val.dtype == torch.bool:
+                return None
+            start = a[0] if t is not aten.arange.default else 0
+            step = a[2] if t is aten.arange.start_step and len(a) > 2 else 1
+            if not isinstance(start, int) or not isinstance(step, int):
+                return None
+            return _aligned(Affine(sympy.Integer(start), (step,)), 1, shape)
+        if t in (aten.add.Tensor, aten.sub.Tensor) and n.kwargs.get("alpha", 1) == 1:
+            x, y = self(a[0]), self(a[1])
+            if not isinstance(x, (Affine, int)) or not isinstance(y, (Affine, int)):
+                return None
+            x, y = _aligned(x, rank, shape), _aligned(y, rank, shape)
+            return x.shifted(y, 1 if t is aten.add.Tensor else -1)
+        if t in _COMPARE:
+            x, y = self(a[0]), self(a[1])
+            if not isinstance(x, (Affine, int)) or not isinstance(y, (Affine, int)):
+                return None
+            x, y = _aligned(x, rank, shape), _aligned(y, rank, shape)
+            lo, hi, strict = _COMPARE[t]    # lo < hi (strict) or lo <= hi, as lo - hi (+1) <= 0
+            form = (x, y)[lo].shifted((x, y)[hi], -1)
+            return Conj((Affine(form.c + 1, form.coef) if strict else form,))
+        if t in _AND:
+            x, y = self(a[0]), self(a[1])
+            if not isinstance(x, Conj) or not isinstance(y, Conj):
+                return None
+            return Conj(tuple(_aligned(f, rank, shape) for f in x.forms + y.forms))
+        if t in _ALL_TRUE and val.dtype == torch.bool:
+            fill = a[1] if t is aten.full.default else (a[2] if t is aten.new_full.default else True)
+            return Conj(()) if fill is True or fill == 1 else None
+        x = self(a[0]) if a else None
+        if isinstance(x, Conj) and val.dtype != torch.bool:
+            return None
+        if isinstance(x, Affine) and (val.dtype.is_floating_point or val.dtype == torch.bool):
+            return None
+        if not isinstance(x, (Affine, Conj)):
+            return None
+        if t in _SAME:
+            return x if len(_shape(a[0])) == rank else None
+        if t in _RESHAPE:   # only size-1 dims inserted or removed: the other dims keep their order
+            kept_in = [d for d, s in enumerate(_shape(a[0])) if not _size1(s)]
+            kept_out = [d for d, s in enumerate(shape) if not _size1(s)]
+            if len(kept_in) != len(kept_out) or any(
+                    sympy.sympify(_expr(_shape(a[0])[i])) != sympy.sympify(_expr(shape[o]))
+                    for i, o in zip(kept_in, kept_out)):
+                return None
+            src = dict(zip(kept_out, kept_in))
+            return _remap(x, lambda c: tuple(c[src[d]] if d in src else 0 for d in range(rank)))
+        if t is aten.unsqueeze.default:
+            d = a[1] % rank
+            return _remap(x, lambda c: c[:d] + (0,) + c[d:])
+        if t is aten.expand.default:
+            return _remap(x, lambda c: (0,) * (rank - len(c)) + c)
+        if t is aten.slice.Tensor:
+            d = a[1] % rank if len(a) > 1 else 0
+            start = a[2] if len(a) > 2 and a[2] is not None else 0
+            step = a[4] if len(a) > 4 else 1
+            if not isinstance(start, int) or start < 0 or not isinstance(step, int):
+                return None
+
+            def sliced(form):   # the element at idx' is the input's at start + step * idx'
+                return Affine(form.c + form.coef[d] * start,
+                              form.coef[:d] + (form.coef[d] * step,) + form.coef[d + 1:])
+            return sliced(x) if isinstance(x, Affine) else Conj(tuple(sliced(f) for f in x.forms))
+        return None
+
+
+# comparison -> (index of the lesser side, of the greater, strict)
+_COMPARE = {aten.le.Tensor: (0, 1, False), aten.lt.Tensor: (0, 1, True),
+            aten.ge.Tensor: (1, 0, False), aten.gt.Tensor: (1, 0, True),
+            aten.le.Scalar: (0, 1, False), aten.lt.Scalar: (0, 1, True),
+            aten.ge.Scalar: (1, 0, False), aten.gt.Scalar: (1, 0, True)}
+_RESHAPE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
+            aten.squeeze.dims, aten.squeeze.default}
+_AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}
+_ALL_TRUE = {aten.new_ones.default, aten.ones.default, aten.full.default, aten.new_full.default}
+# ops whose result, element for element, is their first input's
+_SAME = {aten.alias.default, aten.clone.default, aten._to_copy.default, aten.to.dtype,
+         aten.to.dtype_layout, aten.contiguous.default, aten.detach.default, aten.lift_fresh_copy.default}
+
+
+def _holds(e, example):
+    """e <= 0 for every size (True), for the example only (False), or not even there (None):
+    e is linear in the size symbols, each at least 1."""
+    e = sympy.expand(e)
+    at_example = e.subs(example)
+    if not at_example.is_number or at_example > 0:
+        return None
+    syms = sorted(e.free_symbols, key=str)
+    if not syms:
+        return True
+    poly = sympy.Poly(e, *syms)
+    if poly.total_degree() <= 1 and all(poly.coeff_monomial(s) <= 0 for s in syms) \
+            and e.subs({s: 1 for s in syms}) <= 0:
+        return True
+    return False
+
+
+def causal_attention(graph, expr, example) -> tuple[list, list]:
+    """Rewrites, in place, every SDPA call of `graph` whose boolean mask is provably causal over
+    equal query and key lengths to attn_mask=None, is_causal=True. expr: a size (SymInt or int)
+    as a sympy expression over the capture's symbols; example: {symbol: example size}.
+    Returns (notes, size guards): one note per call rewritten, and the relations (sympy, <= 0
+    held) that some rewrite needs at every call (a sliding window as long as the sequence)."""
+    if _SDPA is None:
+        return [], []
+    read, notes, guards = _Reader(), [], []
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not _SDPA:
+            continue
+        bound = dict(zip(_SDPA_ARGS, n.args))
+        bound.update(n.kwargs)
+        mask = bound.get("attn_mask")
+        if not isinstance(mask, torch.fx.Node) or bound.get("is_causal"):
+            continue
+        q, k = _shape(bound["query"]), _shape(bound["key"])
+        mshape = _shape(mask)
+        if q is None or k is None or mshape is None or len(mshape) < 2 \
+                or mask.meta["val"].dtype != torch.bool:
+            continue
+        length = sympy.simplify(expr(q[-2]))
+        if length != sympy.simplify(expr(k[-2])):
+            continue   # torch's is_causal aligns the triangle top-left; a cache's mask is bottom-right
+        needed = _causal_needs(read(mask), len(mshape), length, example)
+        if needed is None:
+            continue
+        guards += needed
+        kwargs = {name: bound[name] for name in _SDPA_ARGS[4:] if name in bound}
+        kwargs.update(attn_mask=None, is_causal=True)
+        n.args, n.kwargs = tuple(bound[name] for name in _SDPA_ARGS[:3]), kwargs
+        notes.append(f"{n.name}: its mask {mask.name} is causal; SDPA runs with is_causal=True"
+                     + (f" while {', '.join(f'{g} <= 0' for g in needed)}" if needed else ""))
+    return notes, guards
+
+
+def _causal_needs(conj, rank, length, example):
+    """The relations (each e <= 0) under which conj, a mask over (..., query i, key j) of `length`
+    both ways, is exactly j <= i; None where it is not (or is not provably) so."""
+    if not isinstance(conj, Conj):
+        return None
+    qi, kj = rank - 2, rank - 1
+    forms = []
+    for f in conj.forms:
+        if any(a != 0 for d, a in enumerate(f.coef) if d not in (qi, kj)):
+            return None   # a mask that differs across batch or heads
+        forms.append((sympy.sympify(f.c), sympy.sympify(f.coef[qi]), sympy.sympify(f.coef[kj])))
+    causal = [f for f in forms if f[0] == 0 and f[2] > 0 and f[1] == -f[2]]
+    if not causal:
+        return None
+    last = length - 1
+    needs = []
+    for c, ai, aj in forms:
+        if (c, ai, aj) == causal[0]:
+            continue
+        for i, j in ((0, 0), (last, 0), (last, last)):   # the triangle 0 <= j <= i <= last
+            e = c + ai * i + aj * j
+            held = _holds(e, example)
+            if held is None:
+                return None
+            if held is False:
+                needs.append(sympy.expand(e))
+    return needs

@@ -1,0 +1,137 @@
+"""capture/masks.py: a boolean attention mask built from aranges that is exactly causal becomes
+SDPA's is_causal=True; masks that are not (one key past the diagonal, shifted by a cache, differing across
+the batch, a window shorter than the sequence) stay as they are; a window the sequence may
+outgrow becomes a size guard, and a call past it runs in eager with the right answer."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kbench
+from kbench.capture import capture
+
+
+class Attention(torch.nn.Module):
+    """q, k, v from one projection; `mask(i, j, x)` builds the boolean mask from position aranges."""
+
+    def __init__(self, mask, dim=16, heads=2):
+        super().__init__()
+        self.qkv, self.heads, self.mask = torch.nn.Linear(dim, 3 * dim), heads, mask
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        i = torch.arange(t, device=x.device)
+        mask = self.mask(i[:, None], i[None, :], x).view(-1, 1, t, t).expand(b, 1, t, t)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def causal(i, j, x):
+    return (j <= i)[None]
+
+
+def causal_offset(i, j, x):            # positions that start at 3 on both sides: still j <= i
+    return ((j + 3) <= (i + 3))[None]
+
+
+def causal_and_window(i, j, x):        # a sliding window of 64 over a causal mask
+    return ((j <= i) & (j > i - 64))[None]
+
+
+def causal_strict(i, j, x):           # j < i + 1 is j <= i
+    return (j < i + 1)[None]
+
+
+def one_past_the_diagonal(i, j, x):    # j <= i + 1 sees one key ahead
+    return (j <= i + 1)[None]
+
+
+def window_too_short(i, j, x):         # a window of 4: shorter than the example's 8 positions
+    return ((j <= i) & (j > i - 4))[None]
+
+
+def per_batch(i, j, x):                # causal and a padding mask that differs per sequence
+    keep = torch.ones(x.shape[0], x.shape[1], dtype=torch.bool, device=x.device)
+    keep[:, -2:] = False
+    return (j <= i)[None] & keep[:, None, :]
+
+
+def sdpa_calls(graph_text):
+    return [line for line in graph_text.splitlines() if "scaled_dot_product_attention" in line]
+
+
+def causal_notes(captured):
+    return [n for n in captured.notes if "is_causal=True" in n]
+
+
+@pytest.mark.parametrize("mask", [causal, causal_offset, causal_strict, causal_and_window])
+def test_a_causal_mask_becomes_is_causal(mask):
+    torch.manual_seed(0)
+    model = Attention(mask).eval()
+    x = torch.randn(2, 8, 16)
+    captured = capture(model, (x,))
+    assert causal_notes(captured), captured.notes
+    (call,) = sdpa_calls(str(captured.graph))
+    assert call.count("%") == 4, call          # q, k, v and the result: no mask operand
+    fast = kbench.optimize(model, (x,), backend="interp")
+    for t in (8, 5, 13):
+        y = torch.randn(3, t, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(fast(y), model(y), rtol=1e-5, atol=1e-6)
+    assert not fast._kbench_reasons, fast._kbench_reasons
+
+
+@pytest.mark.parametrize("mask", [one_past_the_diagonal, window_too_short, per_batch])
+def test_other_masks_stay(mask):
+    torch.manual_seed(0)
+    model = Attention(mask).eval()
+    x = torch.randn(2, 8, 16)
+    captured = capture(model, (x,))
+    assert not causal_notes(captured), captured.notes
+    fast = kbench.optimize(model, (x,), backend="interp")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_window_the_sequence_outgrows_is_guarded():
+    """Causal and a window of 64 is causal while the sequence is at most 64 long: the rewrite
+    holds a size guard, and a longer call runs in eager, correct."""
+    torch.manual_seed(0)
+    model = Attention(causal_and_window).eval()
+    x = torch.randn(2, 8, 16)
+    captured = capture(model, (x,))
+    assert any("64" in str(g.expr) for g in captured.guards), [g.expr for g in captured.guards]
+    fast = kbench.optimize(model, (x,), backend="interp")
+    y = torch.randn(1, 80, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(y), model(y), rtol=1e-5, atol=1e-6)
+
+
+def test_cache_mask_with_fewer_queries_stays():
+    """Queries at the end of a longer key sequence (a cache): the mask's triangle is aligned
+    bottom-right, which is_causal (top-left) is not."""
+
+    class Cached(torch.nn.Module):
+        def forward(self, q, k, v):
+            t, s = q.shape[-2], k.shape[-2]
+            i = torch.arange(t) + (s - t)
+            j = torch.arange(s)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=(j[None, :] <= i[:, None]))
+
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    captured = capture(Cached(), (q, k, v))
+    assert not causal_notes(captured), captured.notes
+
+
+def test_training_gradients_match():
+    torch.manual_seed(0)
+    model = Attention(causal)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    fast = kbench.optimize(model, (x,), backend="interp")
+    fast(x).square().sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad()
+    model(x).square().sum().backward()
+    want = [x.grad] + [p.grad for p in model.parameters()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
