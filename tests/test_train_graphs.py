@@ -298,3 +298,20 @@ def test_outputs_sharing_memory_and_subclass_parameters_are_not_graphed():
         pass
     assert "tensor subclass" in train_graphs.blockers([torch.zeros(2).as_subclass(Marked)])
     assert train_graphs.blockers([torch.nn.Parameter(torch.zeros(2)), torch.zeros(2)]) == ""
+
+
+def test_fresh_copies_are_one_allocation_per_dtype_and_never_the_graphs_memory():
+    sources = [torch.randn(3, 5), None, torch.randn(7), torch.randn(4, 6).t(), torch.randn(2, dtype=torch.float64),
+               torch.randn(9)]
+    got = train_graphs.fresh_copies(sources)
+    assert got[1] is None
+    for g, s in zip(got, sources):
+        if s is not None:
+            assert g.dtype == s.dtype and g.shape == s.shape and g.stride() == s.stride()
+            torch.testing.assert_close(g, s, rtol=0, atol=0)
+            assert g.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
+    dense_f32 = [got[0], got[2], got[5]]
+    assert len({g.untyped_storage().data_ptr() for g in dense_f32}) == 1
+    assert all(g.data_ptr() % 64 == 0 for g in dense_f32)
+    sources[0].add_(1)   # the graph's buffer rewritten by a later replay: the copies keep their values
+    assert not torch.equal(got[0], sources[0])
