@@ -179,14 +179,11 @@ def _hint(v) -> int:
 
 
 def _padded_linear(b, node, x, w, bias, pad):
-    """linear(x, w, bias) as one torch call on w (and bias) padded with `pad` zero rows. Where only
-    torch's ops or the caller read the output, as an LM head's logits, the call's last step slices
-    it back: the result is the slice, as torch.compile's padded GEMM gives it (a copy would cost
-    as much as the product). Where kbench's kernels read it, the call returns the padded product
-    and an IR slice reads it back: the kernels read through it (a training loss reads the logits
-    in place), and its gradient is the padded one, which a kernel writes with the zeros, where a
-    torch slice's backward fills and copies. The product's backward is torch's: the padded output
-    gradient keeps both backward GEMMs aligned."""
+    """linear(x, w, bias) as one torch call on w (and bias) padded with `pad` zero rows, the output
+    sliced back, and made contiguous where kbench's kernels read it (where only torch's ops or the
+    caller do, as an LM head's logits, the slice is the result, as torch.compile's padded GEMM
+    gives it: the copy would cost as much as the product). Its backward is torch's: the padded
+    output gradient keeps both backward GEMMs aligned."""
     n = w.dims[0]
     # a parameter's autocast cast first (padding with zeros commutes with the rounding): the
     # padded call then casts nothing, and the cast is computed once per parameter version
@@ -197,14 +194,11 @@ def _padded_linear(b, node, x, w, bias, pad):
         operands.append(bias)
         steps.append((aten.constant_pad_nd.default, (_slot(2), [0, pad], 0.0), {}))
     steps.append((aten.linear.default, (_slot(0), StepRef(0), StepRef(1) if bias is not None else None), {}))
-    dims = _odims(b, node)
-    why = f"linear, weight padded from {n} to {n + pad} rows (aligned GEMMs)"
-    if only_torch_consumes(node, b.keep):
-        steps.append((aten.slice.Tensor, (StepRef(len(steps) - 1), -1, 0, n), {}))
-        return b.extern_steps(steps, str(aten.linear.default), operands, _out(node), dims, node.name, why)
-    padded = b.extern_steps(steps, str(aten.linear.default), operands, _out(node), dims[:-1] + (n + pad,),
-                            node.name, why)
-    return b.add("slice", [padded], padded.dtype, dims, axis=len(dims) - 1, start=0, step=1)
+    steps.append((aten.slice.Tensor, (StepRef(len(steps) - 1), -1, 0, n), {}))
+    if not only_torch_consumes(node, b.keep):
+        steps.append((aten.clone.default, (StepRef(len(steps) - 1),), {"memory_format": torch.contiguous_format}))
+    return b.extern_steps(steps, str(aten.linear.default), operands, _out(node), _odims(b, node), node.name,
+                          f"linear, weight padded from {n} to {n + pad} rows (aligned GEMMs)")
 
 
 # ---------------------------------------------------------------------------- what follows a node
