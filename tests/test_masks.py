@@ -135,3 +135,19 @@ def test_training_gradients_match():
     want = [x.grad] + [p.grad for p in model.parameters()]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mask_the_reading_cannot_follow_stays(monkeypatch):
+    """An error inside the proof is a mask left as it is, never a failed capture."""
+    from kbench.capture import masks
+
+    def broken(self, n):
+        raise ZeroDivisionError("a reading that fails")
+    monkeypatch.setattr(masks._Reader, "_read", broken)
+    model = Attention(causal).eval()
+    x = torch.randn(2, 8, 16)
+    captured = capture(model, (x,))
+    assert not causal_notes(captured), captured.notes
+    fast = kbench.optimize(model, (x,), backend="interp")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-6)

@@ -217,10 +217,13 @@ def causal_attention(graph, expr, example) -> tuple[list, list]:
         if q is None or k is None or mshape is None or len(mshape) < 2 \
                 or mask.meta["val"].dtype != torch.bool:
             continue
-        length = sympy.simplify(expr(q[-2]))
-        if length != sympy.simplify(expr(k[-2])):
-            continue   # torch's is_causal aligns the triangle top-left; a cache's mask is bottom-right
-        needed = _causal_needs(read(mask), len(mshape), length, example)
+        try:
+            length = sympy.simplify(expr(q[-2]))
+            if length != sympy.simplify(expr(k[-2])):
+                continue   # torch's is_causal aligns the triangle top-left; a cache's mask is bottom-right
+            needed = _causal_needs(read(mask), len(mshape), length, example)
+        except Exception:  # noqa: BLE001 - a mask this reading cannot follow stays as it is
+            needed = None
         if needed is None:
             continue
         guards += needed
