@@ -130,8 +130,8 @@ class _Reader:
         x = self(a[0]) if a else None
         if isinstance(x, Conj) and val.dtype != torch.bool:
             return None
-        if isinstance(x, Affine) and (val.dtype.is_floating_point or val.dtype == torch.bool):
-            return None
+        if isinstance(x, Affine) and val.dtype not in (torch.int32, torch.int64):
+            return None   # a narrower integer could wrap; a float or a boolean is no index
         if not isinstance(x, (Affine, Conj)):
             return None
         if t in _SAME:
