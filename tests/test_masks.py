@@ -1,7 +1,8 @@
 """capture/masks.py: a boolean attention mask built from aranges that is exactly causal becomes
-SDPA's is_causal=True; masks that are not (one key past the diagonal, shifted by a cache, differing across
-the batch, a window shorter than the sequence) stay as they are; a window the sequence may
-outgrow becomes a size guard, and a call past it runs in eager with the right answer."""
+SDPA's is_causal=True, as does an additive float mask that is 0 there and far below 0 elsewhere.
+Masks that are not (one key past the diagonal, the other triangle, shifted by a cache, differing
+across the batch, a window shorter than the sequence, f16's -65504) stay as they are; a window the
+sequence may outgrow becomes a size guard, and a call past it runs in eager with the right answer."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,28 @@ def causal_strict(i, j, x):           # j < i + 1 is j <= i
     return (j < i + 1)[None]
 
 
+def additive_filled(i, j, x):          # older Hugging Face: finfo.min, 0 filled in where j < i + 1
+    t = i.shape[0]
+    return torch.full((t, t), torch.finfo(x.dtype).min).masked_fill(j < i + 1, 0)[None]
+
+
+def additive_where(i, j, x):
+    return torch.where(j <= i, 0.0, float("-inf"))[None]
+
+
+def additive_filled_where_not(i, j, x):
+    t = i.shape[0]
+    return torch.zeros(t, t).masked_fill(~(j <= i), float("-inf"))[None]
+
+
+def additive_f16_min(i, j, x):         # -65504 is not provably far enough below a score
+    return torch.where(j <= i, 0.0, -65504.0)[None]
+
+
+def additive_upper(i, j, x):           # the other triangle
+    return torch.where(j >= i, 0.0, float("-inf"))[None]
+
+
 def one_past_the_diagonal(i, j, x):    # j <= i + 1 sees one key ahead
     return (j <= i + 1)[None]
 
@@ -63,7 +86,8 @@ def causal_notes(captured):
     return [n for n in captured.notes if "is_causal=True" in n]
 
 
-@pytest.mark.parametrize("mask", [causal, causal_offset, causal_strict, causal_and_window])
+@pytest.mark.parametrize("mask", [causal, causal_offset, causal_strict, causal_and_window, additive_filled,
+                                  additive_where, additive_filled_where_not])
 def test_a_causal_mask_becomes_is_causal(mask):
     torch.manual_seed(0)
     model = Attention(mask).eval()
@@ -80,7 +104,8 @@ def test_a_causal_mask_becomes_is_causal(mask):
     assert not fast._kbench_reasons, fast._kbench_reasons
 
 
-@pytest.mark.parametrize("mask", [one_past_the_diagonal, window_too_short, per_batch])
+@pytest.mark.parametrize("mask", [one_past_the_diagonal, window_too_short, per_batch, additive_f16_min,
+                                  additive_upper])
 def test_other_masks_stay(mask):
     check_mask_stays(mask)
 

@@ -2,7 +2,11 @@
 a boolean mask built from aranges that keeps key j for query i exactly where j <= i (Hugging
 Face's sdpa masks, under torch.export, are such aranges and comparisons) becomes SDPA's
 is_causal=True. torch then runs its flash kernel instead of turning the mask into an additive
-one in every call and reading it in every tile, forward and backward.
+one in every call and reading it in every tile, forward and backward. An additive float mask
+that is 0 where such a boolean mask holds and at most -1e30 elsewhere (finfo.min of f32 or bf16,
+-inf: older Hugging Face code fills one with masked_fill or where) is the same mask: those
+entries' exponentials are 0 in the softmax, as the masked-out ones of is_causal are. (f16's
+finfo.min, -65504, is not far enough below a score to be sure of that, and is left alone.)
 
 The proof is an integer-affine reading of the mask's nodes: each index tensor is c + sum a_d idx_d
 over its dims, each boolean one a conjunction of such forms held <= 0. One conjunct must be
@@ -39,6 +43,39 @@ class Conj:
     forms: tuple
 
 
+@dataclasses.dataclass(frozen=True)
+class Additive:
+    """A float tensor, 0 where every form in `forms` is <= 0 and at most MASKED elsewhere."""
+    forms: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Const:
+    """A tensor of one value everywhere (full, zeros, a scalar tensor)."""
+    value: float
+
+
+MASKED = -1e30   # an additive mask's entry at most this far below 0 masks its score out
+
+
+def _negated(conj):
+    """not (f <= 0) is f >= 1, i.e. 1 - f <= 0, for integer f: only a one-form conjunction has a
+    negation that is a conjunction."""
+    if not isinstance(conj, Conj) or len(conj.forms) != 1:
+        return None
+    f = conj.forms[0]
+    return Conj((Affine(1 - f.c, tuple(-a for a in f.coef)),))
+
+
+def _number(x):
+    """x as a float where it is a Python number or reads as a Const, else None."""
+    if isinstance(x, Const):
+        return x.value
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return None
+
+
 def _shape(node):
     v = node.meta.get("val") if hasattr(node, "meta") else None
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
@@ -63,14 +100,16 @@ def _aligned(form, rank, shape):
 
 
 def _remap(x, f):
-    """x (Affine or Conj) with each form's coefficients passed through f."""
+    """x (Affine, Conj, Additive or Const) with each form's coefficients passed through f."""
     if isinstance(x, Affine):
         return Affine(x.c, f(x.coef))
-    return Conj(tuple(Affine(a.c, f(a.coef)) for a in x.forms))
+    if isinstance(x, Const):
+        return x
+    return type(x)(tuple(Affine(a.c, f(a.coef)) for a in x.forms))
 
 
 class _Reader:
-    """Reads FX nodes as Affine / Conj (None: not provably such), memoized."""
+    """Reads FX nodes as Affine / Conj / Additive / Const (None: not provably such), memoized."""
 
     def __init__(self):
         self.memo = {}
@@ -78,14 +117,14 @@ class _Reader:
     def __call__(self, x):
         if isinstance(x, bool):
             return Conj(()) if x else None
-        if isinstance(x, int):
+        if isinstance(x, (int, float)):
             return x
         if not isinstance(x, torch.fx.Node):
             return None
         if x not in self.memo:
             got = self._read(x)
             shape = _shape(x)
-            if isinstance(got, (Affine, Conj)):   # a dim of size 1 is read at index 0 only
+            if isinstance(got, (Affine, Conj, Additive)):   # a dim of size 1 is read at index 0 only
                 got = _remap(got, lambda c: tuple(0 if _size1(s) else a for a, s in zip(c, shape)))
             self.memo[x] = got
         return self.memo[x]
@@ -105,6 +144,11 @@ class _Reader:
             if not isinstance(start, int) or not isinstance(step, int):
                 return None
             return _aligned(Affine(sympy.Integer(start), (step,)), 1, shape)
+        if t is aten.add.Tensor and n.kwargs.get("alpha", 1) == 1 and val.dtype.is_floating_point:
+            x, y = self(a[0]), self(a[1])    # two additive masks: masked where either is
+            if isinstance(x, Additive) and isinstance(y, Additive):
+                return Additive(tuple(_aligned(f, rank, shape) for f in x.forms + y.forms))
+            return None
         if t in (aten.add.Tensor, aten.sub.Tensor) and n.kwargs.get("alpha", 1) == 1:
             x, y = self(a[0]), self(a[1])
             if not isinstance(x, (Affine, int)) or not isinstance(y, (Affine, int)):
@@ -127,12 +171,23 @@ class _Reader:
         if t in _ALL_TRUE and val.dtype == torch.bool:
             fill = a[1] if t is aten.full.default else (a[2] if t is aten.new_full.default else True)
             return Conj(()) if fill is True or fill == 1 else None
+        if t in _NOT and val.dtype == torch.bool:
+            return _negated(self(a[0]))
+        if val.dtype.is_floating_point:
+            got = self._float_mask(t, a, rank, shape)
+            if got is not _UNKNOWN:
+                return got
         x = self(a[0]) if a else None
+        if isinstance(x, Const):
+            return x if t in _SAME | _RESHAPE | {aten.unsqueeze.default, aten.expand.default,
+                                                aten.slice.Tensor} else None
+        if isinstance(x, Additive) and not val.dtype.is_floating_point:
+            return None
         if isinstance(x, Conj) and val.dtype != torch.bool:
             return None
         if isinstance(x, Affine) and val.dtype not in (torch.int32, torch.int64):
             return None   # a narrower integer could wrap; a float or a boolean is no index
-        if not isinstance(x, (Affine, Conj)):
+        if not isinstance(x, (Affine, Conj, Additive)):
             return None
         if t in _SAME:
             return x if len(_shape(a[0])) == rank else None
@@ -160,10 +215,46 @@ class _Reader:
             def sliced(form):   # the element at idx' is the input's at start + step * idx'
                 return Affine(form.c + form.coef[d] * start,
                               form.coef[:d] + (form.coef[d] * step,) + form.coef[d + 1:])
-            return sliced(x) if isinstance(x, Affine) else Conj(tuple(sliced(f) for f in x.forms))
+            return sliced(x) if isinstance(x, Affine) else type(x)(tuple(sliced(f) for f in x.forms))
         return None
 
+    def _float_mask(self, t, a, rank, shape):
+        """A float node as a Const or an Additive mask; _UNKNOWN where t is none of their makers
+        (the caller then reads it as a movement of its input)."""
+        if t in _FULL:
+            value = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
+                     aten.scalar_tensor.default: 0}.get(t)
+            got = _number(a[value]) if value is not None and len(a) > value else 0.0
+            return Const(got) if got is not None else None
+        if t in _MASKED_FILL or t in _WHERE:
+            # (cond, where True, where False): masked_fill(x, cond, v) is v where cond, x elsewhere
+            cond, yes, no = (a[1], a[2], a[0]) if t in _MASKED_FILL else a[:3]
+            cond, yes, no = self(cond), self(yes), self(no)
+            got = _select(cond, yes, no, rank, shape)
+            return got if got is not None else _select(_negated(cond), no, yes, rank, shape)
+        return _UNKNOWN
 
+
+def _select(keep, kept, other, rank, shape):
+    """The float tensor that is `kept` where Conj `keep` holds and `other` elsewhere, as an
+    Additive mask: kept 0 (or an Additive, whose mask then narrows) and other at most MASKED."""
+    low = _number(other)
+    if not isinstance(keep, Conj) or low is None or low > MASKED:
+        return None
+    forms = tuple(_aligned(f, rank, shape) for f in keep.forms)
+    if _number(kept) == 0:
+        return Additive(forms)
+    if isinstance(kept, Additive):
+        return Additive(tuple(_aligned(f, rank, shape) for f in kept.forms) + forms)
+    return None
+
+
+_UNKNOWN = object()
+_FULL = {aten.full.default, aten.full_like.default, aten.new_full.default, aten.scalar_tensor.default,
+         aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+_MASKED_FILL = {aten.masked_fill.Scalar, aten.masked_fill.Tensor}
+_WHERE = {aten.where.self, aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther}
+_NOT = {aten.bitwise_not.default, aten.logical_not.default}
 # comparison -> (index of the lesser side, of the greater, strict)
 _COMPARE = {aten.le.Tensor: (0, 1, False), aten.lt.Tensor: (0, 1, True),
             aten.ge.Tensor: (1, 0, False), aten.gt.Tensor: (1, 0, True),
@@ -196,7 +287,7 @@ def _holds(e, example):
 
 
 def causal_attention(graph, expr, example) -> tuple[list, list]:
-    """Rewrites, in place, every SDPA call of `graph` whose boolean mask is provably causal over
+    """Rewrites, in place, every SDPA call of `graph` whose mask (boolean, or additive) is provably causal over
     equal query and key lengths to attn_mask=None, is_causal=True. expr: a size (SymInt or int)
     as a sympy expression over the capture's symbols; example: {symbol: example size}.
     Returns (notes, size guards): one note per call rewritten, and the relations (sympy, <= 0
@@ -214,14 +305,19 @@ def causal_attention(graph, expr, example) -> tuple[list, list]:
             continue
         q, k = _shape(bound["query"]), _shape(bound["key"])
         mshape = _shape(mask)
-        if q is None or k is None or mshape is None or len(mshape) < 2 \
-                or mask.meta["val"].dtype != torch.bool:
+        if q is None or k is None or mshape is None or len(mshape) < 2:
             continue
         try:
             length = sympy.simplify(expr(q[-2]))
             if length != sympy.simplify(expr(k[-2])):
                 continue   # torch's is_causal aligns the triangle top-left; a cache's mask is bottom-right
-            needed = _causal_needs(read(mask), len(mshape), length, example)
+            got = read(mask)
+            if isinstance(got, Additive) if mask.meta["val"].dtype.is_floating_point else \
+                    mask.meta["val"].dtype == torch.bool:
+                got = Conj(got.forms) if isinstance(got, Additive) else got
+            else:
+                got = None
+            needed = _causal_needs(got, len(mshape), length, example)
         except Exception:  # noqa: BLE001 - a mask this reading cannot follow stays as it is
             needed = None
         if needed is None:
