@@ -175,3 +175,30 @@ def test_a_mask_the_reading_cannot_follow_stays(monkeypatch):
         raise ZeroDivisionError("a reading that fails")
     monkeypatch.setattr(masks._Reader, "_read", broken)
     check_mask_stays(causal)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "bart"])
+def test_hugging_face_decoders_attend_causally(arch):
+    """Hugging Face's own masks, as torch.export traces them: every decoder self-attention is
+    is_causal (Llama's arange comparisons, OPT's, BART's decoder beside its encoder and its
+    cross-attention, which keep theirs), and the optimized model matches eager."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=128, max_position_embeddings=64)
+    config, cls, selfs = {
+        "llama": (transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                           intermediate_size=64, **small), transformers.LlamaForCausalLM, 2),
+        "opt": (transformers.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+                                       word_embed_proj_dim=32, **small), transformers.OPTForCausalLM, 2),
+        "bart": (transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
+                                         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, **small),
+                 transformers.BartForConditionalGeneration, 2),
+    }[arch]
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    ids = torch.randint(0, 128, (2, 12))
+    captured = capture(model, (ids,))
+    assert len(causal_notes(captured)) == selfs, captured.notes
+    fast = kbench.optimize(model, (ids,), backend="interp")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
