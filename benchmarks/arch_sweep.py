@@ -98,6 +98,20 @@ def call_for(kind, device):
     return (ids,), {"labels": ids}
 
 
+def dropout_off(model):
+    """Every dropout of model off, as the comparison with eager needs (kbench's dropout draws its
+    own random numbers): nn.Dropout modules, and the probabilities attention modules keep as
+    float attributes for SDPA's dropout_p (a config's own names vary from model to model)."""
+    import torch
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        for name, value in vars(m).items():
+            if "drop" in name and isinstance(value, float):
+                setattr(m, name, 0.0)
+    return model
+
+
 def rel(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
@@ -108,7 +122,7 @@ def one(name, factory, kind, device, bf16) -> dict:
 
     import kbench
     torch.manual_seed(0)
-    model = factory().to(device).train()
+    model = dropout_off(factory()).to(device).train()
     twin = copy.deepcopy(model)
     args, kwargs = call_for(kind, device)
     backend = "interp" if device == "cpu" else "cuda"

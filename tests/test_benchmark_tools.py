@@ -170,6 +170,20 @@ def test_suite_sweep_shrinks_sizes_so_that_derived_ones_follow():
     assert mod.verdict({"stage": "done", "module": "OptimizedModule", "errors": ["max error 1"]}) == "wrong"
 
 
+def test_arch_sweep_compares_an_encoder_with_its_dropout_off():
+    """arch_sweep.py's encoders keep dropout in their configs (RoBERTa's hidden and attention
+    dropout); its comparison with eager turns every dropout off, so the row measures kbench, not
+    two random masks (with them, the gradients differed by 1.8 of their size)."""
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("arch_sweep", BENCH / "arch_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    factory, kind = mod.configs()["roberta"]
+    row = mod.one("roberta", factory, kind, "cpu", False)
+    assert row["module"] == "OptimizedModule"
+    assert row["loss_err"] <= 1e-5 and row["grad_err"] <= 1e-4, row
+
+
 def test_profile_model_sorts_kernels_into_kinds_and_merges_overlaps():
     spec = importlib.util.spec_from_file_location("profile_model", BENCH / "profile_model.py")
     mod = importlib.util.module_from_spec(spec)
