@@ -83,9 +83,8 @@ def _lower(ep, inputs, static_reason, model, pin=(), keep=(), gemm=False):
     keep = dict(keep) if isinstance(keep, dict) else dict.fromkeys(keep, "")
     b = Builder(LOWER, sym_of, subst, examples, keep, gemm)
     _check_sizes(b, ep)
-    notes, needs = masks.causal_attention(ep.graph, b.expr, {s: examples[i] for s, i in sym_of.items()})
-    b.notes += notes
-    b.size_guards += [sympy.Le(e, 0) for e in needs]
+    b.notes += masks.causal_attention(ep.graph, b.expr, {s: examples[i] for s, i in sym_of.items()},
+                                      [getattr(g, "expr", g).xreplace(subst) for g in guards])
     for i, (t, row) in enumerate(zip(inputs, input_syms)):
         for d, s in enumerate(row):
             if s is None and static_reason is None and t.shape[d] in (0, 1):

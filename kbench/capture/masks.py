@@ -11,8 +11,10 @@ finfo.min, -65504, is not far enough below a score to be sure of that, and is le
 The proof is an integer-affine reading of the mask's nodes: each index tensor is c + sum a_d idx_d
 over its dims, each boolean one a conjunction of such forms held <= 0. One conjunct must be
 j - i <= 0 over the query and key positions; every other must hold on that triangle, which for a
-linear form is its three corners (a sliding window's i - j < w holds where the sequence is at most
-w long: a size guard, checked at every call, keeps longer calls in eager)."""
+linear form is its three corners. A sliding window's i - j < w holds while the sequence is at most
+w long: that rewrite is made where the export's own guards already keep every call that short
+(Hugging Face's Mistral branches on the window in Python, so its export has one), never by adding
+a guard that would send longer calls to eager."""
 from __future__ import annotations
 
 import dataclasses
@@ -286,15 +288,17 @@ def _holds(e, example):
     return False
 
 
-def causal_attention(graph, expr, example) -> tuple[list, list]:
-    """Rewrites, in place, every SDPA call of `graph` whose mask (boolean, or additive) is provably causal over
-    equal query and key lengths to attn_mask=None, is_causal=True. expr: a size (SymInt or int)
-    as a sympy expression over the capture's symbols; example: {symbol: example size}.
-    Returns (notes, size guards): one note per call rewritten, and the relations (sympy, <= 0
-    held) that some rewrite needs at every call (a sliding window as long as the sequence)."""
+def causal_attention(graph, expr, example, known=()) -> list:
+    """Rewrites, in place, every SDPA call of `graph` whose mask (boolean, or additive) is provably
+    causal over equal query and key lengths to attn_mask=None, is_causal=True. expr: a size
+    (SymInt or int) as a sympy expression over the capture's symbols; example: {symbol: example
+    size}; known: relations over those symbols that every call the capture serves holds (the
+    export's guards). A mask that is causal only for some sizes (a sliding window as long as the
+    sequence) is rewritten where `known` already confines the sizes to those: the rewrite never
+    narrows what the capture serves. Returns one note per call rewritten."""
     if _SDPA is None:
-        return [], []
-    read, notes, guards = _Reader(), [], []
+        return []
+    read, notes = _Reader(), []
     for n in list(graph.nodes):
         if n.op != "call_function" or n.target is not _SDPA:
             continue
@@ -318,17 +322,42 @@ def causal_attention(graph, expr, example) -> tuple[list, list]:
             else:
                 got = None
             needed = _causal_needs(got, len(mshape), length, example)
+            if needed is not None and not all(_implied(e, known, example) for e in needed):
+                needed = None
         except Exception:  # noqa: BLE001 - a mask this reading cannot follow stays as it is
             needed = None
         if needed is None:
             continue
-        guards += needed
         kwargs = {name: bound[name] for name in _SDPA_ARGS[4:] if name in bound}
         kwargs.update(attn_mask=None, is_causal=True)
         n.args, n.kwargs = tuple(bound[name] for name in _SDPA_ARGS[:3]), kwargs
         notes.append(f"{n.name}: its mask {mask.name} is causal; SDPA runs with is_causal=True"
-                     + (f" while {', '.join(f'{g} <= 0' for g in needed)}" if needed else ""))
-    return notes, guards
+                     + (f" (the export's guards hold {', '.join(f'{g} <= 0' for g in needed)})" if needed else ""))
+    return notes
+
+
+def _implied(e, known, example) -> bool:
+    """Does some relation of `known` confine the sizes to e <= 0? e is a*s + c in one symbol s with
+    a > 0 (a bound from above); a known inequality in s alone that holds at the example and fails
+    just past e's bound cuts every larger s off too (an inequality's sizes are one interval)."""
+    syms = e.free_symbols
+    if len(syms) != 1:
+        return False
+    (s,) = syms
+    a = e.coeff(s)
+    if not (a.is_number and a > 0) or not (e - a * s).is_number:
+        return False
+    past = sympy.floor(-(e - a * s) / a) + 1   # the least s where e > 0
+    for g in known:
+        if not isinstance(g, (sympy.core.relational.Relational,)) or isinstance(g, (sympy.Eq, sympy.Ne)) \
+                or g.free_symbols != {s}:
+            continue
+        try:
+            if bool(g.subs(s, example[s])) and not bool(g.subs(s, past)) and example[s] < past:
+                return True
+        except TypeError:   # a relation sympy cannot decide at a number
+            continue
+    return False
 
 
 def _causal_needs(conj, rank, length, example):
