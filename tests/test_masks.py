@@ -111,7 +111,7 @@ def test_other_masks_stay(mask):
 
 
 def check_mask_stays(mask):
-    """mask's SDPA call keeps its mask, and the optimized model matches eager."""
+    """mask's SDPA call keeps its mask, and the optimized model matches eager: (model, optimized)."""
     torch.manual_seed(0)
     model = Attention(mask).eval()
     x = torch.randn(2, 8, 16)
@@ -120,18 +120,14 @@ def check_mask_stays(mask):
     fast = kbench.optimize(model, (x,), backend="interp")
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-6)
+    return model, fast
 
 
 def test_a_window_the_sequence_may_outgrow_keeps_its_mask():
     """Causal and a window of 64 is causal only while the sequence is at most 64 long, which
     nothing in this export guarantees: the mask stays (no guard narrows what the capture serves),
     and a call of 80 positions runs on the captured program, correct."""
-    torch.manual_seed(0)
-    model = Attention(causal_and_window).eval()
-    x = torch.randn(2, 8, 16)
-    captured = capture(model, (x,))
-    assert not causal_notes(captured), captured.notes
-    fast = kbench.optimize(model, (x,), backend="interp")
+    model, fast = check_mask_stays(causal_and_window)
     y = torch.randn(1, 80, 16)
     with torch.no_grad():
         torch.testing.assert_close(fast(y), model(y), rtol=1e-5, atol=1e-6)
