@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+import kbench
 from kbench.capture import Captured, capture
 from kbench.errors import CaptureError
 from kbench.runtime.torch_eval import evaluate, run_graph
@@ -399,6 +400,35 @@ def test_dynamic_false_is_static():
     m, _ = _captured("gelu")
     cap = capture(m, BY_NAME["gelu"].inputs(), dynamic=False)
     assert cap.static_reason == "dynamic=False" and cap.graph.num_symbols == 0
+
+
+class _CeilPools(nn.Module):
+    """SqueezeNet's stem: ceil-mode max pools one after another, whose sizes torch.export cannot
+    solve for as symbols at 32x32 (a sympy inequality it gives up on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Conv2d(3, 4, 7, stride=2), nn.ReLU(), nn.MaxPool2d(3, 2, ceil_mode=True),
+                               nn.MaxPool2d(3, 2, ceil_mode=True), nn.MaxPool2d(3, 2, ceil_mode=True),
+                               nn.AdaptiveAvgPool2d(1))
+
+    def forward(self, x):
+        return torch.flatten(self.f(x), 1) * 2
+
+
+def test_a_failed_dynamic_export_leaves_the_inputs_as_they_were():
+    """The dynamic export fails and leaves torch.export's dynamic marks on the example tensor;
+    the static export tried next would read them and fail too. Capture takes the static export,
+    and the user's tensor carries no mark afterwards."""
+    torch.manual_seed(0)
+    m, x = _CeilPools().eval(), torch.randn(4, 3, 32, 32)
+    cap = capture(m, (x,))
+    assert cap.static_reason.startswith("dynamic export failed") and cap.graph.num_symbols == 0
+    assert not [a for a in dir(x) if a.startswith("_dynamo")], [a for a in dir(x) if a.startswith("_dynamo")]
+    fast = kbench.optimize(m, (x,), backend="interp")
+    with torch.no_grad():
+        assert_close(fast(x), m(x), 2e-5)
+    assert not fast._kbench_reasons, fast._kbench_reasons
 
 
 def test_output_structure_is_rebuilt():

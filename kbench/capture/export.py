@@ -92,6 +92,30 @@ def _model_untouched(model):
 
 
 @contextlib.contextmanager
+def _inputs_unmarked(inputs):
+    """torch.export with Dim.AUTO marks the example tensors themselves (`_dynamo_weak_dynamic_indices`
+    and its kin) and leaves the marks when it fails: the static export tried next then reads the
+    tensors as dynamic and fails the same way, and a later torch.compile of the user's tensors
+    would see them. Each export starts from the tensors as the user gave them and leaves them so."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    saved = [{a: getattr(t, a) for a in _DYNAMO_MARKS if hasattr(t, a)} for t in tensors]
+    try:
+        yield
+    finally:
+        for t, had in zip(tensors, saved):
+            for a in _DYNAMO_MARKS:
+                if a in had:
+                    setattr(t, a, had[a])
+                elif hasattr(t, a):
+                    delattr(t, a)
+
+
+_DYNAMO_MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_static_indices",
+                 "_dynamo_unbacked_indices", "_dynamo_weak_dynamic_indices", "_dynamo_shape_ids",
+                 "_dynamo_strict_unbacked_indices", "_has_dynamo_dim_marking")
+
+
+@contextlib.contextmanager
 def _gc_paused():
     """No cyclic garbage collection while capturing: torch.export allocates hundreds of thousands
     of objects, and the full collections that triggers walk all of them (about a quarter of a
@@ -221,7 +245,7 @@ def _export_once(model, inputs, shapes):
     statistics) makes torch functionalize the graph with run_decompositions({}) instead (the
     empty table keeps the composite ops whole)."""
     _register_output_types(model)
-    with warnings.catch_warnings(), _quiet_export():
+    with warnings.catch_warnings(), _quiet_export(), _inputs_unmarked(inputs):
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, inputs, strict=False, dynamic_shapes=shapes)
         writes = _input_writes(ep)
