@@ -431,6 +431,37 @@ def test_a_failed_dynamic_export_leaves_the_inputs_as_they_were():
     assert not fast._kbench_reasons, fast._kbench_reasons
 
 
+class _HiddenState(nn.Module):
+    """KernelBench's vanilla RNN: the hidden state a plain tensor attribute that forward rebinds."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = torch.randn(4, 8)
+        self.i2h, self.h2o = nn.Linear(16, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        self.hidden = torch.tanh(self.i2h(torch.cat((x, self.hidden), 1)))
+        if not hasattr(self, "calls"):
+            self.calls = 0   # made on the first call
+        return self.h2o(self.hidden)
+
+
+def test_export_leaves_no_attribute_the_forward_binds():
+    """torch.export runs forward on fake tensors: the attributes it binds there (the new hidden
+    state, one made on the first call) are put back, or the model would carry fake tensors into
+    the eager call that follows a failed capture (KernelBench's VanillaRNN crashed there)."""
+    torch.manual_seed(0)
+    m, x = _HiddenState(), torch.randn(4, 8)
+    twin = copy.deepcopy(m)
+    hidden = m.hidden
+    fast = kbench.optimize(m, (x,), backend="interp", verbose=False)
+    assert m.hidden is hidden and "calls" not in vars(m)
+    with torch.no_grad():
+        assert_close(fast(x), twin(x), 1e-6)
+        assert_close(fast(x), twin(x), 1e-6)   # the state moves on as eager's does
+    assert type(m.hidden) is torch.Tensor
+
+
 def test_output_structure_is_rebuilt():
     class M(nn.Module):
         def forward(self, x, y):

@@ -79,9 +79,13 @@ def _model_tensors(model):
 
 @contextlib.contextmanager
 def _model_untouched(model):
-    """Export must leave no trace: train/eval flags and requires_grad are put back."""
+    """Export must leave no trace: train/eval flags and requires_grad are put back, and so is every
+    module attribute the forward binds while export runs it (an RNN's `self.hidden = ...`, a
+    cache made on the first call): export's forward computes fake tensors, and one left on the
+    model breaks the eager call that follows a failed capture."""
     modes = [(m, m.training) for m in model.modules()]
     grads = [(p, p.requires_grad) for p in model.parameters()]
+    bound = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
     try:
         yield
     finally:
@@ -89,6 +93,19 @@ def _model_untouched(model):
             m.training = training
         for p, rg in grads:
             p.requires_grad_(rg)
+        for m, attrs, params, buffers, modules in bound:
+            _rebind(vars(m), attrs)
+            for store, was in ((m._parameters, params), (m._buffers, buffers), (m._modules, modules)):
+                _rebind(store, was)
+
+
+def _rebind(now: dict, was: dict) -> None:
+    """now's entries bound to what was holds again (the same objects), those added dropped."""
+    for k in [k for k in now if k not in was]:
+        del now[k]
+    for k, v in was.items():
+        if k not in now or now[k] is not v:
+            now[k] = v
 
 
 @contextlib.contextmanager
