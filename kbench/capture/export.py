@@ -79,18 +79,15 @@ def _model_tensors(model):
 
 @contextlib.contextmanager
 def _model_untouched(model):
-    """Export must leave no trace: train/eval flags and requires_grad are put back, and so is every
-    module attribute the forward binds while export runs it (an RNN's `self.hidden = ...`, a
-    cache made on the first call): export's forward computes fake tensors, and one left on the
-    model breaks the eager call that follows a failed capture."""
-    modes = [(m, m.training) for m in model.modules()]
+    """Export must leave no trace: requires_grad is put back, and so is every module attribute the
+    forward binds while export runs it (the train/eval flag, an RNN's `self.hidden = ...`, a cache
+    made on the first call): export's forward computes fake tensors, and one left on the model
+    breaks the eager call that follows a failed capture."""
     grads = [(p, p.requires_grad) for p in model.parameters()]
     bound = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
     try:
         yield
     finally:
-        for m, training in modes:
-            m.training = training
         for p, rg in grads:
             p.requires_grad_(rg)
         for m, attrs, params, buffers, modules in bound:

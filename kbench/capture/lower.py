@@ -84,7 +84,7 @@ def _lower(ep, inputs, static_reason, model, pin=(), keep=(), gemm=False):
     b = Builder(LOWER, sym_of, subst, examples, keep, gemm)
     _check_sizes(b, ep)
     b.notes += masks.causal_attention(ep.graph, b.expr, {s: examples[i] for s, i in sym_of.items()},
-                                      [getattr(g, "expr", g).xreplace(subst) for g in guards])
+                                      lambda e: symbolic.holds_for_sizes(sympy.Le(e, 0), shape_env))
     for i, (t, row) in enumerate(zip(inputs, input_syms)):
         for d, s in enumerate(row):
             if s is None and static_reason is None and t.shape[d] in (0, 1):

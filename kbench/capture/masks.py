@@ -288,14 +288,14 @@ def _holds(e, example):
     return False
 
 
-def causal_attention(graph, expr, example, known=()) -> list:
+def causal_attention(graph, expr, example, holds=lambda e: False) -> list:
     """Rewrites, in place, every SDPA call of `graph` whose mask (boolean, or additive) is provably
     causal over equal query and key lengths to attn_mask=None, is_causal=True. expr: a size
     (SymInt or int) as a sympy expression over the capture's symbols; example: {symbol: example
-    size}; known: relations over those symbols that every call the capture serves holds (the
-    export's guards). A mask that is causal only for some sizes (a sliding window as long as the
-    sequence) is rewritten where `known` already confines the sizes to those: the rewrite never
-    narrows what the capture serves. Returns one note per call rewritten."""
+    size}; holds(e): e <= 0 for every size the capture serves (symbols.holds_for_sizes over the
+    export's ranges, which its guards narrow). A mask that is causal only for some sizes (a sliding
+    window as long as the sequence) is rewritten where those are all the sizes served: the rewrite
+    never narrows what the capture serves. Returns one note per call rewritten."""
     if _SDPA is None:
         return []
     read, notes = _Reader(), []
@@ -322,7 +322,7 @@ def causal_attention(graph, expr, example, known=()) -> list:
             else:
                 got = None
             needed = _causal_needs(got, len(mshape), length, example)
-            if needed is not None and not all(_implied(e, known, example) for e in needed):
+            if needed is not None and not all(holds(e) for e in needed):
                 needed = None
         except Exception:  # noqa: BLE001 - a mask this reading cannot follow stays as it is
             needed = None
@@ -334,30 +334,6 @@ def causal_attention(graph, expr, example, known=()) -> list:
         notes.append(f"{n.name}: its mask {mask.name} is causal; SDPA runs with is_causal=True"
                      + (f" (the export's guards hold {', '.join(f'{g} <= 0' for g in needed)})" if needed else ""))
     return notes
-
-
-def _implied(e, known, example) -> bool:
-    """Does some relation of `known` confine the sizes to e <= 0? e is a*s + c in one symbol s with
-    a > 0 (a bound from above); a known inequality in s alone that holds at the example and fails
-    just past e's bound cuts every larger s off too (an inequality's sizes are one interval)."""
-    syms = e.free_symbols
-    if len(syms) != 1:
-        return False
-    (s,) = syms
-    a = e.coeff(s)
-    if not (a.is_number and a > 0) or not (e - a * s).is_number:
-        return False
-    past = sympy.floor(-(e - a * s) / a) + 1   # the least s where e > 0
-    for g in known:
-        if not isinstance(g, (sympy.core.relational.Relational,)) or isinstance(g, (sympy.Eq, sympy.Ne)) \
-                or g.free_symbols != {s}:
-            continue
-        try:
-            if bool(g.subs(s, example[s])) and not bool(g.subs(s, past)) and example[s] < past:
-                return True
-        except TypeError:   # a relation sympy cannot decide at a number
-            continue
-    return False
 
 
 def _causal_needs(conj, rank, length, example):
